@@ -1,0 +1,42 @@
+"""minickpt — a small, durable, verified checkpoint library for JAX.
+
+The reference implementation of the course "Checkpointing in JAX". Every module is one
+concept of the course; the labs rebuild its pieces.
+"""
+
+__version__ = "0.1.0"
+
+from .checkpointer import Checkpointer, CheckpointMetadata, SaveStats, VerifyReport
+from .errors import (
+    CheckpointCorruptedError,
+    CheckpointNotFoundError,
+    FormatVersionError,
+    MiniCkptError,
+    StepAlreadyExistsError,
+    StructureMismatchError,
+    UnsafeCheckpointError,
+    UnsupportedLeafError,
+)
+from .legacy import restore_checkpoint, save_checkpoint
+from .manager import CheckpointManager, CheckpointManagerOptions, Restored
+
+__all__ = [
+    "CheckpointCorruptedError",
+    "CheckpointManager",
+    "CheckpointManagerOptions",
+    "CheckpointMetadata",
+    "CheckpointNotFoundError",
+    "Checkpointer",
+    "FormatVersionError",
+    "MiniCkptError",
+    "Restored",
+    "SaveStats",
+    "StepAlreadyExistsError",
+    "StructureMismatchError",
+    "UnsafeCheckpointError",
+    "UnsupportedLeafError",
+    "VerifyReport",
+    "__version__",
+    "restore_checkpoint",
+    "save_checkpoint",
+]

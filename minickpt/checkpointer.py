@@ -1,0 +1,384 @@
+"""One checkpoint on disk: its items, its metadata, saving, reading and verifying it.
+
+:class:`Checkpointer` is minickpt's counterpart of Orbax's ``StandardCheckpointer``: it saves
+named items into one directory with the atomic durable commit, and restores them. The
+:class:`~minickpt.manager.CheckpointManager` adds steps, policies and retention on top.
+
+Layout of one checkpoint::
+
+    step_100/
+      _CHECKPOINT_METADATA   JSON: step, times, metrics, your metadata, and per item the
+                             manifest's checksum and data size (checked on restore)
+      params/                one directory per item (see minickpt.format)
+        manifest.json
+        data.bin
+      opt_state/ ...
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import platform
+import time
+import zlib
+from collections.abc import Mapping
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+from . import __version__
+from .commit import METADATA_FILE, abort, commit, make_temporary
+from .errors import (
+    CheckpointCorruptedError,
+    CheckpointNotFoundError,
+    FormatVersionError,
+    MiniCkptError,
+    StepAlreadyExistsError,
+    UnsupportedLeafError,
+)
+from .format import (
+    FORMAT_NAME,
+    FORMAT_VERSION,
+    ItemPlan,
+    Manifest,
+    check_name,
+    plan_item,
+    read_leaves,
+    read_manifest,
+    write_item,
+)
+from .fs import DEFAULT_FS, FileSystem
+from .restore import restore_item
+
+MAX_METADATA_BYTES = 16 << 20
+
+
+@dataclass
+class SaveStats:
+    """Where a save's time went. ``blocking_s`` is what the caller waited for."""
+
+    step: int | None
+    path: str
+    bytes: int = 0
+    num_leaves: int = 0
+    snapshot_s: float = 0.0  # device -> host, and the layout plan
+    write_s: float = 0.0  # writing data and manifests (excluding their fsyncs)
+    fsync_s: float = 0.0  # fsyncing files and item directories
+    commit_s: float = 0.0  # metadata, fsync of the directory, rename, fsync of the parent
+    retention_s: float = 0.0
+    total_s: float = 0.0
+    blocking_s: float = 0.0
+    async_: bool = False
+    ok: bool = True
+    error: str | None = None
+    start_time: float = 0.0
+
+    def as_dict(self) -> dict[str, Any]:
+        d = asdict(self)
+        d["async"] = d.pop("async_")
+        return d
+
+
+@dataclass
+class CheckpointMetadata:
+    """The checkpoint-level metadata, as read back from ``_CHECKPOINT_METADATA``."""
+
+    step: int | None
+    items: dict[str, dict[str, Any]]
+    metrics: dict[str, Any] | None = None
+    custom_metadata: dict[str, Any] = field(default_factory=dict)
+    init_timestamp_nsecs: int | None = None
+    commit_timestamp_nsecs: int | None = None
+    writer: dict[str, Any] = field(default_factory=dict)
+    format_version: int = FORMAT_VERSION
+
+    @property
+    def time(self) -> float | None:
+        """Commit time in seconds since the epoch."""
+        t = self.commit_timestamp_nsecs
+        return None if t is None else t / 1e9
+
+    @property
+    def bytes(self) -> int:
+        return sum(int(i.get("data_bytes", 0)) for i in self.items.values())
+
+
+def _json_safe(obj: Any, what: str) -> Any:
+    """Check user metadata/metrics are plain JSON (so a checkpoint never needs pickle)."""
+    try:
+        text = json.dumps(obj, allow_nan=True, default=_np_default)
+    except (TypeError, ValueError) as e:
+        raise TypeError(f"{what} must be JSON-serialisable (numbers, strings, lists, dicts): "
+                        f"{e}") from e
+    return json.loads(text)
+
+
+def _np_default(x: Any) -> Any:
+    import numpy as np
+
+    if isinstance(x, np.generic) or (hasattr(x, "shape") and getattr(x, "shape", None) == ()):
+        return np.asarray(x).item()
+    raise TypeError(f"{type(x).__name__} is not JSON")
+
+
+def writer_info() -> dict[str, Any]:
+    import jax
+
+    info: dict[str, Any] = {"minickpt": __version__, "jax": jax.__version__,
+                            "python": platform.python_version(), "host": platform.node(),
+                            "pid": os.getpid()}
+    try:
+        info["process_count"] = jax.process_count()
+    except Exception:  # distributed runtime not usable here; not fatal for metadata
+        pass
+    return info
+
+
+def metadata_bytes(step: int | None, items: Mapping[str, Any], *, metrics: Any = None,
+                   custom_metadata: Any = None, init_ns: int | None = None) -> bytes:
+    meta = {
+        "format": FORMAT_NAME,
+        "format_version": FORMAT_VERSION,
+        "step": step,
+        "init_timestamp_nsecs": init_ns,
+        "commit_timestamp_nsecs": time.time_ns(),
+        "items": dict(items),
+        "metrics": _json_safe(metrics, "metrics") if metrics is not None else None,
+        "custom_metadata": _json_safe(custom_metadata or {}, "metadata"),
+        "writer": writer_info(),
+    }
+    return (json.dumps(meta, indent=1, allow_nan=True) + "\n").encode()
+
+
+def read_metadata(fs: FileSystem, path: str) -> CheckpointMetadata:
+    """Read and validate a checkpoint's ``_CHECKPOINT_METADATA``."""
+    mpath = os.path.join(path, METADATA_FILE)
+    try:
+        raw = fs.read_file(mpath, MAX_METADATA_BYTES)
+    except FileNotFoundError as e:
+        if not fs.is_dir(path):
+            raise CheckpointNotFoundError(f"no checkpoint at {path}") from e
+        raise CheckpointCorruptedError(mpath, "checkpoint metadata is missing (the save never "
+                                              "committed, or the file was deleted)") from e
+    except ValueError as e:
+        raise CheckpointCorruptedError(mpath, str(e)) from e
+    try:
+        obj = json.loads(raw.decode("utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as e:
+        raise CheckpointCorruptedError(mpath, f"metadata is not valid JSON ({e})") from e
+    if not isinstance(obj, dict) or obj.get("format") != FORMAT_NAME:
+        raise FormatVersionError(mpath, "not a minickpt checkpoint")
+    v = obj.get("format_version")
+    if not isinstance(v, int) or isinstance(v, bool) or not 1 <= v <= FORMAT_VERSION:
+        raise FormatVersionError(mpath, f"format version {v!r} is not one this minickpt reads "
+                                        f"(1..{FORMAT_VERSION}); upgrade minickpt")
+    items = obj.get("items")
+    if not isinstance(items, dict) or not all(isinstance(i, dict) for i in items.values()):
+        raise CheckpointCorruptedError(mpath, "metadata lists no items")
+    for name in items:
+        try:
+            check_name(name)
+        except ValueError as e:
+            from .errors import UnsafeCheckpointError
+
+            raise UnsafeCheckpointError(mpath, str(e)) from e
+    step = obj.get("step")
+    if step is not None and (not isinstance(step, int) or isinstance(step, bool)):
+        raise CheckpointCorruptedError(mpath, f"step {step!r} is not an int")
+    metrics = obj.get("metrics")
+    custom = obj.get("custom_metadata") or {}
+    return CheckpointMetadata(step=step, items=items,
+                              metrics=metrics if isinstance(metrics, dict) else None,
+                              custom_metadata=custom if isinstance(custom, dict) else {},
+                              init_timestamp_nsecs=obj.get("init_timestamp_nsecs"),
+                              commit_timestamp_nsecs=obj.get("commit_timestamp_nsecs"),
+                              writer=obj.get("writer") or {}, format_version=v)
+
+
+@dataclass
+class VerifyReport:
+    """The result of verifying one checkpoint: ``ok``, and every problem found."""
+
+    path: str
+    ok: bool
+    problems: list[str] = field(default_factory=list)
+    items: dict[str, int] = field(default_factory=dict)  # item -> number of leaves checked
+    bytes_checked: int = 0
+
+    def __bool__(self) -> bool:
+        return self.ok
+
+
+class Checkpointer:
+    """Saves and restores named items in one checkpoint directory (like Orbax's
+    ``StandardCheckpointer``, with several items and an atomic, durable commit)."""
+
+    def __init__(self, fs: FileSystem | None = None):
+        self.fs = fs or DEFAULT_FS
+
+    # ---- saving ------------------------------------------------------------------------
+    def plan(self, items: Mapping[str, Any], *, copy: bool = False) -> dict[str, ItemPlan]:
+        """The snapshot phase: every item brought to the host and laid out."""
+        if not isinstance(items, Mapping) or not items:
+            raise TypeError("items must be a non-empty mapping of item name to pytree, "
+                            "e.g. {'params': params, 'opt_state': opt_state}")
+        plans = {}
+        for name, tree in items.items():
+            try:
+                plans[check_name(str(name))] = plan_item(tree, copy=copy)
+            except UnsupportedLeafError as e:
+                raise UnsupportedLeafError(f"item '{name}': {e}") from None
+        return plans
+
+    def save(self, directory: str | os.PathLike[str], items: Mapping[str, Any], *,
+             step: int | None = None, metrics: Mapping[str, Any] | None = None,
+             custom_metadata: Mapping[str, Any] | None = None) -> SaveStats:
+        """Save ``items`` as the checkpoint ``directory`` (which must not exist yet)."""
+        t0 = time.perf_counter()
+        init_ns = time.time_ns()
+        directory = os.fspath(directory)
+        if self.fs.exists(directory):
+            raise StepAlreadyExistsError(f"{directory} already exists: minickpt never "
+                                         "replaces a committed checkpoint")
+        plans = self.plan(items)
+        stats = SaveStats(step, directory, start_time=time.time())
+        stats.snapshot_s = time.perf_counter() - t0
+        self.write(directory, plans, step=step, metrics=metrics,
+                   custom_metadata=custom_metadata, stats=stats, init_ns=init_ns)
+        stats.total_s = stats.blocking_s = time.perf_counter() - t0
+        return stats
+
+    def write(self, directory: str, plans: Mapping[str, ItemPlan], *, step: int | None,
+              metrics: Mapping[str, Any] | None = None,
+              custom_metadata: Mapping[str, Any] | None = None,
+              stats: SaveStats | None = None, init_ns: int | None = None) -> SaveStats:
+        """The write phase: items into a temporary directory, then the commit.
+
+        Used by the synchronous save, by the background writer and by the primary process of
+        a multi-host save. On any error the temporary directory is removed and nothing
+        changes under the final name.
+        """
+        fs = self.fs
+        stats = stats or SaveStats(step, directory, start_time=time.time())
+        root, final_name = os.path.split(os.path.abspath(directory))
+        if not fs.is_dir(root):
+            raise CheckpointNotFoundError(f"parent directory {root} does not exist")
+        tmp = make_temporary(fs, root, final_name)
+        try:
+            records = {}
+            for name, plan in plans.items():
+                item_dir = os.path.join(tmp, name)
+                fs.mkdir(item_dir)
+                res = write_item(fs, item_dir, plan)
+                stats.write_s += res.write_s
+                stats.fsync_s += res.fsync_s
+                stats.bytes += res.data_bytes
+                stats.num_leaves += res.num_leaves
+                records[name] = {"manifest_crc32": res.manifest_crc32,
+                                 "data_bytes": res.data_bytes, "num_leaves": res.num_leaves}
+            t = time.perf_counter()
+            raw = metadata_bytes(step, records, metrics=metrics, custom_metadata=custom_metadata,
+                                 init_ns=init_ns)
+            fs.write_file(os.path.join(tmp, METADATA_FILE), [raw])
+            commit(fs, tmp, os.path.join(root, final_name))
+            stats.commit_s = time.perf_counter() - t
+        except BaseException as e:
+            if isinstance(e, Exception):
+                abort(fs, tmp)
+            stats.ok, stats.error = False, f"{type(e).__name__}: {e}"
+            raise
+        return stats
+
+    # ---- reading -----------------------------------------------------------------------
+    def metadata(self, directory: str | os.PathLike[str]) -> CheckpointMetadata:
+        return read_metadata(self.fs, os.fspath(directory))
+
+    def manifest(self, directory: str | os.PathLike[str], item: str,
+                 meta: CheckpointMetadata | None = None) -> Manifest:
+        """An item's validated manifest, checked against the checksum recorded at commit."""
+        directory = os.fspath(directory)
+        meta = meta or self.metadata(directory)
+        if item not in meta.items:
+            raise KeyError(f"checkpoint {directory} has no item {item!r} "
+                           f"(it has {sorted(meta.items)})")
+        item_dir = os.path.join(directory, check_name(item))
+        if not self.fs.is_dir(item_dir):
+            raise CheckpointCorruptedError(item_dir, "item directory is missing or not a "
+                                                     "directory")
+        rec = meta.items[item]
+        crc = rec.get("manifest_crc32")
+        m = read_manifest(self.fs, item_dir, expected_crc32=crc if isinstance(crc, int) else None)
+        if isinstance(rec.get("data_bytes"), int) and rec["data_bytes"] != m.data_bytes:
+            raise CheckpointCorruptedError(item_dir, f"item holds {m.data_bytes} bytes, the "
+                                                     f"metadata says {rec['data_bytes']}")
+        return m
+
+    def restore(self, directory: str | os.PathLike[str], target: Mapping[str, Any] | None = None,
+                *, partial: bool = False, verify: bool = True, sharding: Any = None
+                ) -> dict[str, Any]:
+        """Restore items: all of them without a target, else those named in ``target``.
+
+        ``target`` maps item names to target trees; a ``None`` value restores that item
+        without a target (numpy arrays in nested dicts).
+        """
+        directory = os.fspath(directory)
+        meta = self.metadata(directory)
+        names = list(meta.items) if target is None else list(target)
+        missing = [n for n in names if n not in meta.items]
+        if missing:
+            raise KeyError(f"checkpoint {directory} has no item(s) {missing} "
+                           f"(it has {sorted(meta.items)})")
+        out = {}
+        for name in names:
+            m = self.manifest(directory, name, meta)
+            t = None if target is None else target[name]
+            out[name] = restore_item(self.fs, m, t, item=name, partial=partial, verify=verify,
+                                     sharding=sharding)
+        return out
+
+    def verify(self, directory: str | os.PathLike[str], *, deep: bool = True) -> VerifyReport:
+        """Check a checkpoint without restoring it: metadata, manifests, sizes, and (when
+        ``deep``) every leaf's checksum. Never raises for damage; lists it instead."""
+        directory = os.fspath(directory)
+        report = VerifyReport(directory, ok=True)
+        try:
+            meta = self.metadata(directory)
+        except (MiniCkptError, OSError) as e:
+            report.ok = False
+            report.problems.append(str(e))
+            return report
+        for name in meta.items:
+            try:
+                m = self.manifest(directory, name, meta)
+                if deep:
+                    read_leaves(self.fs, m, verify=True)
+                    report.bytes_checked += m.leaf_bytes()
+                report.items[name] = len(m.entries)
+            except (MiniCkptError, OSError, KeyError) as e:
+                report.ok = False
+                report.problems.append(str(e))
+        extra = set(_listdir(self.fs, directory)) - set(meta.items) - {METADATA_FILE}
+        for name in sorted(extra):
+            report.problems.append(f"{os.path.join(directory, name)}: not part of the "
+                                   "checkpoint (ignored)")
+        return report
+
+
+def _listdir(fs: FileSystem, path: str) -> list[str]:
+    try:
+        return fs.listdir(path)
+    except OSError:
+        return []
+
+
+def human_bytes(n: float) -> str:
+    if n < 1024:
+        return f"{int(n)} B"
+    units = ["KiB", "MiB", "GiB", "TiB"]
+    e = min(int(math.log(n, 1024)), len(units))
+    return f"{n / 1024**e:.1f} {units[e - 1]}"
+
+
+def crc_of(data: bytes) -> int:
+    return zlib.crc32(data)

@@ -1,0 +1,376 @@
+"""``minickpt`` — look at checkpoints from the shell.
+
+    minickpt ls DIR              every checkpoint: step, status, size, time, metrics
+    minickpt inspect DIR [STEP]  the saved trees: paths, dtypes, shapes, bytes
+    minickpt verify DIR [STEP]   re-check every checksum; exit 1 on any damage
+    minickpt diff A B            leaf-by-leaf differences between two checkpoints
+
+DIR is a run's checkpoint directory (holding ``step_*/``) or one checkpoint directory.
+Every command takes ``--json`` for scripts.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as _dt
+import json
+import os
+import re
+import sys
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+
+from .checkpointer import Checkpointer, human_bytes
+from .commit import METADATA_FILE, is_temporary
+from .errors import MiniCkptError
+from .format import read_leaves
+from .fs import DEFAULT_FS
+
+_STEP_RE = re.compile(r"^(?:(?P<prefix>.+)_)?(?P<step>\d+)$")
+
+EXIT_OK, EXIT_DAMAGE, EXIT_USAGE = 0, 1, 2
+
+
+class UsageError(Exception):
+    """A command line that names something that is not there."""
+
+
+def _is_checkpoint(path: str) -> bool:
+    return DEFAULT_FS.exists(os.path.join(path, METADATA_FILE))
+
+
+def scan(root: str) -> tuple[list[tuple[int, str]], list[str]]:
+    """Checkpoint directories under ``root`` as (step, path), ascending; and temporaries."""
+    steps, temps = [], []
+    try:
+        names = DEFAULT_FS.listdir(root)
+    except FileNotFoundError:
+        raise UsageError(f"no such directory: {root}") from None
+    except NotADirectoryError:
+        raise UsageError(f"not a directory: {root}") from None
+    for name in names:
+        path = os.path.join(root, name)
+        if not DEFAULT_FS.is_dir(path):
+            continue
+        if is_temporary(name):
+            temps.append(path)
+            continue
+        m = _STEP_RE.match(name)
+        if m:
+            steps.append((int(m.group("step")), path))
+    steps.sort()
+    return steps, sorted(temps)
+
+
+def resolve(path: str, step: int | None) -> list[tuple[int | None, str]]:
+    """The checkpoint(s) a DIR [STEP] argument pair names."""
+    path = os.path.abspath(path)
+    if step is None and _is_checkpoint(path):
+        m = _STEP_RE.match(os.path.basename(path))
+        return [(int(m.group("step")) if m else None, path)]
+    steps, _ = scan(path)
+    if step is None:
+        return list(steps)
+    for s, p in steps:
+        if s == step:
+            return [(s, p)]
+    raise UsageError(f"no checkpoint for step {step} in {path} "
+                     f"(steps: {[s for s, _ in steps] or 'none'})")
+
+
+def _err(msg: str) -> int:
+    print(f"minickpt: error: {msg}", file=sys.stderr)
+    return EXIT_USAGE
+
+
+def _time(ns: int | None) -> str:
+    if not ns:
+        return "-"
+    return _dt.datetime.fromtimestamp(ns / 1e9).isoformat(sep=" ", timespec="seconds")
+
+
+def _metrics(m: dict[str, Any] | None) -> str:
+    if not m:
+        return "-"
+    return " ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k, v in m.items())
+
+
+def _table(rows: list[list[str]], header: list[str]) -> str:
+    widths = [max(len(str(r[i])) for r in [header, *rows]) for i in range(len(header))]
+    fmt = "  ".join(f"{{:<{w}}}" for w in widths)
+    return "\n".join(fmt.format(*r).rstrip() for r in [header, *rows])
+
+
+# ---------------------------------------------------------------------------------------
+def cmd_ls(args: argparse.Namespace) -> int:
+    ck = Checkpointer()
+    root = os.path.abspath(args.dir)
+    if _is_checkpoint(root):
+        entries, temps = resolve(root, None), []
+    else:
+        entries, temps = scan(root)
+    out = []
+    for step, path in entries:
+        rec: dict[str, Any] = {"step": step, "path": path}
+        rep = ck.verify(path, deep=args.deep)
+        rec["status"] = "valid" if rep.ok else "damaged"
+        rec["problems"] = [p for p in rep.problems if "not part of the checkpoint" not in p]
+        try:
+            meta = ck.metadata(path)
+            rec.update(bytes=DEFAULT_FS.dir_size(path), time=meta.commit_timestamp_nsecs,
+                       metrics=meta.metrics, items=sorted(meta.items))
+        except (MiniCkptError, OSError):
+            rec.update(bytes=DEFAULT_FS.dir_size(path), time=None, metrics=None, items=[])
+        out.append(rec)
+    for path in temps:
+        out.append({"step": None, "path": path, "status": "temporary",
+                    "bytes": DEFAULT_FS.dir_size(path), "time": None, "metrics": None,
+                    "items": [], "problems": ["left by an interrupted save or delete; a "
+                                              "CheckpointManager removes it when it opens"]})
+    if args.json:
+        print(json.dumps(out, indent=1))
+    else:
+        rows = [[str(r["step"]) if r["step"] is not None else "-", r["status"],
+                 human_bytes(r["bytes"]), _time(r["time"]), ",".join(r["items"]) or "-",
+                 _metrics(r["metrics"]) if r["status"] != "temporary"
+                 else os.path.basename(r["path"])] for r in out]
+        if not rows:
+            print(f"no checkpoints in {root}")
+        else:
+            print(_table(rows, ["STEP", "STATUS", "SIZE", "TIME", "ITEMS", "METRICS"]))
+            for r in out:
+                for p in r["problems"] if r["status"] == "damaged" else []:
+                    print(f"  step {r['step']}: {p}")
+            if not args.deep:
+                print("(status checks structure and sizes; add --deep to re-check checksums)")
+    return EXIT_DAMAGE if any(r["status"] == "damaged" for r in out) else EXIT_OK
+
+
+def cmd_inspect(args: argparse.Namespace) -> int:
+    ck = Checkpointer()
+    targets = resolve(args.dir, args.step)
+    if not targets:
+        return _err(f"no checkpoints in {args.dir}")
+    step, path = targets[-1]  # the named step, or the latest
+    meta = ck.metadata(path)
+    items = {}
+    for name in meta.items:
+        if args.item and name != args.item:
+            continue
+        m = ck.manifest(path, name, meta)
+        leaves = []
+        for e in m.entries:
+            rec = {"path": "/".join(e["path"]), "kind": e["kind"]}
+            if e["kind"] == "value":
+                rec.update(dtype=e["type"], shape=None, bytes=0,
+                           value=read_leaves(DEFAULT_FS, m, [m.entries.index(e)])[0])
+            else:
+                rec.update(dtype=e["dtype"] if e["kind"] == "array" else f"key<{e['impl']}>",
+                           shape=e["shape"] if e["kind"] == "array" else e["shape"][:-1],
+                           bytes=e["nbytes"])
+            leaves.append(rec)
+        items[name] = {"tree_type": m.skeleton.get("type", m.skeleton["t"]), "leaves": leaves,
+                       "bytes": m.data_bytes}
+    if args.json:
+        print(json.dumps({"step": step, "path": path, "metrics": meta.metrics,
+                          "metadata": meta.custom_metadata, "items": items}, indent=1,
+                         default=str))
+        return EXIT_OK
+    print(f"checkpoint {path}")
+    print(f"  step {step}, committed {_time(meta.commit_timestamp_nsecs)}, "
+          f"format v{meta.format_version}, {human_bytes(meta.bytes)} of arrays")
+    if meta.metrics:
+        print(f"  metrics: {_metrics(meta.metrics)}")
+    if meta.custom_metadata:
+        print(f"  metadata: {json.dumps(meta.custom_metadata)}")
+    for name, it in items.items():
+        print(f"\n{name}/  ({it['tree_type']}, {len(it['leaves'])} leaves, "
+              f"{human_bytes(it['bytes'])})")
+        rows = []
+        for r in it["leaves"]:
+            shape = "-" if r["shape"] is None else "(" + ", ".join(map(str, r["shape"])) + \
+                ("," if len(r["shape"]) == 1 else "") + ")"
+            extra = repr(r["value"]) if r["kind"] == "value" else human_bytes(r["bytes"])
+            rows.append([r["path"] or "<root>", r["dtype"], shape, extra])
+        print(_table(rows, ["PATH", "DTYPE", "SHAPE", "BYTES/VALUE"]))
+    return EXIT_OK
+
+
+def cmd_verify(args: argparse.Namespace) -> int:
+    ck = Checkpointer()
+    targets = resolve(args.dir, args.step)
+    reports = [ck.verify(path, deep=True) for _, path in targets]
+    if args.json:
+        print(json.dumps([{"step": s, "path": r.path, "ok": r.ok, "problems": r.problems,
+                           "leaves": r.items, "bytes_checked": r.bytes_checked}
+                          for (s, _), r in zip(targets, reports, strict=True)], indent=1))
+    else:
+        if not targets:
+            print(f"no checkpoints in {args.dir}")
+        for (s, _), r in zip(targets, reports, strict=True):
+            label = f"step {s}" if s is not None else r.path
+            if r.ok:
+                print(f"OK       {label}: {sum(r.items.values())} leaves, "
+                      f"{human_bytes(r.bytes_checked)} checksummed")
+            else:
+                print(f"DAMAGED  {label}:")
+            for p in r.problems:
+                print(f"    {p}")
+    return EXIT_OK if all(r.ok for r in reports) else EXIT_DAMAGE
+
+
+def _flat(path: str) -> dict[str, tuple[str, Any]]:
+    """Every leaf of every item of a checkpoint: 'item/path' -> (description, value)."""
+    ck = Checkpointer()
+    meta = ck.metadata(path)
+    out = {}
+    for name in meta.items:
+        m = ck.manifest(path, name, meta)
+        values = read_leaves(DEFAULT_FS, m)
+        for e, v in zip(m.entries, values, strict=True):
+            key = "/".join([name, *e["path"]])
+            desc = e["type"] if e["kind"] == "value" else \
+                f"{e['dtype'] if e['kind'] == 'array' else 'key<' + e['impl'] + '>'}{e['shape']}"
+            out[key] = (desc, v.data if hasattr(v, "impl") else v)
+    return out
+
+
+def _compare_arrays(a: np.ndarray, b: np.ndarray) -> tuple[int, float]:
+    """How many values differ (NaN equals NaN), and the largest absolute difference."""
+    if a.size == 0:
+        return 0, 0.0
+    inexact = a.dtype.kind in "fc" or a.dtype.kind == "V"  # "V": bfloat16, float8...
+    if not inexact:
+        neq = a != b
+        return int(np.count_nonzero(neq)), float(np.max(np.abs(
+            a.astype(np.float64) - b.astype(np.float64)))) if neq.any() else 0.0
+    wide = np.complex128 if a.dtype.kind == "c" else np.float64
+    fa, fb = a.astype(wide), b.astype(wide)
+    same = (fa == fb) | (np.isnan(fa) & np.isnan(fb))
+    n = int(np.count_nonzero(~same))
+    return n, float(np.nanmax(np.abs(fa - fb)[~same])) if n else 0.0
+
+
+def cmd_diff(args: argparse.Namespace) -> int:
+    def one(p: str) -> str:
+        t = resolve(p, None)
+        if not t:
+            raise UsageError(f"no checkpoints in {p}")
+        return t[-1][1]
+
+    a_path, b_path = one(args.a), one(args.b)
+    a, b = _flat(a_path), _flat(b_path)
+    rows: list[dict[str, Any]] = []
+    for key in sorted(set(a) | set(b)):
+        if key not in b:
+            rows.append({"path": key, "change": "only in A", "a": a[key][0]})
+            continue
+        if key not in a:
+            rows.append({"path": key, "change": "only in B", "b": b[key][0]})
+            continue
+        (da, va), (db, vb) = a[key], b[key]
+        if da != db:
+            rows.append({"path": key, "change": "type/shape", "a": da, "b": db})
+            continue
+        if isinstance(va, np.ndarray):
+            neq, max_diff = _compare_arrays(va, vb)
+            if neq:
+                rows.append({"path": key, "change": "values", "differing": neq,
+                             "of": int(va.size), "max_abs_diff": max_diff})
+            elif args.all:
+                rows.append({"path": key, "change": "same"})
+        elif va != vb and not (isinstance(va, float) and va != va and vb != vb):
+            rows.append({"path": key, "change": "values", "a": repr(va), "b": repr(vb)})
+        elif args.all:
+            rows.append({"path": key, "change": "same"})
+    differs = [r for r in rows if r["change"] != "same"]
+    if args.json:
+        print(json.dumps({"a": a_path, "b": b_path, "identical": not differs, "leaves": rows},
+                         indent=1))
+    else:
+        print(f"A = {a_path}\nB = {b_path}")
+        if not differs:
+            print(f"identical: {len(a)} leaves, every value equal")
+        for r in rows:
+            if r["change"] == "values" and "differing" in r:
+                print(f"  ~ {r['path']}: {r['differing']} of {r['of']} values differ "
+                      f"(max |A-B| = {r['max_abs_diff']:.3g})")
+            elif r["change"] == "values":
+                print(f"  ~ {r['path']}: {r['a']} -> {r['b']}")
+            elif r["change"] == "type/shape":
+                print(f"  ! {r['path']}: {r['a']} -> {r['b']}")
+            elif r["change"] == "only in A":
+                print(f"  - {r['path']} ({r['a']})")
+            elif r["change"] == "only in B":
+                print(f"  + {r['path']} ({r['b']})")
+            else:
+                print(f"  = {r['path']}")
+    return EXIT_DAMAGE if differs else EXIT_OK
+
+
+# ---------------------------------------------------------------------------------------
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="minickpt",
+        description="Look at, verify and compare minickpt checkpoints.",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        epilog="A checkpoint is a directory that became visible in one atomic rename, after every "
+               "file in it was fsynced. 'ls' and 'verify' tell you whether each one is still "
+               "intact; 'inspect' shows what a training state is made of.\n\n"
+               "Exit codes: 0 fine, 1 damage found (or, for diff, differences), 2 usage error.")
+    sub = p.add_subparsers(dest="cmd", required=True, metavar="COMMAND")
+
+    def add(name: str, help_: str, desc: str) -> argparse.ArgumentParser:
+        sp = sub.add_parser(name, help=help_, description=desc)
+        sp.add_argument("--json", action="store_true", help="machine-readable output")
+        return sp
+
+    sp = add("ls", "list checkpoints with status, size, time and metrics",
+             "List every checkpoint in DIR (and temporaries left by interrupted saves). Status "
+             "'valid' means metadata, manifests and file sizes agree; --deep re-reads every "
+             "byte and checks the CRC-32 of each leaf.")
+    sp.add_argument("dir", help="a run's checkpoint directory, or one checkpoint")
+    sp.add_argument("--deep", action="store_true", help="also verify every checksum")
+    sp.set_defaults(fn=cmd_ls)
+
+    sp = add("inspect", "show the saved trees: paths, dtypes, shapes, bytes",
+             "Show what one checkpoint holds: each item's leaves with their key paths, dtypes "
+             "and shapes, plus metrics and metadata. Without STEP, the latest.")
+    sp.add_argument("dir")
+    sp.add_argument("step", nargs="?", type=int)
+    sp.add_argument("--item", help="only this item (e.g. params)")
+    sp.set_defaults(fn=cmd_inspect)
+
+    sp = add("verify", "re-check checksums; exit 1 if anything is damaged",
+             "Verify checkpoints without restoring them: metadata, manifests, sizes and the "
+             "CRC-32 of every leaf. Without STEP, every checkpoint in DIR. Exits 1 and names the "
+             "damaged file and leaf if anything is wrong.")
+    sp.add_argument("dir")
+    sp.add_argument("step", nargs="?", type=int)
+    sp.set_defaults(fn=cmd_verify)
+
+    sp = add("diff", "leaf-by-leaf differences between two checkpoints",
+             "Compare two checkpoints (each a checkpoint directory, or a run directory meaning "
+             "its latest). Lists leaves only in one, with another type or shape, or with "
+             "different values (how many and the largest difference). Exits 1 if they differ.")
+    sp.add_argument("a")
+    sp.add_argument("b")
+    sp.add_argument("--all", action="store_true", help="also list identical leaves")
+    sp.set_defaults(fn=cmd_diff)
+    return p
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return int(args.fn(args))
+    except BrokenPipeError:  # `minickpt ls | head`
+        return EXIT_OK
+    except (UsageError, MiniCkptError, OSError, KeyError) as e:
+        return _err(str(e))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

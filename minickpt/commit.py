@@ -1,0 +1,129 @@
+"""The atomic, durable commit — the one moment a checkpoint starts to exist.
+
+A save never writes into its final directory. It writes into a temporary directory whose name
+can never be mistaken for a checkpoint, then:
+
+1. fsyncs every file it wrote (done by the writers) and every directory in the temporary tree,
+2. renames the temporary directory to its final name — atomically, and never over an
+   existing checkpoint,
+3. fsyncs the parent directory, so that the rename itself survives a power cut.
+
+Skip step 1 and a crash can leave a directory with the right name and empty files; skip step
+3 and the rename can vanish. Deletion runs the other way round: a checkpoint is first renamed
+to a deletion name (atomic, durable), and only then removed file by file, so a crash half-way
+through a delete never leaves a half-deleted directory under a checkpoint's name.
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+import re
+import secrets
+from collections.abc import Iterable
+
+from .errors import StepAlreadyExistsError
+from .fs import FileSystem
+
+TMP_MARK = ".minickpt-tmp-"
+DELETE_MARK = ".minickpt-del-"
+METADATA_FILE = "_CHECKPOINT_METADATA"
+
+
+# ---------------------------------------------------------------------------------------
+# names
+# ---------------------------------------------------------------------------------------
+def step_dir_name(step: int, prefix: str | None = "step", fixed_length: int | None = None) -> str:
+    """``step_100`` (or ``step_00000100`` with ``fixed_length=8``, or ``100`` with no prefix)."""
+    if not isinstance(step, int) or isinstance(step, bool) or step < 0:
+        raise ValueError(f"step must be a non-negative int, got {step!r}")
+    digits = f"{step:0{fixed_length}d}" if fixed_length else str(step)
+    return f"{prefix}_{digits}" if prefix else digits
+
+
+def parse_step(name: str, prefix: str | None = "step") -> int | None:
+    """The step a directory name stands for, or None if it is not a checkpoint's name.
+
+    Temporary and deletion names never parse: they carry a suffix the pattern rejects.
+    """
+    pat = rf"{re.escape(prefix)}_(\d+)" if prefix else r"(\d+)"
+    m = re.fullmatch(pat, name)
+    return int(m.group(1)) if m else None
+
+
+def is_temporary(name: str) -> bool:
+    """True for a directory left by an unfinished save or delete."""
+    return TMP_MARK in name or DELETE_MARK in name
+
+
+# ---------------------------------------------------------------------------------------
+# commit
+# ---------------------------------------------------------------------------------------
+def make_temporary(fs: FileSystem, root: str, final_name: str) -> str:
+    """Create the directory a save writes into: ``<final_name>.minickpt-tmp-<random>``."""
+    path = os.path.join(root, f"{final_name}{TMP_MARK}{secrets.token_hex(4)}")
+    fs.mkdir(path)
+    return path
+
+
+def commit(fs: FileSystem, tmp_dir: str, final_dir: str, *, subdirs: Iterable[str] = ()) -> None:
+    """Task 2.3 — make a fully written temporary directory the checkpoint ``final_dir``.
+
+    The writers have fsynced every file (and their item directories, listed in ``subdirs``
+    only if they have not). Here: fsync the temporary directory's entries, rename it
+    (never replacing an existing checkpoint), fsync the parent.
+    """
+    for sub in subdirs:
+        fs.fsync_dir(os.path.join(tmp_dir, sub))
+    fs.fsync_dir(tmp_dir)
+    try:
+        fs.rename(tmp_dir, final_dir)
+    except OSError as e:
+        if e.errno in (errno.EEXIST, errno.ENOTEMPTY):
+            raise StepAlreadyExistsError(
+                f"{final_dir} already exists: minickpt never replaces a committed checkpoint. "
+                "Delete it first (manager.delete(step)) or save under another step.") from e
+        raise
+    fs.fsync_dir(os.path.dirname(os.path.abspath(final_dir)))
+
+
+def abort(fs: FileSystem, tmp_dir: str) -> None:
+    """Remove what a failed save left; never raises (the original error matters more)."""
+    try:
+        if fs.exists(tmp_dir):
+            fs.rmtree(tmp_dir)
+    except OSError:
+        pass
+
+
+# ---------------------------------------------------------------------------------------
+# deletion and cleanup
+# ---------------------------------------------------------------------------------------
+def delete_dir(fs: FileSystem, path: str) -> None:
+    """Crash-safe deletion: rename out of the checkpoint namespace (durably), then remove."""
+    root = os.path.dirname(os.path.abspath(path))
+    doomed = f"{path}{DELETE_MARK}{secrets.token_hex(4)}"
+    fs.rename(path, doomed)
+    fs.fsync_dir(root)
+    fs.rmtree(doomed)
+
+
+def cleanup_temporaries(fs: FileSystem, root: str) -> list[str]:
+    """Task 2.4 — remove what crashed saves and deletes left behind; return the names removed.
+
+    Only names carrying the temporary or deletion marks are touched: a committed checkpoint,
+    or any file that is not minickpt's, is never removed here. Call it only while no other
+    writer uses ``root`` (the manager holds a lock for that).
+    """
+    removed = []
+    try:
+        names = fs.listdir(root)
+    except FileNotFoundError:
+        return removed
+    for name in sorted(names):
+        if is_temporary(name):
+            fs.rmtree(os.path.join(root, name))
+            removed.append(name)
+    if removed:
+        fs.fsync_dir(root)
+    return removed

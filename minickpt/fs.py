@@ -1,0 +1,379 @@
+"""The one layer through which minickpt touches the file system.
+
+Every file-system call the library makes goes through a :class:`FileSystem` object. The
+primitives (``open``, ``write``, ``fsync``, ``rename`` ...) are the only methods that call the
+operating system; the helpers (``write_file``, ``fsync_dir``, ``rmtree`` ...) are built from
+them. A test can therefore stop a save at *any* single call — see :class:`FaultyFileSystem` —
+and check that what is left on disk is still safe.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import ctypes.util
+import errno
+import os
+import stat
+import sys
+import threading
+from collections.abc import Callable, Iterable, Sequence
+from typing import Any
+
+Buffer = bytes | bytearray | memoryview
+
+# Linux caps a single write at 0x7ffff000 bytes; stay well below it.
+_MAX_IO = 1 << 30
+_IOV_MAX = 1024  # the limit on Linux and macOS
+
+
+def _load_libc() -> Any:
+    try:
+        return ctypes.CDLL(ctypes.util.find_library("c") or None, use_errno=True)
+    except OSError:  # pragma: no cover - exotic platforms
+        return None
+
+
+_LIBC = _load_libc()
+
+
+def _rename_noreplace(src: str, dst: str) -> None:
+    """Rename that fails with EEXIST instead of replacing ``dst`` (POSIX rename replaces empty dirs)."""
+    if sys.platform.startswith("linux") and _LIBC is not None and hasattr(_LIBC, "renameat2"):
+        at_fdcwd, rename_noreplace = -100, 1
+        rc = _LIBC.renameat2(at_fdcwd, os.fsencode(src), at_fdcwd, os.fsencode(dst),
+                             rename_noreplace)
+        if rc == 0:
+            return
+        err = ctypes.get_errno()
+        if err not in (errno.EINVAL, errno.ENOSYS):  # EINVAL: this file system lacks the flag
+            raise OSError(err, os.strerror(err), src, None, dst)
+    elif sys.platform == "darwin" and _LIBC is not None and hasattr(_LIBC, "renamex_np"):
+        rename_excl = 0x4
+        if _LIBC.renamex_np(os.fsencode(src), os.fsencode(dst), rename_excl) == 0:
+            return
+        err = ctypes.get_errno()
+        if err not in (errno.EINVAL, errno.ENOTSUP, errno.ENOSYS):
+            raise OSError(err, os.strerror(err), src, None, dst)
+    # Fallback: check, then rename. Racy only against a concurrent writer of the same step,
+    # which the manager's lock already excludes.
+    if os.path.lexists(dst):
+        raise FileExistsError(errno.EEXIST, os.strerror(errno.EEXIST), dst)
+    os.rename(src, dst)
+
+
+class FileSystem:
+    """The real file system. Subclass it (or wrap it) to observe or fault calls."""
+
+    # ---- primitives: the only methods that reach the operating system -----------------
+    def open(self, path: str, flags: int, mode: int = 0o644) -> int:
+        return os.open(path, flags | getattr(os, "O_CLOEXEC", 0), mode)
+
+    def write(self, fd: int, data: Buffer) -> int:
+        return os.write(fd, data)
+
+    def writev(self, fd: int, buffers: Sequence[Buffer]) -> int:
+        return os.writev(fd, buffers)
+
+    def preadv(self, fd: int, buffers: Sequence[memoryview], offset: int) -> int:
+        return os.preadv(fd, buffers, offset)
+
+    def fsync(self, fd: int) -> None:
+        if sys.platform == "darwin":  # plain fsync on macOS does not reach the platter
+            import fcntl
+
+            try:
+                fcntl.fcntl(fd, fcntl.F_FULLFSYNC)
+                return
+            except OSError:
+                pass
+        os.fsync(fd)
+
+    def close(self, fd: int) -> None:
+        os.close(fd)
+
+    def mkdir(self, path: str, mode: int = 0o755) -> None:
+        os.mkdir(path, mode)
+
+    def rename(self, src: str, dst: str) -> None:
+        """Atomic rename that never replaces an existing ``dst``."""
+        _rename_noreplace(src, dst)
+
+    def unlink(self, path: str) -> None:
+        os.unlink(path)
+
+    def rmdir(self, path: str) -> None:
+        os.rmdir(path)
+
+    def listdir(self, path: str) -> list[str]:
+        return os.listdir(path)
+
+    def lstat(self, path: str) -> os.stat_result:
+        return os.lstat(path)
+
+    def fstat(self, fd: int) -> os.stat_result:
+        return os.fstat(fd)
+
+    def flock(self, fd: int, exclusive: bool = True, blocking: bool = False) -> None:
+        import fcntl
+
+        op = fcntl.LOCK_EX if exclusive else fcntl.LOCK_SH
+        fcntl.flock(fd, op | (0 if blocking else fcntl.LOCK_NB))
+
+    # ---- helpers, built only from the primitives above ---------------------------------
+    def exists(self, path: str) -> bool:
+        try:
+            self.lstat(path)
+            return True
+        except FileNotFoundError:
+            return False
+
+    def is_dir(self, path: str) -> bool:
+        """True for a real directory; a symlink to one is *not* a directory here."""
+        try:
+            return stat.S_ISDIR(self.lstat(path).st_mode)
+        except FileNotFoundError:
+            return False
+
+    def write_all(self, fd: int, buffers: Iterable[Buffer]) -> int:
+        """Write every buffer in order, batching small ones into one writev call."""
+        total = 0
+        batch: list[memoryview] = []
+        batch_bytes = 0
+
+        def flush() -> None:
+            nonlocal batch, batch_bytes
+            while batch:
+                n = self.writev(fd, batch) if len(batch) > 1 else self.write(fd, batch[0])
+                if n <= 0:
+                    raise OSError(errno.EIO, "write returned no progress")
+                # drop what was written, keep the rest
+                while batch and n >= len(batch[0]):
+                    n -= len(batch[0])
+                    batch.pop(0)
+                if n:
+                    batch[0] = batch[0][n:]
+            batch_bytes = 0
+
+        for buf in buffers:
+            mv = memoryview(buf).cast("B") if not isinstance(buf, memoryview) else buf
+            if mv.ndim != 1 or mv.format != "B":
+                mv = mv.cast("B")
+            total += len(mv)
+            if len(mv) == 0:
+                continue
+            if len(mv) >= _MAX_IO // 4:  # large: write it on its own, in pieces
+                flush()
+                off = 0
+                while off < len(mv):
+                    n = self.write(fd, mv[off : off + _MAX_IO])
+                    if n <= 0:
+                        raise OSError(errno.EIO, "write returned no progress")
+                    off += n
+                continue
+            batch.append(mv)
+            batch_bytes += len(mv)
+            if len(batch) >= min(_IOV_MAX, 512) or batch_bytes >= (64 << 20):
+                flush()
+        flush()
+        return total
+
+    def write_file(self, path: str, buffers: Iterable[Buffer], *, fsync: bool = True,
+                   exclusive: bool = True) -> int:
+        """Create ``path`` with the given contents; fsync before closing when asked."""
+        flags = os.O_WRONLY | os.O_CREAT | (os.O_EXCL if exclusive else os.O_TRUNC)
+        fd = self.open(path, flags)
+        try:
+            n = self.write_all(fd, buffers)
+            if fsync:
+                self.fsync(fd)
+        finally:
+            self.close(fd)
+        return n
+
+    def open_read(self, path: str) -> int:
+        """Open a file for reading, refusing a symlink (a checkpoint never contains one)."""
+        try:
+            return self.open(path, os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0))
+        except OSError as e:
+            if e.errno == errno.ELOOP:
+                from .errors import UnsafeCheckpointError
+
+                raise UnsafeCheckpointError(path, "is a symbolic link; refusing to follow it") from e
+            raise
+
+    def read_into(self, fd: int, buf: memoryview, offset: int) -> None:
+        """Fill ``buf`` from ``offset``; a short file is an error, not a silent zero fill."""
+        self.read_into_many(fd, [buf], offset)
+
+    def read_into_many(self, fd: int, buffers: Sequence[memoryview], offset: int) -> None:
+        """Fill consecutive buffers from ``offset`` with as few preadv calls as possible."""
+        bufs = [b.cast("B") if b.format != "B" or b.ndim != 1 else b for b in buffers]
+        bufs = [b for b in bufs if len(b)]
+        while bufs:
+            head = bufs[:_IOV_MAX]
+            if len(head[0]) > _MAX_IO:
+                head = [head[0][:_MAX_IO]]
+            n = self.preadv(fd, head, offset)
+            if n <= 0:
+                raise EOFError(f"file ended {sum(len(b) for b in bufs)} bytes early, "
+                               f"at offset {offset}")
+            offset += n
+            while bufs and n >= len(bufs[0]):
+                n -= len(bufs[0])
+                bufs.pop(0)
+            if n:
+                bufs[0] = bufs[0][n:]
+
+    def read_file(self, path: str, max_bytes: int = 64 << 20) -> bytes:
+        """Read a whole (small) file, refusing files larger than ``max_bytes``."""
+        fd = self.open_read(path)
+        try:
+            size = self.fstat(fd).st_size
+            if size > max_bytes:
+                raise ValueError(f"{path} is {size} bytes, more than the {max_bytes} allowed")
+            buf = bytearray(size)
+            if size:
+                self.read_into(fd, memoryview(buf), 0)
+            return bytes(buf)
+        finally:
+            self.close(fd)
+
+    def fsync_dir(self, path: str) -> None:
+        """Make a directory's entries (creations, renames) durable."""
+        if os.name == "nt":  # Windows cannot open a directory; NTFS journals renames itself
+            return
+        fd = self.open(path, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0))
+        try:
+            self.fsync(fd)
+        finally:
+            self.close(fd)
+
+    def rmtree(self, path: str) -> None:
+        """Delete a tree without following symlinks (they are unlinked, never entered)."""
+        st = self.lstat(path)
+        if not stat.S_ISDIR(st.st_mode):
+            self.unlink(path)
+            return
+        for name in self.listdir(path):
+            child = os.path.join(path, name)
+            if stat.S_ISDIR(self.lstat(child).st_mode):
+                self.rmtree(child)
+            else:
+                self.unlink(child)
+        self.rmdir(path)
+
+    def dir_size(self, path: str) -> int:
+        """Bytes used by the regular files under ``path`` (symlinks not followed)."""
+        total = 0
+        try:
+            names = self.listdir(path)
+        except FileNotFoundError:
+            return 0
+        for name in names:
+            child = os.path.join(path, name)
+            try:
+                st = self.lstat(child)
+            except FileNotFoundError:
+                continue
+            if stat.S_ISDIR(st.st_mode):
+                total += self.dir_size(child)
+            elif stat.S_ISREG(st.st_mode):
+                total += st.st_size
+        return total
+
+
+PRIMITIVES = ("open", "write", "writev", "preadv", "fsync", "close", "mkdir", "rename",
+              "unlink", "rmdir", "listdir", "lstat", "fstat", "flock")
+
+
+class FaultyFileSystem(FileSystem):
+    """A file system that fails (or crashes) at a chosen call, for crash-safety tests.
+
+    ``fail_at=n`` makes the n-th primitive call (counting from 0, among ``ops``) raise
+    ``error``; ``crash=True`` instead raises :class:`SimulatedCrash`, which the library does
+    not catch, so nothing after that call runs — like a power cut between two syscalls.
+    Every call is recorded in ``calls`` as ``(op, args)``.
+    """
+
+    def __init__(self, fail_at: int | None = None, *, error: BaseException | None = None,
+                 ops: Iterable[str] = PRIMITIVES, crash: bool = False,
+                 base: FileSystem | None = None,
+                 when: Callable[[str, tuple[Any, ...]], bool] | None = None):
+        self.fail_at = fail_at
+        self.error = error if error is not None else OSError(errno.EIO, os.strerror(errno.EIO))
+        self.ops = frozenset(ops)
+        self.crash = crash
+        self.base = base or FileSystem()
+        self.when = when
+        self.count = 0
+        self.calls: list[tuple[str, tuple[Any, ...]]] = []
+        self.tripped = False
+        self._lock = threading.Lock()
+
+    def _call(self, op: str, *args: Any) -> Any:
+        with self._lock:
+            counted = op in self.ops and (self.when is None or self.when(op, args))
+            self.calls.append((op, args))
+            trip = counted and self.fail_at is not None and self.count == self.fail_at
+            if counted:
+                self.count += 1
+            if trip:
+                self.tripped = True
+        if trip:
+            if self.crash:
+                raise SimulatedCrash(f"simulated crash at call {self.fail_at}: {op}{args!r}")
+            raise self.error
+        return getattr(self.base, op)(*args)
+
+    def open(self, path: str, flags: int, mode: int = 0o644) -> int:
+        return self._call("open", path, flags, mode)
+
+    def write(self, fd: int, data: Buffer) -> int:
+        return self._call("write", fd, data)
+
+    def writev(self, fd: int, buffers: Sequence[Buffer]) -> int:
+        return self._call("writev", fd, buffers)
+
+    def preadv(self, fd: int, buffers: Sequence[memoryview], offset: int) -> int:
+        return self._call("preadv", fd, buffers, offset)
+
+    def fsync(self, fd: int) -> None:
+        return self._call("fsync", fd)
+
+    def close(self, fd: int) -> None:
+        return self._call("close", fd)
+
+    def mkdir(self, path: str, mode: int = 0o755) -> None:
+        return self._call("mkdir", path, mode)
+
+    def rename(self, src: str, dst: str) -> None:
+        return self._call("rename", src, dst)
+
+    def unlink(self, path: str) -> None:
+        return self._call("unlink", path)
+
+    def rmdir(self, path: str) -> None:
+        return self._call("rmdir", path)
+
+    def listdir(self, path: str) -> list[str]:
+        return self._call("listdir", path)
+
+    def lstat(self, path: str) -> os.stat_result:
+        return self._call("lstat", path)
+
+    def fstat(self, fd: int) -> os.stat_result:
+        return self._call("fstat", fd)
+
+    def flock(self, fd: int, exclusive: bool = True, blocking: bool = False) -> None:
+        return self._call("flock", fd, exclusive, blocking)
+
+
+class SimulatedCrash(BaseException):
+    """Raised by :class:`FaultyFileSystem` to stop a save dead, like a power cut.
+
+    It derives from BaseException so that no ``except Exception`` cleanup in the library
+    runs after it — exactly what happens when a process is killed.
+    """
+
+
+DEFAULT_FS = FileSystem()

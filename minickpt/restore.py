@@ -1,0 +1,306 @@
+"""Restoring an item into a target: strict structural checks, partial restore, migration.
+
+The target says what the caller expects: its structure, each leaf's shape and dtype, and where
+the arrays should live (a device, a sharding). Strict restore compares the checkpoint against
+all of it *before* reading a byte and reports every difference in one error, because the fix
+for a mismatch is usually a code change and fixing one difference per run is slow and painful.
+No dtype is ever cast silently.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import jax
+import numpy as np
+
+from .errors import Mismatch, StructureMismatchError
+from .format import DTYPES, Manifest, read_leaves
+from .fs import FileSystem
+from .tree import HostKey, Names, from_skeleton, is_prng_key, path_names, path_str
+
+
+# ---------------------------------------------------------------------------------------
+# what a target leaf expects
+# ---------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class Expect:
+    """What one target leaf asks for: an array (shape, dtype, where) or a Python value."""
+
+    kind: str  # "array" | "prng_key" | "value"
+    shape: tuple[int, ...] | None = None
+    dtype: np.dtype | None = None
+    out: str = "numpy"  # "numpy" | "numpy_scalar" | "jax" | a Python type name
+    sharding: Any = None
+    impl: str | None = None
+
+
+def expect_of(leaf: Any) -> Expect:
+    """Read a target leaf: a jax.Array, a ShapeDtypeStruct, a numpy array or a Python value."""
+    if isinstance(leaf, jax.ShapeDtypeStruct) or isinstance(leaf, jax.Array):
+        sharding = getattr(leaf, "sharding", None)
+        if is_prng_key(leaf):
+            impl = str(jax.random.key_impl(leaf)) if isinstance(leaf, jax.Array) else None
+            return Expect("prng_key", tuple(leaf.shape), None, "jax", sharding, impl)
+        return Expect("array", tuple(leaf.shape), np.dtype(leaf.dtype), "jax", sharding)
+    if isinstance(leaf, np.ndarray):
+        return Expect("array", leaf.shape, leaf.dtype, "numpy")
+    if isinstance(leaf, np.generic):
+        return Expect("array", (), leaf.dtype, "numpy_scalar")
+    if isinstance(leaf, (bool, int, float, complex, str)):
+        return Expect("value", out=type(leaf).__name__)
+    if isinstance(leaf, HostKey):
+        return Expect("prng_key", leaf.shape, None, "numpy", None, leaf.impl)
+    raise TypeError(f"cannot restore into a target leaf of type {type(leaf).__name__}; use an "
+                    "array, a jax.ShapeDtypeStruct, a numpy array or a Python scalar")
+
+
+def _saved_desc(e: Mapping[str, Any]) -> tuple[str, tuple[int, ...] | None, str | None]:
+    if e["kind"] == "value":
+        return "value", None, e["type"]
+    if e["kind"] == "prng_key":
+        return "prng_key", tuple(e["shape"][:-1]), e["impl"]
+    return "array", tuple(e["shape"]), e["dtype"]
+
+
+def compare_leaf(path: str, e: Mapping[str, Any], want: Expect) -> list[Mismatch]:
+    """The differences between one saved leaf and what its target expects (empty if none)."""
+    kind, shape, dt = _saved_desc(e)
+    if want.kind == "value":
+        if kind == "value":
+            ok = dt == want.out or (want.out == "float" and dt == "int")
+            return [] if ok else [Mismatch(path, "type", dt, want.out)]
+        if kind == "array" and shape == ():  # a 0-d array restores into a Python scalar
+            cat = np.dtype(DTYPES[dt]).kind
+            ok = {"int": "iub", "float": "f", "bool": "b", "complex": "c"}.get(want.out, "")
+            return [] if cat in ok else [Mismatch(path, "dtype", dt, want.out)]
+        return [Mismatch(path, "kind", kind, f"a Python {want.out}")]
+    if want.kind == "prng_key":
+        if kind != "prng_key":
+            return [Mismatch(path, "kind", f"{kind} {dt}", "a typed PRNG key")]
+        out = []
+        if want.shape is not None and shape != want.shape:
+            out.append(Mismatch(path, "shape", str(shape), str(want.shape)))
+        if want.impl is not None and dt != want.impl:
+            out.append(Mismatch(path, "key impl", dt, want.impl))
+        return out
+    # an array target
+    if kind == "prng_key":
+        return [Mismatch(path, "kind", "a typed PRNG key", f"array of {want.dtype}")]
+    if kind == "value":
+        return [Mismatch(path, "kind", f"Python {dt}", f"array of {want.dtype}")]
+    out = []
+    if shape != want.shape:
+        out.append(Mismatch(path, "shape", str(shape), str(want.shape)))
+    if want.dtype is not None and np.dtype(DTYPES[dt]) != want.dtype:
+        out.append(Mismatch(path, "dtype", dt, str(want.dtype)))
+    return out
+
+
+# ---------------------------------------------------------------------------------------
+# strict structure checks
+# ---------------------------------------------------------------------------------------
+def check_structure(manifest: Manifest, target: Any, *, item: str = "",
+                    partial: bool = False) -> list[tuple[Names, int]]:
+    """Task 3.2 — match every target leaf with a saved leaf, or raise listing *every* mismatch.
+
+    Returns ``(target path, saved leaf index)`` pairs in the target's leaf order. Missing
+    leaves, unexpected leaves (unless ``partial``), and shape, dtype or kind differences are
+    collected together in one :class:`StructureMismatchError`.
+    """
+    saved = manifest.by_path
+    flat, _ = jax.tree_util.tree_flatten_with_path(target)
+    pairs: list[tuple[Names, int]] = []
+    problems: list[Mismatch] = []
+    wanted: set[Names] = set()
+    for p, leaf in flat:
+        names = path_names(p)
+        wanted.add(names)
+        where = path_str(names)
+        if names not in saved:
+            problems.append(Mismatch(where, "missing"))
+            continue
+        i = saved[names]
+        problems += compare_leaf(where, manifest.entries[i], expect_of(leaf))
+        pairs.append((names, i))
+    if not partial:
+        problems += [Mismatch(path_str(n), "unexpected") for n in saved if n not in wanted]
+    if problems:
+        hint = ("Restore with partial=True to take only the target's leaves on purpose, or "
+                "migrate the checkpoint (minickpt.restore.migrate) if the model changed."
+                if any(m.kind in ("missing", "unexpected") for m in problems) else
+                "minickpt never casts silently: change the target, or convert after restoring.")
+        raise StructureMismatchError(item, problems, hint)
+    return pairs
+
+
+# ---------------------------------------------------------------------------------------
+# building outputs
+# ---------------------------------------------------------------------------------------
+def to_output(value: Any, want: Expect, sharding: Any = None) -> Any:
+    """A host value turned into what the target leaf asked for."""
+    if want.kind == "value":
+        if isinstance(value, np.ndarray):
+            value = value.item()
+        return {"int": int, "float": float, "bool": bool, "complex": complex,
+                "str": str}[want.out](value)
+    target_sharding = want.sharding if want.sharding is not None else sharding
+    if want.kind == "prng_key":
+        assert isinstance(value, HostKey)
+        if want.out == "numpy":
+            return value
+        data = put(value.data, _key_data_sharding(target_sharding, value.data.ndim))
+        return jax.random.wrap_key_data(data, impl=value.impl)
+    if want.out == "jax":
+        return put(value, target_sharding)
+    if want.out == "numpy_scalar":
+        return value[()] if isinstance(value, np.ndarray) else value
+    return value
+
+
+def _key_data_sharding(sharding: Any, ndim: int) -> Any:
+    # a key array's sharding covers the key shape; its data has one more (trailing) axis
+    if sharding is None or not isinstance(sharding, jax.sharding.NamedSharding):
+        return sharding
+    spec = tuple(sharding.spec) + (None,) * (ndim - len(sharding.spec))
+    return jax.sharding.NamedSharding(sharding.mesh, jax.sharding.PartitionSpec(*spec))
+
+
+def put(arr: np.ndarray, sharding: Any = None) -> jax.Array:
+    """Host array to device(s). Each device gets only its own slice of a sharded array."""
+    if sharding is None:
+        return jax.device_put(arr)
+    if isinstance(sharding, jax.Device):
+        return jax.device_put(arr, sharding)
+    if len(sharding.device_set) == 1 or sharding.is_fully_addressable:
+        return jax.device_put(arr, sharding)
+    return jax.make_array_from_callback(arr.shape, sharding, lambda idx: arr[idx])
+
+
+def restore_item(fs: FileSystem, manifest: Manifest, target: Any = None, *, item: str = "",
+                 partial: bool = False, verify: bool = True, sharding: Any = None) -> Any:
+    """Read one item: into ``target`` (strictly checked) or, without one, as nested dicts,
+    lists and numpy arrays (or jax arrays placed with ``sharding`` when it is given)."""
+    if target is None:
+        values = read_leaves(fs, manifest, verify=verify)
+        if sharding is not None:
+            values = [to_output(v, Expect("prng_key" if isinstance(v, HostKey) else "array",
+                                          out="jax"), sharding)
+                      if isinstance(v, (np.ndarray, HostKey)) else v for v in values]
+        return from_skeleton(manifest.skeleton, values)
+    pairs = check_structure(manifest, target, item=item, partial=partial)
+    values = read_leaves(fs, manifest, [i for _, i in pairs], verify=verify)
+    flat, treedef = jax.tree_util.tree_flatten(target)
+    outs = [to_output(v, expect_of(leaf), sharding)
+            for v, leaf in zip(values, flat, strict=True)]
+    return jax.tree_util.tree_unflatten(treedef, outs)
+
+
+# ---------------------------------------------------------------------------------------
+# migration
+# ---------------------------------------------------------------------------------------
+@dataclass
+class MigrationReport:
+    """What a migration did, leaf by leaf, for a person to check."""
+
+    renamed: dict[str, str] = field(default_factory=dict)
+    filled: list[str] = field(default_factory=list)  # new leaves kept from the target
+    dropped: list[str] = field(default_factory=list)  # saved leaves the new model has no use for
+    converted: dict[str, str] = field(default_factory=dict)
+
+    def __str__(self) -> str:
+        lines = [f"renamed {len(self.renamed)}, filled {len(self.filled)} from the new model, "
+                 f"dropped {len(self.dropped)}, converted {len(self.converted)}"]
+        lines += [f"  renamed  {a} -> {b}" for a, b in self.renamed.items()]
+        lines += [f"  filled   {p}" for p in self.filled]
+        lines += [f"  dropped  {p}" for p in self.dropped]
+        lines += [f"  converted {p}: {c}" for p, c in self.converted.items()]
+        return "\n".join(lines)
+
+
+Rename = Mapping[str, str] | Callable[[str], str | None] | Sequence[tuple[str, str]]
+
+
+def rename_path(path: str, rules: Rename | None) -> str | None:
+    """Apply rename rules to a slash path. Mapping/sequence rules are regexes matched against
+    the whole path (``{"Dense_(\\d+)": r"layers/\\1"}`` or ``{"old/w": "new/w"}``); a callable
+    returns the new path, or None to drop the leaf."""
+    if rules is None:
+        return path
+    if callable(rules):
+        return rules(path)
+    items = rules.items() if isinstance(rules, Mapping) else rules
+    for pattern, repl in items:
+        new, n = re.subn(rf"^{pattern}(?=/|$)", repl, path)
+        if n:
+            return new
+    return path
+
+
+def migrate(saved: Any, target: Any, *, rename: Rename | None = None,
+            fill_missing: bool = True, allow_cast: bool = False) -> tuple[Any, MigrationReport]:
+    """Task 3.4 — map an old checkpoint's tree onto a new model's structure.
+
+    ``saved`` is a restored tree (without target); ``target`` the new model's state. Each
+    saved leaf's path is renamed by ``rename``; target leaves found after renaming take the
+    saved value (shapes must match; dtypes too unless ``allow_cast``), target leaves not
+    found keep their new initial value when ``fill_missing`` (and are listed in the report),
+    and saved leaves the target has no place for are dropped and listed.
+    """
+    report = MigrationReport()
+    by_new: dict[str, Any] = {}
+    for p, leaf in jax.tree_util.tree_flatten_with_path(saved)[0]:
+        old = path_str(path_names(p))
+        new = rename_path(old, rename)
+        if new is None:
+            report.dropped.append(old)
+            continue
+        if new != old:
+            report.renamed[old] = new
+        by_new[new] = leaf
+    flat, treedef = jax.tree_util.tree_flatten_with_path(target)
+    outs, problems, used = [], [], set()
+    for p, leaf in flat:
+        where = path_str(path_names(p))
+        if where not in by_new:
+            if not fill_missing:
+                problems.append(Mismatch(where, "missing"))
+            report.filled.append(where)
+            outs.append(leaf)
+            continue
+        used.add(where)
+        value = by_new[where]
+        want_shape = np.shape(leaf)
+        if np.shape(value) != want_shape:
+            problems.append(Mismatch(where, "shape", str(np.shape(value)), str(want_shape)))
+            outs.append(leaf)
+            continue
+        want_dtype = getattr(leaf, "dtype", None)
+        got_dtype = getattr(value, "dtype", None)
+        if want_dtype is not None and got_dtype is not None and np.dtype(got_dtype) != np.dtype(
+                want_dtype):
+            if not allow_cast:
+                problems.append(Mismatch(where, "dtype", str(got_dtype), str(want_dtype)))
+                outs.append(leaf)
+                continue
+            report.converted[where] = f"{got_dtype} -> {want_dtype}"
+            value = np.asarray(value).astype(want_dtype)
+        outs.append(_like(value, leaf))
+    report.dropped += [p for p in by_new if p not in used]
+    if problems:
+        raise StructureMismatchError("migration", problems,
+                                     "Fix the rename rules, or pass allow_cast=True for dtypes.")
+    return jax.tree_util.tree_unflatten(treedef, outs), report
+
+
+def _like(value: Any, leaf: Any) -> Any:
+    if isinstance(leaf, jax.Array):
+        return put(np.asarray(value), getattr(leaf, "sharding", None))
+    if isinstance(leaf, np.ndarray):
+        return np.asarray(value)
+    if isinstance(leaf, (bool, int, float, complex)):
+        return type(leaf)(np.asarray(value).item())
+    return value

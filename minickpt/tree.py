@@ -1,0 +1,273 @@
+"""Pytrees as checkpoints see them: key paths, flattening against a target, host snapshots.
+
+A checkpoint stores a pytree as a flat list of leaves, each named by its *key path* — the
+sequence of dict keys, list indices and attribute names from the root to the leaf. Names are
+kept as strings (``("opt_state", "0", "mu", "Dense_0", "kernel")``) so that a dict key, a
+dataclass field and a list index of the same name match across versions of a model: this is
+what lets a ``TrainState`` saved today restore into a plain dict tomorrow, and back.
+
+Lab 1 rebuilds :func:`flatten_with_names`, :func:`unflatten_like` and :func:`to_host`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import jax
+import numpy as np
+
+from .errors import UnsupportedLeafError
+
+Names = tuple[str, ...]
+
+
+# ---------------------------------------------------------------------------------------
+# key paths
+# ---------------------------------------------------------------------------------------
+def key_name(key: Any) -> str:
+    """One step of a JAX key path as a string: dict key, index or attribute name."""
+    tu = jax.tree_util
+    if isinstance(key, tu.DictKey):
+        return str(key.key)
+    if isinstance(key, tu.SequenceKey):
+        return str(key.idx)
+    if isinstance(key, tu.GetAttrKey):
+        return key.name
+    if isinstance(key, tu.FlattenedIndexKey):
+        return str(key.key)
+    return str(key)
+
+
+def path_names(path: Iterable[Any]) -> Names:
+    """A JAX key path as a tuple of strings."""
+    return tuple(key_name(k) for k in path)
+
+
+def path_str(names: Iterable[str]) -> str:
+    """How a leaf is named to people: ``params/Dense_0/kernel`` (``<root>`` for a bare leaf)."""
+    names = tuple(names)
+    return "/".join(names) if names else "<root>"
+
+
+def flatten_with_names(tree: Any) -> list[tuple[Names, Any]]:
+    """Task 1.1 — the leaves of ``tree`` with their key paths as string tuples, in tree order.
+
+    ``None`` is an empty subtree in JAX, so it has no leaf here (the skeleton keeps it).
+    """
+    leaves, _ = jax.tree_util.tree_flatten_with_path(tree)
+    out = [(path_names(p), leaf) for p, leaf in leaves]
+    seen: set[Names] = set()
+    for names, _leaf in out:
+        if names in seen:
+            raise ValueError(f"two leaves share the key path {path_str(names)!r}; "
+                             "a checkpoint needs every path to be unique")
+        seen.add(names)
+    return out
+
+
+def unflatten_like(target: Any, values: Mapping[Names, Any]) -> Any:
+    """Task 1.1 (back) — a tree shaped like ``target`` whose leaves come from ``values``.
+
+    Raises ``KeyError`` naming the first path of ``target`` missing from ``values``.
+    """
+    paths, treedef = jax.tree_util.tree_flatten_with_path(target)
+    leaves = []
+    for p, _ in paths:
+        names = path_names(p)
+        if names not in values:
+            raise KeyError(f"no value for {path_str(names)!r}")
+        leaves.append(values[names])
+    return jax.tree_util.tree_unflatten(treedef, leaves)
+
+
+def nest(named: Iterable[tuple[Names, Any]]) -> Any:
+    """Nested dicts from ``(names, value)`` pairs — the inverse of flattening to names."""
+    root: dict[str, Any] = {}
+    for names, value in named:
+        if not names:
+            return value
+        node = root
+        for n in names[:-1]:
+            node = node.setdefault(n, {})
+            if not isinstance(node, dict):
+                raise ValueError(f"{path_str(names)} is both a leaf and a subtree")
+        node[names[-1]] = value
+    return root
+
+
+# ---------------------------------------------------------------------------------------
+# skeletons: the container structure, for restoring without a target
+# ---------------------------------------------------------------------------------------
+def _is_leaf_node(node: Any) -> bool:
+    leaves = jax.tree_util.tree_leaves(node)
+    return len(leaves) == 1 and leaves[0] is node
+
+
+def _children(node: Any) -> list[tuple[str, Any]]:
+    """The direct children of a pytree node, with their key names."""
+    flat, _ = jax.tree_util.tree_flatten_with_path(node, is_leaf=lambda y: y is not node)
+    return [(key_name(p[0]), child) for p, child in flat]
+
+
+def skeleton(tree: Any) -> tuple[dict[str, Any], list[tuple[Names, Any]]]:
+    """The JSON-able container structure of ``tree``, and its named leaves in tree order
+    (the same order as :func:`flatten_with_names`).
+
+    Containers become ``{"t": "dict" | "list" | "tuple" | "namedtuple" | "node", ...}`` and
+    each leaf ``{"t": "leaf", "i": index}``. Class names are recorded for people to read, never
+    imported back (a checkpoint must not choose which code runs).
+    """
+    leaves: list[tuple[Names, Any]] = []
+
+    def walk(node: Any, names: Names) -> dict[str, Any]:
+        if len(names) > MAX_DEPTH:
+            raise ValueError(f"tree is nested deeper than {MAX_DEPTH} levels at {path_str(names)}")
+        if node is None:
+            return {"t": "none"}
+        if _is_leaf_node(node):
+            leaves.append((names, node))
+            return {"t": "leaf", "i": len(leaves) - 1}
+        kids = _children(node)
+        if isinstance(node, Mapping) and not _is_namedtuple(node):
+            keys = [_json_key(k) for k in _dict_keys(node, kids)]
+            return {"t": "dict", "type": type(node).__name__,
+                    "c": [[k, walk(child, (*names, name))]
+                          for k, (name, child) in zip(keys, kids, strict=True)]}
+        if isinstance(node, list) or (isinstance(node, tuple) and not _is_namedtuple(node)):
+            return {"t": "list" if isinstance(node, list) else "tuple",
+                    "c": [walk(child, (*names, name)) for name, child in kids]}
+        kind = "namedtuple" if _is_namedtuple(node) else "node"
+        return {"t": kind, "type": type(node).__name__,
+                "c": [[name, walk(child, (*names, name))] for name, child in kids]}
+
+    skel = walk(tree, ())
+    seen: set[Names] = set()
+    for names, _leaf in leaves:
+        if names in seen:
+            raise ValueError(f"two leaves share the key path {path_str(names)!r}; "
+                             "a checkpoint needs every path to be unique")
+        seen.add(names)
+    return skel, leaves
+
+
+MAX_DEPTH = 200
+
+
+def _is_namedtuple(x: Any) -> bool:
+    return isinstance(x, tuple) and hasattr(type(x), "_fields")
+
+
+def _dict_keys(node: Any, kids: list[tuple[str, Any]]) -> list[Any]:
+    # tree_flatten_with_path sorts dict keys; recover the original key objects in that order
+    by_name = {str(k): k for k in node.keys()}
+    return [by_name.get(name, name) for name, _ in kids]
+
+
+def _json_key(k: Any) -> Any:
+    if isinstance(k, bool) or not isinstance(k, (str, int)):
+        return str(k)
+    return k
+
+
+def from_skeleton(skel: Mapping[str, Any], leaves: list[Any]) -> Any:
+    """Rebuild a tree from :func:`skeleton`'s output: dicts, lists, tuples and ``None``.
+
+    Named tuples and other nodes come back as dicts of their fields, because a checkpoint
+    never names the code to rebuild them with. Pass a target to get the real classes back.
+    """
+
+    def build(node: Mapping[str, Any], depth: int) -> Any:
+        if depth > MAX_DEPTH:
+            raise ValueError(f"skeleton is nested deeper than {MAX_DEPTH} levels")
+        t = node["t"]
+        if t == "leaf":
+            return leaves[node["i"]]
+        if t == "none":
+            return None
+        if t == "dict" or t == "namedtuple" or t == "node":
+            return {k: build(child, depth + 1) for k, child in node["c"]}
+        if t == "list":
+            return [build(child, depth + 1) for child in node["c"]]
+        if t == "tuple":
+            return tuple(build(child, depth + 1) for child in node["c"])
+        raise ValueError(f"unknown container type {t!r} in skeleton")
+
+    return build(skel, 0)
+
+
+# ---------------------------------------------------------------------------------------
+# host snapshots
+# ---------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class HostKey:
+    """A typed PRNG key on the host: its raw ``uint32`` data plus the name of its impl."""
+
+    data: np.ndarray
+    impl: str
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return tuple(self.data.shape[: self.data.ndim - len(_impl_key_shape(self.impl))])
+
+
+def _impl_key_shape(impl: str) -> tuple[int, ...]:
+    try:
+        return tuple(jax.random.key_data(jax.random.key(0, impl=impl)).shape)
+    except Exception:  # unknown impl: assume the common 2-word key
+        return (2,)
+
+
+SCALAR_TYPES = (bool, int, float, complex, str)
+
+
+def is_prng_key(x: Any) -> bool:
+    dtype = getattr(x, "dtype", None)
+    return dtype is not None and jax.dtypes.issubdtype(dtype, jax.dtypes.prng_key)
+
+
+def to_host(x: Any, *, copy: bool = False, path: str = "<leaf>") -> Any:
+    """Task 1.2 — one leaf brought to host memory with its exact dtype.
+
+    * ``jax.Array`` → ``numpy.ndarray`` of the same dtype (bfloat16 stays bfloat16). On CPU
+      this is a zero-copy view unless ``copy=True``; an async save needs the copy, because
+      the device buffer may be donated or overwritten after ``save()`` returns.
+    * typed PRNG key (``jax.random.key``) → :class:`HostKey` (raw data + impl name).
+    * numpy arrays and scalars stay numpy; Python scalars, strings and ``None`` stay as is.
+    * anything else (object arrays, functions...) is refused: storing it would need pickle.
+    """
+    if isinstance(x, np.generic):  # before Python scalars: np.float64 subclasses float
+        x = np.asarray(x)
+    elif x is None or isinstance(x, (*SCALAR_TYPES, HostKey)):
+        return x
+    if isinstance(x, jax.Array):
+        if is_prng_key(x):
+            data = np.asarray(jax.random.key_data(x))
+            return HostKey(np.array(data, copy=True) if copy else data,
+                           str(jax.random.key_impl(x)))
+        arr = np.asarray(x)
+        return np.array(arr, copy=True) if copy else arr
+    if isinstance(x, np.ndarray):
+        if x.dtype.hasobject:
+            raise UnsupportedLeafError(
+                f"leaf {path} is a numpy array of dtype {x.dtype}: object arrays hold "
+                "Python objects and could only be stored with pickle, which minickpt never "
+                "uses. Convert it to a numeric array or a list of strings.")
+        return np.array(x, copy=True) if copy else x
+    raise UnsupportedLeafError(
+        f"leaf {path} is a {type(x).__module__}.{type(x).__qualname__}: minickpt stores "
+        "arrays, numbers, strings and None. If it is code (a function, an optimizer), keep "
+        "it out of the saved tree; if it is data, convert it to an array first.")
+
+
+def tree_to_host(tree: Any, *, copy: bool = False) -> list[tuple[Names, Any]]:
+    """All leaves on the host, with their names. Device-to-host copies run concurrently."""
+    flat = flatten_with_names(tree)
+    for _, leaf in flat:  # start every transfer before waiting on any (matters on GPU/TPU)
+        if isinstance(leaf, jax.Array) and not is_prng_key(leaf):
+            try:
+                leaf.copy_to_host_async()
+            except Exception:  # not addressable here, or already on the host
+                pass
+    return [(names, to_host(leaf, copy=copy, path=path_str(names))) for names, leaf in flat]

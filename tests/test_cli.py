@@ -1,0 +1,94 @@
+"""The minickpt command line on real checkpoint directories."""
+
+import json
+import subprocess
+import sys
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from minickpt import CheckpointManager
+from minickpt.cli import main
+
+
+@pytest.fixture
+def run_dir(tmp_path):
+    with CheckpointManager(tmp_path / "run") as m:
+        for s in (10, 20):
+            m.save(s, {"params": {"w": jnp.full((2, 3), s, jnp.float32),
+                                  "b": jnp.zeros(3, jnp.bfloat16)},
+                       "meta": {"lr": 0.1, "name": "mlp"}},
+                   metrics={"loss": 1.0 / s}, metadata={"version": f"v{s}"})
+    return tmp_path / "run"
+
+
+def cli(capsys, *args):
+    rc = main([str(a) for a in args])
+    out = capsys.readouterr()
+    return rc, out.out, out.err
+
+
+def test_ls(capsys, run_dir):
+    (run_dir / "step_30.minickpt-tmp-dead").mkdir()
+    rc, out, _ = cli(capsys, "ls", run_dir)
+    assert rc == 0
+    assert "10" in out and "20" in out and "valid" in out and "loss=0.05" in out
+    assert "temporary" in out
+    rc, out, _ = cli(capsys, "ls", run_dir, "--json")
+    recs = json.loads(out)
+    assert [r["step"] for r in recs] == [10, 20, None]
+    assert recs[1]["metrics"] == {"loss": 0.05} and recs[1]["items"] == ["meta", "params"]
+
+
+def test_inspect_shows_paths_dtypes_shapes(capsys, run_dir):
+    rc, out, _ = cli(capsys, "inspect", run_dir)
+    assert rc == 0 and "step_20" in out
+    assert "w" in out and "float32" in out and "(2, 3)" in out and "bfloat16" in out
+    assert "'mlp'" in out and "v20" in out
+    rc, out, _ = cli(capsys, "inspect", run_dir, 10, "--json", "--item", "params")
+    data = json.loads(out)
+    assert data["step"] == 10 and list(data["items"]) == ["params"]
+    assert {"path": "w", "kind": "array", "dtype": "float32", "shape": [2, 3],
+            "bytes": 24} in data["items"]["params"]["leaves"]
+
+
+def test_verify_detects_damage_and_names_it(capsys, run_dir):
+    rc, out, _ = cli(capsys, "verify", run_dir)
+    assert rc == 0 and out.count("OK") == 2
+    data = run_dir / "step_20" / "params" / "data.bin"
+    raw = bytearray(data.read_bytes())
+    raw[-1] ^= 0xFF
+    data.write_bytes(bytes(raw))
+    rc, out, _ = cli(capsys, "verify", run_dir)
+    assert rc == 1 and "DAMAGED" in out and "data.bin" in out and "leaf w" in out
+    rc, out, _ = cli(capsys, "verify", run_dir, 10)
+    assert rc == 0
+    rc, out, _ = cli(capsys, "ls", run_dir, "--deep")
+    assert rc == 1 and "damaged" in out
+    rc, out, _ = cli(capsys, "verify", run_dir, "--json")
+    assert [r["ok"] for r in json.loads(out)] == [True, False]
+
+
+def test_diff(capsys, run_dir):
+    rc, out, _ = cli(capsys, "diff", run_dir / "step_10", run_dir / "step_20")
+    assert rc == 1 and "params/w: 6 of 6 values differ" in out and "max |A-B| = 10" in out
+    rc, out, _ = cli(capsys, "diff", run_dir / "step_20", run_dir)  # run dir = its latest
+    assert rc == 0 and "identical" in out
+    rc, out, _ = cli(capsys, "diff", run_dir / "step_10", run_dir / "step_20", "--json")
+    d = json.loads(out)
+    assert not d["identical"] and d["leaves"][0]["path"] == "params/w"
+
+
+def test_usage_errors_are_clear(capsys, tmp_path):
+    rc, _, err = cli(capsys, "ls", tmp_path / "missing")
+    assert rc == 2 and "no such directory" in err
+    rc, _, err = cli(capsys, "inspect", tmp_path, 5)
+    assert rc == 2 and "no checkpoint for step 5" in err
+
+
+def test_console_script_help():
+    out = subprocess.run([sys.executable, "-m", "minickpt.cli", "--help"], capture_output=True,
+                         text=True, timeout=60)
+    assert out.returncode == 0 and "inspect" in out.stdout and "atomic rename" in out.stdout
+    assert np
