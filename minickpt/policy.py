@@ -26,10 +26,13 @@ def should_save(step: int, *, last_saved_step: int | None, save_interval_steps: 
     """Task 2.1 — save at ``step``?
 
     Never at or before the last saved step (a restarted run must not re-save what it
-    already has); otherwise when ``step % save_interval_steps == 0`` or ``step`` is one of
-    ``save_on_steps``.
+    already has). Otherwise yes when ``step % save_interval_steps == 0``, when ``step`` is one
+    of ``save_on_steps``, or when nothing has been saved yet — Orbax's rule too, so that a
+    run always has a first checkpoint to fall back to.
     """
-    if last_saved_step is not None and step <= last_saved_step:
+    if last_saved_step is None:
+        return True
+    if step <= last_saved_step:
         return False
     return step % save_interval_steps == 0 or step in save_on_steps
 
@@ -65,32 +68,28 @@ def steps_to_keep(infos: Sequence[StepInfo], *, max_to_keep: int | None = None,
                   best_fn: Callable[[Mapping[str, Any]], float] | None = None,
                   best_mode: str = "max",
                   keep_checkpoints_without_metrics: bool = True) -> set[int]:
-    """Task 2.2 — which of the saved steps survive retention.
+    """Task 2.2 — which of the saved steps survive retention (Orbax's rules).
 
-    * ``max_to_keep=None`` keeps everything.
+    * ``max_to_keep=None``, or no more than ``max_to_keep`` checkpoints: keep everything.
     * Without ``best_fn``: the ``max_to_keep`` newest steps.
     * With ``best_fn``: the ``max_to_keep`` best steps by metric (``best_mode`` 'max' or
-      'min'); steps without a metric are kept if ``keep_checkpoints_without_metrics``,
-      otherwise they compete as the worst.
+      'min'; on a tie the newer step wins). Steps without a metric are all kept when
+      ``keep_checkpoints_without_metrics``, and all deleted otherwise. The newest step is
+      not protected: a new checkpoint worse than the best N is deleted at once.
     * ``keep_period=P``: a step with ``step % P == 0`` is kept whatever the rules above say
-      (and does not count against ``max_to_keep``).
+      (while among the newest it also counts towards ``max_to_keep``).
     """
     steps = sorted(i.step for i in infos)
-    if max_to_keep is None:
+    if max_to_keep is None or len(steps) <= max_to_keep:
         return set(steps)
     if best_fn is None:
         keep = set(steps[-max_to_keep:]) if max_to_keep > 0 else set()
     else:
         ranked = rank_by_metric(infos, best_fn, best_mode)
-        keep = {i.step for i in ranked[:max_to_keep]}
-        ranked_steps = {i.step for i in ranked}
-        without = [s for s in steps if s not in ranked_steps]
+        keep = {i.step for i in ranked[:max_to_keep]} if max_to_keep > 0 else set()
         if keep_checkpoints_without_metrics:
-            keep |= set(without)
-        else:
-            room = max_to_keep - len(keep)
-            if room > 0:
-                keep |= set(sorted(without)[-room:])
+            ranked_steps = {i.step for i in ranked}
+            keep |= {s for s in steps if s not in ranked_steps}
     if keep_period:
         keep |= {s for s in steps if s % keep_period == 0}
     return keep
