@@ -48,11 +48,18 @@ def test_save_interval_and_save_on_steps(tmp_path):
 
 def test_force_saves_off_interval_but_never_replaces(tmp_path):
     with CheckpointManager(tmp_path, opts(save_interval_steps=10)) as m:
+        assert m.save(0, {"s": state()})
         assert not m.save(3, {"s": state()})
         assert m.save(3, {"s": state()}, force=True)
         with pytest.raises(StepAlreadyExistsError, match="step 3"):
             m.save(3, {"s": state(1.0)}, force=True)
         assert float(m.restore(3)["s"]["w"][0, 0]) == 0.0
+
+
+def test_first_save_happens_whatever_the_interval(tmp_path):
+    with CheckpointManager(tmp_path, opts(save_interval_steps=10)) as m:
+        assert m.should_save(3) and m.save(3, {"s": state()})  # Orbax's rule too
+        assert not m.should_save(4) and m.should_save(10)
 
 
 def test_max_to_keep_deletes_oldest_after_commit(tmp_path):
