@@ -186,6 +186,7 @@ class AsyncCheckpointer(Checkpointer):
         self._threads = snapshot_threads or min(8, os.cpu_count() or 1)
         self._pool: ThreadPoolExecutor | None = None
         self._in_flight_path: str | None = None
+        self._start_lock = threading.Lock()
         self._closed = False
         self.last_save_stats: SaveStats | None = None
 
@@ -203,11 +204,16 @@ class AsyncCheckpointer(Checkpointer):
         """
         t0, wall0 = time.perf_counter(), time.time()
         self.check_for_errors()
-        wait_s = self.wait_for_previous(f"the save of {os.fspath(directory)}")
-        self.check_for_errors()
-        return self.start_save(directory, items, step=step, metrics=metrics,
-                               custom_metadata=custom_metadata, on_commit=on_commit,
-                               on_finish=on_finish, t0=t0, wall0=wall0, wait_s=wait_s)
+        wait_s = 0.0
+        while True:
+            wait_s += self.wait_for_previous(f"the save of {os.fspath(directory)}")
+            self.check_for_errors()
+            with self._start_lock:
+                if self.is_saving_in_progress():
+                    continue  # another thread's save started meanwhile: wait for it too
+                return self.start_save(directory, items, step=step, metrics=metrics,
+                                       custom_metadata=custom_metadata, on_commit=on_commit,
+                                       on_finish=on_finish, t0=t0, wall0=wall0, wait_s=wait_s)
 
     def wait_for_previous(self, reason: str) -> float:
         """Wait (without raising its error) for the save in flight; return seconds waited."""

@@ -331,15 +331,21 @@ class CheckpointManager:
             if self._async is None:
                 stats = self._save_now(step, items, metrics, metadata)
         if self._async is None:
+            # what the caller waited for: the save, and the retention after it
+            stats.total_s = stats.blocking_s = time.perf_counter() - t0
             self._record(stats)
             return True
         # Async: wait for the save in flight outside the mutex (its bookkeeping needs it).
-        wait_s = self._async.wait_for_previous(f"the save of step {step}")
-        self._async.check_for_errors()
-        with self._mutex:
-            self._check_new_step(step)
-            self._start_async(step, items, metrics, metadata, t0, wall0, wait_s)
-        return True
+        wait_s = 0.0
+        while True:
+            wait_s += self._async.wait_for_previous(f"the save of step {step}")
+            self._async.check_for_errors()
+            with self._mutex:
+                if self._async.is_saving_in_progress():
+                    continue  # another thread's save started meanwhile: wait for it too
+                self._check_new_step(step)
+                self._start_async(step, items, metrics, metadata, t0, wall0, wait_s)
+                return True
 
     def _check_new_step(self, step: int) -> None:
         if step in self._infos:

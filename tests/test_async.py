@@ -13,6 +13,7 @@ import subprocess
 import sys
 import textwrap
 import threading
+from concurrent.futures import ThreadPoolExecutor
 
 import jax
 import jax.numpy as jnp
@@ -24,7 +25,7 @@ from hypothesis import strategies as st
 
 import minickpt.asynchronous as asy
 from minickpt import CheckpointManager, CheckpointManagerOptions
-from minickpt.asynchronous import AsyncCheckpointer, timeline
+from minickpt.asynchronous import AsyncCheckpointer, snapshot, timeline
 from minickpt.commit import TMP_MARK, is_temporary
 from minickpt.fs import FaultyFileSystem, FileSystem
 from minickpt.tree import HostKey
@@ -80,9 +81,15 @@ def values(step):
 # ---- the snapshot is a true copy ---------------------------------------------------------
 @pytest.mark.task("5.1")
 def test_donation_after_save_never_changes_what_is_written(tmp_path):
-    """Donation hands the buffer to XLA, which writes the next state into it (on CPU too, in
-    this JAX). The checkpoint must still hold the values at save() time. And the snapshot must
-    not pin the buffer: if it held a view, XLA would silently refuse the donation (and copy)."""
+    """Donation hands the buffer to XLA, which writes the next state into it.
+
+    On GPU/TPU this is how a training step avoids holding two copies of the state: the output
+    is aliased to the donated input's device memory, the new values overwrite the old ones in
+    place, and the old ``jax.Array`` is marked deleted. Older JAX ignored donation on CPU (with
+    a warning); this one implements it, and the test checks that it really happened (same
+    buffer, input deleted) — so the checkpoint holding the save-time values proves the copy.
+    The snapshot must also not pin the buffer: while a numpy view of it is alive, XLA silently
+    refuses the donation and copies instead (twice the memory on an accelerator)."""
     fs = GatedFS()
     x = jnp.arange(1 << 16, dtype=jnp.float32)
     expected = np.arange(1 << 16, dtype=np.float32)
@@ -123,6 +130,20 @@ def test_mutation_and_deletion_after_save_never_change_what_is_written(tmp_path)
     np.testing.assert_array_equal(r["n"], np.arange(100_000, dtype=np.float64))
     assert r["j"].dtype == jnp.bfloat16 and np.all(r["j"] == 1)
     np.testing.assert_array_equal(r["k"].data, jax.random.key_data(jax.random.key(5)))
+
+
+@pytest.mark.task("5.1")
+def test_snapshot_owns_its_bytes():
+    n, j = np.arange(6.0), jnp.arange(4 << 18, dtype=jnp.float32)  # j: 4 MB, copied in a thread
+    with ThreadPoolExecutor(2) as pool:
+        plans = snapshot({"s": {"n": n, "j": j}}, executor=pool)
+    n[:] = 0
+    j.delete()
+    bufs = {tuple(e["path"]): b for e, b in zip(plans["s"].entries, plans["s"].buffers,
+                                                 strict=True)}
+    assert bufs[("n",)].view(np.float64).tolist() == list(range(6))
+    np.testing.assert_array_equal(bufs[("j",)].view(np.float32),
+                                  np.arange(4 << 18, dtype=np.float32))
 
 
 def test_the_gate_catches_a_snapshot_that_is_only_a_view(tmp_path):
@@ -172,6 +193,34 @@ def test_one_save_in_flight_the_next_waits_and_says_so(tmp_path, caplog, monkeyp
         assert same(m.restore(2)["s"], values(2))
     assert any("waits for the background save of step 1" in r.getMessage()
                for r in caplog.records)
+
+
+def test_saves_from_several_threads_go_one_at_a_time(tmp_path):
+    fs = FaultyFileSystem(None)  # records every call
+    errors = []
+
+    def save(step):
+        try:
+            m.save(step, {"s": values(step)}, force=True)
+        except Exception as e:
+            errors.append(e)
+
+    with CheckpointManager(tmp_path, CheckpointManagerOptions(**ASYNC), fs=fs) as m:
+        threads = [threading.Thread(target=save, args=(s,)) for s in range(1, 7)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(30)
+        m.wait_until_finished()
+        assert errors == [] and m.all_steps() == [1, 2, 3, 4, 5, 6]
+        assert all(same(m.restore(s)["s"], values(s)) for s in range(1, 7))
+    # one in flight: each save's calls end (rename, fsync of the parent) before the next begins
+    starts = [(i, os.path.basename(a[0]).split(".")[0]) for i, (op, a) in enumerate(fs.calls)
+              if op == "mkdir" and TMP_MARK in os.path.basename(a[0])]
+    ends = [(i, os.path.basename(a[1])) for i, (op, a) in enumerate(fs.calls) if op == "rename"]
+    assert [n for _, n in starts] == [n for _, n in ends]
+    assert sorted(n for _, n in starts) == [f"step_{s}" for s in range(1, 7)]
+    assert all(end < start for (end, _), (start, _) in zip(ends, starts[1:], strict=False))
 
 
 @pytest.mark.task("5.2")
