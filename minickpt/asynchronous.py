@@ -172,11 +172,11 @@ def _finish_pending_saves() -> None:
 def default_snapshot_threads() -> int:
     """Threads that copy leaves during the snapshot: a quarter of the CPUs, 1 to 8.
 
-    Parallel copies pay off only with idle cores. Measured on a busy 2-core machine
-    (benchmarks/async_blocking.py), 2 copying threads made the snapshot several times *slower*
-    than 1: every hand-over of the GIL waits for a descheduled thread. On GPU/TPU the device
-    arrays need no host copy at all (the transfer is the copy), so this matters for CPU arrays
-    and numpy leaves.
+    Parallel copies pay off only with idle cores. On a busy 2-core machine
+    (benchmarks/async_blocking.py) 2 copying threads were sometimes faster than 1 and sometimes
+    several times slower (each hand-over of the GIL waits for a descheduled thread), so small
+    machines copy in one thread. On GPU/TPU the device arrays need no host copy at all (the
+    transfer is the copy), so this matters for CPU arrays and numpy leaves.
     """
     return max(1, min(8, (os.cpu_count() or 1) // 4))
 
