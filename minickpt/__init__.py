@@ -6,6 +6,7 @@ concept of the course; the labs rebuild its pieces.
 
 __version__ = "0.1.0"
 
+from .asynchronous import AsyncCheckpointer
 from .checkpointer import Checkpointer, CheckpointMetadata, SaveStats, VerifyReport
 from .errors import (
     CheckpointCorruptedError,
@@ -21,6 +22,7 @@ from .legacy import restore_checkpoint, save_checkpoint
 from .manager import CheckpointManager, CheckpointManagerOptions, Restored
 
 __all__ = [
+    "AsyncCheckpointer",
     "CheckpointCorruptedError",
     "CheckpointManager",
     "CheckpointManagerOptions",

@@ -24,6 +24,7 @@ import platform
 import time
 import zlib
 from collections.abc import Mapping
+from concurrent.futures import Executor
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -56,12 +57,20 @@ MAX_METADATA_BYTES = 16 << 20
 
 @dataclass
 class SaveStats:
-    """Where a save's time went. ``blocking_s`` is what the caller waited for."""
+    """Where a save's time went. ``blocking_s`` is what the caller waited for.
+
+    For an async save, ``blocking_s`` (= ``wait_s`` for the previous save + ``snapshot_s`` +
+    starting the writer) is the training loop's pause, and ``total_s`` runs from the call of
+    ``save()`` to the end of the commit and retention in the background. ``start_time`` is the
+    wall-clock time of that call, so ``[start_time, +blocking_s]`` and ``[+blocking_s, +total_s]``
+    place both phases on a timeline.
+    """
 
     step: int | None
     path: str
     bytes: int = 0
     num_leaves: int = 0
+    wait_s: float = 0.0  # waiting for the previous (async) save to finish
     snapshot_s: float = 0.0  # device -> host, and the layout plan
     write_s: float = 0.0  # writing data and manifests (excluding their fsyncs)
     fsync_s: float = 0.0  # fsyncing files and item directories
@@ -218,15 +227,21 @@ class Checkpointer:
         self.fs = fs or DEFAULT_FS
 
     # ---- saving ------------------------------------------------------------------------
-    def plan(self, items: Mapping[str, Any], *, copy: bool = False) -> dict[str, ItemPlan]:
-        """The snapshot phase: every item brought to the host and laid out."""
+    def plan(self, items: Mapping[str, Any], *, copy: bool = False,
+             executor: Executor | None = None) -> dict[str, ItemPlan]:
+        """The snapshot phase: every item brought to the host and laid out.
+
+        ``copy=True`` makes it a true copy that later mutation, deletion or donation of the
+        arrays cannot change (what an async save needs); ``executor`` copies large leaves in
+        parallel threads.
+        """
         if not isinstance(items, Mapping) or not items:
             raise TypeError("items must be a non-empty mapping of item name to pytree, "
                             "e.g. {'params': params, 'opt_state': opt_state}")
         plans = {}
         for name, tree in items.items():
             try:
-                plans[check_name(str(name))] = plan_item(tree, copy=copy)
+                plans[check_name(str(name))] = plan_item(tree, copy=copy, executor=executor)
             except UnsupportedLeafError as e:
                 raise UnsupportedLeafError(f"item '{name}': {e}") from None
         return plans
@@ -242,7 +257,7 @@ class Checkpointer:
             raise StepAlreadyExistsError(f"{directory} already exists: minickpt never "
                                          "replaces a committed checkpoint")
         plans = self.plan(items)
-        stats = SaveStats(step, directory, start_time=time.time())
+        stats = SaveStats(step, directory, start_time=init_ns / 1e9)
         stats.snapshot_s = time.perf_counter() - t0
         self.write(directory, plans, step=step, metrics=metrics,
                    custom_metadata=custom_metadata, stats=stats, init_ns=init_ns)

@@ -24,7 +24,7 @@ import re
 import time
 import zlib
 from collections.abc import Iterable, Mapping, Sequence
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Executor, Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -48,6 +48,7 @@ ALIGN = 64
 MAX_MANIFEST_BYTES = 256 << 20
 MAX_NDIM = 64
 _CRC_IN_THREAD_BYTES = 8 << 20  # below this, threads cost more than they save
+_HOST_IN_THREAD_BYTES = 1 << 20
 
 _NAME_RE = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.\-]{0,199}$")
 _DATA_FILE_RE = re.compile(r"^data(\.[A-Za-z0-9_\-]{1,64})?\.bin$")
@@ -162,8 +163,12 @@ def plan_leaf(names: Names, host: Any) -> tuple[dict[str, Any], np.ndarray | Non
     return entry, buf
 
 
-def plan_item(tree: Any, *, copy: bool = False) -> ItemPlan:
-    """Bring a tree to the host and lay it out: skeleton, entries, byte views and offsets."""
+def plan_item(tree: Any, *, copy: bool = False, executor: Executor | None = None) -> ItemPlan:
+    """Bring a tree to the host and lay it out: skeleton, entries, byte views and offsets.
+
+    With an ``executor``, large leaves are brought over (and copied, with ``copy=True``) in its
+    threads: numpy copies release the GIL, so an async save's snapshot uses several cores.
+    """
     skel, named = skeleton(tree)
     entries: list[dict[str, Any]] = []
     buffers: list[np.ndarray | None] = []
@@ -175,10 +180,19 @@ def plan_item(tree: Any, *, copy: bool = False) -> ItemPlan:
                 start()
             except Exception:
                 pass
+    futures: dict[int, Future[Any]] = {}
+    if executor is not None:
+        try:
+            for i, (names, leaf) in enumerate(named):
+                if getattr(leaf, "nbytes", 0) >= _HOST_IN_THREAD_BYTES:
+                    futures[i] = executor.submit(to_host, leaf, copy=copy, path=path_str(names))
+        except RuntimeError:  # the executor is shut down (interpreter exit): do it here
+            pass
     offset = 0
-    for names, leaf in named:
+    for i, (names, leaf) in enumerate(named):
         was_np_scalar = isinstance(leaf, np.generic)
-        host = to_host(leaf, copy=copy, path=path_str(names))
+        fut = futures.get(i)
+        host = fut.result() if fut is not None else to_host(leaf, copy=copy, path=path_str(names))
         entry, buf = plan_leaf(names, host)
         if was_np_scalar:
             entry["scalar"] = True
@@ -258,11 +272,10 @@ def write_item(fs: FileSystem, item_dir: str, plan: ItemPlan, *,
     """
     t0 = time.perf_counter()
     fsync_s = 0.0
-    if plan.nbytes >= _CRC_IN_THREAD_BYTES:
-        with ThreadPoolExecutor(1, thread_name_prefix="minickpt-crc") as pool:
-            crc_future = pool.submit(_crc_all, plan.buffers)
-            fsync_s += _write_data(fs, os.path.join(item_dir, data_file), plan, fsync)
-            crcs = crc_future.result()
+    crc_future = _crc_in_thread(plan) if plan.nbytes >= _CRC_IN_THREAD_BYTES else None
+    if crc_future is not None:
+        fsync_s += _write_data(fs, os.path.join(item_dir, data_file), plan, fsync)
+        crcs = crc_future.result()
     else:
         crcs = _crc_all(plan.buffers)
         if plan.nbytes or any(b is not None for b in plan.buffers):
@@ -282,6 +295,21 @@ def write_item(fs: FileSystem, item_dir: str, plan: ItemPlan, *,
     fsync_s += time.perf_counter() - t1  # the manifest is tiny: its cost is its fsyncs
     return ItemWriteResult(zlib.crc32(raw), plan.nbytes, plan.num_leaves,
                            write_s=time.perf_counter() - t0 - fsync_s, fsync_s=fsync_s)
+
+
+def _crc_in_thread(plan: ItemPlan) -> Future[list[int | None]] | None:
+    """Start the checksums in a thread, or return None where no new work may be scheduled.
+
+    A background save still writing while the interpreter exits runs after
+    ``concurrent.futures`` has stopped accepting work; it then computes checksums inline.
+    """
+    pool = ThreadPoolExecutor(1, thread_name_prefix="minickpt-crc")
+    try:
+        return pool.submit(_crc_all, plan.buffers)
+    except RuntimeError:
+        return None
+    finally:
+        pool.shutdown(wait=False)  # the submitted task still runs to completion
 
 
 def _write_data(fs: FileSystem, path: str, plan: ItemPlan, fsync: bool) -> float:

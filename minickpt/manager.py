@@ -20,7 +20,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from . import policy
-from .checkpointer import Checkpointer, CheckpointMetadata, SaveStats, VerifyReport
+from .asynchronous import AsyncCheckpointer
+from .checkpointer import Checkpointer, CheckpointMetadata, SaveStats, VerifyReport, _json_safe
 from .commit import cleanup_temporaries, delete_dir, parse_step, step_dir_name
 from .errors import (
     CheckpointCorruptedError,
@@ -91,7 +92,11 @@ class CheckpointManager:
         self.options = options or CheckpointManagerOptions()
         self.fs = fs or DEFAULT_FS
         self.primary = primary
-        self._checkpointer = Checkpointer(self.fs)
+        self._async: AsyncCheckpointer | None = None
+        if self.options.enable_async_checkpointing:
+            self._async = AsyncCheckpointer(self.fs)
+        self._checkpointer: Checkpointer = self._async or Checkpointer(self.fs)
+        self._in_flight_step: int | None = None  # the step an async save is writing
         self._lock_fd: int | None = None
         self._closed = False
         self._mutex = threading.RLock()
@@ -177,19 +182,26 @@ class CheckpointManager:
                 if old is not None:
                     infos[step] = old
                     continue
+                if step == self._in_flight_step:  # never wait for a commit under the mutex
+                    continue
                 try:
                     meta = self._checkpointer.metadata(os.path.join(self.directory, name))
                     infos[step] = policy.StepInfo(step, meta.metrics, meta.time or 0.0)
                 except (MiniCkptError, OSError):
                     infos[step] = policy.StepInfo(step, None, 0.0)
+            pending = self._in_flight_step
+            if pending is not None and pending in self._infos:
+                infos.setdefault(pending, self._infos[pending])  # still being written
             self._infos = infos
 
     def close(self) -> None:
-        """Finish pending work and release the directory."""
+        """Finish pending work (raising the error of a failed async save) and release the
+        directory."""
         if self._closed:
             return
         try:
-            self.wait_until_finished()
+            if self._async is not None:
+                self._async.close()
         finally:
             self._release_lock()
             self._closed = True
@@ -207,17 +219,33 @@ class CheckpointManager:
             pass
 
     def wait_until_finished(self) -> None:
-        """Block until every save has committed (saves are synchronous here)."""
+        """Block until the async save in flight has committed; raise its error if it failed.
+
+        Sync saves have committed when ``save()`` returns, so then this returns at once.
+        """
+        if self._async is not None:
+            self._async.wait_until_finished()
+
+    def check_for_errors(self) -> None:
+        """Raise the error of a finished async save that failed (once); never blocks."""
+        if self._async is not None:
+            self._async.check_for_errors()
 
     def is_saving_in_progress(self) -> bool:
-        return False
+        return self._async is not None and self._async.is_saving_in_progress()
 
     # ---- queries -------------------------------------------------------------------------
     def all_steps(self, read: bool = False) -> list[int]:
-        """Every committed step, ascending. ``read=True`` re-scans the directory first."""
+        """Every saved step, ascending. ``read=True`` re-scans the directory first.
+
+        A step whose async save is still in flight is included (as in Orbax), so that
+        ``latest_step()`` and ``should_save()`` see it; reading it waits for its commit, and if
+        it fails it disappears from the list (earlier steps are never removed for it).
+        """
         if read:
             self.reload()
-        return sorted(self._infos)
+        with self._mutex:
+            return sorted(self._infos)
 
     def latest_step(self) -> int | None:
         steps = self.all_steps()
@@ -228,7 +256,9 @@ class CheckpointManager:
         o = self.options
         if o.best_fn is None:
             return self.latest_step()
-        return policy.best_step(list(self._infos.values()), o.best_fn, o.best_mode)
+        with self._mutex:
+            infos = list(self._infos.values())
+        return policy.best_step(infos, o.best_fn, o.best_mode)
 
     def metadata(self, step: int | None = None) -> CheckpointMetadata:
         """A step's metadata (metrics, your metadata, times, items) without loading arrays."""
@@ -291,16 +321,70 @@ class CheckpointManager:
         self._check_writable()
         if not isinstance(step, int) or isinstance(step, bool) or step < 0:
             raise ValueError(f"step must be a non-negative int, got {step!r}")
+        t0, wall0 = time.perf_counter(), time.time()
+        if self._async is not None:
+            self._async.check_for_errors()  # a failed background save surfaces here
         with self._mutex:
-            if step in self._infos:
-                raise StepAlreadyExistsError(
-                    f"step {step} is already saved in {self.step_path(step)}; minickpt never "
-                    "replaces a committed checkpoint (delete it first to save it again)")
+            self._check_new_step(step)
             if not force and not self.should_save(step):
                 return False
-            stats = self._save_now(step, items, metrics, metadata)
+            if self._async is None:
+                stats = self._save_now(step, items, metrics, metadata)
+        if self._async is None:
+            # what the caller waited for: the save, and the retention after it
+            stats.total_s = stats.blocking_s = time.perf_counter() - t0
+            self._record(stats)
+            return True
+        # Async: wait for the save in flight outside the mutex (its bookkeeping needs it).
+        wait_s = 0.0
+        while True:
+            wait_s += self._async.wait_for_previous(f"the save of step {step}")
+            self._async.check_for_errors()
+            with self._mutex:
+                if self._async.is_saving_in_progress():
+                    continue  # another thread's save started meanwhile: wait for it too
+                self._check_new_step(step)
+                self._start_async(step, items, metrics, metadata, t0, wall0, wait_s)
+                return True
+
+    def _check_new_step(self, step: int) -> None:
+        if step in self._infos:
+            where = ("is being saved (async) into" if step == self._in_flight_step
+                     else "is already saved in")
+            raise StepAlreadyExistsError(
+                f"step {step} {where} {self.step_path(step)}; minickpt never replaces a "
+                "committed checkpoint (delete it first to save it again)")
+
+    def _start_async(self, step: int, items: Mapping[str, Any], metrics: Any, metadata: Any,
+                     t0: float, wall0: float, wait_s: float) -> None:
+        """Snapshot now; write, commit, then bookkeeping and retention in the background."""
+        assert self._async is not None
+        path = self.step_path(step)
+        try:
+            metrics = _json_safe(metrics, "metrics") if metrics is not None else None
+            self._async.start_save(
+                path, items, step=step, metrics=metrics, custom_metadata=metadata,
+                on_commit=lambda st: self._committed(step, metrics, st),
+                on_finish=lambda st: self._async_finished(step, st),
+                t0=t0, wall0=wall0, wait_s=wait_s)
+        except BaseException as e:  # the snapshot failed: nothing was started
+            self._record(SaveStats(step, path, ok=False, error=f"{type(e).__name__}: {e}",
+                                   start_time=wall0, wait_s=wait_s, async_=True,
+                                   total_s=time.perf_counter() - t0,
+                                   blocking_s=time.perf_counter() - t0))
+            raise
+        # Counted at once (as in Orbax): latest_step() and should_save() see it.
+        self._infos[step] = policy.StepInfo(step, metrics, time.time())
+        self._in_flight_step = step
+
+    def _async_finished(self, step: int, stats: SaveStats) -> None:
+        """In the background, after the commit and retention, or after a failure."""
+        with self._mutex:
+            if self._in_flight_step == step:
+                self._in_flight_step = None
+            if not stats.ok and not self.fs.is_dir(self.step_path(step)):
+                self._infos.pop(step, None)  # it never existed; earlier steps are untouched
         self._record(stats)
-        return True
 
     def _save_now(self, step: int, items: Mapping[str, Any], metrics: Any,
                   metadata: Any) -> SaveStats:
@@ -357,6 +441,8 @@ class CheckpointManager:
     def delete(self, step: int) -> None:
         """Delete one checkpoint, crash-safely (it vanishes from the step list atomically)."""
         self._check_writable()
+        if step == self._in_flight_step:
+            self.wait_until_finished()
         with self._mutex:
             self._resolve(step)
             self._delete_step(step)
@@ -379,6 +465,11 @@ class CheckpointManager:
         """
         verify = self.options.verify_on_restore if verify is None else verify
         fallback = self.options.fallback_on_damage if fallback is None else fallback
+        pending = self._in_flight_step
+        if pending is not None and step in (None, pending):
+            # Reading the step being written: wait for its commit. If it failed, its error
+            # is raised here, not mistaken for a damaged checkpoint to fall back from.
+            self.wait_until_finished()
         if step is not None:
             return self._restore_step(self._resolve(step), target, partial, verify, sharding)
         steps = sorted(self.all_steps(read=True), reverse=True)

@@ -227,12 +227,35 @@ def is_prng_key(x: Any) -> bool:
     return dtype is not None and jax.dtypes.issubdtype(dtype, jax.dtypes.prng_key)
 
 
+# Platforms whose device memory reaches the host only through a transfer into a new buffer.
+_TRANSFER_PLATFORMS = frozenset({"gpu", "cuda", "rocm", "tpu"})
+
+
+def _transfer_made_a_copy(x: jax.Array) -> bool:
+    """Whether ``np.asarray(x)`` is certainly a fresh host buffer rather than a view of x.
+
+    On GPU and TPU an array in device memory comes to the host by a device-to-host transfer
+    into a new (read-only, never rewritten) numpy buffer: that buffer already *is* a snapshot,
+    so copying it again would only double the time and memory of the "photo". On CPU, and for
+    arrays placed in host memory kinds, ``np.asarray`` may be a zero-copy view of the array's
+    own buffer, which a later donation may hand to XLA to overwrite. When unsure: False (copy).
+    """
+    try:
+        sharding = x.sharding
+        platforms = {d.platform for d in sharding.device_set}
+        kind = sharding.memory_kind
+    except Exception:  # an unusual array type: be safe and copy
+        return False
+    return bool(platforms) and platforms <= _TRANSFER_PLATFORMS and kind in (None, "device")
+
+
 def to_host(x: Any, *, copy: bool = False, path: str = "<leaf>") -> Any:
     """Task 1.2 — one leaf brought to host memory with its exact dtype.
 
     * ``jax.Array`` → ``numpy.ndarray`` of the same dtype (bfloat16 stays bfloat16). On CPU
       this is a zero-copy view unless ``copy=True``; an async save needs the copy, because
-      the device buffer may be donated or overwritten after ``save()`` returns.
+      the device buffer may be donated or overwritten after ``save()`` returns. (On GPU/TPU
+      the transfer itself makes the copy, so ``copy=True`` does not copy a second time.)
     * typed PRNG key (``jax.random.key``) → :class:`HostKey` (raw data + impl name).
     * numpy arrays and scalars stay numpy; Python scalars, strings and ``None`` stay as is.
     * anything else (object arrays, functions...) is refused: storing it would need pickle.
@@ -247,7 +270,7 @@ def to_host(x: Any, *, copy: bool = False, path: str = "<leaf>") -> Any:
             return HostKey(np.array(data, copy=True) if copy else data,
                            str(jax.random.key_impl(x)))
         arr = np.asarray(x)
-        return np.array(arr, copy=True) if copy else arr
+        return np.array(arr, copy=True) if copy and not _transfer_made_a_copy(x) else arr
     if isinstance(x, np.ndarray):
         if x.dtype.hasobject:
             raise UnsupportedLeafError(

@@ -1,0 +1,364 @@
+"""Async checkpointing: take a photo of the state, let training go on, write it in the background.
+
+An async save has two phases:
+
+1. **The snapshot — the "photo"** (blocking, in ``save()``). Every leaf is copied into host
+   memory that minickpt owns: a *true copy*, not a view (:func:`snapshot`). ``save()`` returns
+   as soon as the copy exists; the training loop pays only for this copy.
+2. **The background write** (in a thread, :class:`AsyncWriter`). The copy is written with
+   exactly the synchronous path's :meth:`Checkpointer.write <minickpt.checkpointer.Checkpointer.write>`
+   — temporary directory, fsync of every file and directory, rename that never replaces, fsync
+   of the parent — then the manager's bookkeeping and retention run, in that order.
+
+Why the photo must be finished (a copy, not a reference) before ``save()`` returns: the very
+next training step may change the buffers the state lives in. A numpy leaf can be mutated in
+place. A ``jax.Array`` is immutable as a value, but its *buffer* is not: ``jax.jit(step,
+donate_argnums=0)`` donates the old state's buffers to XLA, which on GPU/TPU writes the new
+state into that same memory (and marks the old array deleted); ``x.delete()`` frees it. A
+writer still reading the old buffers would then save a mixture of two steps, or crash. So the
+snapshot copies everything to host memory first; the cost is one host copy of the state
+(and that much extra host memory while a save is in flight).
+
+One save is in flight at a time: the next ``save()`` first waits for the previous one (and logs
+a warning when that wait is long — saves are then slower than the interval between them).
+An error in the background is never lost: it is raised — the original exception, errno and
+all — by the next ``save()``, ``wait_until_finished()`` or ``close()``; the failed save's
+temporary directory is removed, earlier checkpoints are untouched, and retention never runs
+for it. Pending saves are finished when the interpreter exits normally.
+
+:class:`AsyncWriter` runs any write phase given as a callable, so the same writer runs the
+single-process :meth:`Checkpointer.write` and a multi-host per-process shard writer with its
+barriers and primary commit.
+"""
+
+from __future__ import annotations
+
+import atexit
+import logging
+import os
+import threading
+import time
+import weakref
+from collections.abc import Callable, Iterable, Mapping
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+from .checkpointer import Checkpointer, CheckpointMetadata, SaveStats, VerifyReport, _json_safe
+from .errors import MiniCkptError, StepAlreadyExistsError
+from .format import ItemPlan
+from .fs import FileSystem
+
+log = logging.getLogger("minickpt")
+
+WAIT_WARNING_S = 1.0
+"""A ``save()`` that waits longer than this for the previous save logs a warning."""
+
+
+def snapshot(items: Mapping[str, Any], *, executor: ThreadPoolExecutor | None = None
+             ) -> dict[str, ItemPlan]:
+    """Task 5.1 — the "photo": every item copied to host memory and laid out for writing.
+
+    The copy is what makes an async save safe: whatever happens to the arrays after this
+    returns (in-place mutation of a numpy leaf, ``x.delete()``, donation to a jitted step)
+    cannot change what is written. Large leaves are copied in ``executor``'s threads.
+    """
+    return Checkpointer().plan(items, copy=True, executor=executor)
+
+
+class AsyncWriter:
+    """Task 5.2 — runs one write phase at a time in a background thread and keeps its error.
+
+    ``start(fn)`` runs ``fn()`` in a new (non-daemon) thread; the caller must first
+    :meth:`wait` for the previous one. An exception from ``fn`` is kept and raised, once, by
+    :meth:`check_for_errors` (and so by :meth:`wait_until_finished` and :meth:`close`).
+    """
+
+    def __init__(self, *, name: str = "minickpt-async-save",
+                 wait_warning_s: float | None = None):
+        self.name = name
+        self.wait_warning_s = wait_warning_s
+        self._lock = threading.Lock()
+        self._thread: threading.Thread | None = None
+        self._what: str | None = None
+        self._error: BaseException | None = None
+        _LIVE_WRITERS.add(self)
+
+    def start(self, fn: Callable[[], Any], *, what: str) -> None:
+        """Run the write phase ``fn`` in the background; ``what`` names it in messages."""
+        with self._lock:
+            if self._thread is not None and self._thread.is_alive():
+                raise MiniCkptError(f"cannot start the background save of {what}: the save of "
+                                    f"{self._what} is still in flight (wait() first)")
+            if self._error is not None:
+                raise MiniCkptError(f"cannot start the background save of {what}: the error "
+                                    f"of the save of {self._what} was not collected yet")
+            # Not a daemon: a normal interpreter exit waits for it, so a pending save commits.
+            thread = threading.Thread(target=self._run, args=(fn, what),
+                                      name=f"{self.name}:{what}", daemon=False)
+            self._thread, self._what = thread, what
+        thread.start()
+
+    def _run(self, fn: Callable[[], Any], what: str) -> None:
+        try:
+            fn()
+        except BaseException as e:  # kept for the training loop, never swallowed
+            e.add_note(f"minickpt: raised in the background by the async save of {what}")
+            with self._lock:
+                self._error = e
+
+    def wait(self, *, reason: str | None = None) -> float:
+        """Block until no write phase runs; return the seconds waited. Never raises its error.
+
+        With a ``reason`` (e.g. "the save of step 20"), a wait longer than ``wait_warning_s``
+        (default: the module's ``WAIT_WARNING_S``) is logged as a warning: saves are then
+        slower than the interval between them.
+        """
+        thread = self._thread
+        if thread is None or thread is threading.current_thread():
+            return 0.0
+        t0 = time.perf_counter()
+        threshold = WAIT_WARNING_S if self.wait_warning_s is None else self.wait_warning_s
+        if reason is not None:
+            thread.join(threshold)
+            if thread.is_alive():
+                log.warning("minickpt: %s waits for the background save of %s, still writing "
+                            "after %.1f s (one save is in flight at a time): checkpoints take "
+                            "longer to write than the interval between them", reason,
+                            self._what, time.perf_counter() - t0)
+        thread.join()
+        return time.perf_counter() - t0
+
+    def check_for_errors(self) -> None:
+        """Raise the error of a finished write phase — the original exception — once."""
+        with self._lock:
+            err, self._error = self._error, None
+        if err is not None:
+            raise err
+
+    def wait_until_finished(self) -> None:
+        """Block until the write phase in flight (if any) is done; raise its error."""
+        self.wait()
+        self.check_for_errors()
+
+    def is_saving_in_progress(self) -> bool:
+        thread = self._thread
+        return thread is not None and thread.is_alive()
+
+    @property
+    def in_flight(self) -> str | None:
+        """What is being written now (``what`` of the running phase), or None."""
+        return self._what if self.is_saving_in_progress() else None
+
+    def close(self) -> None:
+        self.wait_until_finished()
+
+
+_LIVE_WRITERS: weakref.WeakSet[AsyncWriter] = weakref.WeakSet()
+
+
+@atexit.register
+def _finish_pending_saves() -> None:
+    """At a normal exit: wait for every background save; report errors nobody collected."""
+    for writer in list(_LIVE_WRITERS):
+        writer.wait()
+        try:
+            writer.check_for_errors()
+        except BaseException as e:  # at exit there is no caller left to raise to
+            log.error("minickpt: the async save of %s failed, and the program exited before "
+                      "the error was collected (call wait_until_finished() or close() before "
+                      "exiting): %s: %s", writer._what, type(e).__name__, e, exc_info=e)
+
+
+def default_snapshot_threads() -> int:
+    """Threads that copy leaves during the snapshot: a quarter of the CPUs, 1 to 8.
+
+    Parallel copies pay off only with idle cores. On a busy 2-core machine
+    (benchmarks/async_blocking.py) 2 copying threads were sometimes faster than 1 and sometimes
+    several times slower (each hand-over of the GIL waits for a descheduled thread), so small
+    machines copy in one thread. On GPU/TPU the device arrays need no host copy at all (the
+    transfer is the copy), so this matters for CPU arrays and numpy leaves.
+    """
+    return max(1, min(8, (os.cpu_count() or 1) // 4))
+
+
+class AsyncCheckpointer(Checkpointer):
+    """A :class:`Checkpointer` whose ``save()`` returns after the snapshot (Orbax's
+    ``AsyncCheckpointer``): the write and commit run in the background, one at a time.
+
+    ``save()`` returns the save's :class:`SaveStats`, which the background fills in;
+    :meth:`wait_until_finished` makes it final. Reading the checkpoint being written
+    (``restore``, ``metadata``, ``verify``) waits for it first.
+    """
+
+    def __init__(self, fs: FileSystem | None = None, *,
+                 wait_warning_s: float | None = None,
+                 snapshot_threads: int | None = None):
+        super().__init__(fs)
+        self._writer = AsyncWriter(wait_warning_s=wait_warning_s)
+        self._threads = snapshot_threads or default_snapshot_threads()
+        self._pool: ThreadPoolExecutor | None = None
+        self._in_flight_path: str | None = None
+        self._start_lock = threading.Lock()
+        self._closed = False
+        self.last_save_stats: SaveStats | None = None
+
+    # ---- saving ------------------------------------------------------------------------
+    def save(self, directory: str | os.PathLike[str], items: Mapping[str, Any], *,
+             step: int | None = None, metrics: Mapping[str, Any] | None = None,
+             custom_metadata: Mapping[str, Any] | None = None,
+             on_commit: Callable[[SaveStats], Any] | None = None,
+             on_finish: Callable[[SaveStats], Any] | None = None) -> SaveStats:
+        """Snapshot ``items``, start writing them to ``directory`` in the background, return.
+
+        First raises the error of a previous save, if it failed, and waits for a previous
+        save still in flight. ``on_commit(stats)`` runs in the background after the commit;
+        ``on_finish(stats)`` after every save, committed or failed (``stats.ok`` says which).
+        """
+        t0, wall0 = time.perf_counter(), time.time()
+        self.check_for_errors()
+        wait_s = 0.0
+        while True:
+            wait_s += self.wait_for_previous(f"the save of {os.fspath(directory)}")
+            self.check_for_errors()
+            with self._start_lock:
+                if self.is_saving_in_progress():
+                    continue  # another thread's save started meanwhile: wait for it too
+                return self.start_save(directory, items, step=step, metrics=metrics,
+                                       custom_metadata=custom_metadata, on_commit=on_commit,
+                                       on_finish=on_finish, t0=t0, wall0=wall0, wait_s=wait_s)
+
+    def wait_for_previous(self, reason: str) -> float:
+        """Wait (without raising its error) for the save in flight; return seconds waited."""
+        return self._writer.wait(reason=reason)
+
+    def start_save(self, directory: str | os.PathLike[str], items: Mapping[str, Any], *,
+                   step: int | None = None, metrics: Mapping[str, Any] | None = None,
+                   custom_metadata: Mapping[str, Any] | None = None,
+                   on_commit: Callable[[SaveStats], Any] | None = None,
+                   on_finish: Callable[[SaveStats], Any] | None = None,
+                   t0: float | None = None, wall0: float | None = None,
+                   wait_s: float = 0.0) -> SaveStats:
+        """The part of :meth:`save` after the wait: snapshot, then start the writer.
+
+        For callers (the manager) that wait for the previous save themselves, outside their
+        own lock. ``t0``/``wall0``: when the caller's ``save()`` began (perf_counter / time).
+        """
+        t0 = time.perf_counter() if t0 is None else t0
+        wall0 = time.time() if wall0 is None else wall0
+        if self._closed:
+            raise MiniCkptError("this AsyncCheckpointer is closed")
+        directory = os.path.abspath(os.fspath(directory))
+        if self.fs.exists(directory):
+            raise StepAlreadyExistsError(f"{directory} already exists: minickpt never "
+                                         "replaces a committed checkpoint")
+        # Metrics and metadata are part of the photo too: plain JSON, copied now.
+        metrics = _json_safe(metrics, "metrics") if metrics is not None else None
+        custom_metadata = _json_safe(custom_metadata or {}, "metadata")
+        init_ns = time.time_ns()
+        t_snap = time.perf_counter()
+        if self._pool is None and self._threads > 1:
+            self._pool = ThreadPoolExecutor(self._threads, thread_name_prefix="minickpt-snap")
+        plans = self.plan(items, copy=True, executor=self._pool)
+        stats = SaveStats(step, directory, start_time=wall0, async_=True, wait_s=wait_s)
+        stats.snapshot_s = time.perf_counter() - t_snap
+        what = directory if step is None else f"step {step} ({directory})"
+
+        def write_phase() -> None:
+            try:
+                self.write(directory, plans, step=step, metrics=metrics,
+                           custom_metadata=custom_metadata, stats=stats, init_ns=init_ns)
+                if on_commit is not None:
+                    on_commit(stats)
+            except BaseException as e:
+                stats.ok, stats.error = False, f"{type(e).__name__}: {e}"
+                raise
+            finally:
+                plans.clear()  # free the host copy as soon as it is written
+                stats.total_s = time.perf_counter() - t0
+                self._in_flight_path = None
+                self.last_save_stats = stats
+                if on_finish is not None:
+                    try:
+                        on_finish(stats)
+                    except Exception:  # bookkeeping must not hide the save's own outcome
+                        log.exception("minickpt: on_finish failed after the save of %s", what)
+
+        self._in_flight_path = directory
+        stats.blocking_s = time.perf_counter() - t0
+        try:
+            self._writer.start(write_phase, what=what)
+        except BaseException:
+            self._in_flight_path = None
+            raise
+        return stats
+
+    # ---- the writer's state ------------------------------------------------------------
+    def check_for_errors(self) -> None:
+        """Raise the error of a finished background save (once); never blocks."""
+        self._writer.check_for_errors()
+
+    def wait_until_finished(self) -> None:
+        """Block until the save in flight has committed; raise its error if it failed."""
+        self._writer.wait_until_finished()
+
+    def is_saving_in_progress(self) -> bool:
+        return self._writer.is_saving_in_progress()
+
+    def close(self) -> None:
+        """Finish the pending save (raising its error) and release the snapshot threads."""
+        self._closed = True
+        try:
+            self._writer.close()
+        finally:
+            if self._pool is not None:
+                self._pool.shutdown(wait=True)
+                self._pool = None
+
+    def __enter__(self) -> AsyncCheckpointer:
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+    # ---- reading what may be in flight -------------------------------------------------
+    def _settle(self, directory: str | os.PathLike[str]) -> None:
+        """Reading the checkpoint being written: wait for its commit (or its error) first."""
+        path = self._in_flight_path
+        if path is not None and os.path.abspath(os.fspath(directory)) == path:
+            self.wait_until_finished()
+
+    def metadata(self, directory: str | os.PathLike[str]) -> CheckpointMetadata:
+        self._settle(directory)
+        return super().metadata(directory)
+
+    def restore(self, directory: str | os.PathLike[str], target: Mapping[str, Any] | None = None,
+                **kw: Any) -> dict[str, Any]:
+        self._settle(directory)
+        return super().restore(directory, target, **kw)
+
+    def verify(self, directory: str | os.PathLike[str], *, deep: bool = True) -> VerifyReport:
+        self._settle(directory)
+        return super().verify(directory, deep=deep)
+
+
+def timeline(history: Iterable[SaveStats]) -> list[dict[str, Any]]:
+    """Task 5.3 — each save as intervals on one clock, for plotting and measuring overlap.
+
+    Times are seconds since the first save began: ``start`` → ``unblocked`` is the training
+    loop's pause (the wait for the previous save, then the snapshot); ``unblocked`` → ``end``
+    is the background write, commit and retention. ``hidden_s`` is the part of a save's
+    time the training loop did not wait for.
+    """
+    rows = sorted(history, key=lambda s: s.start_time)
+    if not rows:
+        return []
+    origin = rows[0].start_time
+    out = []
+    for s in rows:
+        start = s.start_time - origin
+        out.append({"step": s.step, "async": s.async_, "ok": s.ok, "start": start,
+                    "unblocked": start + s.blocking_s, "end": start + s.total_s,
+                    "wait_s": s.wait_s, "snapshot_s": s.snapshot_s, "write_s": s.write_s,
+                    "fsync_s": s.fsync_s, "commit_s": s.commit_s,
+                    "hidden_s": max(0.0, s.total_s - s.blocking_s), "bytes": s.bytes})
+    return out
