@@ -12,6 +12,9 @@ from .errors import (
     CheckpointNotFoundError,
     FormatVersionError,
     MiniCkptError,
+    MultiHostError,
+    PeerTimeoutError,
+    ProcessDisagreementError,
     StepAlreadyExistsError,
     StructureMismatchError,
     UnsafeCheckpointError,
@@ -19,6 +22,7 @@ from .errors import (
 )
 from .legacy import restore_checkpoint, save_checkpoint
 from .manager import CheckpointManager, CheckpointManagerOptions, Restored
+from .multihost import MultiHostOptions
 
 __all__ = [
     "CheckpointCorruptedError",
@@ -29,6 +33,10 @@ __all__ = [
     "Checkpointer",
     "FormatVersionError",
     "MiniCkptError",
+    "MultiHostError",
+    "MultiHostOptions",
+    "PeerTimeoutError",
+    "ProcessDisagreementError",
     "Restored",
     "SaveStats",
     "StepAlreadyExistsError",

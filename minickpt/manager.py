@@ -16,10 +16,10 @@ import threading
 import time
 import warnings
 from collections.abc import Callable, Collection, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
-from . import policy
+from . import multihost, policy
 from .checkpointer import Checkpointer, CheckpointMetadata, SaveStats, VerifyReport
 from .commit import cleanup_temporaries, delete_dir, parse_step, step_dir_name
 from .errors import (
@@ -29,6 +29,7 @@ from .errors import (
     StepAlreadyExistsError,
 )
 from .fs import DEFAULT_FS, FileSystem
+from .multihost import MultiHostOptions, Sync
 
 log = logging.getLogger("minickpt")
 LOCK_FILE = ".minickpt.lock"
@@ -56,6 +57,8 @@ class CheckpointManagerOptions:
     verify_on_restore: bool = True
     fallback_on_damage: bool = True
     lock: bool = True
+    # chapter 4: time-outs and roles when several processes save together
+    multihost: MultiHostOptions = field(default_factory=MultiHostOptions)
 
     def __post_init__(self) -> None:
         if not isinstance(self.save_interval_steps, int) or self.save_interval_steps < 1:
@@ -86,11 +89,16 @@ class CheckpointManager:
 
     def __init__(self, directory: str | os.PathLike[str],
                  options: CheckpointManagerOptions | None = None, *,
-                 fs: FileSystem | None = None, primary: bool = True):
+                 fs: FileSystem | None = None, primary: bool | None = None,
+                 sync: Sync | None = None):
         self.directory = os.path.abspath(os.fspath(directory))
         self.options = options or CheckpointManagerOptions()
         self.fs = fs or DEFAULT_FS
-        self.primary = primary
+        # Under jax.distributed every process opens the same directory (a shared file
+        # system); only the primary locks it, cleans it and commits into it.
+        self._sync = sync or multihost.default_sync()
+        self.primary = (self._sync.process_index == self.options.multihost.primary_host
+                        if primary is None else primary)
         self._checkpointer = Checkpointer(self.fs)
         self._lock_fd: int | None = None
         self._closed = False
@@ -291,6 +299,8 @@ class CheckpointManager:
         self._check_writable()
         if not isinstance(step, int) or isinstance(step, bool) or step < 0:
             raise ValueError(f"step must be a non-negative int, got {step!r}")
+        if self._sync.process_count > 1:
+            return self._save_collective(step, items, metrics, metadata, force)
         with self._mutex:
             if step in self._infos:
                 raise StepAlreadyExistsError(
@@ -316,6 +326,49 @@ class CheckpointManager:
             raise
         self._committed(step, metrics, stats)
         return stats
+
+    def _save_collective(self, step: int, items: Mapping[str, Any], metrics: Any,
+                         metadata: Any, force: bool) -> bool:
+        """Chapter 4: one checkpoint written by every process (see minickpt.multihost).
+
+        Each process decides locally — with the same step list, the same policy says the
+        same thing everywhere — then the protocol checks that they all agree on the step.
+        """
+        with self._mutex:
+            if step in self._infos:
+                raise StepAlreadyExistsError(
+                    f"step {step} is already saved in {self.step_path(step)}; minickpt never "
+                    "replaces a committed checkpoint (delete it first to save it again)")
+            if not force and not self.should_save(step):
+                return False
+            m = dict(metrics) if metrics is not None else None
+
+            def on_commit(stats: SaveStats) -> dict[str, Any]:  # on the primary
+                before = set(self._infos)
+                self._committed(step, m, stats)
+                return {"deleted": sorted(before - set(self._infos))}
+
+            def on_done(info: Mapping[str, Any]) -> None:  # on the others
+                with self._mutex:
+                    self._infos[step] = policy.StepInfo(step, m, time.time())
+                    for s in info.get("deleted", []):
+                        self._infos.pop(s, None)
+
+            t0 = time.perf_counter()
+            try:
+                job = multihost.prepare_save(
+                    self._checkpointer, self._sync, self.step_path(step), items, step=step,
+                    force=force, options=self.options.multihost, metrics=metrics,
+                    custom_metadata=metadata, on_commit=on_commit, on_done=on_done)
+                stats = job.run()
+            except BaseException as e:
+                self._record(SaveStats(step, self.step_path(step), ok=False,
+                                       error=f"{type(e).__name__}: {e}", start_time=time.time(),
+                                       total_s=time.perf_counter() - t0))
+                raise
+            stats.total_s = stats.blocking_s = time.perf_counter() - t0
+        self._record(stats)
+        return True
 
     def _committed(self, step: int, metrics: Any, stats: SaveStats) -> None:
         """Bookkeeping after a durable commit: remember the step, then apply retention."""
@@ -357,9 +410,33 @@ class CheckpointManager:
     def delete(self, step: int) -> None:
         """Delete one checkpoint, crash-safely (it vanishes from the step list atomically)."""
         self._check_writable()
+        if self._sync.process_count > 1:
+            return self._delete_collective(step)
         with self._mutex:
             self._resolve(step)
             self._delete_step(step)
+
+    def _delete_collective(self, step: int) -> None:
+        """Every process calls delete; the primary deletes, the others follow its result."""
+        sync, mh = self._sync, self.options.multihost
+        op = sync.new_op("delete")
+        multihost.agree(sync.exchange(f"{op}/agree", step, mh.timeout_s,
+                                      f"delete of step {step}: agreeing on the step"),
+                        "the step to delete")
+        local: BaseException | None = None
+        if self.primary:
+            try:
+                with self._mutex:
+                    self._resolve(step)
+                    self._delete_step(step)
+            except Exception as e:
+                local = e
+        statuses = sync.exchange(f"{op}/done", multihost.failure_status(local) if self.primary
+                                 else None, mh.timeout_s, f"delete of step {step}")
+        multihost.raise_failures({mh.primary_host: statuses[mh.primary_host]},
+                                  sync.process_index, local, f"deleting step {step}")
+        with self._mutex:
+            self._infos.pop(step, None)
 
     def _record(self, stats: SaveStats) -> None:
         self.last_save_stats = stats
@@ -379,6 +456,8 @@ class CheckpointManager:
         """
         verify = self.options.verify_on_restore if verify is None else verify
         fallback = self.options.fallback_on_damage if fallback is None else fallback
+        if self._sync.process_count > 1:
+            return self._restore_collective(step, target, partial, verify, sharding, fallback)
         if step is not None:
             return self._restore_step(self._resolve(step), target, partial, verify, sharding)
         steps = sorted(self.all_steps(read=True), reverse=True)
@@ -398,6 +477,57 @@ class CheckpointManager:
                 self._emit("skip", {"step": s, "error": str(e), "time": time.time()})
                 continue
             return out
+        raise CheckpointCorruptedError(self.directory, "every checkpoint is damaged:\n  "
+                                       + "\n  ".join(errors))
+
+    def _restore_collective(self, step: int | None, target: Mapping[str, Any] | None,
+                            partial: bool, verify: bool, sharding: Any,
+                            fallback: bool) -> Restored:
+        """Chapter 4: restore on every process, each reading what its devices need.
+
+        The primary's list of steps is everyone's; after each attempt the processes exchange
+        how it went, so that they all return the same step, all fall back together past a
+        damaged one, or all raise.
+        """
+        sync, mh = self._sync, self.options.multihost
+        op = sync.new_op("restore")
+        mine = [step] if step is not None else sorted(self.all_steps(read=True), reverse=True)
+        views = sync.exchange(f"{op}/steps", mine, mh.timeout_s, "restore: listing the steps")
+        if step is not None:
+            multihost.agree([v[0] for v in views], "the step to restore")
+        steps = views[mh.primary_host]
+        if not steps:
+            raise CheckpointNotFoundError(f"no checkpoint to restore in {self.directory}")
+        errors: list[str] = []
+        for n, s in enumerate(steps):
+            local: BaseException | None = None
+            out = None
+            try:
+                if mh.primary_only:
+                    out = Restored(multihost.restore_broadcast(
+                        self._checkpointer, sync, f"{op}/b{n}", self.step_path(s), target,
+                        partial=partial, verify=verify, sharding=sharding, options=mh))
+                    out.step = s
+                else:
+                    out = self._restore_step(self._resolve(s), target, partial, verify,
+                                             sharding)
+            except Exception as e:
+                local = e
+            statuses = sync.exchange(f"{op}/try{n}", multihost.failure_status(local),
+                                     mh.timeout_s, f"restore of step {s}")
+            bad = {p: st for p, st in enumerate(statuses) if not st["ok"]}
+            if not bad:
+                assert out is not None
+                return out
+            if step is not None or not fallback or not all(st["damage"] for st in bad.values()):
+                multihost.raise_failures(statuses, sync.process_index, local,
+                                         f"restoring step {s}", reading=True)
+            why = multihost.describe_failures(bad)
+            msg = f"minickpt: skipping damaged checkpoint step {s}: {why}"
+            log.error(msg)
+            warnings.warn(msg, stacklevel=3)
+            errors.append(f"step {s}: {why}")
+            self._emit("skip", {"step": s, "error": why, "time": time.time()})
         raise CheckpointCorruptedError(self.directory, "every checkpoint is damaged:\n  "
                                        + "\n  ".join(errors))
 
