@@ -636,6 +636,7 @@ def plan_for_process(tree: Any, sync: Sync, *, primary_host: int = 0, copy: bool
     buffers: list[np.ndarray | None] = []
     shards: list[tuple[int, Names, Box, np.ndarray]] = []
     signature: list[Any] = []
+    pending: list[tuple[int, Names, Box, jax.Array]] = []
     offset = 0
     num_sharded = 0
     for i, (names, leaf) in enumerate(named):
@@ -663,8 +664,7 @@ def plan_for_process(tree: Any, sync: Sync, *, primary_host: int = 0, copy: bool
             for box, device in owned_shards(data.shape,
                                             data.sharding.devices_indices_map(data.shape), me,
                                             process_of=sync.process_of):
-                host = np.asarray(by_device[device].data)
-                shards.append((i, names, box, np.array(host, copy=True) if copy else host))
+                pending.append((i, names, box, by_device[device].data))
             continue
         if not is_primary:
             continue
@@ -679,6 +679,14 @@ def plan_for_process(tree: Any, sync: Sync, *, primary_host: int = 0, copy: bool
             offset += buf.nbytes
         entries.append(entry)
         buffers.append(buf)
+    for *_, data in pending:  # start every device-to-host copy before waiting on any
+        try:
+            data.copy_to_host_async()
+        except Exception:  # already on the host
+            pass
+    for i, names, box, data in pending:
+        host = np.asarray(data)
+        shards.append((i, names, box, np.array(host, copy=True) if copy else host))
     primary_plan = ItemPlan(skel, entries, buffers, offset) if is_primary else None
     return ProcessItemPlan(primary_plan, plan_shards(shards), num_sharded, signature)
 
@@ -789,7 +797,14 @@ class CollectiveSave:
             self.stats.barrier_s += time.perf_counter() - t
 
     def run(self) -> SaveStats:
-        """Write this process's part, then commit (primary) — every step behind a barrier."""
+        """Task 4.3 — the two-barrier commit: write this process's part, then commit.
+
+        The primary creates the temporary directory — barrier — every process writes and
+        fsyncs its shards — barrier — the primary writes the manifests and the metadata and
+        commits (fsync, rename, fsync of the parent) — barrier. Any failure anywhere is
+        reported to every process at the next barrier; the primary then removes the
+        temporary directory, so the step never appears.
+        """
         t0 = time.perf_counter()
         stats = self.stats
         try:
@@ -945,7 +960,8 @@ def prepare_save(checkpointer: Checkpointer, sync: Sync, directory: str,
     views = sync.exchange(f"{op}/agree", {"step": step, "items": list(plans),
                                           "trees": _signature_crc(plans), "force": force,
                                           "token": secrets.token_hex(4)}, options.timeout_s,
-                          f"save of step {step}: agreeing on the step")
+                          f"save of step {step}: agreeing on the step (every process must call "
+                          "save, not only the primary)")
     stats.barrier_s += time.perf_counter() - t
     agree_on_step([v["step"] for v in views])
     agree([v["items"] for v in views], "the items to save")

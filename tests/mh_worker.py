@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import os
 import sys
+import threading
 import time
 
 import minickpt.multihost as mh
@@ -19,6 +20,7 @@ import minickpt.multihost as mh
 mh.initialize()  # before any other JAX call; a no-op when not launched
 
 import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
 import ml_dtypes  # noqa: E402
 import numpy as np  # noqa: E402
 from jax.sharding import Mesh, NamedSharding  # noqa: E402
@@ -192,9 +194,33 @@ def scenario_restore(directory: str, replicated_dir: str) -> int:
                 and np.array_equal(jax.random.key_data(b["rng"]),
                                    jax.random.key_data(jax.random.key(42)))
                 and np.array_equal(nt["params"]["w"], expected("w")) and nt["step"] == 3)
+    # the write phase in a background thread while the main thread keeps computing across
+    # processes (what the async manager does): barriers from the thread, gloo from main
+    sharded = saved_state(k)
+    job = mh.prepare_save(mc.Checkpointer(), mh.default_sync(),
+                          os.path.join(replicated_dir, "step_7"), sharded, step=7, copy=True)
+    errors = []
+    writer = threading.Thread(target=lambda: _capture(job.run, errors))
+    writer.start()
+    total = 0.0
+    for _ in range(5):
+        total += float(jax.jit(jnp.sum)(sharded["params"]["w"]))
+    writer.join(60)
+    threaded = mc.Checkpointer().restore(os.path.join(replicated_dir, "step_7"),
+                                         target=restore_target(meshes(k)[0]))
+    threaded_ok = (not errors and not writer.is_alive() and not check_restored(threaded)
+                   and total == 5 * float(expected("w").sum()))
     result(restored=check_restored(r), transposed=check_restored(r2), files=files,
-           broadcast_ok=bool(bcast_ok))
-    return 0 if not check_restored(r) and not check_restored(r2) and bcast_ok else 1
+           broadcast_ok=bool(bcast_ok), threaded_ok=threaded_ok, errors=errors)
+    return 0 if (not check_restored(r) and not check_restored(r2) and bcast_ok
+                 and threaded_ok) else 1
+
+
+def _capture(fn, errors: list) -> None:
+    try:
+        fn()
+    except BaseException as e:  # reported by the main thread
+        errors.append(repr(e))
 
 
 def scenario_kill(directory: str) -> int:

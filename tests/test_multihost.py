@@ -216,8 +216,9 @@ def state(m=None):
     g_w, w = garr((8, 8), P("p", "l"), m)
     g_r, r = garr((8, 4), P("p"), m, seed=1)  # replicated over 'l'
     g_c, c = garr((4, 8), P(), m, np.int32, 2)  # fully replicated: the primary writes it
+    keys = jax.device_put(jax.random.split(jax.random.key(9), 8), NamedSharding(m, P("p")))
     return ({"w": g_w, "r": g_r, "c": g_c},
-            {"params": {"w": w, "r": r, "c": c}, "step": 3, "host": np.arange(3.0)})
+            {"params": {"w": w, "r": r, "c": c}, "keys": keys, "step": 3, "host": np.arange(3.0)})
 
 
 @pytest.mark.task("4.3")
@@ -251,11 +252,16 @@ def test_4_3_collective_save_commits_one_checkpoint_each_shard_once(tmp_path):
     other = Mesh(np.array(jax.devices()[:4]).reshape(4, 1), ("a", "b"))
     target = {"params": {k: jax.ShapeDtypeStruct(v.shape, v.dtype,
                                                  sharding=NamedSharding(other, P(None, "a")))
-                         for k, v in expect.items()}, "step": 0, "host": np.zeros(3)}
+                         for k, v in expect.items()}, "step": 0, "host": np.zeros(3),
+              "keys": jax.device_put(jax.random.split(jax.random.key(0), 8),
+                                     NamedSharding(other, P("a")))}
     r = mc.CheckpointManager(tmp_path, opts(read_only=True)).restore(target=target)
     for k, v in expect.items():
         np.testing.assert_array_equal(np.asarray(r["params"][k]), v)
         assert r["params"][k].sharding == target["params"][k].sharding
+    np.testing.assert_array_equal(jax.random.key_data(r["keys"]),
+                                  jax.random.key_data(tree["keys"]))
+    assert r["keys"].sharding == target["keys"].sharding
     stats = [s for _, s in res]
     assert all(s.ok and s.barrier_s >= 0 for s in stats) and stats[0].commit_s > 0
 
@@ -593,6 +599,7 @@ def test_restore_on_2_processes_and_replicated_state_saved_by_the_primary(saved_
     assert r.ok, r.output()
     for res in results.values():
         assert res["restored"] == [] and res["transposed"] == [] and res["broadcast_ok"]
+        assert res["threaded_ok"], res["errors"]  # the write phase ran in a thread
         assert res["files"] == ["data.bin", "manifest.json"]  # the primary wrote it all
 
 
