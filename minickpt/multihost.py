@@ -3,8 +3,8 @@
 The same :class:`~minickpt.manager.CheckpointManager` code runs on one process and on many.
 With several processes a save is a small collective protocol (chapter 4, lab 4):
 
-1. **Agree** (Task 4.1). Every process publishes the step, the item names and a signature
-   of its trees; they must all be equal, else every process raises
+1. **Agree** (Task 4.1). Every process publishes the step, the item names and a checksum
+   of its trees' structure; they must all be equal, else every process raises
    :class:`~minickpt.errors.ProcessDisagreementError` naming who said what.
 2. **Snapshot.** Each process copies to host memory the shards it *owns* (Task 4.2): of the
    devices holding the same piece of an array, the first in the sharding's device order
@@ -35,9 +35,9 @@ What JAX itself does on failure, and what to do about it:
 * If a process *dies*, the JAX runtime aborts every survivor ``heartbeat_timeout_seconds``
   later (100 s by default). Keep ``timeout_s`` well below it so survivors fail with a
   Python error first.
-* If the primary (process 0, which hosts the coordination service) dies, every other
-  process is aborted by the runtime within a second, with no Python error. Its temporary
-  directory stays behind and is removed the next time a primary opens the manager.
+* If process 0 (it hosts the coordination service, and is the primary by default) dies,
+  every other process is aborted by the runtime within a second, with no Python error. A
+  temporary directory stays behind; the next primary to open the manager removes it.
 
 **Replicated state, the Flax way.** With ``MultiHostOptions(primary_only=True)`` the
 primary alone writes (every leaf must be replicated: data parallelism), and on restore the
@@ -67,7 +67,7 @@ import threading
 import time
 import zlib
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import jax
@@ -96,6 +96,7 @@ from .format import (
     check_name,
     coverage_problems,
     decode_value,
+    dtype_name,
     plan_leaf,
     plan_shards,
     sharded_entry,
@@ -604,7 +605,44 @@ class ProcessItemPlan:
     primary: ItemPlan | None
     shards: ItemPlan
     num_sharded: int
-    signature: list[Any] = field(default_factory=list)
+
+
+def _is_sharded(leaf: Any, sync: Sync, primary_host: int) -> bool:
+    """Whether a leaf is written in shards: a global array no single process reads whole."""
+    return _spans_processes(leaf, sync.process_of) and not _primary_can_read(
+        leaf, sync.process_of, primary_host)
+
+
+def tree_signature(items: Mapping[str, Any], sync: Sync, primary_host: int = 0) -> str:
+    """A checksum of what the processes are about to save: item names, key paths, types,
+    shapes, dtypes, and which leaves are sharded. Cheap: no data is read.
+
+    It also refuses leaves that cannot be stored, on *every* process (the primary alone
+    copies the unsharded ones, and must not be the only one to fail).
+    """
+    sig = []
+    for name, tree in items.items():
+        for names, leaf in skeleton(tree)[1]:
+            _check_storable(leaf, f"item '{name}' leaf {path_str(names)}")
+            sig.append([name, list(names), type(leaf).__name__,
+                        list(np.shape(leaf)) if hasattr(leaf, "shape") else None,
+                        str(getattr(leaf, "dtype", "")), _is_sharded(leaf, sync, primary_host)])
+    return f"{zlib.crc32(json.dumps(sig, sort_keys=True).encode()):08x}"
+
+
+def _check_storable(leaf: Any, where: str) -> None:
+    if isinstance(leaf, jax.Array):
+        dtype = jax.random.key_data(leaf).dtype if is_prng_key(leaf) else leaf.dtype
+    elif isinstance(leaf, (np.ndarray, np.generic)):
+        to_host(leaf, path=where)  # refuses object arrays, with the reason
+        dtype = leaf.dtype
+    else:
+        to_host(leaf, path=where)  # numbers, strings, None pass; anything else is refused
+        return
+    try:
+        dtype_name(dtype)
+    except UnsupportedLeafError as e:
+        raise UnsupportedLeafError(f"{where}: {e}") from None
 
 
 def _spans_processes(leaf: Any, process_of: Callable[[Any], int]) -> bool:
@@ -635,17 +673,12 @@ def plan_for_process(tree: Any, sync: Sync, *, primary_host: int = 0, copy: bool
     entries: list[dict[str, Any]] = []
     buffers: list[np.ndarray | None] = []
     shards: list[tuple[int, Names, Box, np.ndarray]] = []
-    signature: list[Any] = []
     pending: list[tuple[int, Names, Box, jax.Array]] = []
     offset = 0
     num_sharded = 0
     for i, (names, leaf) in enumerate(named):
         where = path_str(names)
-        sharded = _spans_processes(leaf, sync.process_of) and not _primary_can_read(
-            leaf, sync.process_of, primary_host)
-        signature.append([list(names), type(leaf).__name__, list(np.shape(leaf))
-                          if hasattr(leaf, "shape") else None, str(getattr(leaf, "dtype", "")),
-                          sharded])
+        sharded = _is_sharded(leaf, sync, primary_host)
         if sharded:
             if primary_only:
                 raise UnsupportedLeafError(
@@ -688,7 +721,7 @@ def plan_for_process(tree: Any, sync: Sync, *, primary_host: int = 0, copy: bool
         host = np.asarray(data)
         shards.append((i, names, box, np.array(host, copy=True) if copy else host))
     primary_plan = ItemPlan(skel, entries, buffers, offset) if is_primary else None
-    return ProcessItemPlan(primary_plan, plan_shards(shards), num_sharded, signature)
+    return ProcessItemPlan(primary_plan, plan_shards(shards), num_sharded)
 
 
 def _readable_copy(leaf: Any) -> Any:
@@ -752,11 +785,6 @@ def raise_failures(statuses: Sequence[Any] | Mapping[int, Any], me: int,
             local.add_note(str(remote_failure(others, what)))
         raise local
     raise remote_failure(bad, what, reading=reading)
-
-
-def _signature_crc(plans: Mapping[str, ProcessItemPlan]) -> str:
-    raw = json.dumps([[name, p.signature] for name, p in plans.items()], sort_keys=True)
-    return f"{zlib.crc32(raw.encode()):08x}"
 
 
 @dataclass
@@ -931,10 +959,11 @@ def prepare_save(checkpointer: Checkpointer, sync: Sync, directory: str,
                  on_commit: Callable[[SaveStats], Mapping[str, Any]] | None = None,
                  on_done: Callable[[Mapping[str, Any]], None] | None = None
                  ) -> CollectiveSave:
-    """Start a collective save in the caller's thread: snapshot, then agree (Task 4.1).
+    """Start a collective save in the caller's thread: agree (Task 4.1), then snapshot.
 
     Every process calls it with the same step and trees of the same structure. Returns
-    the job whose :meth:`CollectiveSave.run` writes and commits.
+    the job whose :meth:`CollectiveSave.run` writes and commits; ``copy`` makes the
+    snapshot a real copy, as a background write needs.
     """
     options = options or MultiHostOptions()
     if options.primary_host >= sync.process_count:
@@ -943,31 +972,32 @@ def prepare_save(checkpointer: Checkpointer, sync: Sync, directory: str,
     if not isinstance(items, Mapping) or not items:
         raise TypeError("items must be a non-empty mapping of item name to pytree, "
                         "e.g. {'params': params, 'opt_state': opt_state}")
-    t0 = time.perf_counter()
     init_ns = time.time_ns()
+    names = [check_name(str(name)) for name in items]
     op = sync.new_op("save")
-    plans = {}
-    for name, tree in items.items():
-        try:
-            plans[check_name(str(name))] = plan_for_process(
-                tree, sync, primary_host=options.primary_host, copy=copy,
-                primary_only=options.primary_only, item=str(name))
-        except UnsupportedLeafError as e:
-            raise UnsupportedLeafError(f"item '{name}': {e}") from None
     stats = SaveStats(step, directory, start_time=time.time())
-    stats.snapshot_s = time.perf_counter() - t0
     t = time.perf_counter()
-    views = sync.exchange(f"{op}/agree", {"step": step, "items": list(plans),
-                                          "trees": _signature_crc(plans), "force": force,
-                                          "token": secrets.token_hex(4)}, options.timeout_s,
-                          f"save of step {step}: agreeing on the step (every process must call "
-                          "save, not only the primary)")
+    views = sync.exchange(f"{op}/agree", {
+        "step": step, "items": names, "force": force, "token": secrets.token_hex(4),
+        "trees": tree_signature(items, sync, options.primary_host)}, options.timeout_s,
+        f"save of step {step}: agreeing on the step (every process must call save, not "
+        "only the primary)")
     stats.barrier_s += time.perf_counter() - t
     agree_on_step([v["step"] for v in views])
     agree([v["items"] for v in views], "the items to save")
     agree([v["trees"] for v in views], "the structure, shapes and dtypes of the saved trees "
                                        "(checksum of their signature)")
     _fault(sync, "after_agree")
+    t0 = time.perf_counter()
+    plans = {}
+    for name, tree in zip(names, items.values(), strict=True):
+        try:
+            plans[name] = plan_for_process(tree, sync, primary_host=options.primary_host,
+                                           copy=copy, primary_only=options.primary_only,
+                                           item=name)
+        except UnsupportedLeafError as e:
+            raise UnsupportedLeafError(f"item '{name}': {e}") from None
+    stats.snapshot_s = time.perf_counter() - t0
     return CollectiveSave(checkpointer, sync, op, directory, step,
                           views[options.primary_host]["token"], plans, options, stats,
                           metrics=metrics, custom_metadata=custom_metadata, init_ns=init_ns,

@@ -385,6 +385,20 @@ def test_collective_delete_follows_the_primary(tmp_path):
     assert sorted(os.listdir(tmp_path)) == [".minickpt.lock", "step_2"]
 
 
+def test_an_unstorable_leaf_fails_on_every_process_before_anything_is_written(tmp_path):
+    _, w = garr((8, 4), P("p"))
+    bad = {"w": w, "objects": np.array([{"a": 1}], dtype=object)}
+
+    def work(sync):
+        return mc.CheckpointManager(tmp_path, opts(timeout_s=30), sync=sync).save(1, bad)
+
+    t = time.monotonic()
+    for r in mh.LocalGroup(2).run(work):
+        assert isinstance(r, mc.UnsupportedLeafError) and "objects" in str(r)
+    assert time.monotonic() - t < 20  # nobody waited for the time-out
+    assert sorted(os.listdir(tmp_path)) == [".minickpt.lock"]
+
+
 def test_primary_only_refuses_sharded_state(tmp_path):
     _, w = garr((8, 4), P("p"))
     o = mc.CheckpointManagerOptions(multihost=mc.MultiHostOptions(primary_only=True))
