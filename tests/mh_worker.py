@@ -227,6 +227,7 @@ def scenario_kill(directory: str) -> int:
     """A victim dies mid-save (MINICKPT_FAULT); the survivors must name it and leave."""
     state = saved_state(jax.local_device_count())
     mngr = mc.CheckpointManager(directory, opts(timeout_s=float(os.environ["MH_TIMEOUT"])))
+    mh.default_sync().exchange("ready", None, 60)  # start together: the time-out is the save's
     t = time.perf_counter()
     try:
         mngr.save(5, state)

@@ -18,6 +18,7 @@ import json
 import os
 import subprocess
 import sys
+import threading
 import time
 import zlib
 from collections import namedtuple
@@ -318,15 +319,18 @@ def test_4_3_a_failed_write_on_one_process_fails_everyone_and_commits_nothing(tm
 @pytest.mark.task("4.3")
 def test_4_3_a_hung_process_is_named_within_the_timeout(tmp_path):
     _, tree = state()
+    release = threading.Event()
 
     def work(sync):
-        if sync.process_index == 3:
-            sync.faults["after_write"] = lambda: time.sleep(1.5)
-        with mc.CheckpointManager(tmp_path, opts(timeout_s=0.5), sync=sync) as m:
+        if sync.process_index == 3:  # hangs after writing, until the others have given up
+            sync.faults["after_write"] = lambda: release.wait(60)
+        with mc.CheckpointManager(tmp_path, opts(timeout_s=2), sync=sync) as m:
             t = time.monotonic()
             try:
                 m.save(1, tree)
             except PeerTimeoutError as e:
+                if sync.process_index == 0:
+                    release.set()
                 return e, time.monotonic() - t
             return None, None
 
