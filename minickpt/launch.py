@@ -225,8 +225,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("script", nargs="?", help="the Python script to run")
     ap.add_argument("args", nargs=argparse.REMAINDER, help="its arguments")
     a = ap.parse_args(argv)
-    if (a.module is None) == (a.script is None):
-        ap.error("give either a script or -m module")
+    if a.module is None and a.script is None:
+        ap.error("give a script, or -m module")
     cmd = ["-m", a.module, *([a.script] if a.script else []), *a.args] if a.module \
         else [a.script, *a.args]
     env: dict[str, str] = {}

@@ -541,6 +541,10 @@ def test_launch_command_line(tmp_path):
     p = subprocess.run([sys.executable, "-m", "minickpt.launch", "-n", "2", "--grace", "5",
                         "--env", "X@1=y", s], capture_output=True, text=True, timeout=120)
     assert p.returncode == 5 and "p1=5" in p.stderr
+    (tmp_path / "child_mod.py").write_text("import sys\nprint('mod', sys.argv[1:])\n")
+    p = subprocess.run([sys.executable, "-m", "minickpt.launch", "-n", "2", "-m", "child_mod",
+                        "x", "--y"], capture_output=True, text=True, timeout=120, cwd=tmp_path)
+    assert p.returncode == 0 and "[p1] mod ['x', '--y']" in p.stdout
 
 
 def test_initialize_is_a_no_op_when_not_launched(monkeypatch):
