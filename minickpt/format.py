@@ -6,6 +6,9 @@ An item is a pytree saved in its own directory::
       data.bin        every array's raw little-endian bytes, each starting on a 64-byte boundary
       manifest.json   format version, the tree's container skeleton, and one line per leaf:
                       key path, kind, dtype, shape, byte offset, byte length, CRC-32
+      data.p<i>.bin, manifest.p<i>.json
+                      only when several processes saved it (format 2): the shards process
+                      i wrote, see "sharded leaves" below
 
 Reading trusts nothing: every field of the manifest is checked (types, dtype names against an
 allow-list, sizes against the data file) before a single byte is allocated, files are opened
