@@ -13,6 +13,9 @@ from .errors import (
     CheckpointNotFoundError,
     FormatVersionError,
     MiniCkptError,
+    MultiHostError,
+    PeerTimeoutError,
+    ProcessDisagreementError,
     StepAlreadyExistsError,
     StructureMismatchError,
     UnsafeCheckpointError,
@@ -20,6 +23,7 @@ from .errors import (
 )
 from .legacy import restore_checkpoint, save_checkpoint
 from .manager import CheckpointManager, CheckpointManagerOptions, Restored
+from .multihost import MultiHostOptions
 
 __all__ = [
     "AsyncCheckpointer",
@@ -31,6 +35,10 @@ __all__ = [
     "Checkpointer",
     "FormatVersionError",
     "MiniCkptError",
+    "MultiHostError",
+    "MultiHostOptions",
+    "PeerTimeoutError",
+    "ProcessDisagreementError",
     "Restored",
     "SaveStats",
     "StepAlreadyExistsError",

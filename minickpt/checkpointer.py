@@ -41,9 +41,11 @@ from .errors import (
 from .format import (
     FORMAT_NAME,
     FORMAT_VERSION,
+    MAX_FORMAT_VERSION,
     ItemPlan,
     Manifest,
     check_name,
+    check_shards,
     plan_item,
     read_leaves,
     read_manifest,
@@ -75,6 +77,7 @@ class SaveStats:
     write_s: float = 0.0  # writing data and manifests (excluding their fsyncs)
     fsync_s: float = 0.0  # fsyncing files and item directories
     commit_s: float = 0.0  # metadata, fsync of the directory, rename, fsync of the parent
+    barrier_s: float = 0.0  # multi-host: waiting for the other processes
     retention_s: float = 0.0
     total_s: float = 0.0
     blocking_s: float = 0.0
@@ -110,7 +113,8 @@ class CheckpointMetadata:
 
     @property
     def bytes(self) -> int:
-        return sum(int(i.get("data_bytes", 0)) for i in self.items.values())
+        return sum(int(i.get("data_bytes", 0)) + int(i.get("shard_bytes", 0))
+                   for i in self.items.values())
 
 
 def _json_safe(obj: Any, what: str) -> Any:
@@ -145,10 +149,11 @@ def writer_info() -> dict[str, Any]:
 
 
 def metadata_bytes(step: int | None, items: Mapping[str, Any], *, metrics: Any = None,
-                   custom_metadata: Any = None, init_ns: int | None = None) -> bytes:
+                   custom_metadata: Any = None, init_ns: int | None = None,
+                   format_version: int = FORMAT_VERSION) -> bytes:
     meta = {
         "format": FORMAT_NAME,
-        "format_version": FORMAT_VERSION,
+        "format_version": format_version,
         "step": step,
         "init_timestamp_nsecs": init_ns,
         "commit_timestamp_nsecs": time.time_ns(),
@@ -179,9 +184,9 @@ def read_metadata(fs: FileSystem, path: str) -> CheckpointMetadata:
     if not isinstance(obj, dict) or obj.get("format") != FORMAT_NAME:
         raise FormatVersionError(mpath, "not a minickpt checkpoint")
     v = obj.get("format_version")
-    if not isinstance(v, int) or isinstance(v, bool) or not 1 <= v <= FORMAT_VERSION:
+    if not isinstance(v, int) or isinstance(v, bool) or not 1 <= v <= MAX_FORMAT_VERSION:
         raise FormatVersionError(mpath, f"format version {v!r} is not one this minickpt reads "
-                                        f"(1..{FORMAT_VERSION}); upgrade minickpt")
+                                        f"(1..{MAX_FORMAT_VERSION}); upgrade minickpt")
     items = obj.get("items")
     if not isinstance(items, dict) or not all(isinstance(i, dict) for i in items.values()):
         raise CheckpointCorruptedError(mpath, "metadata lists no items")
@@ -366,8 +371,10 @@ class Checkpointer:
         for name in meta.items:
             try:
                 m = self.manifest(directory, name, meta)
-                if deep:
-                    read_leaves(self.fs, m, verify=True)
+                if deep:  # sharded leaves one shard at a time, the others as before
+                    read_leaves(self.fs, m, [i for i, e in enumerate(m.entries)
+                                             if not e.get("sharded")], verify=True)
+                    check_shards(self.fs, m)
                     report.bytes_checked += m.leaf_bytes()
                 report.items[name] = len(m.entries)
             except (MiniCkptError, OSError, KeyError) as e:

@@ -172,7 +172,7 @@ def cmd_inspect(args: argparse.Namespace) -> int:
                            bytes=e["nbytes"])
             leaves.append(rec)
         items[name] = {"tree_type": m.skeleton.get("type", m.skeleton["t"]), "leaves": leaves,
-                       "bytes": m.data_bytes}
+                       "bytes": m.stored_bytes}
     if args.json:
         print(json.dumps({"step": step, "path": path, "metrics": meta.metrics,
                           "metadata": meta.custom_metadata, "items": items}, indent=1,

@@ -74,3 +74,55 @@ class StructureMismatchError(MiniCkptError, ValueError):
         if hint:
             lines.append(hint)
         super().__init__("\n".join(lines))
+
+
+# ---------------------------------------------------------------------------------------
+# multi-host (chapter 4)
+# ---------------------------------------------------------------------------------------
+class MultiHostError(MiniCkptError):
+    """A collective save or restore failed on some process; the message names which and why."""
+
+
+class PeerTimeoutError(MultiHostError, TimeoutError):
+    """Some processes did not reach a barrier (or publish a value) within the time-out.
+
+    ``missing`` lists every process that did not arrive: it died, hangs, or runs other code.
+    """
+
+    def __init__(self, what: str, missing: Sequence[int], timeout_s: float, detail: str = ""):
+        self.what = what
+        self.missing = sorted(set(missing))
+        self.timeout_s = timeout_s
+        procs = ", ".join(map(str, self.missing)) or "unknown"
+        msg = (f"{what}: process(es) {procs} did not arrive within {timeout_s:g} s "
+               "(dead, hung, or running different code)")
+        super().__init__(msg + (f"; {detail}" if detail else ""))
+
+
+class ProcessDisagreementError(MultiHostError, ValueError):
+    """Processes passed different values where they must agree (the step of a save...)."""
+
+    def __init__(self, what: str, values: Sequence[object]):
+        self.what = what
+        self.values = list(values)
+        groups: dict[str, list[int]] = {}
+        for p, v in enumerate(self.values):
+            groups.setdefault(repr(v), []).append(p)
+        parts = [f"process{'es' if len(ps) > 1 else ''} {_ranges(ps)}: {v}"
+                 for v, ps in sorted(groups.items(), key=lambda kv: kv[1][0])]
+        super().__init__(f"processes disagree on {what}: " + "; ".join(parts)
+                         + ". Every process must call this with the same value.")
+
+
+def _ranges(ps: Sequence[int]) -> str:
+    """``[0, 1, 2, 5]`` -> ``"0-2, 5"``: short even with thousands of processes."""
+    out: list[str] = []
+    start = prev = None
+    for p in [*ps, None]:
+        if start is not None and (p is None or p != prev + 1):
+            out.append(str(start) if start == prev else f"{start}-{prev}")
+            start = None
+        if p is not None and start is None:
+            start = p
+        prev = p
+    return ", ".join(out)

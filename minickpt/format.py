@@ -6,6 +6,9 @@ An item is a pytree saved in its own directory::
       data.bin        every array's raw little-endian bytes, each starting on a 64-byte boundary
       manifest.json   format version, the tree's container skeleton, and one line per leaf:
                       key path, kind, dtype, shape, byte offset, byte length, CRC-32
+      data.p<i>.bin, manifest.p<i>.json
+                      only when several processes saved it (format 2): the shards process
+                      i wrote, see "sharded leaves" below
 
 Reading trusts nothing: every field of the manifest is checked (types, dtype names against an
 allow-list, sizes against the data file) before a single byte is allocated, files are opened
@@ -17,6 +20,7 @@ background writer and the per-process shard writer share them.
 
 from __future__ import annotations
 
+import itertools
 import json
 import math
 import os
@@ -41,7 +45,10 @@ from .fs import FileSystem
 from .tree import MAX_DEPTH, HostKey, Names, path_str, skeleton, to_host
 
 FORMAT_NAME = "minickpt"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 1  # what an item without sharded leaves is written as (every single-host save)
+SHARDED_FORMAT_VERSION = 2  # an item with leaves written in shards by several processes
+MAX_FORMAT_VERSION = SHARDED_FORMAT_VERSION  # the newest version this minickpt reads
+SHARD_MANIFEST_FORMAT = "minickpt-shards"
 MANIFEST_FILE = "manifest.json"
 DATA_FILE = "data.bin"
 ALIGN = 64
@@ -52,6 +59,7 @@ _HOST_IN_THREAD_BYTES = 1 << 20
 
 _NAME_RE = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.\-]{0,199}$")
 _DATA_FILE_RE = re.compile(r"^data(\.[A-Za-z0-9_\-]{1,64})?\.bin$")
+_SHARD_MANIFEST_RE = re.compile(r"^manifest\.p(\d{1,7})\.json$")
 
 
 def _allowed_dtypes() -> dict[str, np.dtype]:
@@ -270,6 +278,29 @@ def write_item(fs: FileSystem, item_dir: str, plan: ItemPlan, *,
     returns the item survives a power cut. Checksums are computed while the data is being
     written (zlib releases the GIL), so for large items they cost almost nothing.
     """
+    data = write_item_data(fs, item_dir, plan, data_file=data_file, fsync=fsync)
+    return write_item_manifest(fs, item_dir, plan, data, manifest_file=manifest_file,
+                               fsync=fsync, extra=extra)
+
+
+@dataclass
+class ItemData:
+    """What :func:`write_item_data` wrote: the entries (with checksums) and its timings."""
+
+    entries: list[dict[str, Any]]
+    data_file: str | None
+    data_bytes: int
+    write_s: float = 0.0
+    fsync_s: float = 0.0
+
+
+def write_item_data(fs: FileSystem, item_dir: str, plan: ItemPlan, *,
+                    data_file: str = DATA_FILE, fsync: bool = True) -> ItemData:
+    """The first half of :func:`write_item`: the data file, fsynced, and the leaf checksums.
+
+    A multi-host save writes its data before the barrier and its manifest after it (the
+    manifest then lists the other processes' shard files), hence two halves.
+    """
     t0 = time.perf_counter()
     fsync_s = 0.0
     crc_future = _crc_in_thread(plan) if plan.nbytes >= _CRC_IN_THREAD_BYTES else None
@@ -286,15 +317,23 @@ def write_item(fs: FileSystem, item_dir: str, plan: ItemPlan, *,
             entry = {**entry, "crc32": crc}
         entries.append(entry)
     has_data = any(b is not None for b in plan.buffers)
-    raw = manifest_bytes(plan.skeleton, entries, data_file=data_file if has_data else None,
-                         data_bytes=plan.nbytes, extra=extra)
+    return ItemData(entries, data_file if has_data else None, plan.nbytes,
+                    write_s=time.perf_counter() - t0 - fsync_s, fsync_s=fsync_s)
+
+
+def write_item_manifest(fs: FileSystem, item_dir: str, plan: ItemPlan, data: ItemData, *,
+                        manifest_file: str = MANIFEST_FILE, fsync: bool = True,
+                        extra: Mapping[str, Any] | None = None) -> ItemWriteResult:
+    """The second half of :func:`write_item`: the manifest, fsynced, then the directory."""
+    raw = manifest_bytes(plan.skeleton, data.entries, data_file=data.data_file,
+                         data_bytes=data.data_bytes, extra=extra)
     t1 = time.perf_counter()
     fs.write_file(os.path.join(item_dir, manifest_file), [raw], fsync=fsync)
     if fsync:
         fs.fsync_dir(item_dir)
-    fsync_s += time.perf_counter() - t1  # the manifest is tiny: its cost is its fsyncs
-    return ItemWriteResult(zlib.crc32(raw), plan.nbytes, plan.num_leaves,
-                           write_s=time.perf_counter() - t0 - fsync_s, fsync_s=fsync_s)
+    fsync_s = data.fsync_s + time.perf_counter() - t1  # a tiny file: its cost is its fsyncs
+    return ItemWriteResult(zlib.crc32(raw), data.data_bytes, plan.num_leaves,
+                           write_s=data.write_s, fsync_s=fsync_s)
 
 
 def _crc_in_thread(plan: ItemPlan) -> Future[list[int | None]] | None:
@@ -338,6 +377,8 @@ class Manifest:
     data_bytes: int
     crc32: int
     raw: dict[str, Any] = field(repr=False, default_factory=dict)
+    # sharded leaves (format 2): leaf index -> its shards, from the per-process manifests
+    shards: dict[int, list[ShardRef]] = field(default_factory=dict)
 
     @property
     def by_path(self) -> dict[Names, int]:
@@ -345,6 +386,13 @@ class Manifest:
 
     def leaf_bytes(self) -> int:
         return sum(e.get("nbytes", 0) for e in self.entries)
+
+    @property
+    def stored_bytes(self) -> int:
+        """Bytes in the item's data files, the shard files of a multi-host save included."""
+        files = self.raw.get("shard_files") or []
+        return self.data_bytes + sum(int(f.get("data_bytes", 0)) for f in files
+                                     if isinstance(f, dict))
 
 
 def _corrupt(where: str, reason: str, leaf: str | None = None) -> CheckpointCorruptedError:
@@ -384,9 +432,10 @@ def validate_manifest(obj: Any, path: str, item_dir: str, crc: int = 0, *,
     if obj.get("format") != FORMAT_NAME:
         raise FormatVersionError(path, f"not a minickpt manifest (format={obj.get('format')!r})")
     version = obj.get("format_version")
-    if not _is_int(version) or version > FORMAT_VERSION or version < 1:
+    if not _is_int(version) or version > MAX_FORMAT_VERSION or version < 1:
         raise FormatVersionError(path, f"format version {version!r} is not one this minickpt "
-                                       f"reads (it reads 1..{FORMAT_VERSION}); upgrade minickpt")
+                                       f"reads (it reads 1..{MAX_FORMAT_VERSION}); upgrade "
+                                       "minickpt")
     if obj.get("checksum") not in ("crc32", None):
         raise _corrupt(path, f"unknown checksum algorithm {obj.get('checksum')!r}")
     data_file = obj.get("data_file")
@@ -426,7 +475,14 @@ def validate_manifest(obj: Any, path: str, item_dir: str, crc: int = 0, *,
         if key in seen:
             raise _corrupt(path, "two leaves share this path", leaf=path_str(key))
         seen.add(key)
-    return Manifest(item_dir, skel, entries, data_file, data_bytes, crc, obj)
+    m = Manifest(item_dir, skel, entries, data_file, data_bytes, crc, obj)
+    sharded = [i for i, e in enumerate(entries) if e.get("sharded")]
+    if "shard_files" in obj or sharded:
+        if version < SHARDED_FORMAT_VERSION:
+            raise _corrupt(path, f"sharded leaves in a format {version} manifest")
+        if fs is not None:
+            m.shards = _load_shards(fs, m, path, obj.get("shard_files"), sharded)
+    return m
 
 
 def _check_skeleton(skel: dict[str, Any], n_leaves: int, where: str) -> None:
@@ -492,6 +548,12 @@ def _check_entry(e: Any, i: int, where: str, data_file: str | None, data_bytes: 
     if not _is_int(nbytes) or nbytes != expect:
         raise _corrupt(where, f"nbytes {nbytes!r} does not match shape {shape} of {dt} "
                               f"({expect} bytes)", leaf=leaf)
+    if kind == "prng_key" and not isinstance(e.get("impl"), str):
+        raise _corrupt(where, "PRNG key leaf without an impl name", leaf=leaf)
+    if "sharded" in e:
+        if e["sharded"] is not True or "offset" in e:
+            raise _corrupt(where, "malformed sharded leaf entry", leaf=leaf)
+        return  # its bytes are described by the per-process shard manifests
     if data_file is None:
         raise _corrupt(where, "array leaf but the item has no data file", leaf=leaf)
     if not _is_int(offset) or offset < 0 or offset + nbytes > data_bytes:
@@ -520,6 +582,10 @@ def read_leaves(fs: FileSystem, manifest: Manifest, indices: Sequence[int] | Non
         if e["kind"] == "value":
             out[k] = decode_value(e, manifest.item_dir)
             continue
+        if e.get("sharded"):
+            full = tuple((0, n) for n in e["shape"])
+            out[k] = _finish_leaf(e, read_region(fs, manifest, i, full, verify=verify))
+            continue
         arr = np.empty(e["shape"], DTYPES[e["dtype"]])
         arrays.append((k, e, arr))
     if arrays:
@@ -533,13 +599,16 @@ def read_leaves(fs: FileSystem, manifest: Manifest, indices: Sequence[int] | Non
         if verify:
             _verify_arrays(arrays, dpath)
     for k, e, arr in arrays:
-        if e["kind"] == "prng_key":
-            out[k] = HostKey(arr, e["impl"])
-        elif e.get("scalar"):
-            out[k] = arr[()]
-        else:
-            out[k] = arr
+        out[k] = _finish_leaf(e, arr)
     return out
+
+
+def _finish_leaf(e: Mapping[str, Any], arr: np.ndarray) -> Any:
+    if e["kind"] == "prng_key":
+        return HostKey(arr, e["impl"])
+    if e.get("scalar"):
+        return arr[()]
+    return arr
 
 
 def _read_arrays(fs: FileSystem, fd: int, arrays: list[tuple[int, dict[str, Any], np.ndarray]],
@@ -592,3 +661,435 @@ def _verify_arrays(arrays: list[tuple[int, dict[str, Any], np.ndarray]], where: 
     else:
         for a in arrays:
             check(a)
+
+
+# ---------------------------------------------------------------------------------------
+# sharded leaves (format 2): one leaf written in pieces by several processes
+# ---------------------------------------------------------------------------------------
+# A multi-process save writes an array that no single process holds as *shards*: each
+# process p writes the shards it owns into ``data.p<p>.bin`` and lists them (global index
+# box, offset, length, CRC-32) in ``manifest.p<p>.json``. The primary's ``manifest.json``
+# describes the whole leaf (global shape and dtype, ``"sharded": true``) and records every
+# per-process manifest with its checksum, so one checksum in ``_CHECKPOINT_METADATA`` still
+# pins down every byte of the item. A reader checks that the shards of every leaf cover it
+# exactly once before it reads anything.
+Box = tuple[tuple[int, int], ...]  # per axis [start, stop) in global coordinates
+
+_RUN_DIRECT_BYTES = 64 << 10  # contiguous runs at least this long are read one by one
+_SLAB_CHUNK_BYTES = 8 << 20  # otherwise whole rows are read in chunks this big and sliced
+
+
+def box_of(index: Sequence[slice], shape: Sequence[int]) -> Box:
+    """A shard's index (a tuple of slices, as in ``Shard.index``) as ``((start, stop), ...)``."""
+    if len(index) != len(shape):
+        raise ValueError(f"index {index!r} does not match shape {tuple(shape)}")
+    out = []
+    for sl, n in zip(index, shape, strict=True):
+        start, stop, step = sl.indices(n)
+        if step != 1:
+            raise ValueError(f"strided shard index {index!r} is not supported")
+        out.append((start, max(start, stop)))
+    return tuple(out)
+
+
+def box_shape(box: Box) -> tuple[int, ...]:
+    return tuple(b - a for a, b in box)
+
+
+def box_slices(box: Box, origin: Box | None = None) -> tuple[slice, ...]:
+    """Slices selecting ``box`` inside an array whose element 0 sits at ``origin``'s start."""
+    if origin is None:
+        return tuple(slice(a, b) for a, b in box)
+    return tuple(slice(a - o, b - o) for (a, b), (o, _) in zip(box, origin, strict=True))
+
+
+def intersect(a: Box, b: Box) -> Box | None:
+    """The common part of two boxes, or None when they share no element."""
+    out = tuple((max(x0, y0), min(x1, y1)) for (x0, x1), (y0, y1) in zip(a, b, strict=True))
+    return None if any(lo >= hi for lo, hi in out) else out
+
+
+def coverage_problems(shape: Sequence[int], boxes: Sequence[Box], *,
+                      max_cells: int = 10_000_000) -> list[str]:
+    """Why ``boxes`` do not cover an array of ``shape`` exactly once (empty list if they do).
+
+    Pure. The boxes' edges cut the array into a grid of cells; every cell must be covered by
+    exactly one box. For the grid-shaped shardings JAX produces, the grid has one cell per
+    shard, so this is cheap even for thousands of shards.
+    """
+    shape = tuple(int(n) for n in shape)
+    problems = []
+    good: list[Box] = []
+    for b in boxes:
+        if len(b) != len(shape) or any(not (0 <= lo <= hi <= n) for (lo, hi), n
+                                       in zip(b, shape, strict=False)):
+            problems.append(f"shard {list(map(list, b))} lies outside shape {list(shape)}")
+        else:
+            good.append(b)
+    if problems or math.prod(shape) == 0:
+        return problems
+    cuts = [sorted({0, n, *(b[d][0] for b in good), *(b[d][1] for b in good)})
+            for d, n in enumerate(shape)]
+    grid = tuple(len(c) - 1 for c in cuts)
+    if math.prod(grid) > max_cells:
+        return [f"{len(good)} shards cut the array into {math.prod(grid)} cells: too "
+                "irregular to check"]
+    count = np.zeros(grid, np.int32)
+    for b in good:
+        count[tuple(slice(c.index(lo), c.index(hi)) for c, (lo, hi) in
+                    zip(cuts, b, strict=True))] += 1
+    sizes = np.ones(grid, np.int64)
+    for d, c in enumerate(cuts):
+        shape_d = [1] * len(grid)
+        shape_d[d] = grid[d]
+        sizes = sizes * np.diff(np.asarray(c, np.int64)).reshape(shape_d)
+    for bad, what in ((count == 0, "not covered by any shard"),
+                      (count > 1, "covered by more than one shard")):
+        if bad.any():
+            first = tuple(int(i) for i in np.argwhere(bad)[0])
+            region = [[cuts[d][i], cuts[d][i + 1]] for d, i in enumerate(first)]
+            problems.append(f"{int(sizes[bad].sum())} element(s) {what} (e.g. {region})")
+    return problems
+
+
+@dataclass(frozen=True)
+class ShardRef:
+    """Where one shard of a sharded leaf lies on disk (read from a per-process manifest)."""
+
+    leaf: int
+    box: Box
+    process: int
+    data_file: str
+    offset: int
+    nbytes: int
+    crc32: int | None
+
+
+@dataclass
+class ShardFile:
+    """What one process wrote for one item: recorded in the primary's manifest."""
+
+    process: int
+    manifest: str
+    manifest_crc32: int
+    data_file: str | None
+    data_bytes: int
+    num_shards: int
+    write_s: float = 0.0
+    fsync_s: float = 0.0
+
+    def record(self) -> dict[str, Any]:
+        return {"process": self.process, "manifest": self.manifest,
+                "manifest_crc32": self.manifest_crc32, "data_file": self.data_file,
+                "data_bytes": self.data_bytes, "num_shards": self.num_shards}
+
+
+def shard_manifest_name(process: int) -> str:
+    return f"manifest.p{process}.json"
+
+
+def shard_data_name(process: int) -> str:
+    return f"data.p{process}.bin"
+
+
+def sharded_entry(names: Names, kind: str, dtype: np.dtype, shape: Sequence[int],
+                  impl: str | None = None) -> dict[str, Any]:
+    """The primary manifest's entry of a sharded leaf: global shape and dtype, no bytes."""
+    dt = np.dtype(dtype)
+    entry: dict[str, Any] = {"path": list(names), "kind": kind, "dtype": dtype_name(dt),
+                             "shape": [int(n) for n in shape]}
+    if impl is not None:
+        entry["impl"] = impl
+    entry["nbytes"] = math.prod(entry["shape"]) * dt.itemsize
+    entry["sharded"] = True
+    return entry
+
+
+def plan_shards(shards: Iterable[tuple[int, Names, Box, np.ndarray]]) -> ItemPlan:
+    """Lay out one process's shards of one item: ``(leaf index, path, box, host data)``."""
+    entries: list[dict[str, Any]] = []
+    buffers: list[np.ndarray | None] = []
+    offset = 0
+    for leaf, names, box, host in shards:
+        if tuple(host.shape) != box_shape(box):
+            raise ValueError(f"shard of {path_str(names)} has shape {host.shape}, its index "
+                             f"{box} says {box_shape(box)}")
+        buf = _as_bytes(host)
+        offset = _align(offset)
+        entries.append({"leaf": leaf, "path": list(names), "index": [list(b) for b in box],
+                        "offset": offset, "nbytes": int(buf.nbytes)})
+        buffers.append(buf)
+        offset += buf.nbytes
+    return ItemPlan({}, entries, buffers, offset)
+
+
+def write_shards(fs: FileSystem, item_dir: str, process: int, plan: ItemPlan, *,
+                 fsync: bool = True) -> ShardFile | None:
+    """Write one process's shards of an item (data, then manifest, both fsynced).
+
+    Returns None, writing nothing, when the process owns no shard of this item.
+    """
+    if not plan.entries:
+        return None
+    data = write_item_data(fs, item_dir, plan, data_file=shard_data_name(process), fsync=fsync)
+    head = {"format": SHARD_MANIFEST_FORMAT, "format_version": SHARDED_FORMAT_VERSION,
+            "checksum": "crc32", "process": process, "data_file": data.data_file,
+            "data_bytes": data.data_bytes}
+    lines = ["{"] + [f"{json.dumps(k)}: {json.dumps(v)}," for k, v in head.items()]
+    lines += ['"shards": [', ",\n".join(json.dumps(e, separators=(",", ":"))
+                                        for e in data.entries), "]}"]
+    raw = ("\n".join(lines) + "\n").encode()
+    name = shard_manifest_name(process)
+    t = time.perf_counter()
+    fs.write_file(os.path.join(item_dir, name), [raw], fsync=fsync)
+    if fsync:
+        fs.fsync_dir(item_dir)
+    return ShardFile(process, name, zlib.crc32(raw), data.data_file, data.data_bytes,
+                     len(data.entries), write_s=data.write_s,
+                     fsync_s=data.fsync_s + time.perf_counter() - t)
+
+
+def _check_data_file(fs: FileSystem, dpath: str, size: int) -> None:
+    import stat as _stat
+
+    try:
+        st = fs.lstat(dpath)
+    except FileNotFoundError as e:
+        raise _corrupt(dpath, "data file is missing") from e
+    if _stat.S_ISLNK(st.st_mode):
+        raise UnsafeCheckpointError(dpath, "is a symbolic link; refusing to follow it")
+    if not _stat.S_ISREG(st.st_mode):
+        raise _corrupt(dpath, "data file is not a regular file")
+    if st.st_size != size:
+        raise _corrupt(dpath, f"data file has {st.st_size} bytes, its manifest says {size} "
+                              "(truncated or padded)")
+
+
+def _load_shards(fs: FileSystem, m: Manifest, path: str, records: Any,
+                 sharded: list[int]) -> dict[int, list[ShardRef]]:
+    """Read and check every per-process manifest an item lists; check the coverage."""
+    if not isinstance(records, list):
+        raise _corrupt(path, "manifest has sharded leaves but no list of shard files")
+    shards: dict[int, list[ShardRef]] = {i: [] for i in sharded}
+    seen: set[int] = set()
+    for rec in records:
+        if not isinstance(rec, dict):
+            raise _corrupt(path, f"shard file record {rec!r} is malformed")
+        p, name, crc = rec.get("process"), rec.get("manifest"), rec.get("manifest_crc32")
+        df, db, n = rec.get("data_file"), rec.get("data_bytes"), rec.get("num_shards")
+        mt = _SHARD_MANIFEST_RE.match(name) if isinstance(name, str) else None
+        if not _is_int(p) or p < 0 or p in seen or mt is None or int(mt.group(1)) != p:
+            raise UnsafeCheckpointError(path, f"shard file record {rec!r} does not name a plain "
+                                              "'manifest.p<process>.json' of a new process")
+        if df is not None and (not isinstance(df, str) or not _DATA_FILE_RE.match(df)):
+            raise UnsafeCheckpointError(path, f"data file name {df!r} is not a plain "
+                                              "'data*.bin' name inside the item directory")
+        if not (_is_int(crc) and _is_int(db) and _is_int(n) and db >= 0 and n >= 0):
+            raise _corrupt(path, f"shard file record {rec!r} is malformed")
+        seen.add(p)
+        mpath = os.path.join(m.item_dir, name)
+        try:
+            raw = fs.read_file(mpath, MAX_MANIFEST_BYTES)
+        except FileNotFoundError as e:
+            raise _corrupt(mpath, f"shard manifest of process {p} is missing") from e
+        except ValueError as e:
+            raise _corrupt(mpath, str(e)) from e
+        got = zlib.crc32(raw)
+        if got != crc:
+            raise _corrupt(mpath, f"shard manifest checksum {got:#010x} differs from the one "
+                                  f"recorded at commit ({crc:#010x}): it was changed or damaged")
+        try:
+            obj = json.loads(raw.decode("utf-8"))
+        except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as e:
+            raise _corrupt(mpath, f"shard manifest is not valid JSON ({e})") from e
+        if (not isinstance(obj, dict) or obj.get("format") != SHARD_MANIFEST_FORMAT
+                or obj.get("process") != p or obj.get("data_file") != df
+                or obj.get("data_bytes") != db or not isinstance(obj.get("shards"), list)
+                or len(obj["shards"]) != n):
+            raise _corrupt(mpath, "shard manifest does not match its record in "
+                                  f"{os.path.basename(path)}")
+        v = obj.get("format_version")
+        if not _is_int(v) or not SHARDED_FORMAT_VERSION <= v <= MAX_FORMAT_VERSION:
+            raise FormatVersionError(mpath, f"shard manifest format version {v!r} is not one "
+                                            "this minickpt reads; upgrade minickpt")
+        if n:
+            if df is None:
+                raise _corrupt(mpath, "shards listed but no data file")
+            _check_data_file(fs, os.path.join(m.item_dir, df), db)
+        for se in obj["shards"]:
+            ref = _check_shard(se, m, mpath, p, df, db, shards)
+            shards[ref.leaf].append(ref)
+    for i, refs in shards.items():
+        e = m.entries[i]
+        problems = coverage_problems(e["shape"], [r.box for r in refs])
+        if problems:
+            raise _corrupt(path, "its shards do not cover it exactly once: "
+                                 + "; ".join(problems), leaf=path_str(e["path"]))
+    return shards
+
+
+def _check_shard(se: Any, m: Manifest, where: str, p: int, df: str | None, db: int,
+                 shards: Mapping[int, list[ShardRef]]) -> ShardRef:
+    if not isinstance(se, dict):
+        raise _corrupt(where, f"shard entry {se!r} is malformed")
+    leaf, index, off, nb, crc = (se.get(k) for k in ("leaf", "index", "offset", "nbytes",
+                                                      "crc32"))
+    if not _is_int(leaf) or leaf not in shards:
+        raise _corrupt(where, f"shard entry names leaf {leaf!r}, which is not a sharded leaf")
+    e = m.entries[leaf]
+    name = path_str(e["path"])
+    if "path" in se and se["path"] != e["path"]:
+        raise _corrupt(where, f"shard entry for leaf {leaf} says path {se['path']!r}", leaf=name)
+    shape = e["shape"]
+    if (not isinstance(index, list) or len(index) != len(shape)
+            or not all(isinstance(b, list) and len(b) == 2 and _is_int(b[0]) and _is_int(b[1])
+                       and 0 <= b[0] <= b[1] <= dim for b, dim in zip(index, shape, strict=False))):
+        raise _corrupt(where, f"shard index {index!r} does not fit shape {shape}", leaf=name)
+    box = tuple((b[0], b[1]) for b in index)
+    expect = math.prod(box_shape(box)) * DTYPES[e["dtype"]].itemsize
+    if not _is_int(nb) or nb != expect:
+        raise _corrupt(where, f"shard {index} holds {nb!r} bytes, its index needs {expect}",
+                       leaf=name)
+    if not _is_int(off) or off < 0 or off + nb > db:
+        raise _corrupt(where, f"shard bytes [{off}, {off}+{nb}) lie outside the {db}-byte data "
+                              "file", leaf=name)
+    if crc is not None and (not _is_int(crc) or not 0 <= crc < 2**32):
+        raise _corrupt(where, f"crc32 {crc!r} is not a 32-bit checksum", leaf=name)
+    assert df is not None
+    return ShardRef(leaf, box, p, df, off, nb, crc)
+
+
+def read_region(fs: FileSystem, manifest: Manifest, i: int, box: Box, *, verify: bool = True,
+                cache: dict[Any, np.ndarray] | None = None) -> np.ndarray:
+    """Task 4.4 (read) — the elements ``box`` of array leaf ``i``, reading only what it needs.
+
+    Works for every array leaf: one written whole by a single process, or one written in
+    shards. Without ``verify`` only the bytes of the region are read. With ``verify`` every
+    shard (or the whole leaf) the region touches is read and its CRC-32 checked, since a
+    checksum covers a whole shard; ``cache`` keeps those verified pieces between calls, so
+    that the devices of one process that share a shard read it once.
+    """
+    e = manifest.entries[i]
+    if e["kind"] not in ("array", "prng_key"):
+        raise TypeError(f"leaf {path_str(e['path'])} is not an array")
+    dtype = DTYPES[e["dtype"]]
+    shape = tuple(e["shape"])
+    if len(box) != len(shape) or any(not 0 <= a <= b <= n for (a, b), n
+                                     in zip(box, shape, strict=False)):
+        raise ValueError(f"region {box} lies outside leaf {path_str(e['path'])} of shape {shape}")
+    cache = {} if cache is None else cache
+    out = np.empty(box_shape(box), dtype)
+    if out.size == 0:
+        return out
+    if not e.get("sharded"):
+        whole = tuple((0, n) for n in shape)
+        assert manifest.data_file is not None
+        dpath = os.path.join(manifest.item_dir, manifest.data_file)
+        if verify and "crc32" in e:
+            key = ("leaf", manifest.item_dir, i)
+            if key not in cache:
+                cache[key] = _read_piece(fs, dpath, e["offset"], shape, dtype, whole, e["crc32"],
+                                         path_str(e["path"]))
+            out[...] = cache[key][box_slices(box)]
+        else:
+            out[...] = _read_piece(fs, dpath, e["offset"], shape, dtype, box, None,
+                                   path_str(e["path"]))
+        return out
+    for ref in manifest.shards.get(i, []):
+        part = intersect(ref.box, box)
+        if part is None:
+            continue
+        dpath = os.path.join(manifest.item_dir, ref.data_file)
+        rshape = box_shape(ref.box)
+        if verify and ref.crc32 is not None:
+            key = ("shard", dpath, ref.offset)
+            if key not in cache:
+                cache[key] = _read_piece(fs, dpath, ref.offset, rshape, dtype,
+                                         tuple((0, n) for n in rshape), ref.crc32,
+                                         path_str(e["path"]), ref)
+            out[box_slices(part, box)] = cache[key][box_slices(part, ref.box)]
+        else:
+            local = tuple((a - o, b - o) for (a, b), (o, _) in zip(part, ref.box, strict=True))
+            out[box_slices(part, box)] = _read_piece(fs, dpath, ref.offset, rshape, dtype,
+                                                     local, None, path_str(e["path"]), ref)
+    return out
+
+
+def _read_piece(fs: FileSystem, dpath: str, offset: int, shape: tuple[int, ...],
+                dtype: np.dtype, box: Box, crc: int | None, leaf: str,
+                ref: ShardRef | None = None) -> np.ndarray:
+    """``box`` of a C-order block of ``shape`` stored at ``offset``; checks ``crc`` (whole
+    blocks only)."""
+    fd = fs.open_read(dpath)
+    try:
+        out = _read_block_region(fs, fd, offset, shape, dtype, box)
+    except EOFError as e:
+        raise _corrupt(dpath, f"data file ended early ({e})", leaf=leaf) from e
+    finally:
+        fs.close(fd)
+    if crc is not None:
+        got = zlib.crc32(out.reshape(-1).view(np.uint8))
+        if got != crc:
+            what = "" if ref is None else f"shard {[list(b) for b in ref.box]} "
+            raise _corrupt(dpath, f"{what}checksum mismatch (stored {crc:#010x}, read "
+                                  f"{got:#010x}): the bytes were damaged", leaf=leaf)
+    return out
+
+
+def _read_block_region(fs: FileSystem, fd: int, offset: int, shape: tuple[int, ...],
+                       dtype: np.dtype, box: Box) -> np.ndarray:
+    """Read ``box`` of a C-order array of ``shape`` stored at ``offset`` of ``fd``.
+
+    The region is a set of contiguous runs along the trailing axes. Long runs are read one
+    by one straight into the result; many short runs (a thin slice across the last axis)
+    are read as whole rows, a chunk at a time, and sliced in memory.
+    """
+    out = np.empty(box_shape(box), dtype)
+    if out.size == 0:
+        return out
+    isz = dtype.itemsize
+    flat = out.reshape(-1).view(np.uint8)
+    nd = len(shape)
+    if nd == 0:
+        fs.read_into(fd, memoryview(flat), offset)
+        return out
+    strides = [math.prod(shape[j + 1:]) for j in range(nd)]  # in elements
+    k = nd - 1  # runs are contiguous along axes k.. : the box spans axes k+1.. fully
+    while k > 0 and box[k] == (0, shape[k]):
+        k -= 1
+    run = (box[k][1] - box[k][0]) * strides[k] * isz
+    n_runs = math.prod(b - a for a, b in box[:k])
+    if run >= _RUN_DIRECT_BYTES or n_runs <= 64:
+        pos = 0
+        for outer in itertools.product(*(range(a, b) for a, b in box[:k])):
+            start = sum(o * st for o, st in zip(outer, strides, strict=False))
+            start += box[k][0] * strides[k]
+            fs.read_into(fd, memoryview(flat[pos:pos + run]), offset + start * isz)
+            pos += run
+        return out
+    row = strides[0] * isz
+    rows = max(1, _SLAB_CHUNK_BYTES // row)
+    inner = box_slices(box[1:])
+    for r0 in range(box[0][0], box[0][1], rows):
+        r1 = min(r0 + rows, box[0][1])
+        tmp = np.empty((r1 - r0, *shape[1:]), dtype)
+        fs.read_into(fd, memoryview(tmp.reshape(-1).view(np.uint8)), offset + r0 * row)
+        out[r0 - box[0][0]:r1 - box[0][0]] = tmp[(slice(None), *inner)]
+    return out
+
+
+def check_shards(fs: FileSystem, manifest: Manifest) -> int:
+    """Re-read every shard of every sharded leaf and check its CRC-32; return bytes checked.
+
+    Streams one shard at a time, so verifying a checkpoint never needs a whole leaf in memory.
+    """
+    total = 0
+    for i, refs in sorted(manifest.shards.items()):
+        e = manifest.entries[i]
+        dtype = DTYPES[e["dtype"]]
+        for ref in refs:
+            shape = box_shape(ref.box)
+            _read_piece(fs, os.path.join(manifest.item_dir, ref.data_file), ref.offset, shape,
+                        dtype, tuple((0, n) for n in shape), ref.crc32, path_str(e["path"]), ref)
+            total += ref.nbytes
+    return total

@@ -16,10 +16,10 @@ import threading
 import time
 import warnings
 from collections.abc import Callable, Collection, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
-from . import policy
+from . import multihost, policy
 from .asynchronous import AsyncCheckpointer
 from .checkpointer import Checkpointer, CheckpointMetadata, SaveStats, VerifyReport, _json_safe
 from .commit import cleanup_temporaries, delete_dir, parse_step, step_dir_name
@@ -30,6 +30,7 @@ from .errors import (
     StepAlreadyExistsError,
 )
 from .fs import DEFAULT_FS, FileSystem
+from .multihost import MultiHostOptions, Sync
 
 log = logging.getLogger("minickpt")
 LOCK_FILE = ".minickpt.lock"
@@ -57,6 +58,8 @@ class CheckpointManagerOptions:
     verify_on_restore: bool = True
     fallback_on_damage: bool = True
     lock: bool = True
+    # chapter 4: time-outs and roles when several processes save together
+    multihost: MultiHostOptions = field(default_factory=MultiHostOptions)
 
     def __post_init__(self) -> None:
         if not isinstance(self.save_interval_steps, int) or self.save_interval_steps < 1:
@@ -87,11 +90,16 @@ class CheckpointManager:
 
     def __init__(self, directory: str | os.PathLike[str],
                  options: CheckpointManagerOptions | None = None, *,
-                 fs: FileSystem | None = None, primary: bool = True):
+                 fs: FileSystem | None = None, primary: bool | None = None,
+                 sync: Sync | None = None):
         self.directory = os.path.abspath(os.fspath(directory))
         self.options = options or CheckpointManagerOptions()
         self.fs = fs or DEFAULT_FS
-        self.primary = primary
+        # Under jax.distributed every process opens the same directory (a shared file
+        # system); only the primary locks it, cleans it and commits into it.
+        self._sync = sync or multihost.default_sync()
+        self.primary = (self._sync.process_index == self.options.multihost.primary_host
+                        if primary is None else primary)
         self._async: AsyncCheckpointer | None = None
         if self.options.enable_async_checkpointing:
             self._async = AsyncCheckpointer(self.fs)
@@ -324,6 +332,8 @@ class CheckpointManager:
         t0, wall0 = time.perf_counter(), time.time()
         if self._async is not None:
             self._async.check_for_errors()  # a failed background save surfaces here
+        if self._sync.process_count > 1:
+            return self._save_collective(step, items, metrics, metadata, force)
         with self._mutex:
             self._check_new_step(step)
             if not force and not self.should_save(step):
@@ -401,6 +411,49 @@ class CheckpointManager:
         self._committed(step, metrics, stats)
         return stats
 
+    def _save_collective(self, step: int, items: Mapping[str, Any], metrics: Any,
+                         metadata: Any, force: bool) -> bool:
+        """Chapter 4: one checkpoint written by every process (see minickpt.multihost).
+
+        Each process decides locally — with the same step list, the same policy says the
+        same thing everywhere — then the protocol checks that they all agree on the step.
+        """
+        with self._mutex:
+            if step in self._infos:
+                raise StepAlreadyExistsError(
+                    f"step {step} is already saved in {self.step_path(step)}; minickpt never "
+                    "replaces a committed checkpoint (delete it first to save it again)")
+            if not force and not self.should_save(step):
+                return False
+            m = dict(metrics) if metrics is not None else None
+
+            def on_commit(stats: SaveStats) -> dict[str, Any]:  # on the primary
+                before = set(self._infos)
+                self._committed(step, m, stats)
+                return {"deleted": sorted(before - set(self._infos))}
+
+            def on_done(info: Mapping[str, Any]) -> None:  # on the others
+                with self._mutex:
+                    self._infos[step] = policy.StepInfo(step, m, time.time())
+                    for s in info.get("deleted", []):
+                        self._infos.pop(s, None)
+
+            t0 = time.perf_counter()
+            try:
+                job = multihost.prepare_save(
+                    self._checkpointer, self._sync, self.step_path(step), items, step=step,
+                    force=force, options=self.options.multihost, metrics=metrics,
+                    custom_metadata=metadata, on_commit=on_commit, on_done=on_done)
+                stats = job.run()
+            except BaseException as e:
+                self._record(SaveStats(step, self.step_path(step), ok=False,
+                                       error=f"{type(e).__name__}: {e}", start_time=time.time(),
+                                       total_s=time.perf_counter() - t0))
+                raise
+            stats.total_s = stats.blocking_s = time.perf_counter() - t0
+        self._record(stats)
+        return True
+
     def _committed(self, step: int, metrics: Any, stats: SaveStats) -> None:
         """Bookkeeping after a durable commit: remember the step, then apply retention."""
         with self._mutex:
@@ -443,9 +496,33 @@ class CheckpointManager:
         self._check_writable()
         if step == self._in_flight_step:
             self.wait_until_finished()
+        if self._sync.process_count > 1:
+            return self._delete_collective(step)
         with self._mutex:
             self._resolve(step)
             self._delete_step(step)
+
+    def _delete_collective(self, step: int) -> None:
+        """Every process calls delete; the primary deletes, the others follow its result."""
+        sync, mh = self._sync, self.options.multihost
+        op = sync.new_op("delete")
+        multihost.agree(sync.exchange(f"{op}/agree", step, mh.timeout_s,
+                                      f"delete of step {step}: agreeing on the step"),
+                        "the step to delete")
+        local: BaseException | None = None
+        if self.primary:
+            try:
+                with self._mutex:
+                    self._resolve(step)
+                    self._delete_step(step)
+            except Exception as e:
+                local = e
+        statuses = sync.exchange(f"{op}/done", multihost.failure_status(local) if self.primary
+                                 else None, mh.timeout_s, f"delete of step {step}")
+        multihost.raise_failures({mh.primary_host: statuses[mh.primary_host]},
+                                  sync.process_index, local, f"deleting step {step}")
+        with self._mutex:
+            self._infos.pop(step, None)
 
     def _record(self, stats: SaveStats) -> None:
         self.last_save_stats = stats
@@ -470,6 +547,8 @@ class CheckpointManager:
             # Reading the step being written: wait for its commit. If it failed, its error
             # is raised here, not mistaken for a damaged checkpoint to fall back from.
             self.wait_until_finished()
+        if self._sync.process_count > 1:
+            return self._restore_collective(step, target, partial, verify, sharding, fallback)
         if step is not None:
             return self._restore_step(self._resolve(step), target, partial, verify, sharding)
         steps = sorted(self.all_steps(read=True), reverse=True)
@@ -489,6 +568,57 @@ class CheckpointManager:
                 self._emit("skip", {"step": s, "error": str(e), "time": time.time()})
                 continue
             return out
+        raise CheckpointCorruptedError(self.directory, "every checkpoint is damaged:\n  "
+                                       + "\n  ".join(errors))
+
+    def _restore_collective(self, step: int | None, target: Mapping[str, Any] | None,
+                            partial: bool, verify: bool, sharding: Any,
+                            fallback: bool) -> Restored:
+        """Chapter 4: restore on every process, each reading what its devices need.
+
+        The primary's list of steps is everyone's; after each attempt the processes exchange
+        how it went, so that they all return the same step, all fall back together past a
+        damaged one, or all raise.
+        """
+        sync, mh = self._sync, self.options.multihost
+        op = sync.new_op("restore")
+        mine = [step] if step is not None else sorted(self.all_steps(read=True), reverse=True)
+        views = sync.exchange(f"{op}/steps", mine, mh.timeout_s, "restore: listing the steps")
+        if step is not None:
+            multihost.agree([v[0] for v in views], "the step to restore")
+        steps = views[mh.primary_host]
+        if not steps:
+            raise CheckpointNotFoundError(f"no checkpoint to restore in {self.directory}")
+        errors: list[str] = []
+        for n, s in enumerate(steps):
+            local: BaseException | None = None
+            out = None
+            try:
+                if mh.primary_only:
+                    out = Restored(multihost.restore_broadcast(
+                        self._checkpointer, sync, f"{op}/b{n}", self.step_path(s), target,
+                        partial=partial, verify=verify, sharding=sharding, options=mh))
+                    out.step = s
+                else:
+                    out = self._restore_step(self._resolve(s), target, partial, verify,
+                                             sharding)
+            except Exception as e:
+                local = e
+            statuses = sync.exchange(f"{op}/try{n}", multihost.failure_status(local),
+                                     mh.timeout_s, f"restore of step {s}")
+            bad = {p: st for p, st in enumerate(statuses) if not st["ok"]}
+            if not bad:
+                assert out is not None
+                return out
+            if step is not None or not fallback or not all(st["damage"] for st in bad.values()):
+                multihost.raise_failures(statuses, sync.process_index, local,
+                                         f"restoring step {s}", reading=True)
+            why = multihost.describe_failures(bad)
+            msg = f"minickpt: skipping damaged checkpoint step {s}: {why}"
+            log.error(msg)
+            warnings.warn(msg, stacklevel=3)
+            errors.append(f"step {s}: {why}")
+            self._emit("skip", {"step": s, "error": why, "time": time.time()})
         raise CheckpointCorruptedError(self.directory, "every checkpoint is damaged:\n  "
                                        + "\n  ".join(errors))
 

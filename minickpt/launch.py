@@ -1,0 +1,252 @@
+"""Start N local JAX processes that form one ``jax.distributed`` job.
+
+    python -m minickpt.launch -n 4 [--devices-per-process K] [--timeout S] script.py args...
+    python -m minickpt.launch -n 2 -m my.module args...
+
+Each process gets the coordinator's address (a free port on 127.0.0.1), its process id and
+the number of processes (``MINICKPT_*``, read by :func:`minickpt.multihost.initialize`), K
+CPU devices (``--xla_force_host_platform_device_count``), ``JAX_PLATFORMS=cpu`` unless
+``--platforms`` says otherwise, and unbuffered output. Each output line is prefixed with
+``[p<i>]``. When one process fails, the others get ``--grace`` seconds to report what they
+saw, then are killed (fail-fast); ``--timeout`` bounds the whole job. The exit status is 0
+when every process exited 0, else the first failure's (128+N for a signal N, 124 for the
+time-out).
+
+This is a tool for one machine: for chapters, labs and tests. On a cluster, use its own
+launcher (SLURM, Kubernetes...) and let ``jax.distributed.initialize()`` detect it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import TextIO
+
+from .multihost import (
+    ENV_COORDINATOR,
+    ENV_HEARTBEAT_TIMEOUT,
+    ENV_NUM_PROCESSES,
+    ENV_PROCESS_ID,
+    ENV_TOKEN,
+)
+
+_BIND_FAILED = "Failed to add port to server"  # the coordinator lost the race for its port
+
+
+@dataclass
+class LaunchResult:
+    """How a launched job ended: per-process exit codes and output lines."""
+
+    returncodes: list[int]
+    outputs: list[list[str]]
+    wall_s: float
+    timed_out: bool = False
+    port: int = 0
+    first_failure: int | None = None  # the process that failed first
+    exit_times: list[float] = field(default_factory=list)
+
+    @property
+    def ok(self) -> bool:
+        return not self.timed_out and all(rc == 0 for rc in self.returncodes)
+
+    @property
+    def exit_code(self) -> int:
+        """What ``python -m minickpt.launch`` exits with."""
+        if self.ok:
+            return 0
+        if self.timed_out and self.first_failure is None:
+            return 124
+        rc = self.returncodes[self.first_failure if self.first_failure is not None else
+                              next(i for i, r in enumerate(self.returncodes) if r != 0)]
+        return 128 - rc if rc < 0 else rc
+
+    def output(self, process: int | None = None) -> str:
+        """The output of one process, or of all of them (prefixed), as one string."""
+        if process is not None:
+            return "".join(self.outputs[process])
+        return "".join(f"[p{i}] {line}" for i, lines in enumerate(self.outputs)
+                       for line in lines)
+
+    def describe(self) -> str:
+        codes = ", ".join(f"p{i}={rc}" for i, rc in enumerate(self.returncodes))
+        return (f"{len(self.returncodes)} processes, exit codes {codes}"
+                + (", timed out" if self.timed_out else "") + f", {self.wall_s:.1f} s")
+
+
+def pick_free_port(host: str = "127.0.0.1") -> int:
+    """A TCP port free on ``host`` right now (another program may still take it: the
+    launcher retries on a new port when the coordinator cannot bind)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind((host, 0))
+        return int(s.getsockname()[1])
+
+
+def child_env(process_id: int, num_processes: int, port: int, *,
+              devices_per_process: int = 1, platforms: str | None = "cpu",
+              env: Mapping[str, str] | None = None, token: str = "",
+              heartbeat_timeout_s: int | None = None) -> dict[str, str]:
+    """The environment of one launched process."""
+    out = {k: v for k, v in os.environ.items() if "_proxy" not in k.lower()}  # JAX: may hang
+    flags = [f for f in out.get("XLA_FLAGS", "").split()
+             if not f.startswith("--xla_force_host_platform_device_count")]
+    flags.append(f"--xla_force_host_platform_device_count={devices_per_process}")
+    out["XLA_FLAGS"] = " ".join(flags)
+    if platforms:
+        out["JAX_PLATFORMS"] = platforms
+    out.update({ENV_COORDINATOR: f"127.0.0.1:{port}", ENV_NUM_PROCESSES: str(num_processes),
+                ENV_PROCESS_ID: str(process_id), ENV_TOKEN: token, "PYTHONUNBUFFERED": "1"})
+    if heartbeat_timeout_s is not None:
+        out[ENV_HEARTBEAT_TIMEOUT] = str(heartbeat_timeout_s)
+    out.update(env or {})
+    return out
+
+
+def launch(argv: Sequence[str], num_processes: int, *, devices_per_process: int = 1,
+           timeout_s: float = 600.0, grace_s: float = 10.0, platforms: str | None = "cpu",
+           env: Mapping[str, str] | None = None,
+           env_per_process: Mapping[int, Mapping[str, str]] | None = None,
+           echo: TextIO | None = None, cwd: str | None = None,
+           heartbeat_timeout_s: int | None = None, port_retries: int = 2) -> LaunchResult:
+    """Run ``python *argv`` as ``num_processes`` processes of one JAX job; wait for them.
+
+    ``argv`` is what follows ``python``: ``["train.py", "--steps", "10"]`` or
+    ``["-m", "pkg.mod"]``. Output lines are collected (and copied to ``echo`` with a
+    ``[p<i>]`` prefix). Once a process exits non-zero the others are killed ``grace_s``
+    seconds later; everything is killed at ``timeout_s``.
+    """
+    if num_processes < 1 or devices_per_process < 1:
+        raise ValueError("num_processes and devices_per_process must be >= 1")
+    token = f"{os.getpid()}-{time.time_ns()}"
+    for attempt in range(port_retries + 1):
+        port = pick_free_port()
+        result = _run_once(argv, num_processes, port, token, devices_per_process, timeout_s,
+                           grace_s, platforms, env, env_per_process, echo, cwd,
+                           heartbeat_timeout_s)
+        if attempt < port_retries and any(_BIND_FAILED in line for line in result.outputs[0]):
+            if echo is not None:
+                echo.write(f"[launch] the coordinator could not bind port {port}; retrying\n")
+            continue
+        return result
+    return result  # pragma: no cover - the loop always returns
+
+
+def _run_once(argv: Sequence[str], n: int, port: int, token: str, k: int, timeout_s: float,
+              grace_s: float, platforms: str | None, env: Mapping[str, str] | None,
+              env_per_process: Mapping[int, Mapping[str, str]] | None, echo: TextIO | None,
+              cwd: str | None, heartbeat_timeout_s: int | None) -> LaunchResult:
+    outputs: list[list[str]] = [[] for _ in range(n)]
+    lock = threading.Lock()
+    procs: list[subprocess.Popen[str]] = []
+    t0 = time.monotonic()
+    try:
+        for i in range(n):
+            e = child_env(i, n, port, devices_per_process=k, platforms=platforms,
+                          env={**(env or {}), **((env_per_process or {}).get(i, {}))},
+                          token=token, heartbeat_timeout_s=heartbeat_timeout_s)
+            procs.append(subprocess.Popen([sys.executable, *argv], env=e, cwd=cwd,
+                                          stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                          stdin=subprocess.DEVNULL, text=True, bufsize=1,
+                                          errors="replace", start_new_session=True))
+
+        def pump(i: int, p: subprocess.Popen[str]) -> None:
+            assert p.stdout is not None
+            for line in p.stdout:
+                with lock:
+                    outputs[i].append(line)
+                    if echo is not None:
+                        echo.write(f"[p{i}] {line}")
+                        echo.flush()
+
+        pumps = [threading.Thread(target=pump, args=(i, p), daemon=True)
+                 for i, p in enumerate(procs)]
+        for t in pumps:
+            t.start()
+        deadline = t0 + timeout_s
+        exit_times: list[float | None] = [None] * n
+        first_failure = None
+        timed_out = False
+        while True:
+            now = time.monotonic()
+            for i, p in enumerate(procs):
+                if exit_times[i] is None and p.poll() is not None:
+                    exit_times[i] = now - t0
+                    if p.returncode != 0 and first_failure is None:
+                        first_failure = i
+                        deadline = min(deadline, now + grace_s)
+            if all(t is not None for t in exit_times):
+                break
+            if now > deadline:
+                timed_out = first_failure is None
+                break
+            time.sleep(0.02)
+    finally:
+        for p in procs:  # fail-fast, time-out, or the launcher itself interrupted
+            if p.poll() is None:
+                try:
+                    os.killpg(p.pid, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
+        for p in procs:
+            p.wait()
+    for t in pumps:
+        t.join(timeout=5)
+    end = time.monotonic() - t0
+    return LaunchResult([int(p.returncode) for p in procs], outputs, end, timed_out, port,
+                        first_failure, [end if t is None else t for t in exit_times])
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(
+        prog="python -m minickpt.launch",
+        description="Run a script as N processes of one jax.distributed job on this machine.")
+    ap.add_argument("-n", "--num-processes", type=int, required=True)
+    ap.add_argument("-k", "--devices-per-process", type=int, default=1,
+                    help="CPU devices per process (default 1)")
+    ap.add_argument("--timeout", type=float, default=600.0,
+                    help="kill every process after this many seconds (default 600)")
+    ap.add_argument("--grace", type=float, default=10.0,
+                    help="once a process fails, kill the others this many seconds later, so "
+                         "they can report what they saw (default 10)")
+    ap.add_argument("--platforms", default="cpu",
+                    help="JAX_PLATFORMS for the processes (default cpu; '' leaves it unset)")
+    ap.add_argument("--heartbeat-timeout", type=int, default=None,
+                    help="jax.distributed heartbeat_timeout_seconds (default JAX's, 100)")
+    ap.add_argument("--env", action="append", default=[], metavar="K=V",
+                    help="extra environment for every process; K@i=V for process i only")
+    ap.add_argument("-m", dest="module", help="run a module, like python -m")
+    ap.add_argument("script", nargs="?", help="the Python script to run")
+    ap.add_argument("args", nargs=argparse.REMAINDER, help="its arguments")
+    a = ap.parse_args(argv)
+    if a.module is None and a.script is None:
+        ap.error("give a script, or -m module")
+    cmd = ["-m", a.module, *([a.script] if a.script else []), *a.args] if a.module \
+        else [a.script, *a.args]
+    env: dict[str, str] = {}
+    per: dict[int, dict[str, str]] = {}
+    for kv in a.env:
+        key, sep, value = kv.partition("=")
+        if not sep:
+            ap.error(f"--env {kv!r}: expected K=V")
+        name, at, who = key.partition("@")
+        if at:
+            per.setdefault(int(who), {})[name] = value
+        else:
+            env[name] = value
+    res = launch(cmd, a.num_processes, devices_per_process=a.devices_per_process,
+                 timeout_s=a.timeout, grace_s=a.grace, platforms=a.platforms or None, env=env,
+                 env_per_process=per, echo=sys.stdout,
+                 heartbeat_timeout_s=a.heartbeat_timeout)
+    print(f"[launch] {res.describe()}", file=sys.stderr)
+    return res.exit_code
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,259 @@
+"""The program tests/test_multihost.py runs as several JAX processes (minickpt.launch).
+
+    python -m minickpt.launch -n 4 -k 2 tests/mh_worker.py SCENARIO DIR [DIR2]
+
+Every process prints ``RESULT {json}`` lines the test reads, and exits non-zero if any of
+its own checks fails. Values are deterministic functions of the leaf name, so every
+process (and the test) knows what each global array holds without communicating.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import threading
+import time
+
+import minickpt.multihost as mh
+
+mh.initialize()  # before any other JAX call; a no-op when not launched
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import ml_dtypes  # noqa: E402
+import numpy as np  # noqa: E402
+from jax.sharding import Mesh, NamedSharding  # noqa: E402
+from jax.sharding import PartitionSpec as P  # noqa: E402
+
+import minickpt as mc  # noqa: E402
+from minickpt.errors import PeerTimeoutError, ProcessDisagreementError  # noqa: E402
+
+ME, N = jax.process_index(), jax.process_count()
+
+# leaf name -> (shape, dtype); tests/test_multihost.py imports this table too
+LEAVES = {
+    "w": ((16, 16), np.float32),
+    "rows": ((16, 8), ml_dtypes.bfloat16),
+    "cols": ((8, 16), np.int32),
+    "xproc": ((8, 8), np.float32),
+    "rep": ((8,), np.float16),
+    "scalar": ((), np.float32),
+    "mu": ((16, 16), np.float32),
+}
+
+
+def expected(name: str) -> np.ndarray:
+    shape, dtype = LEAVES[name]
+    base = sum(map(ord, name)) % 17
+    return ((np.arange(int(np.prod(shape))) * 3 + base) % 251).reshape(shape).astype(dtype)
+
+
+def global_array(name: str, sharding) -> jax.Array:
+    g = expected(name)
+    return jax.make_array_from_callback(g.shape, sharding, lambda idx: g[idx])
+
+
+def meshes(k: int) -> tuple[Mesh, Mesh]:
+    devs = np.array(sorted(jax.devices(), key=lambda d: (d.process_index, d.id)))
+    grid = devs.reshape(N, k)
+    # the second mesh runs its first axis *across* processes: shards replicated over processes
+    return Mesh(grid, ("p", "l")), Mesh(grid.T, ("l", "p"))
+
+
+def saved_state(k: int) -> dict:
+    m, mx = meshes(k)
+    ns = lambda spec, mesh=m: NamedSharding(mesh, spec)  # noqa: E731
+    return {
+        "params": {"w": global_array("w", ns(P("p", "l"))),
+                   "rows": global_array("rows", ns(P("p", None))),
+                   "cols": global_array("cols", ns(P(None, ("p", "l")))),
+                   "xproc": global_array("xproc", ns(P("l"), mx)),
+                   "rep": global_array("rep", ns(P())),
+                   "scalar": global_array("scalar", ns(P()))},
+        "opt": {"mu": global_array("mu", ns(P(None, "p"))), "count": 7,
+                "host": np.arange(4, dtype=np.int16)},
+        "rng": jax.random.key(42),
+    }
+
+
+def restore_target(mesh: Mesh) -> dict:
+    """Other shardings than the saved ones, as ShapeDtypeStructs."""
+    a0, a1 = mesh.axis_names
+    ns = lambda spec: NamedSharding(mesh, spec)  # noqa: E731
+    sds = lambda name, spec: jax.ShapeDtypeStruct(LEAVES[name][0], LEAVES[name][1],  # noqa: E731
+                                                  sharding=ns(spec))
+    return {
+        "params": {"w": sds("w", P(None, (a0, a1))), "rows": sds("rows", P(a1, a0)),
+                   "cols": sds("cols", P()), "xproc": sds("xproc", P(a0, a1)),
+                   "rep": sds("rep", P(a0)), "scalar": sds("scalar", P())},
+        "opt": {"mu": sds("mu", P(a1, a0)), "count": 0, "host": np.zeros(4, np.int16)},
+        "rng": jax.random.key(0),
+    }
+
+
+def check_restored(r: dict) -> list[str]:
+    """Every local shard of every restored array equals the saved value there."""
+    bad = []
+    for group in ("params", "opt"):
+        for name, arr in r[group].items():
+            if name not in LEAVES:
+                continue
+            g = expected(name)
+            if arr.dtype != g.dtype or arr.shape != g.shape:
+                bad.append(f"{name}: {arr.dtype}{arr.shape} != {g.dtype}{g.shape}")
+                continue
+            for s in arr.addressable_shards:
+                if not np.array_equal(np.asarray(s.data), g[s.index]):
+                    bad.append(f"{name} shard {s.index}")
+    if r["opt"]["count"] != 7 or not np.array_equal(r["opt"]["host"], np.arange(4)):
+        bad.append("opt/count or opt/host")
+    want_key = jax.random.key_data(jax.random.key(42))
+    if not np.array_equal(jax.random.key_data(r["rng"]), want_key):
+        bad.append("rng")
+    return bad
+
+
+def result(**kw) -> None:
+    print("RESULT " + json.dumps({"process": ME, **kw}), flush=True)
+
+
+def opts(timeout_s: float = 30.0, **kw) -> mc.CheckpointManagerOptions:
+    primary_only = kw.pop("primary_only", False)
+    return mc.CheckpointManagerOptions(
+        multihost=mc.MultiHostOptions(timeout_s=timeout_s, primary_only=primary_only), **kw)
+
+
+def scenario_save(directory: str, single_dir: str) -> int:
+    """4 processes: save, restore resharded, verify, disagree; restore a 1-process save."""
+    k = jax.local_device_count()
+    state = saved_state(k)
+    # Task 4.2 — ownership is the replica_id == 0 rule, for every sharded array
+    for name, arr in state["params"].items():
+        mine = {b for b, _ in mh.owned_shards(arr.shape, arr.sharding.devices_indices_map(
+            arr.shape), ME)}
+        rep0 = {mc.format.box_of(s.index, arr.shape) for s in arr.addressable_shards
+                if s.replica_id == 0}
+        assert mine == rep0, (name, mine, rep0)
+    with mc.CheckpointManager(directory, opts()) as mngr:
+        t = time.perf_counter()
+        assert mngr.save(10, state, metrics={"loss": 0.5})
+        save_s = time.perf_counter() - t
+        rep = mngr.verify(10)
+        m, _ = meshes(k)
+        r = mngr.restore(target=restore_target(m))
+        plain = mngr.restore(10)  # no target: numpy arrays, the whole state on every process
+        plain_ok = all(np.array_equal(plain["params"][n], expected(n))
+                       for n in ("w", "rows", "cols", "xproc", "rep", "scalar"))
+        # another mesh shape over the same devices: (2N, k/2) when k is even
+        other = Mesh(np.array(jax.devices()).reshape(-1, 2), ("a", "b"))
+        r2 = mngr.restore(10, target=restore_target(other))
+        # Task 4.1 — the last process asks for another step: everybody refuses
+        disagreement = None
+        try:
+            mngr.save(11 if ME != N - 1 else 12, state)
+        except ProcessDisagreementError as e:
+            disagreement = str(e)
+        steps = mngr.all_steps(read=True)
+    with mc.CheckpointManager(single_dir, opts(), ) as single:
+        r3 = single.restore(target=restore_target(meshes(k)[0]))
+    result(saved=True, save_s=save_s, verify_ok=rep.ok, problems=rep.problems,
+           restored=check_restored(r), plain_ok=plain_ok, other_mesh=check_restored(r2),
+           disagreement=disagreement, steps=steps, from_single=check_restored(r3))
+    ok = (rep.ok and not check_restored(r) and plain_ok and not check_restored(r2)
+          and disagreement is not None and steps == [10] and not check_restored(r3))
+    return 0 if ok else 1
+
+
+def scenario_restore(directory: str, replicated_dir: str) -> int:
+    """2 processes: restore the 4-process save on another mesh; the Flax pattern."""
+    k = jax.local_device_count()
+    with mc.CheckpointManager(directory, opts()) as mngr:
+        r = mngr.restore(target=restore_target(meshes(k)[0]))
+        r2 = mngr.restore(target=restore_target(meshes(k)[1]))
+    # replicated (data-parallel) state: saved by the primary alone, broadcast on restore
+    m, _ = meshes(k)
+    rep = NamedSharding(m, P())
+    state = {"params": {"w": global_array("w", rep), "rep": global_array("rep", rep)},
+             "step": 3, "host": np.arange(5, dtype=np.uint8), "rng": jax.random.key(42)}
+    o = opts(primary_only=True)
+    with mc.CheckpointManager(replicated_dir, o) as mngr:
+        assert mngr.save(3, state)
+        files = sorted(os.listdir(os.path.join(replicated_dir, "step_3", "params")))
+        target = {"params": {"w": jax.ShapeDtypeStruct((16, 16), np.float32,
+                                                       sharding=NamedSharding(m, P("p"))),
+                             "rep": jax.ShapeDtypeStruct((8,), np.float16, sharding=rep)},
+                  "step": 0, "host": np.zeros(5, np.uint8), "rng": jax.random.key(0)}
+        b = mngr.restore(target=target)
+        nt = mngr.restore()  # no target: numpy on every process
+    bcast_ok = (all(np.array_equal(np.asarray(s.data), expected("w")[s.index])
+                    for s in b["params"]["w"].addressable_shards)
+                and np.array_equal(np.asarray(b["params"]["rep"].addressable_data(0)),
+                                   expected("rep"))
+                and b["step"] == 3 and np.array_equal(b["host"], np.arange(5))
+                and np.array_equal(jax.random.key_data(b["rng"]),
+                                   jax.random.key_data(jax.random.key(42)))
+                and np.array_equal(nt["params"]["w"], expected("w")) and nt["step"] == 3)
+    # the write phase in a background thread while the main thread keeps computing across
+    # processes (what the async manager does): barriers from the thread, gloo from main
+    sharded = saved_state(k)
+    job = mh.prepare_save(mc.Checkpointer(), mh.default_sync(),
+                          os.path.join(replicated_dir, "step_7"), sharded, step=7, copy=True)
+    errors = []
+    writer = threading.Thread(target=lambda: _capture(job.run, errors))
+    writer.start()
+    total = 0.0
+    for _ in range(5):
+        total += float(jax.jit(jnp.sum)(sharded["params"]["w"]))
+    writer.join(60)
+    threaded = mc.Checkpointer().restore(os.path.join(replicated_dir, "step_7"),
+                                         target=restore_target(meshes(k)[0]))
+    threaded_ok = (not errors and not writer.is_alive() and not check_restored(threaded)
+                   and total == 5 * float(expected("w").sum()))
+    result(restored=check_restored(r), transposed=check_restored(r2), files=files,
+           broadcast_ok=bool(bcast_ok), threaded_ok=threaded_ok, errors=errors)
+    return 0 if (not check_restored(r) and not check_restored(r2) and bcast_ok
+                 and threaded_ok) else 1
+
+
+def _capture(fn, errors: list) -> None:
+    try:
+        fn()
+    except BaseException as e:  # reported by the main thread
+        errors.append(repr(e))
+
+
+def scenario_kill(directory: str) -> int:
+    """A victim dies mid-save (MINICKPT_FAULT); the survivors must name it and leave."""
+    state = saved_state(jax.local_device_count())
+    mngr = mc.CheckpointManager(directory, opts(timeout_s=float(os.environ["MH_TIMEOUT"])))
+    mh.default_sync().exchange("ready", None, 60)  # start together: the time-out is the save's
+    t = time.perf_counter()
+    try:
+        mngr.save(5, state)
+    except PeerTimeoutError as e:
+        result(missing=e.missing, after_s=time.perf_counter() - t, error=str(e),
+               steps=mngr.all_steps(read=True))
+        mh.hard_exit(3)  # a normal exit would wait in jax.distributed.shutdown()
+    result(saved=True)
+    return 0
+
+
+def scenario_async(directory: str) -> int:
+    """Async + multi-host: save() returns before the slow process has written."""
+    state = saved_state(jax.local_device_count())
+    with mc.CheckpointManager(directory, opts(enable_async_checkpointing=True)) as mngr:
+        t = time.perf_counter()
+        mngr.save(1, state)
+        blocking_s = time.perf_counter() - t
+        in_progress = mngr.is_saving_in_progress()
+        mngr.wait_until_finished()
+        r = mngr.restore(target=restore_target(meshes(jax.local_device_count())[0]))
+    result(blocking_s=blocking_s, in_progress=in_progress, restored=check_restored(r))
+    return 0 if in_progress and not check_restored(r) else 1
+
+
+if __name__ == "__main__":
+    scenario, *args = sys.argv[1:]
+    sys.exit({"save": scenario_save, "restore": scenario_restore, "kill": scenario_kill,
+              "async": scenario_async}[scenario](*args))
