@@ -23,8 +23,6 @@ two files wins), then writes the two cells, strips outputs and syncs again. Note
 from __future__ import annotations
 
 import argparse
-import contextlib
-import io
 import sys
 import tomllib
 from dataclasses import dataclass
@@ -32,7 +30,8 @@ from pathlib import Path
 
 import jupytext
 import nbformat
-from jupytext.cli import jupytext as jupytext_cli
+from jupytext.combine import combine_inputs_with_outputs
+from jupytext.config import load_jupytext_config
 
 ROOT = Path(__file__).resolve().parent.parent
 BRANCH = "main"
@@ -172,40 +171,56 @@ def _check_pair(nb: Notebook, node: nbformat.NotebookNode, root: Path, fix: str)
         problems.append(f"{where}: not paired with {PAIR_FORMAT} in its metadata ({fix})")
     if not (root / nb.pair).exists():
         return [*problems, f"{where}: its plain-text pair {pair} is missing ({fix})"]
-    text = jupytext.read(root / nb.pair, fmt=PAIR_FORMAT)
+    on_disk = (root / nb.pair).read_text(encoding="utf-8")
+    if on_disk == pair_text(node, root / nb.path):
+        return problems
+    text = jupytext.reads(on_disk, fmt=PAIR_FORMAT)
     a = [(c.cell_type, c.source.strip()) for c in node.cells]
     b = [(c.cell_type, c.source.strip()) for c in text.cells]
-    if a != b:
-        first = next((i for i, (x, y) in enumerate(zip(a, b, strict=False)) if x != y),
-                     min(len(a), len(b)))
-        problems.append(f"{where} and {pair} differ from cell {first + 1} on "
-                        f"({len(a)} vs {len(b)} cells): edit one, then {fix}")
+    first = next((i for i, (x, y) in enumerate(zip(a, b, strict=False)) if x != y),
+                 min(len(a), len(b)))
+    detail = (f"from cell {first + 1} on ({len(a)} vs {len(b)} cells)" if a != b
+              else "in formatting or metadata only")
+    problems.append(f"{where} and {pair} differ {detail}: edit one, then {fix}")
     return problems
 
 
 # ---------------------------------------------------------------------------------------
 # fixing
 # ---------------------------------------------------------------------------------------
-def _sync(path: Path) -> None:
-    with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):
-        rc = jupytext_cli(["--sync", "--quiet", str(path)])
-    if rc:
-        raise SystemExit(f"jupytext --sync {path} failed (exit {rc})")
+def pair_text(node: nbformat.NotebookNode, ipynb: Path) -> str:
+    """The .py twin of a notebook, exactly as jupytext writes it under chapters/jupytext.toml."""
+    return jupytext.writes(node, fmt=PAIR_FORMAT, config=load_jupytext_config(str(ipynb)))
+
+
+def _read_synced(ipynb: Path, py: Path) -> nbformat.NotebookNode:
+    """What ``jupytext --sync`` would read: the newer file's cells, the .ipynb's cell ids,
+    metadata and outputs. (Done with jupytext's library functions rather than its command
+    line, which also signs notebooks in the user's Jupyter data folder and attaches a logging
+    handler to whatever sys.stderr is at the time.)"""
+    if not py.exists() or (ipynb.exists() and ipynb.stat().st_mtime >= py.stat().st_mtime):
+        return nbformat.read(ipynb, as_version=4)
+    text = jupytext.read(py, fmt=PAIR_FORMAT, config=load_jupytext_config(str(ipynb)))
+    if not ipynb.exists():
+        return text
+    return combine_inputs_with_outputs(text, nbformat.read(ipynb, as_version=4), fmt=PAIR_FORMAT)
+
+
+def _write_if_changed(path: Path, text: str) -> bool:
+    if path.exists() and path.read_text(encoding="utf-8") == text:
+        return False
+    path.write_text(text, encoding="utf-8")
+    return True
 
 
 def fix(nb: Notebook, root: Path = ROOT, url: str | None = None) -> bool:
-    """Bring one notebook in order; returns whether anything was written."""
+    """Bring one notebook in order; returns whether any file was written."""
     if not nb.writable:
         return False
     url = url or repo_url(root)
-    path = root / nb.path
-    files = [path, root / nb.pair] if nb.paired else [path]
-    on_disk = [f.read_bytes() if f.exists() else None for f in files]
-    if nb.paired:
-        _sync(path if path.exists() else root / nb.pair)  # a new chapter may exist as .py only
-    node = nbformat.read(path, as_version=4)
-    before = nbformat.writes(node)
-    node.nbformat_minor = max(node.nbformat_minor, 5)  # cell ids
+    ipynb, py = root / nb.path, root / nb.pair
+    node = _read_synced(ipynb, py) if nb.paired else nbformat.read(ipynb, as_version=4)
+    node.nbformat, node.nbformat_minor = 4, max(node.get("nbformat_minor", 0), 5)  # cell ids
     body = [c for c in node.cells if not (_is_badge(c) or _is_setup(c))]
     node.cells = [*expected_head(nb, url), *body]
     if nb.stripped:
@@ -215,13 +230,11 @@ def fix(nb: Notebook, root: Path = ROOT, url: str | None = None) -> bool:
     node.metadata.setdefault("kernelspec", dict(KERNELSPEC))
     if nb.paired:
         node.metadata.setdefault("jupytext", {})["formats"] = f"ipynb,{PAIR_FORMAT}"
-    changed = nbformat.writes(node) != before
-    if changed:
-        nbformat.validate(node)
-        nbformat.write(node, path)
-    if nb.paired and (changed or not (root / nb.pair).exists()):
-        _sync(path)  # the .ipynb is now the newer file: this rewrites the .py from it
-    return on_disk != [f.read_bytes() if f.exists() else None for f in files]
+    nbformat.validate(node)
+    changed = _write_if_changed(ipynb, nbformat.writes(node) + "\n")
+    if nb.paired:
+        changed |= _write_if_changed(py, pair_text(node, ipynb))
+    return changed
 
 
 def main(argv: list[str] | None = None) -> int:
