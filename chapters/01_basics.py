@@ -1,0 +1,747 @@
+# ---
+# jupyter:
+#   jupytext:
+#     formats: ipynb,py:percent
+#     notebook_metadata_filter: -jupytext.text_representation.jupytext_version
+#     text_representation:
+#       extension: .py
+#       format_name: percent
+#       format_version: '1.3'
+#   kernelspec:
+#     display_name: Python 3 (ipykernel)
+#     language: python
+#     name: python3
+# ---
+
+# %% [markdown]
+# <a href="https://colab.research.google.com/github/minickpt-course/checkpointing-in-jax/blob/main/chapters/01_basics.ipynb" target="_parent"><img src="https://colab.research.google.com/assets/colab-badge.svg" alt="Open In Colab"/></a>
+
+# %%
+# Course set-up, the same in every notebook (written by scripts/notebooks.py).
+# On Colab it installs the course package; everywhere it asks JAX for 4 CPU devices
+# (so that sharding works on a laptop) before JAX is imported. A GPU or TPU is used when present.
+import os
+import sys
+
+if "google.colab" in sys.modules:
+    import subprocess
+
+    package = "minickpt[colab] @ git+https://github.com/minickpt-course/checkpointing-in-jax"
+    subprocess.run([sys.executable, "-m", "pip", "install", "-q", package], check=True)
+if "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):
+    os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "")
+                               + " --xla_force_host_platform_device_count=4").strip()
+
+# %% [markdown]
+# # Chapter 1 — What a checkpoint is
+#
+# A moving company driving a truck full of furniture across the mountains for three weeks does
+# not wait until the last town to unload. It stops at depots along the road, leaves a copy of the
+# load and writes it in the ledger. If the truck goes off the road, a new truck starts from the
+# last depot, not from the first town. A video game does the same with save points: when your
+# character dies you continue from the last save, with your level, your inventory and your place
+# on the map — not from the first village.
+#
+# A long training run is that journey. A **checkpoint** is a depot: a copy of *everything* the
+# run needs to carry on, written to storage that survives the crash. This chapter answers four
+# questions, each with a measurement on your own machine:
+#
+# 1. What does "everything" mean, and what happens if you save only the weights?
+# 2. How does JAX describe the state (pytrees, key paths), and what part of a Flax `TrainState` is
+#    data rather than code?
+# 3. Which bytes should go to disk — msgpack, npy, pickle — and how do arrays get from the
+#    accelerator to the file?
+# 4. What does a checkpoint look like on disk, with `minickpt`, with Flax's legacy API and with
+#    Orbax?
+#
+# The whole notebook runs in well under a minute on a laptop CPU, and unchanged on a Colab GPU
+# or TPU.
+
+# %%
+import dataclasses
+import io
+import json
+import logging
+import os
+import pickle
+import pickletools
+import shutil
+import time
+from pathlib import Path
+
+logging.getLogger("absl").setLevel(logging.ERROR)  # Orbax's note that TensorFlow is absent
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import matplotlib.pyplot as plt
+import numpy as np
+import optax
+from flax.training import train_state
+from jax.flatten_util import ravel_pytree
+
+import minickpt as mc
+from minickpt import cli
+from minickpt import tree as mtree
+
+devices = jax.devices()
+print(f"JAX {jax.__version__} sees {len(devices)} {devices[0].platform.upper()} device(s): "
+      f"{devices}")
+
+WORK = Path("ch01-work")  # everything this notebook writes goes here; it starts empty
+shutil.rmtree(WORK, ignore_errors=True)
+WORK.mkdir()
+
+# %% [markdown]
+# ## 1. The training state
+#
+# At step $t$ a training run is fully described by
+#
+# $$\mathcal{S}_t = (\theta_t,\; m_t,\; t,\; r_t)$$
+#
+# - $\theta_t$ — the **parameters** (the weights): what the model has learned so far.
+# - $m_t$ — the **optimizer state**: for Adam, the two running averages $m_t$ and $v_t$ below
+#   (two numbers per parameter) and Adam's own step count.
+# - $t$ — the **step**: it drives the learning-rate schedule and Adam's bias correction.
+# - $r_t$ — the **random key**: in JAX randomness is an explicit value, so dropout masks and the
+#   order of the data come from a key that is part of the state.
+#
+# Adam keeps, for every parameter, an average of the gradients $m_t$ and of their squares $v_t$
+# (optax calls them `mu` and `nu`, and keeps the step in `count`):
+#
+# $$g_t = \nabla L(\theta_{t-1}),\qquad m_t = \beta_1 m_{t-1} + (1-\beta_1)\,g_t,\qquad
+#   v_t = \beta_2 v_{t-1} + (1-\beta_2)\,g_t^2$$
+#
+# $$\hat m_t = \frac{m_t}{1-\beta_1^t},\qquad \hat v_t = \frac{v_t}{1-\beta_2^t},\qquad
+#   \theta_t = \theta_{t-1} - \eta\,\frac{\hat m_t}{\sqrt{\hat v_t}+\epsilon}$$
+#
+# with $\beta_1 = 0.9$, $\beta_2 = 0.999$. With $\beta_2 = 0.999$, $v_t$ averages over roughly
+# the last thousand steps: it *remembers* how large the gradients have been. Now suppose a run
+# restarts with the right weights but a fresh optimizer ($m = v = 0$, $t = 0$). Its first step has
+# $\hat m_1 = g_1$ and $\hat v_1 = g_1^2$, so every parameter moves by
+# $\eta\, g_1/|g_1| = \pm\eta$ — the full learning rate, in the direction of one noisy gradient,
+# however small that gradient is. The next experiment measures what that does.
+
+# %% [markdown]
+# ## 2. Experiment: resume with and without the optimizer state
+#
+# The model is a small MLP (one hidden layer of 64 units) that learns to imitate a fixed random
+# "teacher" network of the same kind. Because a perfect fit exists, the loss keeps falling by
+# orders of magnitude, and any damage is visible on a logarithmic axis. Every step draws a fresh
+# batch of 128 inputs from the random key $r_t$, so the key is part of the state. After each step
+# we measure the loss on a fixed set of 1024 held-out inputs, and how far the step moved the
+# weights (the mean of $|\theta_t - \theta_{t-1}|$ over all parameters).
+
+# %%
+D_IN, HIDDEN, BATCH = 8, 64, 128
+LR = 0.03            # Adam's learning rate eta
+K, T = 200, 300      # save at step K, train to step T
+
+
+class MLP(nn.Module):
+    hidden: int
+
+    @nn.compact
+    def __call__(self, x):
+        h = nn.relu(nn.Dense(self.hidden)(x))  # Dense_0
+        return nn.Dense(1)(h)                  # Dense_1
+
+
+teacher, student = MLP(16), MLP(HIDDEN)
+teacher_vars = teacher.init(jax.random.key(100), jnp.ones((1, D_IN)))
+x_eval = jax.random.normal(jax.random.key(999), (1024, D_IN))
+y_eval = teacher.apply(teacher_vars, x_eval)
+
+
+def fresh_state(seed=0, tx=None):
+    """A new TrainState, built from code: the model, its initial weights, the optimizer."""
+    params = student.init(jax.random.key(seed), jnp.ones((1, D_IN)))["params"]
+    return train_state.TrainState.create(apply_fn=student.apply, params=params,
+                                         tx=tx or optax.adam(LR))
+
+
+def raw(leaf):
+    """A leaf as plain numbers (a typed random key as its key data), for comparing."""
+    if jax.dtypes.issubdtype(leaf.dtype, jax.dtypes.prng_key):
+        return jax.random.key_data(leaf)
+    return leaf
+
+
+def same_leaves(a, b):
+    """True if two pytrees have bit-identical leaves, in the same order."""
+    la, lb = jax.tree_util.tree_leaves(a), jax.tree_util.tree_leaves(b)
+    return len(la) == len(lb) and all(np.array_equal(raw(x), raw(y)) for x, y in zip(la, lb))
+
+
+@jax.jit
+def train_step(state, rng):
+    rng, data_key = jax.random.split(rng)  # the batch comes from the key: r_t is state
+    x = jax.random.normal(data_key, (BATCH, D_IN))
+    y = teacher.apply(teacher_vars, x)
+
+    def loss_fn(params):
+        return jnp.mean((state.apply_fn({"params": params}, x) - y) ** 2)
+
+    new = state.apply_gradients(grads=jax.grad(loss_fn)(state.params))
+    eval_loss = jnp.mean((new.apply_fn({"params": new.params}, x_eval) - y_eval) ** 2)
+    moved = jnp.mean(jnp.abs(ravel_pytree(new.params)[0] - ravel_pytree(state.params)[0]))
+    return new, rng, eval_loss, moved
+
+
+def train(state, rng, steps):
+    """Run `steps` steps; returns the state, the key and per step (eval loss, mean |update|)."""
+    history = []
+    for _ in range(steps):
+        state, rng, loss, moved = train_step(state, rng)
+        history.append((loss, moved))
+    return state, rng, np.array(jax.device_get(history))  # one transfer at the end
+
+
+# %% [markdown]
+# Train to step $K$, save a checkpoint with `minickpt` — parameters, optimizer state and key as
+# three items, the step in the directory name — then keep going without interruption to step $T$.
+# That uninterrupted run is the reference.
+
+# %%
+run_dir = WORK / "run"
+mngr = mc.CheckpointManager(run_dir)
+
+t0 = time.perf_counter()
+state, rng = fresh_state(), jax.random.key(1)
+state, rng, hist_before = train(state, rng, K)
+mngr.save(K, {"params": state.params, "opt_state": state.opt_state, "rng": rng},
+          metrics={"eval_loss": float(hist_before[-1, 0])})
+state_ref, _, hist_ref = train(state, rng, T - K)
+print(f"trained {T} steps in {time.perf_counter() - t0:.1f} s; saved step {K}: "
+      f"{mngr.all_steps()} in {run_dir}")
+
+# %% [markdown]
+# Now pretend the process died right after saving. A new process builds a fresh state from code
+# (the same model and optimizer) and restores into it — once **everything**, once **only the
+# weights** (and the key). Both resumed runs then see exactly the same batches, so the only
+# difference between them is Adam's $m$, $v$ and step count.
+
+# %%
+target = fresh_state(seed=7)  # any state of the right structure: its values get replaced
+
+full = mngr.restore(target={"params": target.params, "opt_state": target.opt_state,
+                            "rng": jax.random.key(0)})
+resumed_full = target.replace(step=full.step, params=full["params"],
+                              opt_state=full["opt_state"])
+state_full, _, hist_full = train(resumed_full, full["rng"], T - K)
+
+weights = mngr.restore(target={"params": target.params, "rng": jax.random.key(0)})
+resumed_weights = target.replace(step=weights.step, params=weights["params"])  # m = v = 0, t = 0
+_, _, hist_weights = train(resumed_weights, weights["rng"], T - K)
+
+print("optimizer count after restoring everything:", int(resumed_full.opt_state[0].count))
+print("optimizer count after restoring weights only:", int(resumed_weights.opt_state[0].count))
+
+# %%
+steps_before = np.arange(1, K + 1)
+steps_after = np.arange(K + 1, T + 1)
+fig, (ax_loss, ax_move) = plt.subplots(1, 2, figsize=(11, 3.8))
+for ax, col in ((ax_loss, 0), (ax_move, 1)):
+    ax.plot(steps_before, hist_before[:, col], color="0.3", label="before the checkpoint")
+    ax.plot(steps_after, hist_ref[:, col], color="0.3", lw=3, alpha=0.35,
+            label="uninterrupted")
+    ax.plot(steps_after, hist_full[:, col], color="tab:blue", ls="--",
+            label="resumed: full state")
+    ax.plot(steps_after, hist_weights[:, col], color="tab:red", label="resumed: weights only")
+    ax.axvline(K, color="k", ls=":", lw=1)
+    ax.set_yscale("log")
+    ax.set_xlabel("training step")
+ax_loss.set_ylabel("held-out loss (MSE)")
+ax_loss.set_title(f"Loss; checkpoint at step {K}")
+ax_move.axhline(LR, color="tab:red", ls=":", lw=1)
+ax_move.text(K + 8, LR * 0.8, "η, the learning rate", color="tab:red", va="top")
+ax_move.set_ylabel(r"mean $|\theta_t - \theta_{t-1}|$")
+ax_move.set_title("How far each step moves the weights")
+ax_loss.legend(fontsize=8)
+fig.tight_layout()
+plt.show()
+
+# %% [markdown]
+# *Figure: held-out loss (left) and mean size of each step's change to the weights (right) of one
+# run, resumed at step 200 from the full training state (blue, dashed, lying on the uninterrupted
+# run in grey) and from the weights alone (red). A fresh Adam moves every weight by about η — at
+# step 1, and again right after the weights-only resume. Measured on this machine's devices.*
+
+# %%
+loss_at_k = hist_before[-1, 0]
+window = slice(0, 30)
+back = np.nonzero(hist_weights[:, 0] <= loss_at_k)[0]
+print(f"held-out loss at the checkpoint (step {K}):     {loss_at_k:.2e}")
+print(f"worst loss in the 30 steps after resuming, full state:    "
+      f"{hist_full[window, 0].max():.2e}  ({hist_full[window, 0].max() / loss_at_k:.1f}x)")
+print(f"worst loss in the 30 steps after resuming, weights only:  "
+      f"{hist_weights[window, 0].max():.2e}  ({hist_weights[window, 0].max() / loss_at_k:.1f}x)")
+print("steps until the weights-only run is back at the checkpoint's loss: "
+      + (f"{back[0] + 1}" if back.size else f"more than {T - K}"))
+print(f"held-out loss at step {T}: uninterrupted {hist_ref[-1, 0]:.2e}, "
+      f"weights only {hist_weights[-1, 0]:.2e}")
+print(f"mean |update| of step {K} (warm Adam):            {hist_before[-1, 1]:.1e}")
+print(f"mean |update| of the first step, full state:     {hist_full[0, 1]:.1e}")
+print(f"mean |update| of the first step, weights only:   {hist_weights[0, 1]:.1e}"
+      f"  (eta = {LR})")
+same = np.array_equal(hist_full, hist_ref) and same_leaves(state_full, state_ref)
+print(f"full-state resume identical to the uninterrupted run, bit for bit: {same}")
+
+# %% [markdown]
+# What the numbers say:
+#
+# - **Restoring the full state continues the run as if nothing had happened.** On a CPU the
+#   resumed run is identical to the uninterrupted one, bit for bit. (On a GPU some reductions
+#   are not deterministic, so the last digits may differ; chapter 3 shows what to check instead.)
+# - **Restoring only the weights throws away the optimizer's memory.** Adam's first step moves
+#   each weight by almost exactly $\eta$ (the red curve on the right jumps to the dotted line),
+#   many times more than the warm optimizer was moving them, and the loss jumps by a large factor
+#   before it slowly recovers. Those steps of recovery are compute paid twice.
+# - The damage grows with the learning rate and with how far training has come: a warm $v_t$
+#   remembers larger gradients from earlier in the run, which is what kept the late steps small.
+#
+# So a checkpoint holds the whole $\mathcal{S}_t$. Here is its bill of materials, from the
+# checkpoint's own metadata:
+
+# %%
+meta = mngr.metadata(K)
+for item, rec in sorted(meta.items.items()):
+    print(f"{item:10s} {rec['num_leaves']:3d} leaves  {rec['data_bytes']:7,d} bytes")
+print(f"Adam's state is {meta.items['opt_state']['data_bytes'] / meta.items['params']['data_bytes']:.2f}"
+      " times the size of the weights (m and v, one value each per weight, plus the count)")
+
+# %% [markdown]
+# ## 3. Pytrees and key paths
+#
+# JAX calls any nest of dicts, lists, tuples, named tuples and registered classes a **pytree**;
+# the arrays at the ends are its **leaves**. A checkpoint stores a pytree as a flat list of
+# leaves, each named by its **key path**: the dict keys, sequence indices and attribute names
+# that lead from the root to the leaf. `jax.tree_util.tree_flatten_with_path` gives both:
+
+# %%
+leaves_with_paths, treedef = jax.tree_util.tree_flatten_with_path(state)
+print(f"a TrainState has {len(leaves_with_paths)} leaves; the first five:")
+for path, leaf in leaves_with_paths[:5]:
+    print(f"  {jax.tree_util.keystr(path):50s} {str(leaf.dtype):8s} {leaf.shape}")
+mu_path = next(p for p, _ in leaves_with_paths if ".mu" in jax.tree_util.keystr(p))
+print(f"\nthe path of Adam's m for one layer, {jax.tree_util.keystr(mu_path)}, is made of:")
+for key in mu_path:
+    print("  ", repr(key))
+
+# %% [markdown]
+# The path mixes three kinds of keys: `GetAttrKey` (a field of the `TrainState` or of optax's
+# named tuple), `SequenceKey` (position 0 of optax's tuple of states) and `DictKey` (Flax's
+# parameter dicts). A file cannot hold Python key objects, so `minickpt` names every leaf by the
+# *strings* of its path. The same names then match whether the container is a `TrainState`, a
+# named tuple or a plain dict — which is what lets you restore a `TrainState` checkpoint into a
+# dict, or the other way round.
+
+# %%
+named = mtree.flatten_with_names(state)
+for names, leaf in named[:5]:
+    print(f"  {mtree.path_str(names):45s} {names}")
+print("leaves whose path starts with apply_fn or tx:",
+      [n for n, _ in named if n[0] in ("apply_fn", "tx")])
+
+# the names are enough to put the leaves back into any tree of the same shape
+values = {names: leaf for names, leaf in named}
+rebuilt = mtree.unflatten_like(fresh_state(seed=3), values)
+print("rebuilt a TrainState from the named leaves, every leaf identical:",
+      same_leaves(rebuilt, state))
+as_dicts = mtree.nest((n, np.asarray(v).shape) for n, v in named)
+print("the same names as nested dicts:", json.dumps(as_dicts["opt_state"]["0"]["mu"]))
+
+# %% [markdown]
+# ## 4. Flax `TrainState`: data and code
+#
+# `TrainState` bundles the step, the parameters and the optimizer state — and also `apply_fn`
+# (the model's forward function) and `tx` (the optax optimizer). The last two are **code**:
+# Flax marks them `pytree_node=False`, so they are not leaves, and no checkpoint contains them.
+
+# %%
+for f in dataclasses.fields(train_state.TrainState):
+    is_data = f.metadata.get("pytree_node", True)
+    print(f"  {f.name:10s} {'data (saved)' if is_data else 'code (not saved: rebuilt by your program)'}")
+
+# %% [markdown]
+# Because the optimizer is code, restoring needs a target built by the *same* code. If the code
+# changed — here, SGD with momentum instead of Adam — the saved optimizer state no longer fits,
+# and a strict restore says exactly where, before reading any data:
+
+# %%
+sgd_target = fresh_state(tx=optax.sgd(LR, momentum=0.9))
+try:
+    mngr.restore(K, target={"opt_state": sgd_target.opt_state})
+except mc.StructureMismatchError as e:
+    lines = str(e).splitlines()
+    print("\n".join(lines[:5] + ["  ..."] + lines[-3:]))
+mngr.close()  # done with this run directory (the manager held a lock on it)
+
+# %% [markdown]
+# ## 5. Which bytes: msgpack, npy — and why never pickle
+#
+# **msgpack** is a compact binary format for dicts, lists, numbers and bytes. It does not know
+# JAX arrays. Several tutorials (including one this course started from) call `msgpack.dumps` on
+# a tree of JAX arrays; it fails:
+
+# %%
+import msgpack
+
+try:
+    msgpack.dumps({"kernel": jnp.ones((3, 2))})
+except TypeError as e:
+    print("TypeError:", e)
+
+# %% [markdown]
+# Flax's `flax.serialization` adds what is missing: it turns the state into a tree of plain
+# dicts (`to_state_dict`), encodes each array as msgpack bytes with its dtype and shape, and on
+# the way back fills the values into a target of the right structure (`from_bytes`).
+
+# %%
+from flax import serialization
+
+blob = serialization.to_bytes(state)
+back = serialization.from_bytes(fresh_state(seed=5), blob)
+print(f"to_bytes: {len(blob):,} bytes; round trip into a TrainState exact:",
+      same_leaves(back, state))
+
+state_dict = serialization.to_state_dict(state)  # the same thing in two explicit steps
+packed = serialization.msgpack_serialize(state_dict)
+print("state dict keys:", list(state_dict), "| msgpack_serialize:", len(packed), "bytes")
+print("restored without a target:", type(serialization.msgpack_restore(packed)["opt_state"]),
+      "— the named tuples came back as dicts, and apply_fn and tx are not there at all")
+
+try:
+    serialization.to_bytes({"rng": rng})
+except TypeError as e:
+    print("\na typed PRNG key:", str(e).split(".")[0])
+
+# %% [markdown]
+# So msgpack via Flax works for parameters and optimizer state, but one file holds the whole
+# tree (no reading of a single leaf, no checksum), and a typed random key must first be turned
+# into its raw `key_data`.
+#
+# **npy** (`np.save`) stores one array with its shape and dtype in a small header. It is as
+# simple as a format gets — but the header only knows NumPy's own dtypes:
+
+# %%
+buf = io.BytesIO()
+np.save(buf, np.asarray(jnp.arange(3.0, dtype=jnp.bfloat16)))
+buf.seek(0)
+loaded = np.load(buf)
+print("saved bfloat16, np.load gives dtype", loaded.dtype, "->", loaded)
+
+buf = io.BytesIO()
+np.save(buf, np.array([{"lr": 0.1}], dtype=object))  # an object array goes through pickle...
+buf.seek(0)
+try:
+    np.load(buf)  # ...so np.load refuses it unless you pass allow_pickle=True
+except ValueError as e:
+    print("object array:", e)
+
+# %% [markdown]
+# `bfloat16`, the everyday dtype of accelerator training, comes back as anonymous two-byte
+# blobs (`|V2`): the numbers survive, their meaning does not. And note the door `np.load` keeps
+# shut by default: `allow_pickle`.
+#
+# **pickle** can store anything, because loading a pickle *runs code*: the file names a function
+# and its arguments, and `pickle.load` calls it. Here is a harmless "checkpoint" that creates a
+# file when it is loaded. A real attacker would name `os.system` instead.
+
+# %%
+class Surprise:
+    def __reduce__(self):  # pickle asks the object how to rebuild it: "call this function"
+        return (Path.write_text, (WORK / "written-by-unpickling.txt",
+                                  "pickle ran this code while loading a checkpoint\n"))
+
+
+evil = pickle.dumps({"params": np.ones(3), "note": Surprise()})
+named_in_file = [arg for _, arg, _ in pickletools.genops(evil)
+                 if isinstance(arg, str) and ("pathlib" in arg or "write_text" in arg)]
+print("what the file tells pickle to import and call:", named_in_file)
+marker = WORK / "written-by-unpickling.txt"
+print("file exists before loading:", marker.exists())
+pickle.loads(evil)
+print("file exists after loading: ", marker.exists(), "->", marker.read_text().strip())
+
+# %% [markdown]
+# A checkpoint is something you download, share and restore on shared machines; it must be
+# *data only*. `minickpt` never uses pickle: an item is a `data.bin` of raw array bytes plus a
+# JSON `manifest.json` (key path, dtype, shape, offset, CRC-32 per leaf). What cannot be described
+# that way — an object array, a function — is refused at save time with the path of the leaf:
+
+# %%
+try:
+    mc.Checkpointer().save(WORK / "objects", {"state": {"params": np.ones(3),
+                                                          "extra": np.array([{}], dtype=object)}})
+except mc.UnsupportedLeafError as e:
+    print("UnsupportedLeafError:", e)
+print("anything left on disk:", (WORK / "objects").exists())
+
+# %% [markdown]
+# | | msgpack (`flax.serialization`) | npy | pickle | `minickpt` |
+# |---|---|---|---|---|
+# | keeps the tree structure | yes (as dicts) | no (one array) | yes | yes (key paths) |
+# | `bfloat16`, typed keys | yes, no | no (`\|V2`), no | yes, yes | yes, yes |
+# | runs code when loading | no | only with `allow_pickle=True` | **yes** | no |
+# | checksum per leaf, read one leaf | no, no | no, yes | no, no | yes, yes |
+
+# %% [markdown]
+# ## 6. From the device to the host
+#
+# Arrays live in the memory of a device — a GPU, a TPU, or the CPU. A file is written from host
+# (CPU) memory, so every save starts by bringing the arrays to the host: `jax.device_get(tree)`,
+# or `np.asarray(x)` for one array. What that costs depends on where the array is:
+
+# %%
+x = jnp.arange(8 * 1024 * 1024, dtype=jnp.float32)  # 32 MiB
+print("x lives on", x.devices())
+x.block_until_ready()
+t0 = time.perf_counter()
+host = jax.device_get(x)
+dt = time.perf_counter() - t0
+try:
+    zero_copy = host.__array_interface__["data"][0] == x.unsafe_buffer_pointer()
+except Exception:  # some backends do not expose their buffer pointers
+    zero_copy = False
+print(f"device_get of {x.nbytes / 2**20:.0f} MiB took {dt * 1e3:.2f} ms; "
+      f"host array shares the device buffer (zero-copy): {zero_copy}; writeable: "
+      f"{host.flags.writeable}")
+
+# %% [markdown]
+# On a CPU the "device" memory *is* host memory, so `np.asarray` and `jax.device_get` return a
+# read-only view of the same buffer: no copy at all. On a GPU or TPU the same call copies the bytes
+# over the interconnect (PCIe or similar) into a new host buffer; the time printed above is then the
+# real transfer time, and a save waits for it. `minickpt` starts the transfers of all leaves at
+# once (`copy_to_host_async`) before waiting for any, so they overlap.
+#
+# An array can also be **sharded**: split across several devices, each holding a piece. Here it
+# is split across every device JAX sees (several CPU devices locally, one GPU on Colab), and
+# `np.asarray` assembles the pieces into one host array:
+
+# %%
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+mesh = Mesh(np.array(devices), ("d",))
+sharded = jax.device_put(jnp.arange(len(devices) * 4.0).reshape(len(devices), 4),
+                         NamedSharding(mesh, PartitionSpec("d")))
+for shard in sharded.addressable_shards:
+    rows = shard.index[0]
+    print(f"  {shard.device}: rows {rows.start}:{rows.stop} = {np.asarray(shard.data).tolist()}")
+print("assembled on the host:", np.asarray(sharded).shape)
+
+# %% [markdown]
+# A host copy must also keep each leaf's exact type. `minickpt.tree.to_host` (you write it in
+# lab 1) keeps `bfloat16` as `bfloat16` and turns a typed random key into its raw data plus the
+# name of its generator, so it can be rebuilt on restore:
+
+# %%
+for leaf in (jnp.ones(2, jnp.bfloat16), rng):
+    h = mtree.to_host(leaf)
+    print(f"  {str(leaf.dtype):10s} -> {type(h).__name__}: {h!r}"[:120])
+
+# %% [markdown]
+# ## 7. One checkpoint on disk
+#
+# The checkpoint saved at step 200 is a directory named after its step, with one sub-directory per
+# item and a metadata file:
+
+# %%
+def show_tree(root):
+    """List a directory tree with file sizes, like `tree -s`."""
+    root = Path(root)
+    lines = [f"{root.name}/"]
+    for path in sorted(root.rglob("*")):
+        depth = len(path.relative_to(root).parts)
+        size = "" if path.is_dir() else f"  ({path.stat().st_size:,} B)"
+        lines.append("  " * depth + path.name + ("/" if path.is_dir() else "") + size)
+    return lines
+
+
+print("\n".join(show_tree(run_dir / f"step_{K}")))
+
+# %% [markdown]
+# The `minickpt` command line reads it without restoring anything. In a terminal you would type
+# `minickpt inspect ch01-work/run`; here we call the same function in-process, which works the
+# same locally and on Colab:
+
+# %%
+cli.main(["inspect", str(run_dir), "--item", "opt_state"])
+
+# %%
+cli.main(["ls", str(run_dir)])
+
+# %% [markdown]
+# The manifest is plain JSON, one line per leaf — a person can read it, and nothing in it can
+# make the reader run code:
+
+# %%
+for line in (run_dir / f"step_{K}" / "params" / "manifest.json").read_text().splitlines()[:9]:
+    print(line if len(line) <= 110 else line[:107] + "...")
+
+# %% [markdown]
+# ## 8. Flax's legacy API: `save_checkpoint` / `restore_checkpoint`
+#
+# Much existing code (and many tutorials) uses `flax.training.checkpoints`. Its semantics are
+# worth knowing, and `minickpt` keeps them in `mc.save_checkpoint` / `mc.restore_checkpoint`:
+#
+# - the step is part of the name: `checkpoint_<step>`;
+# - `keep=n` keeps the newest `n` checkpoints (the default is 1: the previous one is deleted!);
+# - saving a step that is not newer than the latest is refused unless `overwrite=True`;
+# - `restore_checkpoint` with nothing to restore **returns the target unchanged**, so "resume if
+#   possible, else start fresh" needs no `if`.
+
+# %%
+legacy_dir = WORK / "legacy"
+start = fresh_state()
+print("restore from an empty directory returns the target itself:",
+      mc.restore_checkpoint(legacy_dir, start) is start)
+
+s, key = resumed_full, full["rng"]
+for _ in range(3):
+    s, key, _ = train(s, key, 10)
+    mc.save_checkpoint(legacy_dir, s, step=int(s.step), keep=2)
+print("on disk:", sorted(os.listdir(legacy_dir)))
+print("restored step:", int(mc.restore_checkpoint(legacy_dir, start).step))
+try:
+    mc.save_checkpoint(legacy_dir, s, step=K + 10)
+except ValueError as e:
+    print(type(e).__name__ + ":", e)
+
+# %% [markdown]
+# Flax's own functions behave the same way. They are deprecated in favour of Orbax and may be
+# gone from the Flax you have installed, so this cell checks first:
+
+# %%
+try:
+    from flax.training import checkpoints as flax_checkpoints
+except ImportError:
+    flax_checkpoints = None
+    print("this Flax no longer has flax.training.checkpoints; mc.save_checkpoint and "
+          "mc.restore_checkpoint above keep its semantics")
+
+if flax_checkpoints is not None:
+    flax_dir = (WORK / "flax-legacy").absolute()  # Flax wants an absolute path
+    try:
+        print("Flax restore from an empty directory returns the target itself:",
+              flax_checkpoints.restore_checkpoint(flax_dir, target=start) is start)
+        s, key = resumed_full, full["rng"]
+        for _ in range(3):
+            s, key, _ = train(s, key, 10)
+            flax_checkpoints.save_checkpoint(flax_dir, s, step=int(s.step), keep=2)
+        print("on disk:", sorted(os.listdir(flax_dir)))
+        print("restored step:", int(flax_checkpoints.restore_checkpoint(flax_dir, start).step))
+    except Exception as e:  # a deprecated API may change under us; say so and move on
+        print(f"flax.training.checkpoints failed here ({type(e).__name__}: {e})")
+
+# %% [markdown]
+# ## 9. Orbax `StandardCheckpointer` beside `minickpt`
+#
+# Orbax is the checkpoint library of the JAX ecosystem; `StandardCheckpointer` saves one pytree
+# into one directory. Here both libraries save the same three items of the step-200 state once,
+# and we time each save (the first save of a process includes some one-off set-up; chapter 2's
+# benchmark measures properly).
+
+# %%
+import orbax.checkpoint as ocp
+
+items = {"params": resumed_full.params, "opt_state": resumed_full.opt_state, "rng": full["rng"]}
+jax.block_until_ready(items)
+
+orbax_dir = (WORK / "orbax" / f"step_{K}").absolute()  # Orbax wants an absolute path
+ocp_ckptr = ocp.StandardCheckpointer()
+t0 = time.perf_counter()
+ocp_ckptr.save(orbax_dir, items)
+ocp_ckptr.wait_until_finished()  # Orbax saves in the background; wait for the commit
+t_orbax = time.perf_counter() - t0
+
+mini_dir = WORK / "minickpt" / f"step_{K}"
+mini_dir.parent.mkdir()
+t0 = time.perf_counter()
+mc.Checkpointer().save(mini_dir, items, step=K)
+t_mini = time.perf_counter() - t0
+print(f"one save of {meta.bytes:,} bytes of arrays: Orbax {t_orbax * 1e3:.0f} ms, "
+      f"minickpt {t_mini * 1e3:.0f} ms")
+
+restored_orbax = ocp_ckptr.restore(orbax_dir, items)
+restored_mini = mc.Checkpointer().restore(mini_dir, items)
+print("Orbax and minickpt restore the same values:",
+      same_leaves(restored_orbax, items) and same_leaves(restored_mini, items))
+
+# %%
+left, right = show_tree(orbax_dir), show_tree(mini_dir)
+width = max(map(len, left)) + 4
+print(f"{'Orbax StandardCheckpointer':{width}s}minickpt Checkpointer")
+for a, b in zip(left + [""] * (len(right) - len(left)), right + [""] * (len(left) - len(right))):
+    print(f"{a:{width}s}{b}")
+
+# %% [markdown]
+# The same state, two layouts:
+#
+# - **Orbax** stores all arrays of the tree in one OCDBT key-value store (`manifest.ocdbt` and the
+#   content-addressed files under `d/`), written through TensorStore; `_METADATA` describes the
+#   tree, `_CHECKPOINT_METADATA` the checkpoint. On a local disk it writes into a temporary
+#   directory, adds `commit_success.txt` and renames the directory to its final name; on object
+#   stores that cannot rename atomically, the `commit_success.txt` file alone marks completion.
+# - **minickpt** keeps one directory per item with a raw `data.bin` and a readable
+#   `manifest.json`, and `_CHECKPOINT_METADATA` with the checksum of every manifest. It also
+#   writes into a temporary directory, fsyncs every file and directory, and only then renames
+#   (chapter 2 shows why each fsync matters).
+#
+# Either way a checkpoint is a directory that appears complete or not at all.
+
+# %% [markdown]
+# ## 10. Common misconceptions
+#
+# **"The weights are all I need to continue training."** The weights are what the model knows;
+# the optimizer state is how it is learning. Section 2 measured it: restoring only the weights
+# made Adam's next step move every weight by the full learning rate, and the loss jumped by a
+# large factor. Save $\theta$, $m$ (and $v$), $t$ and $r$ — the whole `TrainState` plus the key.
+#
+# **"Restoring when nothing is saved crashes, so guard it with `os.path.exists`."** Flax's
+# `restore_checkpoint` (and `mc.restore_checkpoint`) return the target unchanged when there is
+# nothing to restore, so the same code starts fresh or resumes. `CheckpointManager.restore` is
+# stricter on purpose and raises `CheckpointNotFoundError`; ask `latest_step()` first.
+#
+# **"A resumed loss that differs in the last digits means the checkpoint is broken."** On a CPU
+# the resume above was identical bit for bit. On GPUs, some reductions run in a different order
+# from one run to the next, so the last digits may differ even from a perfect checkpoint: check
+# that the step continues where it should and that the loss stays on the same scale (chapter 3).
+#
+# **"JAX arrays are just arrays: `msgpack.dumps` or `np.save` will do."** `msgpack.dumps` fails
+# on JAX arrays, `np.save` loses `bfloat16`, and neither stores a typed random key. Bring the tree
+# to the host and store each leaf with its path, dtype and shape.
+#
+# **"Pickle is fine for my own files."** Loading a pickle runs whatever function the file names.
+# Files travel: between people, from the internet, into shared storage. A checkpoint format
+# must be data only.
+#
+# **"`np.asarray` on a JAX array always copies."** On a CPU it is a zero-copy, read-only view of
+# the device buffer; on a GPU or TPU it is a copy over the interconnect that the save has to wait
+# for.
+#
+# Two more from the same list belong to later chapters: saving at *every* step (chapter 2:
+# how often and how many) and letting *every* device write its own copy (chapter 4: multi-host).
+
+# %% [markdown]
+# ## Summary
+#
+# - A checkpoint is the whole training state $\mathcal{S}_t = (\theta_t, m_t, t, r_t)$. Without
+#   Adam's $m$, $v$ and step, a resumed run takes full-size steps and loses ground.
+# - JAX states are pytrees; a checkpoint stores their leaves under key paths, as strings, so they
+#   fit back into any container of the same shape. `apply_fn` and `tx` are code, not data: your
+#   program rebuilds them and restores the data into them.
+# - `msgpack.dumps` cannot store JAX arrays; `flax.serialization` can (but not typed keys); npy
+#   loses `bfloat16`; pickle runs code on load and is never used for checkpoints.
+# - Saving starts with a device-to-host copy: free on a CPU, a real transfer on a GPU or TPU.
+# - On disk a checkpoint is `step_<N>/` with one directory per item and its metadata;
+#   `minickpt inspect` and `minickpt ls` show it. Flax's legacy API puts the step in the name,
+#   keeps `keep` checkpoints and returns the target when there is nothing to restore; Orbax's
+#   `StandardCheckpointer` does the same job with another layout.
+#
+# ## Lab 1
+#
+# In [lab 1](../labs/lab01_basics/lab01_basics.ipynb) you write these pieces of `minickpt`
+# yourself and plug them into the library: key-path flattening and its inverse (task 1.1), the
+# host snapshot that keeps dtypes (1.2), writing and reading one item (1.3), and a restore that
+# returns the target when nothing is saved (1.4).
