@@ -12,6 +12,7 @@ tiered storage and versioning. One module per concept:
 Nothing here is imported by ``import minickpt``; import what you use.
 """
 
+from .monitoring import MetricsMonitor, attach_monitor, load_metrics, plot_dashboard, summarize
 from .planning import (
     IntervalPlan,
     daly_interval,
@@ -27,22 +28,30 @@ from .planning import (
     young_interval,
 )
 from .preemption import LoopResult, PreemptionHandler, handle_preemption, train_until_preempted
+from .tiered import MirrorError, TieredCheckpointManager
 
 __all__ = [
     "IntervalPlan",
     "LoopResult",
+    "MetricsMonitor",
+    "MirrorError",
     "PreemptionHandler",
+    "TieredCheckpointManager",
+    "attach_monitor",
     "daly_interval",
     "expected_lost_work",
     "expected_waste_fraction",
     "handle_preemption",
     "interval_failure_probability",
+    "load_metrics",
     "max_to_keep_for_capacity",
     "measured_save_cost",
     "optimal_interval",
     "p_fail",
     "plan_interval",
+    "plot_dashboard",
     "recommended_save_interval_steps",
+    "summarize",
     "train_until_preempted",
     "young_interval",
 ]

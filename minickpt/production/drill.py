@@ -274,7 +274,8 @@ class DrillReport:
             return f"{x:.2f}" if isinstance(x, float) else str(x)
 
         rows = [[str(k.index), k.kind, f(k.killed_after_step), f(k.in_save),
-                 f(k.temporary_left), f(k.resumed_from), f(k.steps_lost), f(k.restore_s), f(k.recover_s)]
+                 f(k.temporary_left), f(k.resumed_from), f(k.steps_lost), f(k.restore_s),
+                 f(k.recover_s)]
                 for k in self.kills]
         widths = [max(len(r[i]) for r in [hdr, *rows]) for i in range(len(hdr))]
         lines = [head, "  ".join(h.ljust(w) for h, w in zip(hdr, widths, strict=True)).rstrip()]
