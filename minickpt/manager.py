@@ -195,7 +195,8 @@ class CheckpointManager:
         finally:
             self._release_lock()
             self._closed = True
-            self._emit("close", {"time": time.time()})
+            if self.preemption_handler is not None and hasattr(self.preemption_handler, "close"):
+                self.preemption_handler.close()  # put the previous signal handlers back
 
     def __enter__(self) -> CheckpointManager:
         return self

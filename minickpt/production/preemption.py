@@ -136,15 +136,10 @@ class PreemptionHandler:
 
     # ---- manager integration -------------------------------------------------------------
     def attach(self, manager: Any) -> PreemptionHandler:
-        """Make ``manager.should_save`` / ``manager.reached_preemption`` follow this handler,
-        and restore the signal handlers when the manager closes."""
+        """Make ``manager.should_save`` / ``manager.reached_preemption`` follow this handler;
+        ``manager.close()`` then closes it (restoring the previous signal handlers)."""
         manager.preemption_handler = self
-        manager.listeners.append(self._on_event)
         return self
-
-    def _on_event(self, event: str, record: Mapping[str, Any]) -> None:
-        if event == "close":
-            self.close()
 
 
 def _signal_name(signum: int) -> str:
