@@ -62,17 +62,20 @@ def test_drill_catches_a_resume_that_forgets_the_rng(reference_fingerprint, comp
     assert "bit-identical to the uninterrupted run: NO" in report.table()
 
 
-def test_plan_is_seeded_and_covers_steps_and_saves():
-    a = plan_kills(6, every=5, seed=7, step_time_s=0.1, save_time_s=0.2)
-    assert a == plan_kills(6, every=5, seed=7, step_time_s=0.1, save_time_s=0.2)
-    assert a != plan_kills(6, every=5, seed=8, step_time_s=0.1, save_time_s=0.2)
+def test_plan_is_seeded_spread_over_the_run_and_covers_steps_and_saves():
+    a = plan_kills(6, steps=300, seed=7, step_time_s=0.1, save_time_s=0.2)
+    assert a == plan_kills(6, steps=300, seed=7, step_time_s=0.1, save_time_s=0.2)
+    assert a != plan_kills(6, steps=300, seed=8, step_time_s=0.1, save_time_s=0.2)
     for seed in range(50):
-        p = plan_kills(2, every=5, seed=seed)
+        p = plan_kills(2, steps=30, seed=seed)
         assert {k.kind for k in p} == {"step", "save"}
+    ats = [k.at for k in a]
+    assert ats == sorted(ats) and 1 <= ats[0] and ats[-1] <= 299
+    assert [i * 299 // 6 < at <= (i + 1) * 299 // 6 + 1 for i, at in enumerate(ats)] == [True] * 6
     for k in a:
-        assert 1 <= k.after <= (10 if k.kind == "step" else 5)
-        assert 0 <= k.delay < (0.1 if k.kind == "step" else 0.2)
-    assert {k.kind for k in plan_kills(4, every=5, seed=1, save_fraction=0.0)} == {"step"}
+        assert (0 <= k.delay < 0.1) if k.kind == "step" else (0.04 <= k.delay <= 0.16)
+    assert {k.kind for k in plan_kills(4, steps=30, seed=1, save_fraction=0.0)} == {"step"}
+    assert all(1 <= k.at <= 2 for k in plan_kills(5, steps=3, seed=0))  # a short run
 
 
 # a small numpy "training script" that speaks the drill protocol: fast, no JAX compilation
@@ -140,6 +143,11 @@ def test_drill_reports_a_worker_that_fails(numpy_worker):
 def test_drill_is_bounded_in_time(tmp_path):
     hang = tmp_path / "hang.py"
     hang.write_text("import time\nprint('step 1', flush=True)\ntime.sleep(600)\n")
-    report = run_drill(kills=1, steps=10, every=5, command=[sys.executable, str(hang)],
-                       reference="x", timeout_s=3)
+    report = run_drill(kills=1, steps=10, every=5, reference="x", timeout_s=3,
+                       command=[sys.executable, str(hang), "{dir}"])
     assert not report.completed and "deadline" in report.error
+
+
+def test_drill_needs_the_directory_in_the_command():
+    with pytest.raises(ValueError, match="must contain"):
+        run_drill(command=[sys.executable, "train.py"])

@@ -170,20 +170,22 @@ class WorkerProcess:
 # ---------------------------------------------------------------------------------------
 @dataclass(frozen=True)
 class KillPlan:
-    """One planned kill: ``kind`` "step" (after the ``after``-th step since the (re)start,
-    plus ``delay`` seconds) or "save" (as soon as the first save at least ``after`` steps
-    after the (re)start begins)."""
+    """One planned kill: ``kind`` "step" (``delay`` seconds after the worker reports step
+    ``at`` or a later one) or "save" (``delay`` seconds after the first save at or after step
+    ``at`` begins)."""
 
     kind: str
-    after: int
+    at: int
     delay: float = 0.0
 
 
-def plan_kills(n: int, *, every: int, seed: int, save_fraction: float = 0.5,
+def plan_kills(n: int, *, steps: int, seed: int, save_fraction: float = 0.5,
                step_time_s: float = 0.0, save_time_s: float = 0.0) -> list[KillPlan]:
-    """``n`` kills drawn from ``seed``: each during a save with probability ``save_fraction``
-    (at least one of each kind when n >= 2), a random part of ``save_time_s`` after the
-    save begins; the others after 1..2·every steps plus a random part of a step."""
+    """``n`` kills drawn from ``seed``, spread over the run: kill i aims at a random step of
+    the i-th of n equal stretches of steps 1..steps-1, so the run keeps moving however
+    much each kill sets it back. Each aims at a save with probability ``save_fraction`` (at
+    least one of each kind when n >= 2), 20-80 % of ``save_time_s`` into the save; the
+    others a random part of a step after the step is reported."""
     rng = random.Random(seed)
     kinds = ["save" if rng.random() < save_fraction else "step" for _ in range(n)]
     if n >= 2 and 0 < save_fraction < 1:
@@ -192,10 +194,14 @@ def plan_kills(n: int, *, every: int, seed: int, save_fraction: float = 0.5,
         elif "step" not in kinds:
             kinds[rng.randrange(n)] = "step"
     out = []
-    for kind in kinds:
-        after = rng.randint(1, max(1, 2 * every)) if kind == "step" else rng.randint(1, every)
-        out.append(KillPlan(kind, after, rng.random() * (step_time_s if kind == "step"
-                                                          else save_time_s)))
+    width = max(steps - 1, 1) / max(n, 1)
+    for i, kind in enumerate(kinds):
+        lo = 1 + int(i * width)
+        hi = max(lo, min(steps - 1, int((i + 1) * width)))
+        # a save kill aims at the middle of the expected write, past the short snapshot
+        delay = rng.random() * step_time_s if kind == "step" else \
+            save_time_s * (0.2 + 0.6 * rng.random())
+        out.append(KillPlan(kind, rng.randint(lo, hi), delay))
     return out
 
 
@@ -365,6 +371,9 @@ def run_drill(directory: str | None = None, *, kills: int = 3, steps: int = 60, 
         env = compile_cache_env(compile_cache, env)
     cmd = list(command) if command is not None else demo_command(
         steps=steps, every=every, sleep=sleep, slow_fsync=slow_fsync)
+    if not any("{dir}" in c for c in cmd):
+        raise ValueError("the worker command must contain '{dir}', where the drill puts the "
+                         "checkpoint directory (the reference run gets a directory of its own)")
     deadline = time.monotonic() + timeout_s
     own_dir = directory is None
     ckpt = directory or tempfile.mkdtemp(prefix="minickpt-drill-")
@@ -395,14 +404,14 @@ def run_drill(directory: str | None = None, *, kills: int = 3, steps: int = 60, 
 
         # 2. the run that is killed and restarted
         t_begin = time.monotonic()
-        plan = plan_kills(kills, every=every, seed=seed, save_fraction=save_fraction,
+        plan = plan_kills(kills, steps=steps, seed=seed, save_fraction=save_fraction,
                           step_time_s=sleep, save_time_s=5 * slow_fsync)
         proc, resumed_from = start(ckpt), 0
         pending: tuple[KillRecord, float] | None = None
         for i, k in enumerate(plan, 1):
             if pending is not None:  # the previous kill's recovery is measured here
                 resumed_from = _measure_recovery(proc, *pending, deadline)
-            target = resumed_from + k.after
+            target = max(k.at, resumed_from + 1)
             if k.kind == "save":
                 ev = proc.wait_for("saving step", deadline, at_least=target)
             elif (proc.last("step") or 0) >= target:
@@ -412,8 +421,10 @@ def run_drill(directory: str | None = None, *, kills: int = 3, steps: int = 60, 
             if ev is not None and k.delay:
                 time.sleep(k.delay)  # somewhere inside the next step
             if ev is None:
+                hint = "does the worker print 'saving step N'?" if k.kind == "save" and \
+                    proc.last("saving step") is None else "use more --steps"
                 report.notes.append(f"the run finished before kill {i} could land; "
-                                    f"{i - 1} kill(s) made (use more --steps)")
+                                    f"{i - 1} kill(s) made ({hint})")
                 pending = None
                 break
             t_kill = proc.kill()
@@ -496,9 +507,15 @@ def main(argv: Sequence[str] | None = None) -> int:
                    help="a worker command instead of the demo (after --; '{dir}' is replaced)")
     a = p.parse_args(argv)
     cmd = [c for c in a.command if c != "--"] or None
-    report = run_drill(a.dir, kills=a.kills, steps=a.steps, every=a.every, seed=a.seed,
-                       sleep=a.sleep, slow_fsync=a.slow_fsync, save_fraction=a.save_fraction,
-                       command=cmd, timeout_s=a.timeout, compile_cache=a.compile_cache)
+    # terminated from outside: unwind, so that the workers are killed and reaped
+    previous = signal.signal(signal.SIGTERM, lambda *_: sys.exit(128 + signal.SIGTERM))
+    try:
+        report = run_drill(a.dir, kills=a.kills, steps=a.steps, every=a.every, seed=a.seed,
+                           sleep=a.sleep, slow_fsync=a.slow_fsync,
+                           save_fraction=a.save_fraction, command=cmd, timeout_s=a.timeout,
+                           compile_cache=a.compile_cache)
+    finally:
+        signal.signal(signal.SIGTERM, previous)
     if a.json == "-":
         print(report.to_json())
     else:
