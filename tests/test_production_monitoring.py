@@ -133,7 +133,8 @@ def test_dashboard_plots_what_was_recorded(tmp_path):
     assert list(lines["save (total)"].get_ydata()) == [r["total_s"] for r in ok_saves]
     assert list(lines["failed save"].get_xdata()) == [2]
     assert list(lines["restore"].get_xdata()) == [3, 3, 1]
-    assert list(ax_b.get_lines()[0].get_ydata()) == [r["bytes"] / 2**20 for r in ok_saves]
+    assert list(ax_b.get_lines()[0].get_ydata()) == [r["bytes"] / 2**10 for r in ok_saves]
+    assert ax_b.get_ylabel() == "KiB per save"  # 4 KiB saves
     assert len(ax_d.get_lines()[0].get_xdata()) == 4  # disk use after every save
     import matplotlib.pyplot as plt
 

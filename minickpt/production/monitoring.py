@@ -271,6 +271,13 @@ def format_summary(s: Mapping[str, Any], *, path: str = "", disk_now: int | None
     return "\n".join(lines)
 
 
+def _unit(n: float) -> tuple[str, int]:
+    for unit, scale in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if n >= scale:
+            return unit, scale
+    return "bytes", 1
+
+
 def _secs(x: float) -> str:
     return f"{x * 1000:.1f} ms" if x < 1 else f"{x:.2f} s"
 
@@ -326,11 +333,13 @@ def plot_dashboard(source: Any, *, fig: Any = None, title: str | None = None) ->
     ax_t.set_ylabel("seconds")
     ax_t.legend(loc="upper left", fontsize="small")
     x, y = pts("save", "bytes")
-    ax_b.plot(x, [v / 2**20 for v in y], "s-", ms=3, label="bytes per save")
-    ax_b.set_ylabel("MiB per save")
+    unit, scale = _unit(max(y, default=0))
+    ax_b.plot(x, [v / scale for v in y], "s-", ms=3, label="bytes per save")
+    ax_b.set_ylabel(f"{unit} per save")
     xd, yd = pts("save", "disk_bytes", ok=None)  # after each save and its retention
-    ax_d.step(xd, [v / 2**20 for v in yd], where="post", label="disk use")
-    ax_d.set_ylabel("MiB on disk")
+    unit, scale = _unit(max(yd, default=0))
+    ax_d.step(xd, [v / scale for v in yd], where="post", label="disk use")
+    ax_d.set_ylabel(f"{unit} on disk")
     ax_d.set_xlabel("step")
     for ax in (ax_t, ax_b, ax_d):
         ax.grid(alpha=0.3)
