@@ -232,3 +232,17 @@ def test_migrate_a_flax_checkpoint_to_a_changed_model(tmp_path):
         assert best_checkpoint(m2, "loss", where={"version": "v2"}).step == 5
         back = m2.restore(target={"state": _v2_state(), "rng": rng})  # strict, now it fits
         assert back.step == 5
+
+
+def test_migration_carries_typed_prng_keys_and_checks_them(tmp_path):
+    from minickpt.restore import migrate
+
+    with CheckpointManager(tmp_path) as m:
+        m.save(0, {"s": {"rng": jax.random.key(3), "w": np.ones(2)}})
+        saved = m.restore()["s"]  # without a target: keys come back as host keys
+    out, _ = migrate(saved, {"rng": jax.random.key(0), "w": np.zeros(2)})
+    assert (jax.random.key_data(out["rng"]) == jax.random.key_data(jax.random.key(3))).all()
+    with pytest.raises(StructureMismatchError, match="rng: shape differs"):
+        migrate(saved, {"rng": jax.random.split(jax.random.key(0), 2), "w": np.zeros(2)})
+    with pytest.raises(StructureMismatchError, match="rng: kind differs"):
+        migrate(saved, {"rng": np.zeros(2, np.uint32), "w": np.zeros(2)})
