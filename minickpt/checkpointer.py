@@ -145,6 +145,11 @@ def writer_info() -> dict[str, Any]:
         info["process_count"] = jax.process_count()
     except Exception:  # distributed runtime not usable here; not fatal for metadata
         pass
+    from .production.versioning import git_info  # which code wrote this (never raises)
+
+    git = git_info()
+    if git is not None:
+        info["git"] = git
     return info
 
 

@@ -4,6 +4,7 @@
     minickpt inspect DIR [STEP]  the saved trees: paths, dtypes, shapes, bytes
     minickpt verify DIR [STEP]   re-check every checksum; exit 1 on any damage
     minickpt diff A B            leaf-by-leaf differences between two checkpoints
+    minickpt stats DIR           save/restore times, success rate, bytes, disk use, last error
 
 DIR is a run's checkpoint directory (holding ``step_*/``) or one checkpoint directory.
 Every command takes ``--json`` for scripts.
@@ -310,6 +311,23 @@ def cmd_diff(args: argparse.Namespace) -> int:
     return EXIT_DAMAGE if differs else EXIT_OK
 
 
+def cmd_stats(args: argparse.Namespace) -> int:
+    from .production.monitoring import format_summary, load_metrics, summarize
+
+    root = os.path.abspath(args.dir)
+    try:
+        mlog = load_metrics(root)
+    except FileNotFoundError as e:
+        raise UsageError(str(e)) from None
+    s = summarize(mlog)
+    disk_now = DEFAULT_FS.dir_size(root) if DEFAULT_FS.is_dir(root) else None
+    if args.json:
+        print(json.dumps({"path": mlog.path, "disk_bytes_now": disk_now, **s}, indent=1))
+    else:
+        print(format_summary(s, path=mlog.path, disk_now=disk_now))
+    return EXIT_OK
+
+
 # ---------------------------------------------------------------------------------------
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
@@ -359,6 +377,13 @@ def build_parser() -> argparse.ArgumentParser:
     sp.add_argument("b")
     sp.add_argument("--all", action="store_true", help="also list identical leaves")
     sp.set_defaults(fn=cmd_diff)
+
+    sp = add("stats", "summarise the metrics recorded next to the checkpoints",
+             "Summarise DIR/.minickpt-metrics.jsonl (written by "
+             "minickpt.production.attach_monitor): number of saves and restores, success "
+             "rate, median/p95/max save and restore time, bytes, disk use, the last error.")
+    sp.add_argument("dir", help="a run's checkpoint directory, or a metrics file")
+    sp.set_defaults(fn=cmd_stats)
     return p
 
 

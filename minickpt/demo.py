@@ -26,6 +26,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from .fs import FileSystem
+
 IN_DIM, HIDDEN, OUT_DIM, BATCH = 8, 32, 1, 32
 
 
@@ -110,26 +112,74 @@ def fingerprint(tree: Any) -> str:
 # ---------------------------------------------------------------------------------------
 # the worker: a training process that checkpoints and resumes
 # ---------------------------------------------------------------------------------------
-def worker(ckpt_dir: str, total: int, every: int, sleep: float) -> None:
+class SlowDisk(FileSystem):
+    """A disk whose every fsync takes ``delay`` seconds longer, like a busy network disk:
+    it makes a save last long enough for a recovery drill to kill the process inside it."""
+
+    def __init__(self, delay: float):
+        self.delay = delay
+
+    def fsync(self, fd: int) -> None:
+        time.sleep(self.delay)
+        super().fsync(fd)
+
+
+def worker(ckpt_dir: str, total: int, every: int, sleep: float, *, preemptible: bool = False,
+           slow_fsync: float = 0.0, monitor: bool = False, forget_rng: bool = False) -> None:
+    """Train to ``total`` steps, saving every ``every``, resuming from the latest checkpoint.
+
+    Prints one line per event, the protocol :mod:`minickpt.production.drill` reads:
+    ``resumed from step N``, ``step N`` (step N computed), ``saving step N`` (a save begins),
+    ``saved step N``, then ``final <fingerprint>`` or ``preempted at step N``.
+    ``forget_rng`` resumes with a fresh dropout key instead of the saved one: the mistake a
+    drill must catch.
+    """
     from . import CheckpointManager, CheckpointManagerOptions
+    from .production.preemption import PreemptionHandler, train_until_preempted
 
     state, rng = make_state(), jax.random.key(42)
     opts = CheckpointManagerOptions(save_interval_steps=every, max_to_keep=3)
-    with CheckpointManager(ckpt_dir, opts) as mngr:
+    fs = SlowDisk(slow_fsync) if slow_fsync > 0 else None
+    with CheckpointManager(ckpt_dir, opts, fs=fs) as mngr:
+        if preemptible:
+            PreemptionHandler().attach(mngr)
+        if monitor:
+            from .production.monitoring import attach_monitor
+
+            attach_monitor(mngr)
+
+        def announce(event: str, rec: dict[str, Any]) -> None:
+            if event == "save" and rec.get("ok"):
+                print(f"saved step {rec['step']}", flush=True)
+
+        mngr.listeners.append(announce)
         start = 0
         if mngr.latest_step() is not None:
             restored = mngr.restore(target={"state": state, "rng": rng})
             state, rng, start = restored["state"], restored["rng"], restored.step
+            if forget_rng:
+                rng = jax.random.key(start)
             print(f"resumed from step {start}", flush=True)
 
-        def cb(step: int, st: Any, key: jax.Array, loss: float) -> None:
-            if mngr.save(step, {"state": st, "rng": key}, metrics={"loss": loss}):
-                print(f"saved step {step} loss {loss:.5f}", flush=True)
-            print(f"step {step}", flush=True)
-            time.sleep(sleep)
+        def step_fn(carry: Any, step: int) -> tuple[Any, dict[str, float]]:
+            st, key = carry
+            st, key, loss = train_step(st, key, *batch(step))
+            loss = float(loss)
+            time.sleep(sleep)  # stands for a longer step
+            return (st, key), {"loss": loss}
 
-        state, rng, _ = train(state, rng, start, total, callback=cb)
-    print(f"final {fingerprint((state, rng))}", flush=True)
+        def on_step(step: int, carry: Any, metrics: Any) -> None:
+            print(f"step {step}", flush=True)
+            if mngr.should_save(step):
+                print(f"saving step {step}", flush=True)
+
+        res = train_until_preempted(mngr, (state, rng), step_fn, start=start, stop=total,
+                                    items=lambda c: {"state": c[0], "rng": c[1]},
+                                    on_step=on_step)
+    if res.preempted:
+        print(f"preempted at step {res.step}", flush=True)
+        return
+    print(f"final {fingerprint(res.carry)}", flush=True)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -140,9 +190,14 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--dir", default=None, help="checkpoint directory (default: a temp dir)")
     p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--sleep", type=float, default=0.0, help=argparse.SUPPRESS)
+    p.add_argument("--preemptible", action="store_true", help=argparse.SUPPRESS)
+    p.add_argument("--slow-fsync", type=float, default=0.0, help=argparse.SUPPRESS)
+    p.add_argument("--monitor", action="store_true", help=argparse.SUPPRESS)
+    p.add_argument("--forget-rng", action="store_true", help=argparse.SUPPRESS)
     a = p.parse_args(argv)
     if a.worker:
-        worker(a.dir, a.steps, a.every, a.sleep)
+        worker(a.dir, a.steps, a.every, a.sleep, preemptible=a.preemptible,
+               slow_fsync=a.slow_fsync, monitor=a.monitor, forget_rng=a.forget_rng)
         return 0
 
     ckpt_dir = a.dir or tempfile.mkdtemp(prefix="minickpt-demo-")

@@ -111,6 +111,8 @@ class CheckpointManager:
         self.last_save_stats: SaveStats | None = None
         self.save_history: collections.deque[SaveStats] = collections.deque(maxlen=1000)
         self.listeners: list[Callable[[str, dict[str, Any]], None]] = []
+        # anything with ``reached(step) -> bool``, e.g. minickpt.production.PreemptionHandler
+        self.preemption_handler: Any = None
         self.removed_temporaries: list[str] = []
         opts = self.options
         if not self.fs.is_dir(self.directory):
@@ -213,6 +215,8 @@ class CheckpointManager:
         finally:
             self._release_lock()
             self._closed = True
+            if self.preemption_handler is not None and hasattr(self.preemption_handler, "close"):
+                self.preemption_handler.close()  # put the previous signal handlers back
 
     def __enter__(self) -> CheckpointManager:
         return self
@@ -304,10 +308,23 @@ class CheckpointManager:
         return step
 
     # ---- saving --------------------------------------------------------------------------
+    def reached_preemption(self, step: int) -> bool:
+        """Whether ``step`` is the step at which to save and stop after a preemption notice.
+
+        Orbax's name. False unless a ``preemption_handler`` is attached (see
+        :class:`minickpt.production.PreemptionHandler`); with one, True from the first step
+        boundary the loop reaches after SIGTERM/SIGINT, where :meth:`should_save` is True too.
+        """
+        h = self.preemption_handler
+        return bool(h is not None and h.reached(step))
+
     def should_save(self, step: int) -> bool:
-        """Whether ``save(step, ...)`` would save, under the options' interval and steps."""
+        """Whether ``save(step, ...)`` would save: the options' interval and steps, or a
+        preemption reached at this step (:meth:`reached_preemption`)."""
         o = self.options
         last = self.latest_step()
+        if self.reached_preemption(step) and (last is None or step > last):
+            return True
         return policy.should_save(step, last_saved_step=last,
                                   save_interval_steps=o.save_interval_steps,
                                   save_on_steps=o.save_on_steps)

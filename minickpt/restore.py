@@ -340,6 +340,9 @@ def migrate(saved: Any, target: Any, *, rename: Rename | None = None,
             continue
         used.add(where)
         value = by_new[where]
+        if isinstance(value, HostKey) or isinstance(leaf, HostKey) or is_prng_key(leaf):
+            problems += _migrate_key(where, value, leaf, outs)
+            continue
         want_shape = np.shape(leaf)
         if np.shape(value) != want_shape:
             problems.append(Mismatch(where, "shape", str(np.shape(value)), str(want_shape)))
@@ -361,6 +364,23 @@ def migrate(saved: Any, target: Any, *, rename: Rename | None = None,
         raise StructureMismatchError("migration", problems,
                                      "Fix the rename rules, or pass allow_cast=True for dtypes.")
     return jax.tree_util.tree_unflatten(treedef, outs), report
+
+
+def _migrate_key(where: str, value: Any, leaf: Any, outs: list[Any]) -> list[Mismatch]:
+    """A typed PRNG key (restored as a HostKey) into a target key leaf."""
+    want = expect_of(leaf)
+    if not isinstance(value, HostKey) or want.kind != "prng_key":
+        outs.append(leaf)
+        return [Mismatch(where, "kind", "a typed PRNG key" if isinstance(value, HostKey)
+                         else "an array", "an array" if want.kind != "prng_key"
+                         else "a typed PRNG key")]
+    problems = []
+    if want.shape is not None and value.shape != want.shape:
+        problems.append(Mismatch(where, "shape", str(value.shape), str(want.shape)))
+    if want.impl is not None and value.impl != want.impl:
+        problems.append(Mismatch(where, "key impl", value.impl, want.impl))
+    outs.append(leaf if problems else to_output(value, want))
+    return problems
 
 
 def _like(value: Any, leaf: Any) -> Any:

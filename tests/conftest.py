@@ -58,3 +58,29 @@ def tree_equal(a, b) -> bool:
         if x.tobytes() != y.tobytes():
             return False
     return True
+
+
+_FINGERPRINTS: dict[int, str] = {}
+
+
+@pytest.fixture
+def reference_fingerprint():
+    """``fn(total)``: the fingerprint of minickpt.demo's run trained uninterrupted to ``total``
+    steps, in this process (computed once per total)."""
+
+    def fn(total: int) -> str:
+        if total not in _FINGERPRINTS:
+            from minickpt.demo import fingerprint, make_state, train
+
+            st, key, _ = train(make_state(), jax.random.key(42), 0, total)
+            _FINGERPRINTS[total] = fingerprint((st, key))
+        return _FINGERPRINTS[total]
+
+    return fn
+
+
+@pytest.fixture(scope="session")
+def compile_cache(tmp_path_factory):
+    """A JAX compilation cache shared by the training subprocesses of the tests: each
+    restart loads the programs the first run compiled (as a production restart should)."""
+    return str(tmp_path_factory.mktemp("jax-compile-cache"))

@@ -1,0 +1,672 @@
+"""Tiered storage: save fast to a local disk, mirror every checkpoint to a second store.
+
+A local NVMe disk is fast but dies with its machine; a network file system or an object
+store survives it but is slow. :class:`TieredCheckpointManager` saves to the local directory
+(the training loop waits only for that) and copies each committed checkpoint in a background
+thread to the mirror — another directory or an fsspec URL (``pip install minickpt[remote]``)
+— with its own atomic commit there: every file is written under a temporary name, fsynced
+where the store can, verified, then renamed into place. (Object stores cannot rename a
+directory atomically; there the metadata file, which makes a checkpoint valid, is written
+last.) Retention applies to both tiers; on the local one a checkpoint is deleted only once
+its copy is done, so the local disk holds more than ``max_to_keep`` while the mirror lags.
+A copy that fails is reported to the manager's
+listeners (so the monitor records it), logged, warned about, retried with a bounded
+exponential backoff, and if it still fails, :meth:`wait_until_mirrored` raises: never silently
+dropped. :meth:`restore` prefers the local copy and falls back to the mirror when the local
+one is missing or damaged (checksums are verified), copying it back to the local disk first.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import json
+import logging
+import os
+import queue
+import secrets
+import threading
+import time
+import warnings
+from collections.abc import Callable, Iterator, Mapping
+from typing import Any
+
+from .. import policy
+from ..checkpointer import Checkpointer
+from ..commit import (
+    DELETE_MARK,
+    METADATA_FILE,
+    TMP_MARK,
+    abort,
+    cleanup_temporaries,
+    commit,
+    delete_dir,
+    is_temporary,
+    make_temporary,
+    parse_step,
+    step_dir_name,
+)
+from ..errors import CheckpointCorruptedError, CheckpointNotFoundError, MiniCkptError
+from ..fs import DEFAULT_FS, FileSystem
+from ..manager import CheckpointManager, CheckpointManagerOptions, Restored, _makedirs
+
+log = logging.getLogger("minickpt")
+CHUNK = 8 << 20
+
+
+class MirrorError(MiniCkptError):
+    """Checkpoints that could not be copied to the mirror, after every retry."""
+
+
+# ---------------------------------------------------------------------------------------
+# stores: where the mirror lives
+# ---------------------------------------------------------------------------------------
+class LocalStore:
+    """A mirror in a directory (another disk, an NFS mount), through minickpt's FileSystem
+    layer: fsync of every file and directory, rename that never replaces, as for saves."""
+
+    atomic_rename = True
+
+    def __init__(self, root: str | os.PathLike[str], fs: FileSystem | None = None):
+        self.fs = fs or DEFAULT_FS
+        self.root = os.path.abspath(os.fspath(root))
+        self.url = self.root
+        self.makedirs("")
+
+    def path(self, rel: str) -> str:
+        return os.path.join(self.root, rel) if rel else self.root
+
+    def listdir(self, rel: str = "") -> list[str]:
+        try:
+            return self.fs.listdir(self.path(rel))
+        except FileNotFoundError:
+            return []
+
+    def is_dir(self, rel: str) -> bool:
+        return self.fs.is_dir(self.path(rel))
+
+    def exists(self, rel: str) -> bool:
+        return self.fs.exists(self.path(rel))
+
+    def makedirs(self, rel: str) -> None:
+        _makedirs(self.fs, self.path(rel))
+
+    def write_file(self, rel: str, chunks: Iterator[bytes]) -> int:
+        return self.fs.write_file(self.path(rel), chunks, fsync=True)
+
+    def read_chunks(self, rel: str) -> Iterator[bytes]:
+        return _read_chunks(self.fs, self.path(rel))
+
+    def read_small(self, rel: str) -> bytes:
+        return self.fs.read_file(self.path(rel))
+
+    def size(self, rel: str) -> int:
+        return self.fs.lstat(self.path(rel)).st_size
+
+    def verify(self, rel: str) -> list[str]:
+        rep = Checkpointer(self.fs).verify(self.path(rel), deep=True)
+        return [] if rep.ok else rep.problems
+
+    def commit(self, tmp: str, final: str, subdirs: list[str]) -> None:
+        commit(self.fs, self.path(tmp), self.path(final), subdirs=subdirs)
+
+    def delete(self, rel: str) -> None:
+        delete_dir(self.fs, self.path(rel))
+
+    def remove_temporary(self, rel: str) -> None:
+        abort(self.fs, self.path(rel))
+
+    def cleanup(self) -> list[str]:
+        return cleanup_temporaries(self.fs, self.root)
+
+
+class FsspecStore:
+    """A mirror at an fsspec URL (``s3://``, ``gs://``, ``memory://`` ...). File systems that
+    can rename a directory (memory, local) get a temporary name and a rename; object stores
+    get the checkpoint's files under the final name, the metadata file last."""
+
+    def __init__(self, url: str):
+        try:
+            import fsspec
+        except ImportError as e:  # pragma: no cover - depends on the environment
+            raise ImportError(f"mirroring to {url} needs fsspec: pip install "
+                              "'minickpt[remote]'") from e
+        self.url = url
+        self.fs, self.root = fsspec.core.url_to_fs(url)
+        protocols = self.fs.protocol if isinstance(self.fs.protocol, tuple) else (
+            self.fs.protocol,)
+        self.atomic_rename = bool({"memory", "file", "local"} & set(protocols))
+        self.fs.makedirs(self.root, exist_ok=True)
+
+    def path(self, rel: str) -> str:
+        return f"{self.root.rstrip('/')}/{rel}" if rel else self.root
+
+    def listdir(self, rel: str = "") -> list[str]:
+        p = self.path(rel)
+        if not self.fs.exists(p):
+            return []
+        return [os.path.basename(x.rstrip("/")) for x in self.fs.ls(p, detail=False)]
+
+    def is_dir(self, rel: str) -> bool:
+        return bool(self.fs.isdir(self.path(rel)))
+
+    def exists(self, rel: str) -> bool:
+        return bool(self.fs.exists(self.path(rel)))
+
+    def makedirs(self, rel: str) -> None:
+        self.fs.makedirs(self.path(rel), exist_ok=True)
+
+    def write_file(self, rel: str, chunks: Iterator[bytes]) -> int:
+        n = 0
+        with self.fs.open(self.path(rel), "wb") as f:  # object stores: durable on close
+            for c in chunks:
+                f.write(c)
+                n += len(c)
+        return n
+
+    def read_chunks(self, rel: str) -> Iterator[bytes]:
+        with self.fs.open(self.path(rel), "rb") as f:
+            while True:
+                c = f.read(CHUNK)
+                if not c:
+                    return
+                yield c
+
+    def read_small(self, rel: str) -> bytes:
+        return bytes(self.fs.cat_file(self.path(rel)))
+
+    def size(self, rel: str) -> int:
+        return int(self.fs.size(self.path(rel)))
+
+    def verify(self, rel: str) -> list[str]:
+        return []  # sizes are compared by the copier; checksums are checked on the way back
+
+    def commit(self, tmp: str, final: str, subdirs: list[str]) -> None:
+        if tmp == final:
+            return
+        if self.exists(final):
+            raise FileExistsError(f"{self.path(final)} already exists")
+        self.fs.mv(self.path(tmp), self.path(final), recursive=True)
+
+    def delete(self, rel: str) -> None:
+        if self.atomic_rename:  # out of the checkpoint namespace first, as on a local disk
+            doomed = f"{rel}{DELETE_MARK}{secrets.token_hex(4)}"
+            self.fs.mv(self.path(rel), self.path(doomed), recursive=True)
+            rel = doomed
+        self.fs.rm(self.path(rel), recursive=True)
+
+    def remove_temporary(self, rel: str) -> None:
+        try:
+            if self.exists(rel):
+                self.fs.rm(self.path(rel), recursive=True)
+        except Exception:
+            pass
+
+    def cleanup(self) -> list[str]:
+        """Remove temporaries and, on object stores, uploads cut short (no metadata yet)."""
+        out = [n for n in self.listdir("") if is_temporary(n) or (
+            not self.atomic_rename and self.is_dir(n) and not self.exists(f"{n}/{METADATA_FILE}"))]
+        for n in out:
+            self.fs.rm(self.path(n), recursive=True)
+        return out
+
+
+def open_store(target: Any) -> LocalStore | FsspecStore:
+    """A store for a path, a ``file://`` URL (both: :class:`LocalStore`), another fsspec URL,
+    or a store object given as it is."""
+    if isinstance(target, (LocalStore, FsspecStore)):
+        return target
+    target = os.fspath(target)
+    if target.startswith("file://"):
+        return LocalStore(target[len("file://"):])
+    if "://" in target:
+        return FsspecStore(target)
+    return LocalStore(target)
+
+
+def _read_chunks(fs: FileSystem, path: str) -> Iterator[bytes]:
+    fd = fs.open_read(path)
+    try:
+        size, off = fs.fstat(fd).st_size, 0
+        while off < size:
+            buf = bytearray(min(CHUNK, size - off))
+            fs.read_into(fd, memoryview(buf), off)
+            off += len(buf)
+            yield bytes(buf)
+    finally:
+        fs.close(fd)
+
+
+def _walk(listdir: Callable[[str], list[str]], is_dir: Callable[[str], bool], rel: str
+          ) -> tuple[list[str], list[str]]:
+    """(directories, files) under ``rel``, relative to it, parents before children."""
+    dirs, files = [], []
+    for name in sorted(listdir(rel)):
+        sub = f"{rel}/{name}" if rel else name
+        if is_dir(sub):
+            d2, f2 = _walk(listdir, is_dir, sub)
+            dirs += [name] + [f"{name}/{d}" for d in d2]
+            files += [f"{name}/{f}" for f in f2]
+        else:
+            files.append(name)
+    return dirs, files
+
+
+# ---------------------------------------------------------------------------------------
+# the manager
+# ---------------------------------------------------------------------------------------
+class TieredCheckpointManager:
+    """A :class:`CheckpointManager` on a local directory plus a background mirror.
+
+    >>> with TieredCheckpointManager("/local/run1", "gs://bucket/run1", options) as mngr:
+    ...     mngr.save(step, items)                   # waits for the local save only
+    ...     restored = mngr.restore(target=items)    # local, or the mirror if local is gone
+
+    Everything else (``should_save``, ``metadata``, ``listeners``, ``save_history`` ...) is the
+    local manager's. ``mirror_max_to_keep`` (default: the options' ``max_to_keep``) sets the
+    mirror's own retention; ``keep_period`` and ``best_fn`` apply to both.
+    """
+
+    def __init__(self, local_directory: str | os.PathLike[str], mirror: Any,
+                 options: CheckpointManagerOptions | None = None, *,
+                 fs: FileSystem | None = None, mirror_max_to_keep: int | str | None = "same",
+                 max_attempts: int = 5, backoff_s: float = 1.0, max_backoff_s: float = 60.0):
+        self.options = options or CheckpointManagerOptions()
+        # Local retention runs here, after each copy, never deleting a checkpoint that has
+        # not reached the mirror yet; the local manager itself keeps everything.
+        self.local = CheckpointManager(local_directory, dataclasses.replace(
+            self.options, max_to_keep=None, keep_period=None), fs=fs)
+        self.store = open_store(mirror)
+        self.mirror_max_to_keep = self.options.max_to_keep if mirror_max_to_keep == "same" \
+            else mirror_max_to_keep
+        self.max_attempts, self.backoff_s, self.max_backoff_s = max_attempts, backoff_s, \
+            max_backoff_s
+        self.failed: dict[int, str] = {}  # step -> last error, after every retry
+        self.mirrored: list[int] = []  # steps copied by this manager, in order
+        self._mirror_infos: dict[int, policy.StepInfo] = {}
+        self._store_lock = threading.RLock()  # one operation on the mirror at a time
+        self._queue: queue.Queue[int | None] = queue.Queue()
+        self._pending: collections.Counter[int] = collections.Counter()  # queued or copying
+        self._jobs = 0  # jobs not finished yet (copy and the retention after it)
+        self._idle = threading.Condition()
+        self._closed = False
+        with self._store_lock:
+            for name in self.store.cleanup():
+                log.warning("minickpt: removed %s from the mirror, left by an interrupted copy",
+                            name)
+            self._scan_mirror()
+        self.local.listeners.append(self._on_event)
+        self._thread = threading.Thread(target=self._run, name="minickpt-mirror", daemon=True)
+        self._thread.start()
+        with self._store_lock:
+            self._catch_up()
+
+    # ---- delegation ----------------------------------------------------------------------
+    def __getattr__(self, name: str) -> Any:
+        if name == "local":  # not yet set: __init__ failed early
+            raise AttributeError(name)
+        return getattr(self.local, name)
+
+    @property
+    def preemption_handler(self) -> Any:
+        return self.local.preemption_handler
+
+    @preemption_handler.setter
+    def preemption_handler(self, handler: Any) -> None:
+        self.local.preemption_handler = handler
+
+    def save(self, step: int, items: Mapping[str, Any], **kw: Any) -> bool:
+        """Save locally (see :meth:`CheckpointManager.save`); the copy to the mirror follows
+        in the background once the checkpoint is committed."""
+        return self.local.save(step, items, **kw)
+
+    def mirror_steps(self) -> list[int]:
+        """The steps committed in the mirror, ascending."""
+        with self._store_lock:
+            return sorted(self._mirror_infos)
+
+    def all_steps(self, read: bool = False) -> list[int]:
+        """Steps restorable from either tier."""
+        return sorted(set(self.local.all_steps(read=read)) | set(self.mirror_steps()))
+
+    def latest_step(self) -> int | None:
+        steps = self.all_steps()
+        return steps[-1] if steps else None
+
+    # ---- the mirror worker ---------------------------------------------------------------
+    def _on_event(self, event: str, record: Mapping[str, Any]) -> None:
+        if event == "save" and record.get("ok") and isinstance(record.get("step"), int):
+            self._enqueue(record["step"])
+
+    def _enqueue(self, step: int) -> None:
+        with self._idle:
+            self._pending[step] += 1
+            self._jobs += 1
+        self._queue.put(step)
+
+    def _notify(self, record: dict[str, Any]) -> None:
+        for fn in list(self.local.listeners):
+            if fn == self._on_event:
+                continue
+            try:
+                fn("mirror", record)
+            except Exception:  # a broken listener must not stop the mirror
+                log.exception("minickpt: listener failed on a mirror event")
+
+    def _run(self) -> None:
+        while True:
+            step = self._queue.get()
+            if step is None:
+                return
+            try:
+                self._mirror_with_retries(step)
+            except BaseException:  # pragma: no cover - keep the thread alive
+                log.exception("minickpt: mirror worker error")
+            finally:
+                with self._idle:
+                    self._pending[step] -= 1
+                    if not self._pending[step]:
+                        del self._pending[step]
+                try:
+                    self._apply_local_retention()
+                except Exception:  # pragma: no cover - logged, retried after the next copy
+                    log.exception("minickpt: local retention failed")
+                with self._idle:
+                    self._jobs -= 1
+                    self._idle.notify_all()
+
+    def _mirror_with_retries(self, step: int) -> None:
+        for attempt in range(1, self.max_attempts + 1):
+            t0 = time.perf_counter()
+            try:
+                nbytes = self._copy(step)
+            except FileNotFoundError as e:
+                if not self.local.fs.is_dir(self.local.step_path(step)):
+                    # deleted locally (retention) before it could be copied: nothing to do
+                    self._notify({"step": step, "ok": True, "skipped": True, "attempt": attempt,
+                                  "error": None, "total_s": time.perf_counter() - t0,
+                                  "target": self.store.url, "time": time.time(),
+                                  "note": "deleted locally before it was mirrored"})
+                    return
+                err: BaseException = e
+            except Exception as e:
+                err = e
+            else:
+                self.failed.pop(step, None)
+                self.mirrored.append(step)
+                self._notify({"step": step, "ok": True, "attempt": attempt, "error": None,
+                              "bytes": nbytes, "total_s": time.perf_counter() - t0,
+                              "target": self.store.url, "time": time.time()})
+                self._apply_mirror_retention()
+                return
+            msg = f"{type(err).__name__}: {err}"
+            retry = attempt < self.max_attempts
+            self._notify({"step": step, "ok": False, "attempt": attempt, "error": msg,
+                          "will_retry": retry, "total_s": time.perf_counter() - t0,
+                          "target": self.store.url, "time": time.time()})
+            text = (f"minickpt: copying step {step} to the mirror {self.store.url} failed "
+                    f"(attempt {attempt} of {self.max_attempts}): {msg}")
+            log.error(text)
+            warnings.warn(text, stacklevel=2)
+            if not retry:
+                self.failed[step] = msg
+                return
+            time.sleep(min(self.backoff_s * 2 ** (attempt - 1), self.max_backoff_s))
+
+    def _copy(self, step: int) -> int:
+        """Copy one committed local checkpoint into the mirror, with the mirror's own atomic
+        commit. Returns the bytes copied."""
+        lfs = self.local.fs
+        src = self.local.step_path(step)
+        name = os.path.basename(src)
+        with self._store_lock:
+            if name in self.store.listdir(""):
+                if self.store.exists(f"{name}/{METADATA_FILE}"):
+                    self._remember(step, name)
+                    return 0  # already there (copied before a restart)
+                self.store.remove_temporary(name)  # an upload cut short (object stores)
+            dirs, files = _walk(lambda r: lfs.listdir(os.path.join(src, r)),
+                                lambda r: lfs.is_dir(os.path.join(src, r)), "")
+            files.sort(key=lambda f: f == METADATA_FILE)
+            if METADATA_FILE not in files:
+                raise CheckpointCorruptedError(src, "has no metadata: not a committed checkpoint")
+            tmp = f"{name}{TMP_MARK}{secrets.token_hex(4)}" if self.store.atomic_rename \
+                else name
+            nbytes = 0
+            try:
+                self.store.makedirs(tmp)
+                for d in dirs:
+                    self.store.makedirs(f"{tmp}/{d}")
+                for f in files:  # the metadata, which makes a checkpoint valid, goes last
+                    n = self.store.write_file(f"{tmp}/{f}", _read_chunks(lfs, os.path.join(src, f)))
+                    want = lfs.lstat(os.path.join(src, f)).st_size
+                    if n != want or self.store.size(f"{tmp}/{f}") != want:
+                        raise OSError(f"{self.store.path(f'{tmp}/{f}')}: wrote {n} bytes of "
+                                      f"{want}")
+                    nbytes += n
+                problems = self.store.verify(tmp)
+                if problems:
+                    raise CheckpointCorruptedError(self.store.path(tmp),
+                                                   "the mirror copy does not verify: "
+                                                   + "; ".join(problems))
+                self.store.commit(tmp, name, dirs)
+            except BaseException:
+                self.store.remove_temporary(tmp)
+                raise
+            self._remember(step, name)
+            return nbytes
+
+    def _remember(self, step: int, name: str) -> None:
+        metrics, t = None, 0.0
+        try:
+            meta = json.loads(self.store.read_small(f"{name}/{METADATA_FILE}"))
+            metrics = meta.get("metrics") if isinstance(meta.get("metrics"), dict) else None
+            t = (meta.get("commit_timestamp_nsecs") or 0) / 1e9
+        except Exception:  # unreadable metadata: kept like a checkpoint without metrics
+            pass
+        self._mirror_infos[step] = policy.StepInfo(step, metrics, t)
+
+    def _scan_mirror(self) -> None:
+        self._mirror_infos = {}
+        for name in self.store.listdir(""):
+            step = parse_step(name, self.options.step_prefix)
+            if step is not None and self.store.is_dir(name):
+                self._remember(step, name)
+
+    def _catch_up(self) -> None:
+        """Queue the local checkpoints the mirror lacks and its retention would keep: a
+        previous process may have died between a local commit and its copy."""
+        o = self.options
+        missing = [s for s in self.local.all_steps() if s not in self._mirror_infos]
+        infos = list(self._mirror_infos.values())
+        for s in missing:
+            try:
+                meta = self.local.metadata(s)
+                infos.append(policy.StepInfo(s, meta.metrics, meta.time or 0.0))
+            except (MiniCkptError, OSError):
+                continue  # damaged locally: nothing worth copying
+        keep = policy.steps_to_keep(
+            infos, max_to_keep=self.mirror_max_to_keep, keep_period=o.keep_period,
+            best_fn=o.best_fn, best_mode=o.best_mode,
+            keep_checkpoints_without_metrics=o.keep_checkpoints_without_metrics)
+        for s in missing:
+            if s in keep:
+                self._enqueue(s)
+
+    def _apply_mirror_retention(self) -> None:
+        o = self.options
+        with self._store_lock:
+            keep = policy.steps_to_keep(
+                list(self._mirror_infos.values()), max_to_keep=self.mirror_max_to_keep,
+                keep_period=o.keep_period, best_fn=o.best_fn, best_mode=o.best_mode,
+                keep_checkpoints_without_metrics=o.keep_checkpoints_without_metrics)
+            for step in sorted(set(self._mirror_infos) - keep):
+                name = self._name(step)
+                try:
+                    self.store.delete(name)
+                    del self._mirror_infos[step]
+                    self._notify({"step": step, "ok": True, "deleted": True, "error": None,
+                                  "target": self.store.url, "time": time.time()})
+                except Exception as e:
+                    log.error("minickpt: could not delete %s from the mirror: %s", name, e)
+
+    def _apply_local_retention(self) -> None:
+        """The options' retention on the local tier, sparing steps still waiting for their
+        copy (a step whose copy failed every retry is no longer spared: it was reported)."""
+        o = self.options
+        infos = []
+        for s in self.local.all_steps():
+            try:
+                meta = self.local.metadata(s)
+                infos.append(policy.StepInfo(s, meta.metrics, meta.time or 0.0))
+            except (MiniCkptError, OSError):
+                infos.append(policy.StepInfo(s, None, 0.0))
+        keep = policy.steps_to_keep(
+            infos, max_to_keep=o.max_to_keep, keep_period=o.keep_period, best_fn=o.best_fn,
+            best_mode=o.best_mode,
+            keep_checkpoints_without_metrics=o.keep_checkpoints_without_metrics)
+        with self._idle:
+            spared = set(self._pending)
+        for s in sorted({i.step for i in infos} - keep - spared):
+            try:
+                self.local.delete(s)
+            except CheckpointNotFoundError:
+                pass
+            except OSError as e:
+                log.error("minickpt: could not delete old local checkpoint %s: %s",
+                          self.local.step_path(s), e)
+
+    def _name(self, step: int) -> str:
+        return step_dir_name(step, self.options.step_prefix,
+                             self.options.step_format_fixed_length)
+
+    # ---- waiting and closing -------------------------------------------------------------
+    def wait_until_finished(self) -> None:
+        """Wait for the local saves (an async local manager's too); not for the mirror."""
+        self.local.wait_until_finished()
+
+    def wait_until_mirrored(self, timeout: float | None = None) -> None:
+        """Wait until every committed checkpoint has been copied (or has failed every retry);
+        raise :class:`MirrorError` naming each step that could not be mirrored."""
+        self.local.wait_until_finished()
+        end = None if timeout is None else time.monotonic() + timeout
+        with self._idle:
+            while self._jobs:
+                left = None if end is None else end - time.monotonic()
+                if left is not None and left <= 0:
+                    raise TimeoutError(f"steps {sorted(self._pending)} still being copied to "
+                                       f"{self.store.url} after {timeout} s")
+                self._idle.wait(left)
+        if self.failed:
+            raise MirrorError("could not copy to the mirror " + self.store.url + ": " + "; ".join(
+                f"step {s}: {e}" for s, e in sorted(self.failed.items()))
+                + " — the local checkpoints are intact; retry_failed() tries again")
+
+    def retry_failed(self) -> None:
+        """Queue every step that failed all its attempts again (if it still exists)."""
+        for step in sorted(self.failed):
+            self._enqueue(step)
+
+    def close(self) -> None:
+        """Close the local manager, finish the mirror copies, stop the worker; raises
+        :class:`MirrorError` if some checkpoint could not be mirrored."""
+        if self._closed:
+            return
+        try:
+            self.local.close()
+            self.wait_until_mirrored()
+        finally:
+            self._closed = True
+            self._queue.put(None)
+            self._thread.join(timeout=60)
+
+    def __enter__(self) -> TieredCheckpointManager:
+        return self
+
+    def __exit__(self, exc_type: Any, *exc: Any) -> None:
+        if exc_type is None:
+            self.close()
+            return
+        try:  # an error is already on its way: report mirror failures without masking it
+            self.close()
+        except MirrorError as e:
+            log.error("minickpt: %s", e)
+
+    # ---- restoring -----------------------------------------------------------------------
+    def restore(self, step: int | None = None, target: Mapping[str, Any] | None = None,
+                **kw: Any) -> Restored:
+        """Restore from the local disk, or from the mirror when the local copy is missing or
+        damaged (the mirror's copy is fetched to the local disk, verified, then restored).
+
+        Without ``step``: the newest step either tier has; a step damaged in both is skipped
+        with a warning, as :meth:`CheckpointManager.restore` does.
+        """
+        kw.pop("fallback", None)  # falling back is what this method does
+        if step is not None:
+            return self._restore_step(step, target, kw)
+        steps = sorted(set(self.local.all_steps(read=True)) | set(self.mirror_steps()),
+                       reverse=True)
+        if not steps:
+            raise CheckpointNotFoundError(f"no checkpoint in {self.local.directory} nor in "
+                                          f"the mirror {self.store.url}")
+        errors = []
+        for s in steps:
+            try:
+                return self._restore_step(s, target, kw)
+            except (CheckpointCorruptedError, OSError) as e:
+                if isinstance(e, CheckpointNotFoundError) and len(steps) == 1:
+                    raise
+                msg = f"minickpt: skipping step {s}, damaged locally and in the mirror: {e}"
+                log.error(msg)
+                warnings.warn(msg, stacklevel=2)
+                errors.append(f"step {s}: {e}")
+        raise CheckpointCorruptedError(self.local.directory, "every checkpoint is damaged in "
+                                       "both tiers:\n  " + "\n  ".join(errors))
+
+    def _restore_step(self, step: int, target: Any, kw: Mapping[str, Any]) -> Restored:
+        local_error: BaseException | None = None
+        if step in self.local.all_steps(read=True):
+            try:
+                return self.local.restore(step, target, fallback=False, **kw)
+            except (CheckpointCorruptedError, OSError) as e:
+                local_error = e
+                msg = (f"minickpt: the local copy of step {step} is damaged ({e}); fetching it "
+                       f"from the mirror {self.store.url}")
+                log.error(msg)
+                warnings.warn(msg, stacklevel=3)
+        if step not in self.mirror_steps():
+            if local_error is not None:
+                raise local_error
+            raise CheckpointNotFoundError(f"no checkpoint for step {step} in "
+                                          f"{self.local.directory} nor in {self.store.url}")
+        self._fetch(step)
+        return self.local.restore(step, target, fallback=False, **kw)
+
+    def _fetch(self, step: int) -> None:
+        """Copy a step from the mirror back to the local disk: into a temporary directory,
+        verify every checksum, replace a damaged local copy, commit."""
+        lfs, root = self.local.fs, self.local.directory
+        name = self._name(step)
+        final = os.path.join(root, name)
+        with self._store_lock:
+            tmp = make_temporary(lfs, root, name)
+            try:
+                dirs, files = _walk(self.store.listdir, self.store.is_dir, name)
+                for d in dirs:
+                    lfs.mkdir(os.path.join(tmp, d))
+                for f in files:
+                    lfs.write_file(os.path.join(tmp, f), self.store.read_chunks(f"{name}/{f}"))
+                rep = Checkpointer(lfs).verify(tmp, deep=True)
+                if not rep.ok:
+                    raise CheckpointCorruptedError(self.store.path(name), "the mirror's copy is "
+                                                   "damaged too: " + "; ".join(rep.problems))
+                if lfs.exists(final):
+                    self.local.reload()
+                    self.local.delete(step)
+                commit(lfs, tmp, final, subdirs=dirs)
+            except BaseException:
+                abort(lfs, tmp)
+                raise
+        self.local.reload()
+        log.warning("minickpt: restored step %d's checkpoint from the mirror %s", step,
+                    self.store.url)

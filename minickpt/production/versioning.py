@@ -1,0 +1,266 @@
+"""Model versioning: which code wrote a checkpoint, which checkpoint is best, and moving an old
+checkpoint onto a new model.
+
+* Every checkpoint's metadata records the git commit (and branch) of the working tree the
+  training process was started in, read from ``.git`` directly — no ``git`` process, nothing
+  that can make a save fail. Set ``MINICKPT_GIT=0`` to leave it out.
+* :func:`best_checkpoint` picks a checkpoint by a metric, filtered by your metadata (a version
+  tag, a config value), reading only the small metadata files, never the arrays.
+* :func:`migrate_checkpoint` restores an old checkpoint onto a changed model: rename or map
+  key paths, keep the new model's initial values for new parameters, drop what is gone.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import math
+import os
+import re
+from collections.abc import Callable, Iterable, Mapping
+from typing import Any
+
+from ..checkpointer import Checkpointer, CheckpointMetadata
+from ..commit import parse_step
+from ..errors import MiniCkptError
+from ..fs import DEFAULT_FS, FileSystem
+from ..restore import MigrationReport, Rename, migrate
+
+log = logging.getLogger("minickpt")
+
+_SHA = re.compile(r"^[0-9a-f]{40}([0-9a-f]{24})?$")  # SHA-1, or SHA-256 repositories
+_MAX_GIT_FILE = 64 << 20
+
+
+# ---------------------------------------------------------------------------------------
+# the git commit of the working tree
+# ---------------------------------------------------------------------------------------
+def _read(path: str, limit: int = 4096) -> str | None:
+    try:
+        with open(path, encoding="utf-8", errors="replace") as f:
+            return f.read(limit)
+    except OSError:
+        return None
+
+
+def _find_git_dir(start: str) -> tuple[str, str, str] | None:
+    """(worktree root, git dir, common dir) for the repository containing ``start``."""
+    d = os.path.abspath(start)
+    while True:
+        dot = os.path.join(d, ".git")
+        if os.path.isdir(dot):
+            git_dir = dot
+        elif os.path.isfile(dot):  # a linked worktree or a submodule: "gitdir: <path>"
+            text = _read(dot) or ""
+            if not text.startswith("gitdir:"):
+                return None
+            git_dir = os.path.normpath(os.path.join(d, text[len("gitdir:"):].strip()))
+        else:
+            parent = os.path.dirname(d)
+            if parent == d:
+                return None
+            d = parent
+            continue
+        common = _read(os.path.join(git_dir, "commondir"))
+        common_dir = os.path.normpath(os.path.join(git_dir, common.strip())) if common \
+            else git_dir
+        return d, git_dir, common_dir
+
+
+def _resolve_ref(ref: str, git_dir: str, common_dir: str) -> str | None:
+    for base in (git_dir, common_dir):  # per-worktree refs first, then shared ones
+        text = _read(os.path.join(base, *ref.split("/")))
+        if text is not None and _SHA.match(text.strip()):
+            return text.strip()
+    try:
+        with open(os.path.join(common_dir, "packed-refs"), encoding="utf-8",
+                  errors="replace") as f:
+            for n, line in enumerate(f):
+                if n * 100 > _MAX_GIT_FILE:
+                    break
+                parts = line.split()
+                if len(parts) == 2 and parts[1] == ref and _SHA.match(parts[0]):
+                    return parts[0]
+    except OSError:
+        pass
+    return None
+
+
+@functools.lru_cache(maxsize=16)
+def _git_info_cached(start: str) -> dict[str, Any] | None:
+    found = _find_git_dir(start)
+    if found is None:
+        return None
+    root, git_dir, common_dir = found
+    head = (_read(os.path.join(git_dir, "HEAD")) or "").strip()
+    if head.startswith("ref:"):
+        ref = head[4:].strip()
+        branch = ref[len("refs/heads/"):] if ref.startswith("refs/heads/") else ref
+        commit = _resolve_ref(ref, git_dir, common_dir)  # None on a branch with no commit yet
+    elif _SHA.match(head):
+        branch, commit = None, head  # detached HEAD
+    else:
+        return None
+    return {"commit": commit, "branch": branch, "root": root}
+
+
+def git_info(path: str | os.PathLike[str] | None = None) -> dict[str, Any] | None:
+    """The commit and branch of the git working tree containing ``path`` (default: the
+    current directory), or None outside a repository. Read once per directory per process;
+    never raises."""
+    if os.environ.get("MINICKPT_GIT", "1").lower() in ("0", "false", "no", "off"):
+        return None
+    try:
+        start = os.fspath(path) if path is not None else os.getcwd()
+        info = _git_info_cached(os.path.abspath(start))
+        return dict(info) if info is not None else None
+    except Exception:  # metadata is a courtesy: it must never fail a save
+        return None
+
+
+# ---------------------------------------------------------------------------------------
+# the best checkpoint, from metadata only
+# ---------------------------------------------------------------------------------------
+def _lookup(tree: Any, key: str) -> Any:
+    """``tree[key]``, or a dotted path into nested mappings; KeyError when absent."""
+    if isinstance(tree, Mapping) and key in tree:
+        return tree[key]
+    cur = tree
+    for part in key.split("."):
+        if not isinstance(cur, Mapping) or part not in cur:
+            raise KeyError(key)
+        cur = cur[part]
+    return cur
+
+
+def _matches(meta: CheckpointMetadata,
+             where: Mapping[str, Any] | Callable[[CheckpointMetadata], bool] | None) -> bool:
+    if where is None:
+        return True
+    if callable(where):
+        return bool(where(meta))
+    for key, want in where.items():
+        try:
+            got = _lookup(meta.custom_metadata, key)
+        except KeyError:
+            return False
+        if callable(want) and not isinstance(want, type):
+            if not want(got):
+                return False
+        elif got != want:
+            return False
+    return True
+
+
+def _score(meta: CheckpointMetadata, metric: str | Callable[[Mapping[str, Any]], Any]
+           ) -> float | None:
+    if meta.metrics is None:
+        return None
+    try:
+        v = metric(meta.metrics) if callable(metric) else _lookup(meta.metrics, metric)
+        v = float(v)
+    except (KeyError, TypeError, ValueError):
+        return None
+    return None if math.isnan(v) else v
+
+
+def select_best(candidates: Iterable[CheckpointMetadata],
+                metric: str | Callable[[Mapping[str, Any]], Any], *, mode: str = "min",
+                where: Mapping[str, Any] | Callable[[CheckpointMetadata], bool] | None = None
+                ) -> CheckpointMetadata | None:
+    """Task 6.5 — the best checkpoint by a metric, among those whose metadata match.
+
+    ``metric`` names a value in the metrics (``"loss"``, or ``"eval.acc"`` for nested ones)
+    or computes one from them. ``mode`` is ``"min"`` or ``"max"``. ``where`` keeps only the
+    checkpoints whose custom metadata has the given values (``{"version": "v2"}``; a value
+    may be a predicate), or is a predicate on the whole metadata. Checkpoints without a
+    usable value (missing, not a number, NaN) never win; on a tie the newer step does.
+    """
+    if mode not in ("min", "max"):
+        raise ValueError(f"mode must be 'min' or 'max', got {mode!r}")
+    best, best_key = None, None
+    for meta in candidates:
+        if not _matches(meta, where):
+            continue
+        v = _score(meta, metric)
+        if v is None:
+            continue
+        key = (v if mode == "max" else -v, meta.step if meta.step is not None else -1)
+        if best_key is None or key > best_key:
+            best, best_key = meta, key
+    return best
+
+
+def checkpoint_metadata(source: Any, *, fs: FileSystem | None = None
+                        ) -> list[CheckpointMetadata]:
+    """The metadata of every readable checkpoint of a manager or a run directory, ascending
+    by step (damaged ones are skipped with a log line). Reads no array."""
+    if hasattr(source, "all_steps") and hasattr(source, "metadata"):
+        steps, read = source.all_steps(read=True), source.metadata
+    else:
+        root = os.fspath(source)
+        ck = Checkpointer(fs or DEFAULT_FS)
+        names = (fs or DEFAULT_FS).listdir(root)
+        found = sorted((s, n) for n in names if (s := parse_step(n)) is not None)
+        steps = [s for s, _ in found]
+        by_step = dict(found)
+
+        def read(step: int) -> CheckpointMetadata:
+            return ck.metadata(os.path.join(root, by_step[step]))
+    out = []
+    for s in steps:
+        try:
+            out.append(read(s))
+        except (MiniCkptError, OSError) as e:
+            log.warning("minickpt: skipping checkpoint step %d, its metadata is unreadable: %s",
+                        s, e)
+    return out
+
+
+def best_checkpoint(source: Any, metric: str | Callable[[Mapping[str, Any]], Any], *,
+                    mode: str = "min",
+                    where: Mapping[str, Any] | Callable[[CheckpointMetadata], bool] | None = None,
+                    fs: FileSystem | None = None) -> CheckpointMetadata | None:
+    """:func:`select_best` over the checkpoints of a manager or a run directory; returns the
+    winner's metadata (``.step``, ``.metrics``, ``.custom_metadata``) or None."""
+    return select_best(checkpoint_metadata(source, fs=fs), metric, mode=mode, where=where)
+
+
+# ---------------------------------------------------------------------------------------
+# migration to a new model structure
+# ---------------------------------------------------------------------------------------
+def migrate_checkpoint(source: Any, target: Mapping[str, Any], *, step: int | None = None,
+                       rename: Rename | None = None, fill_missing: bool = True,
+                       allow_cast: bool = False, fs: FileSystem | None = None
+                       ) -> tuple[dict[str, Any], dict[str, MigrationReport]]:
+    """Restore an old checkpoint onto a new model's structure.
+
+    ``source`` is a manager, a run directory (the latest step, or ``step``) or one checkpoint
+    directory; ``target`` maps item names to the *new* model's trees (e.g. a freshly
+    initialised ``TrainState``). Each item is read without a target and mapped with
+    :func:`minickpt.restore.migrate`: saved key paths renamed by ``rename`` (regexes on
+    slash paths, or a function), new leaves kept from the target (``fill_missing``), leaves
+    the new model lacks dropped. Returns the migrated items and one report per item, to read
+    before saving the result as a new checkpoint.
+    """
+    ck = Checkpointer(fs or getattr(source, "fs", None) or DEFAULT_FS)
+    if hasattr(source, "step_path"):
+        path = source.step_path(step if step is not None else source.latest_step())
+    else:
+        path = os.fspath(source)
+        if not ck.fs.exists(os.path.join(path, "_CHECKPOINT_METADATA")):
+            metas = checkpoint_metadata(path, fs=ck.fs)
+            if not metas:
+                raise MiniCkptError(f"no readable checkpoint in {path}")
+            chosen = next((m for m in metas if m.step == step), None) if step is not None \
+                else metas[-1]
+            if chosen is None:
+                raise MiniCkptError(f"no checkpoint for step {step} in {path}")
+            path = next(os.path.join(path, n) for n in ck.fs.listdir(path)
+                        if parse_step(n) == chosen.step)
+    saved = ck.restore(path, {name: None for name in target})
+    out, reports = {}, {}
+    for name, new_tree in target.items():
+        out[name], reports[name] = migrate(saved[name], new_tree, rename=rename,
+                                           fill_missing=fill_missing, allow_cast=allow_cast)
+    return out, reports
