@@ -491,15 +491,16 @@ def test_a_background_failure_on_one_process_is_raised_on_every_process(tmp_path
             raised = e
         else:
             raised = None
+        leftovers = temporaries(tmp_path)  # removed before any process raises
         steps = m.all_steps(read=True)
         if surface != "close":
             assert m.save(6, tree)  # saving works again, on every process
             m.close()
-        return skipped, raised, steps
+        return skipped, raised, leftovers, steps
 
     res = ok(mh.LocalGroup(4).run(work))
-    for p, (skipped, e, steps) in enumerate(res):
-        assert skipped is False and steps == [2]
+    for p, (skipped, e, leftovers, steps) in enumerate(res):
+        assert skipped is False and leftovers == [] and steps == [2]
         if p == 2:
             assert isinstance(e, OSError) and e.errno == errno.ENOSPC  # the original error
         else:
@@ -509,6 +510,34 @@ def test_a_background_failure_on_one_process_is_raised_on_every_process(tmp_path
     assert temporaries(tmp_path) == []
     expect = ["step_2"] if surface == "close" else ["step_2", "step_6"]
     assert sorted(n for n in os.listdir(tmp_path) if n.startswith("step_")) == expect
+
+
+def test_save_decisions_count_a_failed_save_until_its_error_is_collected(tmp_path):
+    """Whichever process's background thread ends first, the policy answers the same on
+    every process until the error is raised, on every process, at the same call."""
+    _, tree = state()
+
+    def fail_once(sync):
+        del sync.faults["after_write"]
+        raise OSError(errno.EIO, os.strerror(errno.EIO))
+
+    def work(sync):
+        if sync.process_index == 1:
+            sync.faults["after_write"] = lambda: fail_once(sync)
+        m = mc.CheckpointManager(tmp_path, aopts(save_interval_steps=10), sync=sync)
+        assert m.save(10, tree)  # the first save fails in the background
+        while m.is_saving_in_progress():
+            time.sleep(0.01)
+        decisions = [m.save(s, tree) for s in (11, 12)]  # saved nothing yet, but step 10...
+        try:
+            m.save(20, tree)
+        except Exception as e:
+            return decisions, e, m.all_steps()
+        return decisions, None, m.all_steps()
+
+    for decisions, e, steps in ok(mh.LocalGroup(2).run(work)):
+        assert decisions == [False, False] and steps == []
+        assert isinstance(e, (OSError, MultiHostError)) and os.strerror(errno.EIO) in str(e)
 
 
 @pytest.mark.task("5.2")
