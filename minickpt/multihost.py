@@ -46,8 +46,12 @@ and you want the other hosts to stay off the storage (one reader instead of N). 
 default, sharded protocol whenever the state is sharded (FSDP, tensor parallelism): each
 host then writes and reads only its part, and no host needs memory for the whole state.
 
-The protocol's write phase (:meth:`CollectiveSave.run`) is a plain callable, safe to run
-in a background thread: barriers and the key-value store may be used from any thread.
+**Async** (chapter 5). The protocol's write phase (:meth:`CollectiveSave.run`) is a plain
+callable, safe to run in a background thread: barriers and the key-value store may be used
+from any thread. ``CheckpointManager(..., enable_async_checkpointing=True)`` does so: the
+agreement and the snapshot (a real copy) happen in ``save()``, the rest in the background,
+and every process waits for its save in flight before its next collective operation, so
+operations run in the same order everywhere and their barrier ids never collide.
 
 This module touches one private JAX object, the coordination-service client; everything
 that does lives in :class:`_Coordination`.
@@ -841,7 +845,8 @@ class CollectiveSave:
         fsyncs its shards — barrier — the primary writes the manifests and the metadata and
         commits (fsync, rename, fsync of the parent) — barrier. Any failure anywhere is
         reported to every process at the next barrier; the primary then removes the
-        temporary directory, so the step never appears.
+        temporary directory (one more barrier: nobody raises before it is gone), so the
+        step never appears.
         """
         t0 = time.perf_counter()
         stats = self.stats
