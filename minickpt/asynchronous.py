@@ -28,7 +28,16 @@ for it. Pending saves are finished when the interpreter exits normally.
 
 :class:`AsyncWriter` runs any write phase given as a callable, so the same writer runs the
 single-process :meth:`Checkpointer.write` and a multi-host per-process shard writer with its
-barriers and primary commit.
+barriers and primary commit (:meth:`AsyncCheckpointer.start_write`).
+
+**Several processes** (``jax.distributed``, chapter 4): ``save()`` blocks for the step
+agreement and the snapshot of the shards this process owns; the shard writes, the barriers,
+the primary's commit and retention run in the background. Every process waits for its own
+save in flight before the next collective operation (save, restore, delete) starts, so the
+barriers of two operations never interleave, and a failure anywhere — an I/O error on one
+process, a peer that does not arrive — is raised on *every* process at the same call (the
+next ``save()`` that saves, ``wait_until_finished()``, ``close()``, ``restore()``,
+``delete()``), naming the process that failed. See :class:`~minickpt.manager.CheckpointManager`.
 """
 
 from __future__ import annotations
@@ -44,7 +53,7 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 from .checkpointer import Checkpointer, CheckpointMetadata, SaveStats, VerifyReport, _json_safe
-from .errors import MiniCkptError, StepAlreadyExistsError
+from .errors import MiniCkptError, PeerTimeoutError, StepAlreadyExistsError
 from .format import ItemPlan
 from .fs import FileSystem
 
@@ -158,7 +167,21 @@ _LIVE_WRITERS: weakref.WeakSet[AsyncWriter] = weakref.WeakSet()
 
 @atexit.register
 def _finish_pending_saves() -> None:
-    """At a normal exit: wait for every background save; report errors nobody collected."""
+    """At a normal exit: wait for every background save; report errors nobody collected.
+
+    The writer threads are not daemons, so Python has already joined them when atexit
+    handlers run: a pending save — multi-host ones included, whose barriers need
+    ``jax.distributed`` — has finished before ``jax.distributed.shutdown()``, which JAX
+    registers with atexit when ``jax`` is imported, i.e. before this module registers this
+    handler (atexit runs handlers last-registered first). Each barrier of a multi-host save
+    is bounded by ``MultiHostOptions.timeout_s``, so that join is bounded too.
+
+    If a save failed because a peer did not arrive (:class:`PeerTimeoutError`: it died or
+    hangs), JAX's shutdown would be a barrier waiting for that peer (for
+    ``shutdown_timeout_seconds``, then it aborts): the process leaves at once instead, with
+    exit status 1 — the end of :func:`minickpt.multihost.hard_exit`'s advice.
+    """
+    lost_peer: PeerTimeoutError | None = None
     for writer in list(_LIVE_WRITERS):
         writer.wait()
         try:
@@ -167,6 +190,15 @@ def _finish_pending_saves() -> None:
             log.error("minickpt: the async save of %s failed, and the program exited before "
                       "the error was collected (call wait_until_finished() or close() before "
                       "exiting): %s: %s", writer._what, type(e).__name__, e, exc_info=e)
+            if isinstance(e, PeerTimeoutError):
+                lost_peer = e
+    if lost_peer is not None:
+        from .multihost import hard_exit
+
+        log.error("minickpt: process(es) %s of the job are gone; exiting now with status 1, "
+                  "without jax.distributed.shutdown() (it would wait for them)",
+                  ", ".join(map(str, lost_peer.missing)))
+        hard_exit(1)
 
 
 def default_snapshot_threads() -> int:
@@ -227,8 +259,9 @@ class AsyncCheckpointer(Checkpointer):
                                        custom_metadata=custom_metadata, on_commit=on_commit,
                                        on_finish=on_finish, t0=t0, wall0=wall0, wait_s=wait_s)
 
-    def wait_for_previous(self, reason: str) -> float:
-        """Wait (without raising its error) for the save in flight; return seconds waited."""
+    def wait_for_previous(self, reason: str | None = None) -> float:
+        """Wait (without raising its error) for the save in flight; return seconds waited.
+        With a ``reason`` ("the save of step 20"), a long wait is logged as a warning."""
         return self._writer.wait(reason=reason)
 
     def start_save(self, directory: str | os.PathLike[str], items: Mapping[str, Any], *,
@@ -269,11 +302,37 @@ class AsyncCheckpointer(Checkpointer):
                            custom_metadata=custom_metadata, stats=stats, init_ns=init_ns)
                 if on_commit is not None:
                     on_commit(stats)
+            finally:
+                plans.clear()  # free the host copy as soon as it is written
+
+        stats.blocking_s = time.perf_counter() - t0
+        self.start_write(directory, write_phase, stats=stats, what=what, t0=t0,
+                         on_finish=on_finish)
+        return stats
+
+    def start_write(self, directory: str | os.PathLike[str], write_phase: Callable[[], Any], *,
+                    stats: SaveStats, what: str, t0: float | None = None,
+                    on_finish: Callable[[SaveStats], Any] | None = None) -> None:
+        """Run any write phase of ``directory`` in the background, as the save in flight.
+
+        The snapshot must already be taken. This is how a save whose write phase is not
+        :meth:`write` runs here — the multi-host manager hands over
+        :meth:`minickpt.multihost.CollectiveSave.run` (shard writes, barriers, the primary's
+        commit) — with the same guarantees: one in flight, its error kept for the caller,
+        reads of ``directory`` waiting for it. A failure marks ``stats`` (``ok``,
+        ``error``); ``total_s`` is measured from ``t0``; ``on_finish(stats)`` runs last.
+        """
+        if self._closed:
+            raise MiniCkptError("this AsyncCheckpointer is closed")
+        t0 = time.perf_counter() if t0 is None else t0
+
+        def run() -> None:
+            try:
+                write_phase()
             except BaseException as e:
                 stats.ok, stats.error = False, f"{type(e).__name__}: {e}"
                 raise
             finally:
-                plans.clear()  # free the host copy as soon as it is written
                 stats.total_s = time.perf_counter() - t0
                 self._in_flight_path = None
                 self.last_save_stats = stats
@@ -283,14 +342,12 @@ class AsyncCheckpointer(Checkpointer):
                     except Exception:  # bookkeeping must not hide the save's own outcome
                         log.exception("minickpt: on_finish failed after the save of %s", what)
 
-        self._in_flight_path = directory
-        stats.blocking_s = time.perf_counter() - t0
+        self._in_flight_path = os.path.abspath(os.fspath(directory))
         try:
-            self._writer.start(write_phase, what=what)
+            self._writer.start(run, what=what)
         except BaseException:
             self._in_flight_path = None
             raise
-        return stats
 
     # ---- the writer's state ------------------------------------------------------------
     def check_for_errors(self) -> None:

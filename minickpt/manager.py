@@ -105,6 +105,13 @@ class CheckpointManager:
             self._async = AsyncCheckpointer(self.fs)
         self._checkpointer: Checkpointer = self._async or Checkpointer(self.fs)
         self._in_flight_step: int | None = None  # the step an async save is writing
+        # Several processes, async: the step of the last save whose outcome this process has
+        # not collected yet (see _collect). Save decisions count it, so they stay the same on
+        # every process whenever each one's background thread happens to finish.
+        self._pending_step: int | None = None
+        # Several processes: collective operations (save, restore, delete) run one at a
+        # time per process, in program order, as their barrier ids require.
+        self._collective_lock = threading.RLock()
         self._lock_fd: int | None = None
         self._closed = False
         self._mutex = threading.RLock()
@@ -211,6 +218,7 @@ class CheckpointManager:
             return
         try:
             if self._async is not None:
+                self._pending_step = None
                 self._async.close()
         finally:
             self._release_lock()
@@ -234,12 +242,34 @@ class CheckpointManager:
         """Block until the async save in flight has committed; raise its error if it failed.
 
         Sync saves have committed when ``save()`` returns, so then this returns at once.
+        Under several processes every process must call it (as every collective call): each
+        waits for its own part, and all raise the same failure, naming the process(es)
+        where it happened.
         """
         if self._async is not None:
-            self._async.wait_until_finished()
+            self._collect()
+
+    def _collect(self, reason: str | None = None) -> float:
+        """Wait for this process's save in flight, then raise its error; seconds waited.
+
+        The blocking points — ``save()`` when it saves, ``wait_until_finished()``,
+        ``close()``, and under several processes ``restore()`` and ``delete()`` — are the
+        only places a background error is collected by a multi-process manager: every
+        process reaches them in the same order, so all raise at the same call.
+        """
+        assert self._async is not None
+        waited = self._async.wait_for_previous(reason)
+        self._pending_step = None
+        self._async.check_for_errors()
+        return waited
 
     def check_for_errors(self) -> None:
-        """Raise the error of a finished async save that failed (once); never blocks."""
+        """Raise the error of a finished async save that failed (once); never blocks.
+
+        Under several processes it answers for this process only, whose background thread
+        may finish before or after the others': to stop on an error *together*, use
+        :meth:`wait_until_finished` (or let the next ``save()`` raise it).
+        """
         if self._async is not None:
             self._async.check_for_errors()
 
@@ -305,6 +335,15 @@ class CheckpointManager:
                 raise CheckpointNotFoundError(
                     f"no checkpoint for step {step} in {self.directory} "
                     f"(steps: {self.all_steps() or 'none'})")
+        if (self._async is not None and self._sync.process_count > 1
+                and step == self._in_flight_step):
+            # Reading the step being written waits for it; under several processes its
+            # error is left to the collective calls, which raise it on every process alike.
+            self._async.wait_for_previous(f"reading step {step}")
+            if step not in self._infos:
+                raise CheckpointNotFoundError(
+                    f"step {step} in {self.directory} was being saved, and its async save "
+                    "failed (the next save(), wait_until_finished() or close() raises why)")
         return step
 
     # ---- saving --------------------------------------------------------------------------
@@ -323,6 +362,9 @@ class CheckpointManager:
         preemption reached at this step (:meth:`reached_preemption`)."""
         o = self.options
         last = self.latest_step()
+        pending = self._pending_step  # counted until collected, whatever its outcome
+        if pending is not None and (last is None or pending > last):
+            last = pending
         if self.reached_preemption(step) and (last is None or step > last):
             return True
         return policy.should_save(step, last_saved_step=last,
@@ -347,10 +389,10 @@ class CheckpointManager:
         if not isinstance(step, int) or isinstance(step, bool) or step < 0:
             raise ValueError(f"step must be a non-negative int, got {step!r}")
         t0, wall0 = time.perf_counter(), time.time()
+        if self._sync.process_count > 1:
+            return self._save_collective(step, items, metrics, metadata, force, t0, wall0)
         if self._async is not None:
             self._async.check_for_errors()  # a failed background save surfaces here
-        if self._sync.process_count > 1:
-            return self._save_collective(step, items, metrics, metadata, force)
         with self._mutex:
             self._check_new_step(step)
             if not force and not self.should_save(step):
@@ -375,8 +417,9 @@ class CheckpointManager:
                 return True
 
     def _check_new_step(self, step: int) -> None:
-        if step in self._infos:
-            where = ("is being saved (async) into" if step == self._in_flight_step
+        if step in self._infos or step == self._pending_step:
+            where = ("is being saved (async) into"
+                     if step in (self._in_flight_step, self._pending_step)
                      else "is already saved in")
             raise StepAlreadyExistsError(
                 f"step {step} {where} {self.step_path(step)}; minickpt never replaces a "
@@ -429,19 +472,34 @@ class CheckpointManager:
         return stats
 
     def _save_collective(self, step: int, items: Mapping[str, Any], metrics: Any,
-                         metadata: Any, force: bool) -> bool:
+                         metadata: Any, force: bool, t0: float, wall0: float) -> bool:
         """Chapter 4: one checkpoint written by every process (see minickpt.multihost).
 
         Each process decides locally — with the same step list, the same policy says the
         same thing everywhere — then the protocol checks that they all agree on the step.
+
+        Async (chapter 5 too): first wait for this process's previous save and raise its
+        error (every process raises the same one, here); then, in this thread, the step
+        agreement and the snapshot of the shards this process owns; the shard writes, the
+        barriers, the primary's commit and retention run in the background. The next
+        collective operation waits for them, so two operations' barriers never interleave.
         """
-        with self._mutex:
-            if step in self._infos:
-                raise StepAlreadyExistsError(
-                    f"step {step} is already saved in {self.step_path(step)}; minickpt never "
-                    "replaces a committed checkpoint (delete it first to save it again)")
-            if not force and not self.should_save(step):
-                return False
+        with self._collective_lock:
+            with self._mutex:
+                # An in-flight step, and (without force) any saved step: refused at once. A
+                # forced save of an old step checks after the wait below, when retention in
+                # the background can no longer make the step lists differ between processes.
+                if step == self._pending_step or (step in self._infos and not force):
+                    self._check_new_step(step)
+                if not force and not self.should_save(step):
+                    return False
+            wait_s = 0.0
+            if self._async is not None:
+                wait_s = self._collect(f"the save of step {step}")
+                metrics = _json_safe(metrics, "metrics") if metrics is not None else None
+                metadata = _json_safe(metadata or {}, "metadata")
+            with self._mutex:
+                self._check_new_step(step)
             m = dict(metrics) if metrics is not None else None
 
             def on_commit(stats: SaveStats) -> dict[str, Any]:  # on the primary
@@ -455,21 +513,38 @@ class CheckpointManager:
                     for s in info.get("deleted", []):
                         self._infos.pop(s, None)
 
-            t0 = time.perf_counter()
+            path = self.step_path(step)
             try:
                 job = multihost.prepare_save(
-                    self._checkpointer, self._sync, self.step_path(step), items, step=step,
+                    self._checkpointer, self._sync, path, items, step=step,
                     force=force, options=self.options.multihost, metrics=metrics,
-                    custom_metadata=metadata, on_commit=on_commit, on_done=on_done)
-                stats = job.run()
+                    custom_metadata=metadata, copy=self._async is not None,
+                    on_commit=on_commit, on_done=on_done)
+                stats = job.stats
+                stats.start_time, stats.wait_s = wall0, wait_s
+                if self._async is None:
+                    job.run()
             except BaseException as e:
-                self._record(SaveStats(step, self.step_path(step), ok=False,
-                                       error=f"{type(e).__name__}: {e}", start_time=time.time(),
-                                       total_s=time.perf_counter() - t0))
+                self._record(SaveStats(step, path, ok=False, error=f"{type(e).__name__}: {e}",
+                                       start_time=wall0, wait_s=wait_s,
+                                       async_=self._async is not None,
+                                       total_s=time.perf_counter() - t0,
+                                       blocking_s=time.perf_counter() - t0))
                 raise
-            stats.total_s = stats.blocking_s = time.perf_counter() - t0
-        self._record(stats)
-        return True
+            if self._async is None:
+                stats.total_s = stats.blocking_s = time.perf_counter() - t0
+                self._record(stats)
+                return True
+            stats.async_ = True
+            with self._mutex:  # the background's bookkeeping waits until this is in place
+                stats.blocking_s = time.perf_counter() - t0
+                self._async.start_write(path, job.run, stats=stats, t0=t0,
+                                        what=f"step {step} ({path})",
+                                        on_finish=lambda st: self._async_finished(step, st))
+                # Counted at once (as in Orbax), on every process alike.
+                self._infos[step] = policy.StepInfo(step, m, time.time())
+                self._in_flight_step = self._pending_step = step
+            return True
 
     def _committed(self, step: int, metrics: Any, stats: SaveStats) -> None:
         """Bookkeeping after a durable commit: remember the step, then apply retention."""
@@ -511,10 +586,13 @@ class CheckpointManager:
     def delete(self, step: int) -> None:
         """Delete one checkpoint, crash-safely (it vanishes from the step list atomically)."""
         self._check_writable()
+        if self._sync.process_count > 1:
+            with self._collective_lock:
+                if self._async is not None:
+                    self._collect()  # never alongside a save's barriers; its error, everywhere
+                return self._delete_collective(step)
         if step == self._in_flight_step:
             self.wait_until_finished()
-        if self._sync.process_count > 1:
-            return self._delete_collective(step)
         with self._mutex:
             self._resolve(step)
             self._delete_step(step)
@@ -559,13 +637,19 @@ class CheckpointManager:
         """
         verify = self.options.verify_on_restore if verify is None else verify
         fallback = self.options.fallback_on_damage if fallback is None else fallback
+        if self._sync.process_count > 1:
+            with self._collective_lock:
+                if self._async is not None:
+                    # Whatever the step: the restore's barriers must not run alongside the
+                    # save's, and retention in the background could delete what it reads.
+                    self._collect()
+                return self._restore_collective(step, target, partial, verify, sharding,
+                                                fallback)
         pending = self._in_flight_step
         if pending is not None and step in (None, pending):
             # Reading the step being written: wait for its commit. If it failed, its error
             # is raised here, not mistaken for a damaged checkpoint to fall back from.
             self.wait_until_finished()
-        if self._sync.process_count > 1:
-            return self._restore_collective(step, target, partial, verify, sharding, fallback)
         if step is not None:
             return self._restore_step(self._resolve(step), target, partial, verify, sharding)
         steps = sorted(self.all_steps(read=True), reverse=True)

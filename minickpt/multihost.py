@@ -46,8 +46,12 @@ and you want the other hosts to stay off the storage (one reader instead of N). 
 default, sharded protocol whenever the state is sharded (FSDP, tensor parallelism): each
 host then writes and reads only its part, and no host needs memory for the whole state.
 
-The protocol's write phase (:meth:`CollectiveSave.run`) is a plain callable, safe to run
-in a background thread: barriers and the key-value store may be used from any thread.
+**Async** (chapter 5). The protocol's write phase (:meth:`CollectiveSave.run`) is a plain
+callable, safe to run in a background thread: barriers and the key-value store may be used
+from any thread. ``CheckpointManager(..., enable_async_checkpointing=True)`` does so: the
+agreement and the snapshot (a real copy) happen in ``save()``, the rest in the background,
+and every process waits for its save in flight before its next collective operation, so
+operations run in the same order everywhere and their barrier ids never collide.
 
 This module touches one private JAX object, the coordination-service client; everything
 that does lives in :class:`_Coordination`.
@@ -104,7 +108,15 @@ from .format import (
     write_item_manifest,
     write_shards,
 )
-from .tree import HostKey, Names, is_prng_key, path_str, skeleton, to_host
+from .tree import (
+    HostKey,
+    Names,
+    _transfer_made_a_copy,
+    is_prng_key,
+    path_str,
+    skeleton,
+    to_host,
+)
 
 log = logging.getLogger("minickpt")
 
@@ -300,7 +312,8 @@ def _fault(sync: Sync, point: str) -> None:
 
     ``MINICKPT_FAULT="after_write@2:kill"`` SIGKILLs process 2 once its shards are written;
     actions: ``kill``, ``exit`` (code 13), ``hang``, ``sleep=S``, ``raise`` (EIO). Points:
-    ``after_agree``, ``after_create``, ``after_write``, ``before_commit``, ``after_commit``.
+    ``after_agree``, ``after_create``, ``after_write``, ``before_commit``, ``after_commit``
+    (with async saves, the points after ``after_agree`` are reached in the background thread).
     """
     hook = sync.faults.get(point)
     if hook is not None:
@@ -719,7 +732,9 @@ def plan_for_process(tree: Any, sync: Sync, *, primary_host: int = 0, copy: bool
             pass
     for i, names, box, data in pending:
         host = np.asarray(data)
-        shards.append((i, names, box, np.array(host, copy=True) if copy else host))
+        if copy and not _transfer_made_a_copy(data):  # on GPU/TPU the transfer is the copy
+            host = np.array(host, copy=True)
+        shards.append((i, names, box, host))
     primary_plan = ItemPlan(skel, entries, buffers, offset) if is_primary else None
     return ProcessItemPlan(primary_plan, plan_shards(shards), num_sharded)
 
@@ -831,7 +846,8 @@ class CollectiveSave:
         fsyncs its shards — barrier — the primary writes the manifests and the metadata and
         commits (fsync, rename, fsync of the parent) — barrier. Any failure anywhere is
         reported to every process at the next barrier; the primary then removes the
-        temporary directory, so the step never appears.
+        temporary directory (one more barrier: nobody raises before it is gone), so the
+        step never appears.
         """
         t0 = time.perf_counter()
         stats = self.stats
@@ -848,20 +864,27 @@ class CollectiveSave:
         fs, sync, me = self.checkpointer.fs, self.sync, self.sync.process_index
         root, name = os.path.split(os.path.abspath(self.directory))
         tmp = os.path.join(root, f"{name}{TMP_MARK}{self.token}")
-        # 1. the primary creates the temporary directory and one directory per item
+        # 1. the primary creates the temporary directory and one directory per item; a
+        #    process whose snapshot failed reports it here too (see prepare_save)
         local: BaseException | None = None
-        if self.primary:
-            try:
+        try:
+            if self.primary:
                 fs.mkdir(tmp)
                 for item in self.plans:
                     fs.mkdir(os.path.join(tmp, item))
-            except Exception as e:
-                abort(fs, tmp)
-                local = e
-        _fault(sync, "after_create")
-        statuses = self._exchange("created", failure_status(local),
-                                  "waiting for the primary to create the temporary directory")
-        raise_failures(statuses, me, local, f"creating {tmp}")
+            _fault(sync, "after_create")
+        except Exception as e:
+            local = e
+        try:
+            statuses = self._exchange("created", failure_status(local),
+                                      "waiting for every process to start writing (the "
+                                      "primary creates the temporary directory)")
+        except BaseException:
+            if self.primary:
+                abort(fs, tmp)  # a missing process: nothing is published
+            raise
+        self._raise_failures_after_cleanup(statuses, local, tmp,
+                                           f"starting to write step {self.step} ({tmp})")
         # 2. every process writes its shards (the primary also the leaves only it writes)
         written: dict[str, Any] = {}
         primary_data: dict[str, ItemData] = {}
@@ -885,11 +908,11 @@ class CollectiveSave:
                 local = e
             statuses = self._exchange("written", failure_status(local, files=written),
                                       "waiting for every process to write its shards")
-            raise_failures(statuses, me, local, f"writing step {self.step}")
         except BaseException:
             if self.primary:
                 abort(fs, tmp)  # nothing was published: the step simply does not exist
             raise
+        self._raise_failures_after_cleanup(statuses, local, tmp, f"writing step {self.step}")
         # 3. the primary writes the manifests and the metadata, and commits
         info: Mapping[str, Any] = {}
         committed = False
@@ -927,6 +950,23 @@ class CollectiveSave:
                         f"committing step {self.step}")
         if not self.primary and self.on_done is not None:
             self.on_done(result)
+
+    def _raise_failures_after_cleanup(self, statuses: Sequence[Any],
+                                      local: BaseException | None, tmp: str, what: str) -> None:
+        """If any process reported a failure, raise it on every process — but only once the
+        primary has removed the temporary directory, so that no process returns from a
+        failed save while its leftovers are still there (one more barrier, on failure only).
+        """
+        if all((st or {}).get("ok", False) for st in statuses):
+            return
+        if self.primary:
+            abort(self.checkpointer.fs, tmp)
+        try:
+            self._exchange("aborted", None, "waiting for the primary to remove the temporary "
+                                            "directory of the failed save")
+        except PeerTimeoutError as e:  # the failure itself is what matters
+            log.warning("minickpt: %s", e)
+        raise_failures(statuses, self.sync.process_index, local, what)
 
     def _write_manifests(self, tmp: str, primary_data: Mapping[str, ItemData],
                          statuses: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
@@ -987,16 +1027,30 @@ def prepare_save(checkpointer: Checkpointer, sync: Sync, directory: str,
     agree([v["items"] for v in views], "the items to save")
     agree([v["trees"] for v in views], "the structure, shapes and dtypes of the saved trees "
                                        "(checksum of their signature)")
-    _fault(sync, "after_agree")
     t0 = time.perf_counter()
     plans = {}
-    for name, tree in zip(names, items.values(), strict=True):
+    try:
+        _fault(sync, "after_agree")
+        for name, tree in zip(names, items.values(), strict=True):
+            try:
+                plans[name] = plan_for_process(tree, sync, primary_host=options.primary_host,
+                                               copy=copy, primary_only=options.primary_only,
+                                               item=name)
+            except UnsupportedLeafError as e:
+                raise UnsupportedLeafError(f"item '{name}': {e}") from None
+    except Exception as e:
+        # The others agreed and go on to write (perhaps in a background thread): tell them
+        # at their first barrier, so they fail now, naming this process, instead of
+        # waiting for the time-out. The barrier is bounded; its own failure changes nothing.
         try:
-            plans[name] = plan_for_process(tree, sync, primary_host=options.primary_host,
-                                           copy=copy, primary_only=options.primary_only,
-                                           item=name)
-        except UnsupportedLeafError as e:
-            raise UnsupportedLeafError(f"item '{name}': {e}") from None
+            what = f"save of step {step}: reporting this process's failed snapshot"
+            sync.exchange(f"{op}/created", failure_status(e), options.timeout_s, what)
+            # and, like every process after a failure, wait for the primary's cleanup
+            # (CollectiveSave._raise_failures_after_cleanup)
+            sync.exchange(f"{op}/aborted", None, options.timeout_s, what)
+        except Exception as report:
+            log.debug("minickpt: could not report the failed snapshot: %s", report)
+        raise
     stats.snapshot_s = time.perf_counter() - t0
     return CollectiveSave(checkpointer, sync, op, directory, step,
                           views[options.primary_host]["token"], plans, options, stats,

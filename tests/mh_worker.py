@@ -9,6 +9,7 @@ process (and the test) knows what each global array holds without communicating.
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import sys
@@ -27,6 +28,7 @@ from jax.sharding import Mesh, NamedSharding  # noqa: E402
 from jax.sharding import PartitionSpec as P  # noqa: E402
 
 import minickpt as mc  # noqa: E402
+from minickpt.commit import is_temporary  # noqa: E402
 from minickpt.errors import PeerTimeoutError, ProcessDisagreementError  # noqa: E402
 
 ME, N = jax.process_index(), jax.process_count()
@@ -240,20 +242,92 @@ def scenario_kill(directory: str) -> int:
 
 
 def scenario_async(directory: str) -> int:
-    """Async + multi-host: save() returns before the slow process has written."""
-    state = saved_state(jax.local_device_count())
-    with mc.CheckpointManager(directory, opts(enable_async_checkpointing=True)) as mngr:
-        t = time.perf_counter()
-        mngr.save(1, state)
-        blocking_s = time.perf_counter() - t
-        in_progress = mngr.is_saving_in_progress()
-        mngr.wait_until_finished()
-        r = mngr.restore(target=restore_target(meshes(jax.local_device_count())[0]))
-    result(blocking_s=blocking_s, in_progress=in_progress, restored=check_restored(r))
-    return 0 if in_progress and not check_restored(r) else 1
+    """Async + multi-host: save() returns after the snapshot; donating and mutating the state
+    right after it changes nothing; a background failure on the last process is raised on
+    every process; the last save is still in flight when the program ends."""
+    k = jax.local_device_count()
+    sync = mh.default_sync()
+    mngr = mc.CheckpointManager(directory, opts(enable_async_checkpointing=True,
+                                                max_to_keep=2))
+    # 1. the background write is held at its start until the state has been overwritten
+    gate = threading.Event()
+    sync.faults["after_create"] = lambda: gate.wait(60)
+    state = saved_state(k)
+    t = time.perf_counter()
+    saved = mngr.save(1, state, metrics={"loss": 0.5})
+    blocking_s = time.perf_counter() - t
+    in_progress = mngr.is_saving_in_progress()
+    counted = mngr.latest_step()
+    w = state["params"]["w"]
+    new_w = jax.jit(lambda a: a * 0 - 7, donate_argnums=0)(w)  # the next step reuses w's buffer
+    new_w.block_until_ready()
+    donated = w.is_deleted()
+    state["opt"]["host"][:] = -1  # in-place mutation of a numpy leaf
+    gate.set()
+    del sync.faults["after_create"]
+    mngr.wait_until_finished()
+    snap = check_restored(mngr.restore(1, target=restore_target(meshes(k)[0])))
+    # 2. a write fails in the background on the last process only
+    def enospc():
+        del sync.faults["after_write"]  # once
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+    if ME == N - 1:
+        sync.faults["after_write"] = enospc
+    state = saved_state(k)
+    assert mngr.save(2, state)
+    failure: dict = {}
+    try:
+        mngr.save(3, state)
+    except Exception as e:
+        failure = {"type": type(e).__name__, "errno": getattr(e, "errno", None), "error": str(e),
+                   "notes": getattr(e, "__notes__", [])}
+    after_failure = mngr.all_steps(read=True)
+    leftovers = sorted(n for n in os.listdir(directory) if is_temporary(n))
+    assert mngr.save(3, state)  # works again
+    mngr.wait_until_finished()  # (before the next hook: it is for the next save only)
+    # 3. the last save is still being written when the program ends (no close, no wait):
+    #    it must commit before jax.distributed shuts down
+    last = threading.Event()
+    sync.faults["after_create"] = lambda: last.wait(60)
+    assert mngr.save(4, state)
+    result(saved=saved, blocking_s=blocking_s, in_progress=in_progress, counted=counted,
+           donated=donated, snapshot=snap, failure=failure, after_failure=after_failure,
+           leftovers=leftovers, pending_at_exit=mngr.is_saving_in_progress())
+    last.set()  # the write goes on while the interpreter exits
+    return 0
+
+
+def scenario_resume(directory: str) -> int:
+    """The job restarted on another number of processes: resume from the async saves."""
+    k = jax.local_device_count()
+    with mc.CheckpointManager(directory, opts(enable_async_checkpointing=True,
+                                              max_to_keep=2)) as mngr:
+        latest = mngr.latest_step()
+        r = mngr.restore(target=restore_target(meshes(k)[0]))
+        assert mngr.save(5, saved_state(k))
+        steps_in_flight = mngr.all_steps()
+    with mc.CheckpointManager(directory, opts(read_only=True)) as again:
+        r5 = again.restore(5, target=restore_target(meshes(k)[1]))
+        steps = again.all_steps()
+    result(latest=latest, step=r.step, restored=check_restored(r), step5=check_restored(r5),
+           steps_in_flight=steps_in_flight, steps=steps)
+    return 0
+
+
+def scenario_async_exit(directory: str) -> int:
+    """A peer dies during an async save that is still in flight at exit: the survivor's exit
+    must not hang in jax.distributed.shutdown()."""
+    mngr = mc.CheckpointManager(directory, opts(timeout_s=float(os.environ["MH_TIMEOUT"]),
+                                                enable_async_checkpointing=True))
+    mh.default_sync().exchange("ready", None, 60)
+    assert mngr.save(1, saved_state(jax.local_device_count()))
+    result(returned=True, time=time.time())
+    return 0  # no wait_until_finished(): the save fails in the background, at exit
 
 
 if __name__ == "__main__":
     scenario, *args = sys.argv[1:]
     sys.exit({"save": scenario_save, "restore": scenario_restore, "kill": scenario_kill,
-              "async": scenario_async}[scenario](*args))
+              "async": scenario_async, "resume": scenario_resume,
+              "async_exit": scenario_async_exit}[scenario](*args))

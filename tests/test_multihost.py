@@ -415,6 +415,211 @@ def test_primary_only_refuses_sharded_state(tmp_path):
 
 
 # ---------------------------------------------------------------------------------------
+# async + multi-host: the snapshot in save(), the protocol's write phase in the background
+# ---------------------------------------------------------------------------------------
+def aopts(timeout_s=10.0, **kw):
+    return opts(timeout_s, enable_async_checkpointing=True, **kw)
+
+
+def temporaries(path):
+    return sorted(n for n in os.listdir(path) if TMP_MARK in n)
+
+
+@pytest.mark.task("5.1")
+def test_async_collective_save_returns_after_the_snapshot_and_owns_its_copy(tmp_path):
+    expect, tree = state()
+    gate, saved = threading.Event(), threading.Barrier(4)
+    donate = jax.jit(lambda a: a * 0 - 7, donate_argnums=0)
+
+    def work(sync):
+        sync.faults["after_create"] = lambda: gate.wait(30)  # the writers wait here
+        with mc.CheckpointManager(tmp_path, aopts(), sync=sync) as m:
+            assert m.save(1, tree, metrics={"loss": 1.0})
+            seen = (m.is_saving_in_progress(), m.all_steps(), m.should_save(1),
+                    os.path.exists(tmp_path / "step_1"))
+            saved.wait(30)  # every process has taken its snapshot
+            if sync.process_index == 0:  # the next training step reuses the buffers
+                w = tree["params"]["w"]
+                tree["params"]["w"] = donate(w)
+                assert w.is_deleted()
+                tree["host"][:] = -1.0
+                gate.set()
+            m.wait_until_finished()
+            stats = m.last_save_stats
+            return seen, stats, m.restore(1)
+
+    res = ok(mh.LocalGroup(4).run(work))
+    for seen, stats, restored in res:
+        assert seen == (True, [1], False, False)
+        assert stats.ok and stats.async_ and 0 < stats.blocking_s < stats.total_s
+        assert stats.snapshot_s > 0 and stats.barrier_s > 0
+        for k, v in expect.items():
+            np.testing.assert_array_equal(restored["params"][k], v)
+        np.testing.assert_array_equal(restored["host"], np.arange(3.0))
+    assert res[0][1].commit_s > 0 and mc.Checkpointer().verify(tmp_path / "step_1").ok
+    assert temporaries(tmp_path) == []
+
+
+@pytest.mark.task("5.2")
+@pytest.mark.parametrize("surface", ["save", "wait_until_finished", "close", "restore"])
+def test_a_background_failure_on_one_process_is_raised_on_every_process(tmp_path, surface):
+    _, tree = state()
+
+    def enospc():
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+    def work(sync):
+        m = mc.CheckpointManager(tmp_path, aopts(save_interval_steps=2), sync=sync)
+        m.save(2, tree)
+        m.wait_until_finished()
+        if sync.process_index == 2:
+            sync.faults["after_write"] = enospc
+        assert m.save(4, tree)
+        while m.is_saving_in_progress():  # this process's part has failed, or finished
+            time.sleep(0.01)
+        sync.faults.clear()
+        # a save the policy skips collects nothing: no process raises at a different call
+        skipped = m.save(5, tree)
+        try:
+            if surface == "save":
+                m.save(6, tree)
+            elif surface == "restore":
+                m.restore()
+            else:
+                getattr(m, surface)()
+        except Exception as e:
+            raised = e
+        else:
+            raised = None
+        leftovers = temporaries(tmp_path)  # removed before any process raises
+        steps = m.all_steps(read=True)
+        if surface != "close":
+            assert m.save(6, tree)  # saving works again, on every process
+            m.close()
+        return skipped, raised, leftovers, steps
+
+    res = ok(mh.LocalGroup(4).run(work))
+    for p, (skipped, e, leftovers, steps) in enumerate(res):
+        assert skipped is False and leftovers == [] and steps == [2]
+        if p == 2:
+            assert isinstance(e, OSError) and e.errno == errno.ENOSPC  # the original error
+        else:
+            assert isinstance(e, MultiHostError) and "writing step 4 failed on process 2" in str(e)
+            assert os.strerror(errno.ENOSPC) in str(e)
+        assert any("background" in n and "step 4" in n for n in e.__notes__)
+    assert temporaries(tmp_path) == []
+    expect = ["step_2"] if surface == "close" else ["step_2", "step_6"]
+    assert sorted(n for n in os.listdir(tmp_path) if n.startswith("step_")) == expect
+
+
+def test_save_decisions_count_a_failed_save_until_its_error_is_collected(tmp_path):
+    """Whichever process's background thread ends first, the policy answers the same on
+    every process until the error is raised, on every process, at the same call."""
+    _, tree = state()
+
+    def fail_once(sync):
+        del sync.faults["after_write"]
+        raise OSError(errno.EIO, os.strerror(errno.EIO))
+
+    def work(sync):
+        if sync.process_index == 1:
+            sync.faults["after_write"] = lambda: fail_once(sync)
+        m = mc.CheckpointManager(tmp_path, aopts(save_interval_steps=10), sync=sync)
+        assert m.save(10, tree)  # the first save fails in the background
+        while m.is_saving_in_progress():
+            time.sleep(0.01)
+        decisions = [m.save(s, tree) for s in (11, 12)]  # saved nothing yet, but step 10...
+        try:
+            m.save(20, tree)
+        except Exception as e:
+            return decisions, e, m.all_steps()
+        return decisions, None, m.all_steps()
+
+    for decisions, e, steps in ok(mh.LocalGroup(2).run(work)):
+        assert decisions == [False, False] and steps == []
+        assert isinstance(e, (OSError, MultiHostError)) and os.strerror(errno.EIO) in str(e)
+
+
+@pytest.mark.task("5.2")
+def test_a_peer_hanging_in_the_background_is_named_at_the_next_call(tmp_path):
+    _, tree = state()
+    release = threading.Event()
+
+    def work(sync):
+        if sync.process_index == 3:
+            sync.faults["after_write"] = lambda: release.wait(30)
+        m = mc.CheckpointManager(tmp_path, aopts(timeout_s=2), sync=sync)
+        t = time.monotonic()
+        assert m.save(1, tree)
+        returned = time.monotonic() - t
+        try:
+            m.wait_until_finished()
+        except PeerTimeoutError as e:
+            if sync.process_index == 0:
+                release.set()
+            return returned, e
+        return returned, None
+
+    res = mh.LocalGroup(4).run(work)
+    for p, (returned, e) in enumerate(res):
+        assert isinstance(e, PeerTimeoutError), e
+        if p != 3:
+            assert e.missing == [3] and "write its shards" in str(e)
+            assert returned < 2  # save() did not wait for the write
+    assert sorted(os.listdir(tmp_path)) == [".minickpt.lock"]
+
+
+def test_collective_calls_wait_for_the_save_in_flight(tmp_path):
+    _, tree = state()
+    gate = threading.Event()
+
+    def work(sync):
+        with mc.CheckpointManager(tmp_path, aopts(max_to_keep=2), sync=sync) as m:
+            m.save(1, tree)
+            m.save(2, tree)
+            m.wait_until_finished()
+            sync.faults["after_create"] = lambda: gate.wait(30)
+            m.save(3, tree)  # held at its start until the timer opens the gate
+            if sync.process_index == 0:
+                threading.Timer(0.3, gate.set).start()
+            r = m.restore(2)  # another step: still waits, the save's barriers come first
+            after_restore = (m.is_saving_in_progress(), os.path.exists(tmp_path / "step_3"))
+            sync.faults.clear()
+            m.save(4, tree)
+            m.delete(3)  # waits for the save of 4, and its retention (deletes 2)
+            return r.step, after_restore, m.all_steps()
+
+    for step, after_restore, steps in ok(mh.LocalGroup(4).run(work)):
+        assert step == 2 and after_restore == (False, True) and steps == [4]
+    assert sorted(n for n in os.listdir(tmp_path) if n.startswith("step_")) == ["step_4"]
+
+
+def test_a_snapshot_failure_on_one_process_fails_the_others_without_the_timeout(tmp_path):
+    _, tree = state()
+
+    def boom():
+        raise MemoryError("injected: no host memory for the snapshot")
+
+    def work(sync):
+        if sync.process_index == 1:
+            sync.faults["after_agree"] = boom
+        m = mc.CheckpointManager(tmp_path, aopts(timeout_s=30), sync=sync)
+        try:
+            m.save(1, tree)
+            m.wait_until_finished()
+        except BaseException as e:
+            return e
+        return None
+
+    t = time.monotonic()
+    res = mh.LocalGroup(2).run(work)
+    assert time.monotonic() - t < 20  # nobody waited for the time-out
+    assert isinstance(res[1], MemoryError)  # raised by save() itself where it happened
+    assert isinstance(res[0], MultiHostError) and "process 1: MemoryError" in str(res[0])
+    assert sorted(os.listdir(tmp_path)) == [".minickpt.lock"]
+
+
+# ---------------------------------------------------------------------------------------
 # the format: sharded items are verified as strictly as single-host ones
 # ---------------------------------------------------------------------------------------
 def _sharded_checkpoint(tmp_path):
@@ -654,13 +859,49 @@ def test_a_primary_killed_before_commit_leaves_a_temporary_the_next_primary_remo
 
 
 @pytest.mark.multiprocess
-@pytest.mark.xfail(reason="async + multi-host needs the async branch (minickpt/asynchronous.py, "
-                          "enable_async_checkpointing) merged into this one", strict=False)
-def test_async_and_multihost_together(tmp_path):
-    r, results = _run(["async", str(tmp_path)], 2, 2,
-                      env={mh.ENV_FAULT: "after_write@1:sleep=2"})
+@pytest.mark.task("5.2")
+def test_async_saves_on_4_processes_then_the_job_resumes_on_2(tmp_path):
+    r, results = _run(["async", str(tmp_path)], 4, 2)
     assert r.ok, r.output()
+    assert sorted(results) == [0, 1, 2, 3], r.output()
+    for p, res in results.items():
+        assert res["saved"] and res["in_progress"] and res["counted"] == 1
+        assert res["donated"] and res["snapshot"] == []  # written: the values at save()
+        f = res["failure"]  # the ENOSPC of process 3, raised by the next save() everywhere
+        if p == 3:
+            assert f["type"] == "OSError" and f["errno"] == errno.ENOSPC
+        else:
+            assert f["type"] == "MultiHostError", f
+            assert "writing step 2 failed on process 3: OSError" in f["error"]
+        assert os.strerror(errno.ENOSPC) in f["error"]
+        assert any("background" in n and "step 2" in n for n in f["notes"])
+        assert res["after_failure"] == [1] and res["leftovers"] == []
+        assert res["pending_at_exit"]
+    # the save still in flight when the processes exited was committed; retention ran
+    with mc.CheckpointManager(tmp_path, mc.CheckpointManagerOptions(read_only=True)) as m:
+        assert m.all_steps() == [3, 4] and m.verify(4).ok
+    assert temporaries(tmp_path) == []
+    r, results = _run(["resume", str(tmp_path)], 2, 2)
+    assert r.ok, r.output()
+    assert sorted(results) == [0, 1], r.output()
     for res in results.values():
-        assert res["in_progress"] and res["restored"] == []
-    assert mc.Checkpointer().verify(tmp_path / "step_1").ok
+        assert res["latest"] == 4 and res["step"] == 4 and res["restored"] == []
+        assert res["steps_in_flight"] == [3, 4, 5]
+        assert res["steps"] == [4, 5] and res["step5"] == []
 
+
+@pytest.mark.multiprocess
+@pytest.mark.task("5.2")
+def test_a_peer_lost_during_an_async_save_in_flight_at_exit_does_not_hang_the_exit(tmp_path):
+    r, results = _run(["async_exit", str(tmp_path)], 2, 1, timeout_s=120, grace_s=60,
+                      env={"MH_TIMEOUT": "3", mh.ENV_FAULT: "after_write@1:kill"})
+    assert r.returncodes[1] == -9, r.output()
+    assert sorted(results) == [0, 1], r.output()
+    # the survivor reports the lost peer and leaves (status 1) instead of waiting in
+    # jax.distributed.shutdown() for a process that will never come
+    assert r.returncodes[0] == 1, r.output()
+    out = r.output(0)
+    assert "process(es) 1 did not arrive within 3 s" in out
+    assert "without jax.distributed.shutdown()" in out
+    assert r.exit_times[0] < 60
+    assert sorted(os.listdir(tmp_path)) == [".minickpt.lock"]  # nothing committed, no temporary
