@@ -20,7 +20,16 @@ import numpy as np
 from .errors import Mismatch, StructureMismatchError
 from .format import DTYPES, Manifest, read_leaves
 from .fs import FileSystem
-from .tree import HostKey, Names, from_skeleton, is_prng_key, path_names, path_str
+from .tree import (
+    HostKey,
+    Names,
+    flatten_with_names,
+    from_skeleton,
+    is_prng_key,
+    path_names,
+    path_str,
+    unflatten_like,
+)
 
 
 # ---------------------------------------------------------------------------------------
@@ -112,12 +121,10 @@ def check_structure(manifest: Manifest, target: Any, *, item: str = "",
     collected together in one :class:`StructureMismatchError`.
     """
     saved = manifest.by_path
-    flat, _ = jax.tree_util.tree_flatten_with_path(target)
     pairs: list[tuple[Names, int]] = []
     problems: list[Mismatch] = []
     wanted: set[Names] = set()
-    for p, leaf in flat:
-        names = path_names(p)
+    for names, leaf in flatten_with_names(target):
         wanted.add(names)
         where = path_str(names)
         if names not in saved:
@@ -193,10 +200,10 @@ def restore_item(fs: FileSystem, manifest: Manifest, target: Any = None, *, item
         return from_skeleton(manifest.skeleton, values)
     pairs = check_structure(manifest, target, item=item, partial=partial)
     values = read_leaves(fs, manifest, [i for _, i in pairs], verify=verify)
-    flat, treedef = jax.tree_util.tree_flatten(target)
-    outs = [to_output(v, expect_of(leaf), sharding)
-            for v, leaf in zip(values, flat, strict=True)]
-    return jax.tree_util.tree_unflatten(treedef, outs)
+    leaves = dict(flatten_with_names(target))
+    outs = {names: to_output(v, expect_of(leaves[names]), sharding)
+            for (names, _), v in zip(pairs, values, strict=True)}
+    return unflatten_like(target, outs)
 
 
 # ---------------------------------------------------------------------------------------
