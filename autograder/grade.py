@@ -400,11 +400,25 @@ def table(rows: list[dict[str, Any]], labs: dict[str, LabInfo]) -> str:
     return "\n".join(lines)
 
 
+MARK = ".minickpt-grading"
+
+
+def fresh_dir(path: Path) -> None:
+    """Empty ``path`` for a new run, but only if it is new, empty, or one of ours (it holds
+    :data:`MARK`): a mistyped ``--out`` must never delete someone's files."""
+    if path.exists() and any(path.iterdir()) and not (path / MARK).exists():
+        raise SystemExit(f"grade: {path} is not empty and was not written by grade.sh; "
+                         "choose another folder")
+    if path.exists():
+        shutil.rmtree(path)
+    path.mkdir(parents=True)
+    (path / MARK).write_text("written by autograder/grade.sh; emptied by its next run\n")
+
+
 def write_outputs(out: Path, results: list[dict[str, Any]], rows: list[dict[str, Any]],
                   labs: dict[str, LabInfo]) -> None:
-    if out.exists():
-        shutil.rmtree(out)
-    (out / "feedback").mkdir(parents=True)
+    fresh_dir(out)
+    (out / "feedback").mkdir()
     (out / "logs").mkdir()
     for r in results:
         if r.get("feedback"):
@@ -477,9 +491,9 @@ def main(argv: list[str] | None = None) -> int:
             print(f"grade: no lab {sorted(unknown)} in {source}", file=sys.stderr)
             return 2
         known = set(a.lab)
-    if work.exists():
-        shutil.rmtree(work)
-    work.mkdir(parents=True)
+    fresh_dir(work)
+    if out.exists() and any(out.iterdir()) and not (out / MARK).exists():
+        fresh_dir(out)  # refuses now, before any grading, rather than at the end
     folder = Path(a.submissions).resolve()
     if folder.is_file() and zipfile.is_zipfile(folder):
         folder = unpack_zip(folder, work / "incoming")

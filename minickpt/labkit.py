@@ -66,7 +66,12 @@ def reference_functions() -> dict[str, tuple[Callable[..., Any], ...]]:
     for info in pkgutil.iter_modules(minickpt.__path__, "minickpt."):
         if info.name in ("minickpt.__main__",):
             continue
-        mod = importlib.import_module(info.name)
+        try:
+            mod = importlib.import_module(info.name)
+        except ModuleNotFoundError as e:  # a module needing an optional extra (fsspec ...)
+            if (e.name or "").split(".")[0] == "minickpt":
+                raise
+            continue
         for name, obj in vars(mod).items():
             if inspect.isfunction(obj) and obj.__module__ == mod.__name__ and \
                     name == obj.__name__:

@@ -370,3 +370,14 @@ def test_grade_sh_says_what_is_wrong_with_its_arguments(tmp_path):
                            "--work", str(tmp_path / "w"), "--out", str(tmp_path / "o")],
                           capture_output=True, text=True, timeout=300, env=env)
     assert proc.returncode == 2 and "no submissions" in proc.stderr
+
+
+def test_grade_sh_never_empties_a_folder_it_did_not_write(tmp_path):
+    mine = tmp_path / "notes"
+    mine.mkdir()
+    (mine / "thesis.tex").write_text("precious")
+    proc = subprocess.run(["bash", str(ROOT / "autograder" / "grade.sh"), str(EXAMPLES_DIR),
+                           "--out", str(mine), "--work", str(tmp_path / "w")],
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode != 0 and "not written by grade.sh" in proc.stderr
+    assert (mine / "thesis.tex").read_text() == "precious"
