@@ -153,7 +153,14 @@ def decode_value(entry: Mapping[str, Any], where: str) -> Any:
 
 
 def plan_leaf(names: Names, host: Any) -> tuple[dict[str, Any], np.ndarray | None]:
-    """The manifest entry and byte view of one leaf already on the host."""
+    """Task 1.3 (write) — one host leaf's manifest entry, and its bytes.
+
+    An array (or a :class:`HostKey`'s raw data) is described by its kind, dtype name, shape
+    and byte count, and its bytes come back as a 1-D ``uint8`` view in little-endian order;
+    a Python scalar or string is stored in the entry itself (no bytes: ``None``). Where the
+    bytes go (the offset) and their checksum are added by :func:`plan_item` and
+    :func:`write_item`.
+    """
     where = path_str(names)
     entry: dict[str, Any] = {"path": list(names)}
     if isinstance(host, HostKey):
@@ -272,7 +279,7 @@ def manifest_bytes(skel: Mapping[str, Any], entries: Sequence[Mapping[str, Any]]
 def write_item(fs: FileSystem, item_dir: str, plan: ItemPlan, *,
                data_file: str = DATA_FILE, manifest_file: str = MANIFEST_FILE,
                fsync: bool = True, extra: Mapping[str, Any] | None = None) -> ItemWriteResult:
-    """Task 1.3 — write one item (data, then manifest) into the existing ``item_dir``.
+    """Write one item (data, then manifest) into the existing ``item_dir``.
 
     Each file is fsynced before it is closed, and then the directory, so that once this
     returns the item survives a power cut. Checksums are computed while the data is being
@@ -568,10 +575,9 @@ def _check_entry(e: Any, i: int, where: str, data_file: str | None, data_bytes: 
 
 def read_leaves(fs: FileSystem, manifest: Manifest, indices: Sequence[int] | None = None, *,
                 verify: bool = True) -> list[Any]:
-    """Task 1.3 (read) — the host values of the chosen leaves (all by default).
-
-    Arrays come back as numpy arrays of their saved dtype, keys as :class:`HostKey`, values
-    as Python objects. With ``verify`` every array's CRC-32 is checked; a mismatch raises
+    """The host values of the chosen leaves (all by default), each decoded by
+    :func:`decode_leaf`: arrays of their saved dtype, keys as :class:`HostKey`, values as
+    Python objects. With ``verify`` every array's CRC-32 is checked; a mismatch raises
     :class:`CheckpointCorruptedError` naming the data file and the leaf.
     """
     idx = list(range(len(manifest.entries))) if indices is None else list(indices)
@@ -580,30 +586,63 @@ def read_leaves(fs: FileSystem, manifest: Manifest, indices: Sequence[int] | Non
     for k, i in enumerate(idx):
         e = manifest.entries[i]
         if e["kind"] == "value":
-            out[k] = decode_value(e, manifest.item_dir)
+            out[k] = decode_leaf(e, None, where=manifest.item_dir)
             continue
         if e.get("sharded"):
             full = tuple((0, n) for n in e["shape"])
             out[k] = _finish_leaf(e, read_region(fs, manifest, i, full, verify=verify))
             continue
-        arr = np.empty(e["shape"], DTYPES[e["dtype"]])
-        arrays.append((k, e, arr))
-    if arrays:
-        assert manifest.data_file is not None
-        dpath = os.path.join(manifest.item_dir, manifest.data_file)
-        fd = fs.open_read(dpath)
-        try:
-            _read_arrays(fs, fd, arrays, dpath)
-        finally:
-            fs.close(fd)
-        if verify:
-            _verify_arrays(arrays, dpath)
-    for k, e, arr in arrays:
-        out[k] = _finish_leaf(e, arr)
+        arrays.append((k, e, np.empty(e["nbytes"], np.uint8)))
+    if not arrays:
+        return out
+    assert manifest.data_file is not None
+    dpath = os.path.join(manifest.item_dir, manifest.data_file)
+    fd = fs.open_read(dpath)
+    try:
+        _read_arrays(fs, fd, arrays, dpath)
+    finally:
+        fs.close(fd)
+
+    def decode(item: tuple[int, dict[str, Any], np.ndarray]) -> None:
+        k, e, raw = item
+        out[k] = decode_leaf(e, raw, verify=verify, where=dpath)
+
+    total = sum(e["nbytes"] for _, e, _ in arrays)
+    if verify and total >= _CRC_IN_THREAD_BYTES and len(arrays) > 1:
+        with ThreadPoolExecutor(min(4, os.cpu_count() or 1)) as pool:  # zlib releases the GIL
+            list(pool.map(decode, arrays))
+    else:
+        for item in arrays:
+            decode(item)
     return out
 
 
+def decode_leaf(entry: Mapping[str, Any], raw: np.ndarray | None, *, verify: bool = True,
+                where: str = "<data>") -> Any:
+    """Task 1.3 (read) — one leaf's value from its manifest entry and its bytes.
+
+    ``raw`` holds the leaf's ``entry["nbytes"]`` bytes from the data file as a 1-D ``uint8``
+    array (``None`` for a value leaf: its value is in the entry). With ``verify``, bytes whose
+    CRC-32 differs from the entry's raise :class:`CheckpointCorruptedError` naming ``where``
+    and the leaf. An array comes back as a numpy array of the saved dtype and shape (a view
+    of ``raw``, or a numpy scalar if it was saved from one), a key as :class:`HostKey`.
+    """
+    if entry["kind"] == "value":
+        return decode_value(entry, where)
+    if verify and "crc32" in entry:
+        got = zlib.crc32(raw)
+        if got != entry["crc32"]:
+            raise CheckpointCorruptedError(
+                where, f"checksum mismatch (stored {entry['crc32']:#010x}, read {got:#010x}): "
+                       "the bytes were damaged", leaf=path_str(entry["path"]))
+    arr = raw.view(DTYPES[entry["dtype"]]).reshape(entry["shape"])
+    if entry["kind"] == "prng_key":
+        return HostKey(arr, entry["impl"])
+    return arr[()] if entry.get("scalar") else arr
+
+
 def _finish_leaf(e: Mapping[str, Any], arr: np.ndarray) -> Any:
+    """A region read (already of the leaf's dtype and shape) as the leaf's host value."""
     if e["kind"] == "prng_key":
         return HostKey(arr, e["impl"])
     if e.get("scalar"):
@@ -641,26 +680,6 @@ def _read_arrays(fs: FileSystem, fd: int, arrays: list[tuple[int, dict[str, Any]
         pos = e["offset"] + e["nbytes"]
     flush()
 
-
-def _verify_arrays(arrays: list[tuple[int, dict[str, Any], np.ndarray]], where: str) -> None:
-    total = sum(e["nbytes"] for _, e, _ in arrays)
-
-    def check(item: tuple[int, dict[str, Any], np.ndarray]) -> None:
-        _, e, arr = item
-        if "crc32" not in e:
-            return
-        got = zlib.crc32(arr.reshape(-1).view(np.uint8))
-        if got != e["crc32"]:
-            raise _corrupt(where, f"checksum mismatch (stored {e['crc32']:#010x}, "
-                                  f"read {got:#010x}): the bytes were damaged",
-                           leaf=path_str(e["path"]))
-
-    if total >= _CRC_IN_THREAD_BYTES and len(arrays) > 1:
-        with ThreadPoolExecutor(min(4, os.cpu_count() or 1)) as pool:
-            list(pool.map(check, arrays))
-    else:
-        for a in arrays:
-            check(a)
 
 
 # ---------------------------------------------------------------------------------------

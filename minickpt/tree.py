@@ -113,22 +113,32 @@ def _children(node: Any) -> list[tuple[str, Any]]:
 
 def skeleton(tree: Any) -> tuple[dict[str, Any], list[tuple[Names, Any]]]:
     """The JSON-able container structure of ``tree``, and its named leaves in tree order
-    (the same order as :func:`flatten_with_names`).
+    (exactly what :func:`flatten_with_names` returns, which this calls).
 
     Containers become ``{"t": "dict" | "list" | "tuple" | "namedtuple" | "node", ...}`` and
     each leaf ``{"t": "leaf", "i": index}``. Class names are recorded for people to read, never
     imported back (a checkpoint must not choose which code runs).
     """
-    leaves: list[tuple[Names, Any]] = []
+    leaves = flatten_with_names(tree)
+    index = {names: i for i, (names, _leaf) in enumerate(leaves)}
+    if len(index) != len(leaves):
+        raise ValueError("two leaves share a key path; a checkpoint needs every path to be "
+                         "unique")
+    visited = 0
 
     def walk(node: Any, names: Names) -> dict[str, Any]:
+        nonlocal visited
         if len(names) > MAX_DEPTH:
             raise ValueError(f"tree is nested deeper than {MAX_DEPTH} levels at {path_str(names)}")
         if node is None:
             return {"t": "none"}
         if _is_leaf_node(node):
-            leaves.append((names, node))
-            return {"t": "leaf", "i": len(leaves) - 1}
+            i = index.get(names)
+            if i is None or leaves[i][1] is not node:
+                raise ValueError(f"flatten_with_names gave no leaf {path_str(names)!r} for this "
+                                 "leaf of the tree: leaves must be named by their key paths")
+            visited += 1
+            return {"t": "leaf", "i": i}
         kids = _children(node)
         if isinstance(node, Mapping) and not _is_namedtuple(node):
             keys = [_json_key(k) for k in _dict_keys(node, kids)]
@@ -143,12 +153,8 @@ def skeleton(tree: Any) -> tuple[dict[str, Any], list[tuple[Names, Any]]]:
                 "c": [[name, walk(child, (*names, name))] for name, child in kids]}
 
     skel = walk(tree, ())
-    seen: set[Names] = set()
-    for names, _leaf in leaves:
-        if names in seen:
-            raise ValueError(f"two leaves share the key path {path_str(names)!r}; "
-                             "a checkpoint needs every path to be unique")
-        seen.add(names)
+    if visited != len(leaves):
+        raise ValueError(f"flatten_with_names gave {len(leaves)} leaves, the tree has {visited}")
     return skel, leaves
 
 

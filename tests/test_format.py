@@ -2,6 +2,7 @@
 
 import json
 import os
+import zlib
 
 import jax
 import jax.numpy as jnp
@@ -20,9 +21,17 @@ from minickpt.errors import (
     UnsafeCheckpointError,
     UnsupportedLeafError,
 )
-from minickpt.format import DTYPES, plan_item, read_leaves, read_manifest, write_item
+from minickpt.format import (
+    DTYPES,
+    decode_leaf,
+    plan_item,
+    plan_leaf,
+    read_leaves,
+    read_manifest,
+    write_item,
+)
 from minickpt.fs import FileSystem
-from minickpt.tree import from_skeleton
+from minickpt.tree import HostKey, from_skeleton
 
 FS = FileSystem()
 
@@ -228,3 +237,42 @@ def test_symlinked_data_file_is_refused(tmp_path):
 def test_dtype_allow_list_covers_jax_dtypes():
     for dt in [jnp.bfloat16, jnp.float8_e4m3fn, jnp.float8_e5m2, jnp.int4, jnp.float16]:
         assert np.dtype(dt).name in DTYPES
+
+
+@pytest.mark.task("1.3")
+@given(st.sampled_from(NUMPY_DTYPES + ML_DTYPES), hnp.array_shapes(min_dims=0, max_dims=3,
+                                                                    min_side=0, max_side=4),
+       st.data())
+def test_a_leaf_planned_then_decoded_is_the_same_leaf(dtype, shape, data):
+    """Task 1.3's two halves are inverses, bit for bit, and decoding never copies."""
+    n = int(np.prod(shape)) * np.dtype(dtype).itemsize
+    raw = np.frombuffer(data.draw(st.binary(min_size=n, max_size=n)), np.uint8)
+    arr = raw.view(dtype).reshape(shape)
+    entry, buf = plan_leaf(("a", "0"), arr)
+    assert entry["path"] == ["a", "0"] and entry["nbytes"] == buf.nbytes == arr.nbytes
+    stored = buf.copy()  # what read_leaves hands over: the bytes read from data.bin
+    back = decode_leaf({**entry, "crc32": zlib.crc32(stored)}, stored)
+    assert back.dtype == arr.dtype and back.shape == arr.shape and back.tobytes() == arr.tobytes()
+    assert back.size == 0 or np.shares_memory(back, stored)
+
+
+@pytest.mark.task("1.3")
+def test_decode_leaf_values_keys_scalars_and_damage():
+    for value in (3, -2**70, 0.1, float("nan"), 1 + 2j, "s", True):
+        entry, buf = plan_leaf(("v",), value)
+        assert buf is None
+        back = decode_leaf(entry, None)
+        assert type(back) is type(value) and (back == value or value != value)
+    key = HostKey(np.arange(6, dtype=np.uint32).reshape(3, 2), "threefry2x32")
+    entry, buf = plan_leaf(("k",), key)
+    back = decode_leaf(entry, buf.copy())
+    assert isinstance(back, HostKey) and back.impl == key.impl and back.shape == (3,)
+    scalar = decode_leaf({**plan_leaf(("s",), np.array(1.5, np.float32))[0], "scalar": True},
+                         np.frombuffer(np.float32(1.5).tobytes(), np.uint8).copy())
+    assert type(scalar) is np.float32 and scalar == 1.5
+    entry, buf = plan_leaf(("w", "b"), np.arange(4, dtype=np.int32))
+    damaged = buf.copy()
+    damaged[0] ^= 1
+    with pytest.raises(CheckpointCorruptedError, match="w/b") as e:
+        decode_leaf({**entry, "crc32": zlib.crc32(buf)}, damaged, where="d.bin")
+    assert "d.bin" in str(e.value)

@@ -1,0 +1,383 @@
+"""The course machinery: labs built from solutions and minickpt, and the grader end to end.
+
+The expensive part, grading, runs once per session (``graded``): every example submission, and
+every lab's source notebook as student ``reference``, in ONE ``autograder/grade.sh`` run whose
+output several tests read.
+"""
+
+from __future__ import annotations
+
+import ast
+import csv
+import inspect
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+import textwrap
+import zipfile
+from pathlib import Path
+
+import nbformat
+import pytest
+
+from autograder import ROOT, build
+from autograder.grade import LabInfo, find_submissions, sanitize, unpack_zip
+from autograder.make_examples import EXAMPLES
+from minickpt import labkit
+
+SOLUTIONS, LABS, EXAMPLES_DIR = ROOT / "solutions", ROOT / "labs", ROOT / "autograder" / "examples"
+LAB_NAMES = build.lab_names(SOLUTIONS)
+MARKERS = ("BEGIN SOLUTION", "END SOLUTION", "BEGIN HIDDEN TESTS", "END HIDDEN TESTS")
+
+
+def cells(path: Path) -> list:
+    return nbformat.read(path, as_version=4).cells
+
+
+def grade_id(cell) -> str:
+    return cell.metadata.get("nbgrader", {}).get("grade_id", "")
+
+
+# ---------------------------------------------------------------------------------------
+# the build: one source of truth
+# ---------------------------------------------------------------------------------------
+@pytest.fixture(scope="session")
+def built(tmp_path_factory):
+    from autograder import tools_on_path
+
+    tools_on_path()
+    return build.build(tmp_path_factory.mktemp("build"), solutions_in=SOLUTIONS)
+
+
+def _assert_same(name: str, built_dir: Path, committed: Path, ignore: set[str] = frozenset()):
+    want = build._files(built_dir)
+    have = {k: v for k, v in build._files(committed).items() if k not in ignore}
+    if name == "solutions":
+        have = {k: v for k, v in have.items() if k.split(os.sep)[0] in LAB_NAMES}
+    stale = sorted(set(have) ^ set(want)) + sorted(k for k in set(have) & set(want)
+                                                    if have[k] != want[k])
+    assert not stale, (f"{name}/ is out of date in {stale}: run `python -m autograder.build` "
+                       "and commit the result")
+
+
+def _body(fn) -> list[str]:
+    """A function's lines after its docstring."""
+    src = textwrap.dedent(inspect.getsource(fn))
+    return src.split("\n")[ast.parse(src).body[0].body[0].end_lineno:]
+
+
+def test_solution_cells_are_minickpts_own_code(built):
+    """A library change without a rebuild, or a solution cell edited by hand, fails here."""
+    _assert_same("solutions", built["solutions"], SOLUTIONS)
+    for lab in LAB_NAMES:
+        for cell in cells(SOLUTIONS / lab / f"{lab}.ipynb"):
+            m = build.TASK_CELL_RE.match(grade_id(cell))
+            if m:
+                task = f"{m.group(1)}.{m.group(2)}"
+                assert cell.source == build.render_task(task)
+                for fn in labkit.reference_functions()[task]:
+                    assert "\n".join(_body(fn)).strip("\n") in cell.source
+
+
+def test_labs_are_what_nbgrader_generates_from_solutions(built):
+    _assert_same("labs", built["labs"], LABS)
+    assert sorted(p.name for p in LABS.iterdir()) == LAB_NAMES
+
+
+def test_examples_are_up_to_date(built):
+    _assert_same("examples", built["examples"], EXAMPLES_DIR, ignore=build.EXAMPLE_EXTRA)
+
+
+def _region_lines(source: str, begin: str, end: str, *, inside: bool = True) -> list[str]:
+    """The (stripped) lines between the markers, or with ``inside=False`` those outside."""
+    out, within = [], False
+    for line in source.split("\n"):
+        if begin in line:
+            within = True
+        elif end in line:
+            within = False
+        elif within == inside:
+            out.append(line.strip())
+    return out
+
+
+def test_no_solution_or_hidden_test_in_labs():
+    texts = {p: p.read_text(errors="replace") for p in LABS.rglob("*") if p.is_file()}
+    for path, text in texts.items():
+        for marker in MARKERS:
+            assert marker not in text, f"{path} contains {marker!r}"
+    for lab in LAB_NAMES:
+        released = "\n".join(c.source for c in cells(LABS / lab / f"{lab}.ipynb"))
+        source_cells = cells(SOLUTIONS / lab / f"{lab}.ipynb")
+        secrets: set[str] = set()
+        for cell in source_cells:
+            m = build.TASK_CELL_RE.match(grade_id(cell))
+            if m:  # the reference functions' bodies, straight from minickpt
+                for fn in labkit.reference_functions()[f"{m.group(1)}.{m.group(2)}"]:
+                    secrets |= {b.strip() for b in _body(fn) if len(b.strip()) >= 12
+                                and not b.strip().startswith("#")}
+            secrets |= {s for s in _region_lines(cell.source, "BEGIN SOLUTION", "END SOLUTION")
+                        if len(s) >= 6}
+        shown = {s for c in source_cells
+                 for s in _region_lines(c.source, "BEGIN HIDDEN", "END HIDDEN", inside=False)}
+        for c in source_cells:  # hidden test lines that are not also visible somewhere
+            secrets |= {s for s in _region_lines(c.source, "BEGIN HIDDEN", "END HIDDEN")
+                        if len(s) >= 12 and s not in shown and not s.startswith("#")}
+        assert secrets, "found nothing to look for: the check would be empty"
+        leaked = sorted(s for s in secrets if s in released)
+        assert not leaked, f"labs/{lab} shows solution code or hidden tests: {leaked[:5]}"
+
+
+def test_every_task_of_every_lab_has_its_reference_and_its_tests():
+    tasks = labkit.reference_functions()
+    for lab in LAB_NAMES:
+        ids = [grade_id(c) for c in cells(SOLUTIONS / lab / f"{lab}.ipynb")]
+        for gid in ids:
+            m = build.TASK_CELL_RE.match(gid)
+            if m:
+                task = f"{m.group(1)}.{m.group(2)}"
+                assert task in tasks, f"{lab}: no minickpt function says 'Task {task}'"
+                assert any(i.startswith(f"test_{m.group(1)}_{m.group(2)}_") for i in ids), \
+                    f"{lab}: task {task} has no test cell test_{m.group(1)}_{m.group(2)}_*"
+    for fns in tasks.values():
+        for fn in fns:
+            assert labkit.TASK_RE.match(inspect.getdoc(fn)), fn
+
+
+# ---------------------------------------------------------------------------------------
+# pieces of the machinery
+# ---------------------------------------------------------------------------------------
+def test_plugged_in_runs_the_students_function_inside_minickpt_and_puts_it_back(tmp_path):
+    import jax.numpy as jnp
+
+    import minickpt as mc
+    from minickpt import format as fmt
+    from minickpt import tree
+
+    ref = labkit.reference("plan_leaf")
+    calls = []
+
+    def plan_leaf(names, host):
+        calls.append(names)
+        return ref(names, host)
+
+    with pytest.raises(RuntimeError, match="boom"), labkit.plugged_in(plan_leaf):
+        assert fmt.plan_leaf is plan_leaf
+        mc.Checkpointer().save(tmp_path / "c", {"t": {"a": jnp.ones(2), "b": 3}})
+        raise RuntimeError("boom")
+    assert calls == [("a",), ("b",)]
+    assert fmt.plan_leaf is ref
+    with pytest.raises(labkit.LabCheckError, match="own function"), labkit.plugged_in(ref):
+        pass
+
+    def restore_checkpoint(ckpt_dir, target, **kw):
+        return "mine"
+
+    with labkit.plugged_in(restore_checkpoint):  # bound by name in the package too
+        assert mc.restore_checkpoint(tmp_path, None) == "mine"
+    assert mc.restore_checkpoint(tmp_path / "none", 5) == 5
+    assert tree.flatten_with_names is labkit.reference("flatten_with_names")
+
+
+def test_checks_require_real_values_not_imposters():
+    class Yes:
+        def __eq__(self, other):
+            return True
+
+        __hash__ = object.__hash__
+
+    assert not labkit.same(Yes(), "B") and labkit.same("B", "B")
+    assert not labkit.same({Yes()}, {"A"}) and labkit.same({"A", "C"}, {"C", "A"})
+    assert not labkit.close_to(True, 1.0, 0.1) and labkit.close_to(298, 300.0, 0.05)
+    with pytest.raises(labkit.LabCheckError, match="msg"):
+        labkit.check(1, "msg")  # truthy is not True
+    with pytest.raises(labkit.LabCheckError, match="it raised KeyError"), \
+            labkit.expect_raises(ValueError, "wanted ValueError"):
+        raise KeyError("x")
+
+
+def test_stubs_name_their_task_and_quiz_answers_stay_runnable():
+    from nbformat.v4 import new_code_cell
+
+    from autograder.preprocessors import TaskStubs
+
+    pp = TaskStubs()
+    task = new_code_cell('def f(x):\n    """Task 9.2 — f."""\n    ### BEGIN SOLUTION\n'
+                         '    return x\n    ### END SOLUTION')
+    assert pp._replace_solution_region(task, "python")
+    assert task.source.endswith('    # YOUR CODE HERE\n    raise NotImplementedError("Task 9.2: f")')
+    quiz = new_code_cell('### BEGIN SOLUTION\nQ3 = "D"\n### END SOLUTION')
+    pp._replace_solution_region(quiz, "python")
+    assert quiz.source == "Q3 = None  # YOUR ANSWER HERE"
+    with pytest.raises(RuntimeError, match="task function"):
+        pp._replace_solution_region(new_code_cell("### BEGIN SOLUTION\nx = 1\n### END SOLUTION"),
+                                    "python")
+
+
+def test_sanitize_undoes_tampered_metadata(tmp_path):
+    release = LABS / LAB_NAMES[0] / f"{LAB_NAMES[0]}.ipynb"
+    nb = nbformat.read(release, as_version=4)
+    test = next(c for c in nb.cells if c.metadata.get("nbgrader", {}).get("grade"))
+    test.metadata["nbgrader"].update(grade=False, solution=True, points=100, locked=False)
+    nb.cells.append(nbformat.v4.new_code_cell("x = 1", metadata={
+        "nbgrader": {**test.metadata["nbgrader"]}}))  # a duplicate grade_id
+    nb.metadata["kernelspec"] = {"name": "bash", "display_name": "Bash", "language": "bash"}
+    sub = tmp_path / "sub.ipynb"
+    nbformat.write(nb, sub)
+    sanitize(release, sub)
+    back = nbformat.read(sub, as_version=4)
+    ref = {grade_id(c): c.metadata for c in cells(release) if grade_id(c)}
+    assert back.cells[-1].metadata.get("nbgrader") is None
+    for c in back.cells[:-1]:
+        if grade_id(c):
+            assert c.metadata == ref[grade_id(c)]
+    assert back.metadata["kernelspec"]["name"] == "python3"
+
+
+def test_submissions_are_found_in_folders_and_safe_zips(tmp_path):
+    for student in ("ann", "bob", "../evil", ".hidden"):
+        d = tmp_path / "subs" / "x" / student / "lab01_basics"
+        d.mkdir(parents=True, exist_ok=True)
+        (d / "lab01_basics.ipynb").write_text("{}")
+    (tmp_path / "subs" / "x" / "ann" / "lab09_other").mkdir()
+    (tmp_path / "subs" / "x" / "ann" / "lab09_other" / "lab09_other.ipynb").write_text("{}")
+    subs, warnings = find_submissions(tmp_path / "subs", {"lab01_basics"})
+    assert [(s.student, s.lab) for s in subs] == [("ann", "lab01_basics"), ("bob", "lab01_basics"),
+                                                  ("evil", "lab01_basics")]
+    assert any(".hidden" in w for w in warnings)
+    good = tmp_path / "good.zip"
+    with zipfile.ZipFile(good, "w") as zf:
+        zf.writestr("class/ann/lab01_basics/lab01_basics.ipynb", "{}")
+    found, _ = find_submissions(unpack_zip(good, tmp_path / "u"), {"lab01_basics"})
+    assert [s.student for s in found] == ["ann"]
+    bad = tmp_path / "bad.zip"
+    with zipfile.ZipFile(bad, "w") as zf:
+        zf.writestr("../ann/lab01_basics/lab01_basics.ipynb", "{}")
+    with pytest.raises(SystemExit, match="unsafe"):
+        unpack_zip(bad, tmp_path / "v")
+
+
+def test_task_groups():
+    assert LabInfo.group("test_1_3_leaf") == "1.3"
+    assert LabInfo.group("test_quiz_q2") == "quiz"
+    info = LabInfo("l", {"test_1_1_a": 2, "test_quiz_q1": 1, "test_1_1_b": 2, "test_1_2_a": 3})
+    assert info.groups == {"1.1": 4, "1.2": 3, "quiz": 1} and info.max_score == 8
+
+
+# ---------------------------------------------------------------------------------------
+# grading, end to end: one grade.sh run for everything below
+# ---------------------------------------------------------------------------------------
+@pytest.fixture(scope="session")
+def graded(tmp_path_factory):
+    """grade.sh over the examples, plus each lab's source notebook (student 'reference') and
+    each released lab that has no untouched copy among the examples (student 'released')."""
+    tmp = tmp_path_factory.mktemp("grading")
+    subs = tmp / "subs"
+    shutil.copytree(EXAMPLES_DIR, subs, ignore=shutil.ignore_patterns("*.csv", "*.md"))
+    for lab in LAB_NAMES:
+        release = (LABS / lab / f"{lab}.ipynb").read_bytes()
+        if not any(p.read_bytes() == release for p in subs.glob(f"*/{lab}/{lab}.ipynb")):
+            (subs / "released" / lab).mkdir(parents=True)
+            (subs / "released" / lab / f"{lab}.ipynb").write_bytes(release)
+    out = tmp / "out"
+    env = {**os.environ, "JAX_PLATFORMS": os.environ.get("JAX_PLATFORMS", "cpu")}
+    env.pop("XLA_FLAGS", None)  # the notebooks choose their devices themselves
+    proc = subprocess.run(["bash", str(ROOT / "autograder" / "grade.sh"), str(subs),
+                           "--include-solutions", "--out", str(out), "--work", str(tmp / "work")],
+                          capture_output=True, text=True, timeout=1500, env=env)
+    results = json.loads((out / "results.json").read_text()) if (out / "results.json").exists() \
+        else []
+    return {"proc": proc, "out": out, "results": {(r["lab"], r["student"]): r for r in results}}
+
+
+GRADING = pytest.mark.timeout(1800)
+
+
+@GRADING
+def test_grading_itself_succeeds(graded):
+    proc = graded["proc"]
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+
+
+@GRADING
+def test_examples_grade_as_expected(graded):
+    with open(EXAMPLES_DIR / "expected.csv") as f:
+        expected = list(csv.DictReader(f))
+    assert {(e["lab"], e["student"]) for e in expected} == {
+        (lab, s) for lab, exs in EXAMPLES.items() for s in exs}
+    for e in expected:
+        r = graded["results"][e["lab"], e["student"]]
+        got = {g: f"{v:g}" for g, v in r["groups"].items()}
+        want = {k: v for k, v in e.items() if k not in ("lab", "student", "total", "status")}
+        assert (got, f"{r['total']:g}", r["status"]) == (want, e["total"], e["status"]), \
+            f"{e['student']}: {r['errors']}"
+        row = r"\s+".join([e["student"], *want.values(), e["total"], e["status"]])
+        assert re.search(rf"^{row}$", graded["proc"].stdout, re.M), \
+            f"the printed table lacks the row of {e['student']}"
+
+
+@GRADING
+def test_a_never_ending_cell_is_stopped_and_the_rest_graded(graded):
+    r = graded["results"]["lab01_basics", "never_finishes"]
+    assert r["errors"] == {"test_1_4_resume": "CellTimeoutError: "}
+    assert r["ran_all_cells"]
+
+
+@GRADING
+def test_every_solution_notebook_scores_full_marks(graded):
+    for lab in LAB_NAMES:
+        r = graded["results"][lab, "reference"]
+        assert r["status"] == "graded" and r["total"] == r["max_score"] > 0, r["errors"]
+        assert not r["errors"]
+
+
+@GRADING
+def test_every_released_lab_scores_zero_and_runs_to_the_end(graded):
+    for lab in LAB_NAMES:
+        release = (LABS / lab / f"{lab}.ipynb").read_bytes()
+        students = [p.parent.parent.name for p in EXAMPLES_DIR.glob(f"*/{lab}/{lab}.ipynb")
+                    if p.read_bytes() == release] or ["released"]
+        r = graded["results"][lab, students[0]]
+        assert r["status"] == "graded" and r["ran_all_cells"], r
+        assert r["total"] == 0 and all(v == 0 for v in r["groups"].values()), r["groups"]
+        for gid, err in r["errors"].items():
+            m = re.match(r"test_(\d+)_(\d+)_", gid)
+            if m:  # an unfinished task fails with its own ID
+                assert f"Task {m.group(1)}.{m.group(2)}" in err, (gid, err)
+
+
+@GRADING
+def test_outputs_csv_and_feedback_without_hidden_tests(graded):
+    out = graded["out"]
+    with open(out / "grades.csv") as f:
+        overall = {row["student"]: row for row in csv.DictReader(f)}
+    for (lab, student), r in graded["results"].items():
+        assert float(overall[student][lab]) == r["total"]
+        html = (out / r["feedback"]).read_text()
+        assert "BEGIN HIDDEN TESTS" not in html and "lab.reference(" not in html
+    with open(out / "grades-lab01_basics.csv") as f:
+        rows = {row["student"]: row for row in csv.DictReader(f)}
+    assert rows["partial"]["test_1_4_resume"] == "0" and rows["perfect"]["test_1_4_resume"] == "3"
+    assert (out / "summary.txt").read_text() in graded["proc"].stdout
+
+
+def test_grade_sh_says_what_is_wrong_with_its_arguments(tmp_path):
+    env = {**os.environ, "PATH": f"{Path(sys.executable).parent}:{os.environ['PATH']}"}
+    proc = subprocess.run(["bash", str(ROOT / "autograder" / "grade.sh"), str(tmp_path),
+                           "--work", str(tmp_path / "w"), "--out", str(tmp_path / "o")],
+                          capture_output=True, text=True, timeout=300, env=env)
+    assert proc.returncode == 2 and "no submissions" in proc.stderr
+
+
+def test_grade_sh_never_empties_a_folder_it_did_not_write(tmp_path):
+    mine = tmp_path / "notes"
+    mine.mkdir()
+    (mine / "thesis.tex").write_text("precious")
+    proc = subprocess.run(["bash", str(ROOT / "autograder" / "grade.sh"), str(EXAMPLES_DIR),
+                           "--out", str(mine), "--work", str(tmp_path / "w")],
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode != 0 and "not written by grade.sh" in proc.stderr
+    assert (mine / "thesis.tex").read_text() == "precious"
