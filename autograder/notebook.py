@@ -1,0 +1,631 @@
+"""A submitted lab notebook made gradable, and its grades read from what ran.
+
+The grader never trusts the submitted file beyond the student's own code:
+
+* :func:`read_submission` reads it as plain JSON (no nbformat upgrade that could fail on junk),
+  with size limits; anything unreadable is a reason, not a crash.
+* :func:`assemble` builds the notebook that runs: **the lab's cells in the lab's order**, the
+  locked and test cells taken from the source (hidden tests included), the student's code only
+  in the cells that are theirs (the solution cells, found by ``grade_id`` or cell id, and any
+  cells they added, kept after the lab cell they followed). Deleted, reordered, duplicated or
+  edited cells and edited metadata therefore change nothing; each is noted. No student code
+  runs before the setup cell: cells placed above it move below it.
+* It wraps every test cell for the referee (:mod:`autograder.referee`), with a MAC over the
+  test's text, and keeps the hidden part of every quiz test out of the kernel: the kernel only
+  reports the answer's value; :func:`judge_quiz` checks it here.
+* :func:`scan` flags constructs that can tamper with a test from inside the process (frames,
+  ``gc``, ``ctypes``, the IPython kernel, patched modules) for a person to review.
+* :func:`grade_cells` reads the executed notebook: a test scores only with a valid receipt in
+  its own output (and, for the quiz, an answer the hidden check accepts).
+"""
+
+from __future__ import annotations
+
+import ast
+import hashlib
+import hmac
+import json
+import re
+import secrets
+import textwrap
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from .referee import RECEIPT
+
+HIDDEN_BEGIN, HIDDEN_END = "### BEGIN HIDDEN TESTS", "### END HIDDEN TESTS"
+SOLUTION_BEGIN, SOLUTION_END = "### BEGIN SOLUTION", "### END SOLUTION"
+TEST_RE = re.compile(r"^test_(\d+)_(\d+)_")
+QUIZ_RE = re.compile(r"^test_quiz_")
+MAX_NOTEBOOK_BYTES = 20 << 20
+MAX_CELLS = 2000
+MAX_CELL_CHARS = 1_000_000
+HOST_QUIZ_NAMES = ("check", "same", "close_to", "check_choice", "check_choices",
+                   "expect_raises", "LabCheckError")
+"""What a quiz's hidden check may use in the grader (plus ``lab``, ``np``, ``math`` and the
+builtins); every other name it reads is an answer the kernel reports."""
+
+
+class SubmissionError(Exception):
+    """The submitted file cannot be graded (not JSON, not a notebook, too large)."""
+
+
+def _text(source: Any) -> str:
+    if isinstance(source, str):
+        return source
+    if isinstance(source, list) and all(isinstance(s, str) for s in source):
+        return "".join(source)
+    return ""
+
+
+def split_hidden(source: str) -> tuple[str, str]:
+    """(visible part, hidden part) of a test cell: the lines outside / inside the markers."""
+    visible, hidden, inside = [], [], False
+    for line in source.split("\n"):
+        if HIDDEN_BEGIN in line:
+            inside = True
+        elif HIDDEN_END in line:
+            inside = False
+        else:
+            (hidden if inside else visible).append(line)
+    return "\n".join(visible).rstrip("\n"), textwrap.dedent("\n".join(hidden)).strip("\n")
+
+
+# ---------------------------------------------------------------------------------------
+# the lab, from its source notebook
+# ---------------------------------------------------------------------------------------
+@dataclass
+class LabCell:
+    """One cell of the lab's source notebook and what it is for the grader."""
+
+    kind: str                 # "markdown" or "code"
+    source: str
+    role: str                 # "text", "setup", "locked", "test", "quiz", "solution", "open"
+    grade_id: str = ""
+    cell_id: str = ""
+    points: float = 0.0
+
+    @property
+    def visible(self) -> str:
+        return split_hidden(self.source)[0] if self.role in ("test", "quiz") else self.source
+
+
+@dataclass
+class Lab:
+    """A lab as the grader sees it: its cells in order, its graded cells and their points."""
+
+    name: str
+    cells: list[LabCell]
+    fingerprint: str = ""
+
+    @property
+    def grade_cells(self) -> dict[str, float]:
+        return {c.grade_id: c.points for c in self.cells if c.role in ("test", "quiz")}
+
+    @property
+    def max_score(self) -> float:
+        return sum(self.grade_cells.values())
+
+    @staticmethod
+    def group(grade_id: str) -> str:
+        """``test_1_3_leaf`` → ``1.3``; ``test_quiz_q2`` → ``quiz``; else the grade_id."""
+        if QUIZ_RE.match(grade_id):
+            return "quiz"
+        m = TEST_RE.match(grade_id)
+        return f"{m.group(1)}.{m.group(2)}" if m else grade_id
+
+    @property
+    def groups(self) -> dict[str, float]:
+        out: dict[str, float] = {}
+        for gid, pts in self.grade_cells.items():
+            out[self.group(gid)] = out.get(self.group(gid), 0.0) + pts
+        if "quiz" in out:  # the quiz last, after the tasks
+            out["quiz"] = out.pop("quiz")
+        return out
+
+    def info(self) -> dict[str, Any]:
+        """What merge and the reports need, without the source (no hidden tests in it)."""
+        return {"name": self.name, "cells": self.grade_cells, "fingerprint": self.fingerprint,
+                "questions": {c.grade_id: _question_title(self, c.grade_id)
+                              for c in self.cells if c.role == "quiz"}}
+
+
+def _question_title(lab: Lab, grade_id: str) -> str:
+    """The first bold phrase of the markdown cell before a quiz answer: ``Q3`` → its text."""
+    text = ""
+    for c in lab.cells:
+        if c.kind == "markdown":
+            text = c.source
+        if c.grade_id == grade_id:
+            break
+    m = re.search(r"\*\*(Q\d+)\.\*\*\s*(.*)", text)
+    return f"{m.group(1)}. {m.group(2).strip()}"[:120] if m else grade_id
+
+
+def load_lab(path: Path) -> Lab:
+    """The lab's source notebook (solutions and hidden tests) → :class:`Lab`."""
+    raw = path.read_bytes()
+    nb = json.loads(raw)
+    cells = []
+    for cell in nb.get("cells", []):
+        meta = (cell.get("metadata") or {}).get("nbgrader") or {}
+        gid = str(meta.get("grade_id", ""))
+        kind = cell.get("cell_type", "code")
+        source = _text(cell.get("source"))
+        if kind != "code":
+            role = "text"
+        elif meta.get("grade") and not meta.get("solution"):
+            role = "quiz" if QUIZ_RE.match(gid) else "test"
+        elif meta.get("solution"):
+            role = "solution"
+        elif gid.startswith("setup"):
+            role = "setup"
+        elif meta.get("locked"):
+            role = "locked"
+        else:
+            role = "open"
+        lab_cell = LabCell(kind if kind == "markdown" else ("code" if kind == "code" else "markdown"),
+                           source, role, gid, str(cell.get("id", "")), float(meta.get("points", 0)))
+        if role == "quiz":
+            _, hidden = split_hidden(source)
+            try:
+                compile(hidden, f"<{gid} hidden>", "exec")
+            except SyntaxError as e:
+                raise ValueError(f"{path}: the hidden part of quiz test {gid} must be code that "
+                                 f"runs on its own (it is checked outside the kernel): {e}") from e
+        cells.append(lab_cell)
+    if not any(c.role == "setup" for c in cells):
+        raise ValueError(f"{path}: the lab has no setup cell (grade_id 'setup...', locked)")
+    name = path.stem
+    return Lab(name, cells, hashlib.sha256(raw).hexdigest()[:16])
+
+
+# ---------------------------------------------------------------------------------------
+# the submission
+# ---------------------------------------------------------------------------------------
+@dataclass
+class StudentCell:
+    kind: str
+    source: str
+    grade_id: str = ""
+    cell_id: str = ""
+
+
+def read_submission(path: Path) -> list[StudentCell]:
+    """The cells of a submitted notebook, read as plain JSON (never executed, never pickled)."""
+    try:
+        size = path.stat().st_size
+    except OSError as e:
+        raise SubmissionError(f"the notebook cannot be read ({e.strerror})") from None
+    if size > MAX_NOTEBOOK_BYTES:
+        raise SubmissionError(f"the notebook is {size >> 20} MiB; more than "
+                              f"{MAX_NOTEBOOK_BYTES >> 20} MiB is not a lab (clear its outputs)")
+    try:
+        nb = json.loads(path.read_bytes())
+    except (UnicodeDecodeError, ValueError):
+        raise SubmissionError("the notebook is not a readable .ipynb file (not JSON)") from None
+    cells = nb.get("cells") if isinstance(nb, dict) else None
+    if not isinstance(cells, list):
+        raise SubmissionError("the notebook is not a readable .ipynb file (no list of cells)")
+    if len(cells) > MAX_CELLS:
+        raise SubmissionError(f"the notebook has {len(cells)} cells; at most {MAX_CELLS}")
+    out = []
+    for cell in cells:
+        if not isinstance(cell, dict):
+            continue
+        kind = cell.get("cell_type")
+        if kind not in ("code", "markdown", "raw"):
+            continue
+        meta = cell.get("metadata") if isinstance(cell.get("metadata"), dict) else {}
+        nbg = meta.get("nbgrader") if isinstance(meta.get("nbgrader"), dict) else {}
+        gid = nbg.get("grade_id", "")
+        cid = cell.get("id", "")
+        source = _text(cell.get("source"))
+        if len(source) > MAX_CELL_CHARS:
+            raise SubmissionError(f"a cell holds {len(source)} characters; at most {MAX_CELL_CHARS}")
+        out.append(StudentCell(kind, source, gid if isinstance(gid, str) else "",
+                               cid if isinstance(cid, str) else ""))
+    return out
+
+
+# ---------------------------------------------------------------------------------------
+# the notebook that runs
+# ---------------------------------------------------------------------------------------
+@dataclass
+class RunCell:
+    """A cell of the notebook that runs: what the kernel executes, what a reader is shown."""
+
+    kind: str                       # "markdown" or "code"
+    run: str                        # the code sent to the kernel ("" for markdown)
+    show: str                       # what the feedback shows (visible tests only)
+    role: str                       # lab roles, "student", "referee"
+    grade_id: str = ""
+    report: tuple[str, ...] = ()    # a quiz test: the answer names the kernel reports
+    hidden: str = ""                # a quiz test: its hidden check, run in the grader
+    full: str = ""                  # a test: its whole text (for the instructor's copy)
+
+
+@dataclass
+class Assembled:
+    cells: list[RunCell]
+    key: bytes
+    nonce: str
+    notes: list[str] = field(default_factory=list)
+    refereed: bool = True
+
+
+def _quiz_names(hidden: str) -> tuple[str, ...]:
+    """The names a quiz's hidden check reads that the grader does not provide: the answers."""
+    import builtins
+
+    provided = set(HOST_QUIZ_NAMES) | {"lab", "np", "math"} | set(vars(builtins))
+    tree = ast.parse(hidden)
+    assigned = {n.id for n in ast.walk(tree) if isinstance(n, ast.Name)
+                and isinstance(n.ctx, ast.Store)}
+    return tuple(sorted({n.id for n in ast.walk(tree) if isinstance(n, ast.Name)
+                         and isinstance(n.ctx, ast.Load)} - provided - assigned))
+
+
+def sign(key: bytes, text: str) -> str:
+    return hmac.new(key, text.encode("utf-8"), "sha256").hexdigest()
+
+
+def assemble(lab: Lab, student: list[StudentCell], *, referee_path: str, key_file: str,
+             key: bytes | None = None, nonce: str | None = None,
+             refereed: bool = True) -> Assembled:
+    """The notebook to run for one submission (see the module doc). ``refereed=False`` runs
+    the tests as plain cells, the way nbgrader does: only to show what the referee stops."""
+    key = key if key is not None else secrets.token_bytes(32)
+    nonce = nonce if nonce is not None else secrets.token_hex(8)
+    notes: list[str] = []
+    by_gid: dict[str, int] = {}
+    by_id: dict[str, int] = {}
+    for i, c in enumerate(student):
+        if c.kind == "code" and c.grade_id and c.grade_id not in by_gid:
+            by_gid[c.grade_id] = i
+    ids = [c.cell_id for c in student if c.cell_id]
+    for i, c in enumerate(student):
+        if c.cell_id and ids.count(c.cell_id) == 1:
+            by_id[c.cell_id] = i
+    # which student cell stands for which lab cell
+    claimed: dict[int, int] = {}   # student index -> lab index
+    for j, lc in enumerate(lab.cells):
+        i = by_gid.get(lc.grade_id) if lc.grade_id else None
+        if i is None and lc.cell_id and lc.cell_id in by_id:
+            i = by_id[lc.cell_id]
+        if i is not None and i not in claimed and student[i].kind == "code" == lc.kind:
+            claimed[i] = j
+        elif lc.role in ("test", "quiz", "setup", "locked", "solution"):
+            notes.append(f"{lc.grade_id or 'a lab cell'} is missing from the submission: "
+                         + ("the lab's cell was run" if lc.role != "solution"
+                            else "nothing to grade for it"))
+    # the student's own cells: code cells that stand for no lab cell, after the lab cell before
+    extras: dict[int, list[int]] = {}
+    anchor = -1
+    setup_last = max(j for j, lc in enumerate(lab.cells) if lc.role == "setup")
+    moved = False
+    for i, c in enumerate(student):
+        if i in claimed:
+            anchor = claimed[i]
+            continue
+        if c.kind != "code" or not c.source.strip():
+            continue
+        if c.grade_id and any(lc.grade_id == c.grade_id for lc in lab.cells):
+            notes.append(f"a second copy of {c.grade_id} was run as the student's own code")
+        place = max(anchor, setup_last)
+        moved |= place != anchor
+        extras.setdefault(place, []).append(i)
+    if moved:
+        notes.append("code above the setup cell was run after it (no student code runs first)")
+    order = [claimed[i] for i in sorted(claimed)]
+    if order != sorted(order):
+        notes.append("cells were out of the lab's order: graded in the lab's order")
+    for i, j in claimed.items():
+        lc = lab.cells[j]
+        if lc.role in ("test", "quiz") and _norm(student[i].source) not in (
+                _norm(lc.visible), _norm(lc.source)):
+            notes.append(f"{lc.grade_id} was edited: the lab's test was run")
+        elif lc.role in ("setup", "locked") and _norm(student[i].source) != _norm(lc.source):
+            notes.append(f"{lc.grade_id} (locked) was edited: the lab's cell was run")
+
+    cells: list[RunCell] = [RunCell("code", _boot_source(referee_path, key_file, nonce), "",
+                                    "referee")]
+    deferred: list[RunCell] = []   # the student's cells that stand above the setup cell
+    for j, lc in enumerate(lab.cells):
+        out = cells if j >= setup_last else deferred
+        if lc.kind == "markdown":
+            cells.append(RunCell("markdown", "", lc.source, "text"))
+        elif lc.role in ("setup", "locked"):
+            cells.append(RunCell("code", lc.source, lc.source, lc.role, lc.grade_id))
+        elif lc.role in ("test", "quiz") and not refereed:
+            cells.append(RunCell("code", lc.source, split_hidden(lc.source)[0], lc.role,
+                                 lc.grade_id, full=lc.source))
+        elif lc.role in ("test", "quiz"):
+            visible, hidden = split_hidden(lc.source)
+            if lc.role == "quiz":
+                report = _quiz_names(hidden)
+                text = visible
+            else:
+                report, text, hidden = (), lc.source, ""
+            mac = sign(key, f"{nonce}|test|{lc.grade_id}|{report!r}|{text}")
+            run = f"__referee__.test({lc.grade_id!r}, {text!r}, {mac!r}, {report!r})"
+            cells.append(RunCell("code", run, visible, lc.role, lc.grade_id, report, hidden,
+                                 lc.source))
+        else:  # solution and open cells: the student's version (or nothing)
+            mine = next((i for i, k in claimed.items() if k == j), None)
+            if mine is not None:
+                out.append(RunCell("code", student[mine].source, student[mine].source,
+                                   "student", lc.grade_id))
+            elif lc.role == "solution":
+                out.append(RunCell("code", "", "", "student", lc.grade_id))
+        if j == setup_last:
+            if refereed:
+                cells.append(RunCell("code", "__referee__.seal(globals())", "", "referee"))
+            cells.extend(deferred)
+        for i in extras.get(j, []):
+            cells.append(RunCell("code", student[i].source, student[i].source, "student"))
+    if not refereed:
+        cells = cells[1:]
+    return Assembled(cells, key, nonce, notes, refereed)
+
+
+def hidden_lines_of(asm: Assembled) -> set[str]:
+    """Lines of this lab's hidden tests, to blank wherever an output repeats them."""
+    from .feedback import hidden_lines
+
+    return hidden_lines([split_hidden(c.full)[1] for c in asm.cells if c.role in ("test", "quiz")])
+
+
+def _norm(source: str) -> str:
+    return "\n".join(line.rstrip() for line in source.strip().split("\n"))
+
+
+def _boot_source(referee_path: str, key_file: str, nonce: str) -> str:
+    """The first cell: load the referee from its file (no sys.modules entry), with a copy of
+    the pristine builtins as its own."""
+    return textwrap.dedent(f"""\
+        def __minickpt_referee_boot():
+            import builtins, importlib.util
+            spec = importlib.util.spec_from_file_location("minickpt_referee", {referee_path!r})
+            module = importlib.util.module_from_spec(spec)
+            module.__dict__["__builtins__"] = dict(vars(builtins))
+            spec.loader.exec_module(module)
+            return module.Referee({key_file!r}, {nonce!r}, get_ipython())
+        __referee__ = __minickpt_referee_boot()
+        del __minickpt_referee_boot""")
+
+
+# ---------------------------------------------------------------------------------------
+# the static scan
+# ---------------------------------------------------------------------------------------
+SUSPICIOUS_NAMES = {"get_ipython", "__referee__", "__builtins__", "exec", "eval", "compile",
+                    "__import__", "globals", "breakpoint"}
+SUSPICIOUS_ATTRS = {"_getframe", "currentframe", "stack", "f_back", "f_globals", "f_locals",
+                    "f_trace", "f_builtins", "f_code", "settrace", "setprofile", "__code__",
+                    "__closure__", "__globals__", "__builtins__", "__kwdefaults__",
+                    "__defaults__", "_exit", "kill", "killpg", "user_ns", "user_global_ns",
+                    "input_transformers_post", "input_transformers_cleanup", "ast_transformers",
+                    "showtraceback", "set_custom_exc", "events", "meta_path", "path_hooks",
+                    "__subclasses__", "get_objects", "get_referrers", "cache_clear"}
+SUSPICIOUS_MODULES = {"gc", "ctypes", "builtins", "IPython", "ipykernel", "importlib",
+                      "jupyter_client", "zmq", "inspect", "pty", "resource", "socket"}
+ONLY_ON = {"kill": {"os"}, "killpg": {"os"}, "_exit": {"os"}, "stack": {"inspect"},
+           "events": {"get_ipython", "shell", "ip"}, "cache_clear": {"lab", "labkit"}}
+"""Attributes that are suspicious only on these bases (``proc.kill()`` is fine)."""
+TAMPER_TARGETS = {"lab", "labkit", "mc", "minickpt", "np", "numpy", "jnp", "jax", "builtins",
+                  "sys", "os", "json", "zlib", "re", "hmac"}
+
+
+def scan(cells: list[tuple[str, str]]) -> list[str]:
+    """Constructs in the student's code that can reach into a test from inside the kernel,
+    one line each (``"sys._getframe in task_1_2"``), for a person to review. Advisory: the
+    grade does not depend on it."""
+    found: set[str] = set()
+    for where, source in cells:
+        try:
+            tree = ast.parse(source)
+        except SyntaxError:
+            continue
+        modules: set[str] = set()
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Import | ast.ImportFrom):
+                names = [a.name for a in node.names] if isinstance(node, ast.Import) else \
+                    [node.module or ""]
+                for a in (node.names if isinstance(node, ast.Import) else []):
+                    modules.add(a.asname or a.name.split(".")[0])
+                for name in names:
+                    if name.split(".")[0] in SUSPICIOUS_MODULES:
+                        found.add(f"imports {name.split('.')[0]} in {where}")
+                if isinstance(node, ast.ImportFrom) and any(
+                        a.name in SUSPICIOUS_ATTRS | SUSPICIOUS_NAMES for a in node.names):
+                    found.add(f"imports {node.module}.{node.names[0].name} in {where}")
+            elif isinstance(node, ast.Name) and node.id in SUSPICIOUS_NAMES:
+                found.add(f"{node.id} in {where}")
+            elif isinstance(node, ast.Attribute):
+                need = ONLY_ON.get(node.attr)
+                if node.attr in SUSPICIOUS_ATTRS and (need is None
+                                                      or _base_name(node.value) in need):
+                    found.add(f"{_dotted(node)} in {where}")
+                if isinstance(node.ctx, ast.Store | ast.Del) and (
+                        _base_name(node.value) in TAMPER_TARGETS | modules
+                        or node.attr.startswith("__")):
+                    found.add(f"assigns {_dotted(node)} in {where}")
+            elif isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and \
+                    node.func.id in ("setattr", "delattr") and node.args and \
+                    _base_name(node.args[0]) in TAMPER_TARGETS | modules:
+                found.add(f"{node.func.id}({_dotted(node.args[0])}, ...) in {where}")
+    return sorted(found)
+
+
+def _base_name(node: ast.AST) -> str:
+    while isinstance(node, ast.Attribute):
+        node = node.value
+    if isinstance(node, ast.Call):
+        return _base_name(node.func)
+    return node.id if isinstance(node, ast.Name) else ""
+
+
+def _dotted(node: ast.AST) -> str:
+    try:
+        return ast.unparse(node)[:60]
+    except Exception:  # pragma: no cover
+        return "?"
+
+
+# ---------------------------------------------------------------------------------------
+# reading the grades from what ran
+# ---------------------------------------------------------------------------------------
+class Unreadable:
+    """A quiz answer the kernel could not report as a plain value: it matches nothing."""
+
+    def __init__(self, what: str) -> None:
+        self.what = what
+
+    def __repr__(self) -> str:
+        return f"<unreadable: {self.what}>"
+
+    __hash__ = object.__hash__
+
+
+def decode_answer(tree: Any) -> Any:
+    """The referee's tagged literal (:func:`autograder.referee._literal`) → the value."""
+    if not (isinstance(tree, tuple) and len(tree) == 2 and isinstance(tree[0], str)):
+        return Unreadable("malformed")
+    tag, v = tree
+    simple = {"bool": bool, "int": int, "str": str, "NoneType": type(None)}
+    if tag in simple:
+        return v if type(v) is simple[tag] else Unreadable("malformed")
+    if tag == "float" and isinstance(v, str):
+        try:
+            return float(v)
+        except ValueError:
+            return Unreadable("malformed")
+    if tag in ("list", "tuple", "set", "frozenset") and isinstance(v, list):
+        items = [decode_answer(x) for x in v]
+        try:
+            return {"list": list, "tuple": tuple, "set": set, "frozenset": frozenset}[tag](items)
+        except TypeError:
+            return Unreadable(f"a {tag} of unhashable items")
+    if tag == "dict" and isinstance(v, list):
+        try:
+            return {decode_answer(k): decode_answer(x) for k, x in v}
+        except (TypeError, ValueError):
+            return Unreadable("malformed")
+    if tag == "undefined":
+        return Unreadable("not defined")
+    return Unreadable(str(v))
+
+
+def judge_quiz(hidden: str, answers: dict[str, Any]) -> str | None:
+    """Run a quiz's hidden check in the grader on the reported answers: None if it passes,
+    else the message the student reads."""
+    import math
+
+    import numpy as np
+
+    from minickpt import labkit
+
+    ns: dict[str, Any] = {name: getattr(labkit, name) for name in HOST_QUIZ_NAMES}
+    ns.update(lab=labkit, np=np, math=math, __name__="__quiz__")
+    ns.update(answers)
+    try:
+        exec(compile(hidden, "<hidden quiz check>", "exec"), ns)
+    except labkit.LabCheckError as e:
+        return f"{type(e).__name__}: {e}"
+    except Exception as e:
+        return f"{type(e).__name__}: {e}"
+    return None
+
+
+@dataclass
+class CellGrade:
+    grade_id: str
+    points: float
+    score: float
+    message: str = ""           # why it failed; "" when it passed
+    restored: tuple[str, ...] = ()
+
+
+RECEIPT_LINE = re.compile(re.escape(RECEIPT) + r" (\S+) ([0-9a-f]{64}) (.*)$")
+
+
+def receipts(outputs: list[dict[str, Any]]) -> list[tuple[str, str, str]]:
+    """Every receipt-looking line in a cell's stdout: (grade id, mac, payload)."""
+    found = []
+    for out in outputs:
+        if out.get("output_type") == "stream" and out.get("name") == "stdout":
+            for line in _text(out.get("text")).split("\n"):
+                m = RECEIPT_LINE.match(line)
+                if m:
+                    found.append((m.group(1), m.group(2), m.group(3)))
+    return found
+
+
+def strip_receipts(outputs: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The outputs without receipt lines (genuine or forged): readers never see them."""
+    kept = []
+    for out in outputs:
+        if out.get("output_type") == "stream":
+            text = "\n".join(line for line in _text(out.get("text")).split("\n")
+                             if RECEIPT not in line)
+            if not text.strip():
+                continue
+            out = {**out, "text": text}
+        kept.append(out)
+    return kept
+
+
+def error_message(outputs: list[dict[str, Any]]) -> str:
+    """The last error of a cell as ``Name: message`` (the check's teaching message)."""
+    for out in reversed(outputs):
+        if out.get("output_type") == "error":
+            ename, evalue = str(out.get("ename", "")), str(out.get("evalue", ""))
+            return f"{ename}: {evalue}".strip()[:1000]
+    return ""
+
+
+def grade_cells(asm: Assembled, executed: list[list[dict[str, Any]]],
+                notes_by_cell: dict[int, str], points: dict[str, float]) -> list[CellGrade]:
+    """Scores of the graded cells from the executed outputs (one list per RunCell)."""
+    grades = []
+    for index, cell in enumerate(asm.cells):
+        if cell.role not in ("test", "quiz"):
+            continue
+        outputs = executed[index]
+        gid = cell.grade_id
+        if not asm.refereed:  # nbgrader's rule: no error and no stderr is a pass
+            g = CellGrade(gid, points[gid], 0.0, error_message(outputs) or notes_by_cell.get(index, ""))
+            if not g.message and any(o.get("name") == "stderr" for o in outputs):
+                g.message = "wrote to stderr"
+            g.score = 0.0 if g.message else g.points
+            grades.append(g)
+            continue
+        valid = None
+        for got_gid, mac, payload in receipts(outputs):
+            line = f"{asm.nonce}|pass|{got_gid}|{payload}"
+            if got_gid == gid and hmac.compare_digest(sign(asm.key, line), mac):
+                valid = payload
+        g = CellGrade(gid, points[gid], 0.0)
+        if valid is None:
+            g.message = (error_message(outputs) or notes_by_cell.get(index)
+                         or "the test did not run to its end (no sign from the referee)")
+            grades.append(g)
+            continue
+        try:
+            data = ast.literal_eval(valid)
+            answers = {k: decode_answer(v) for k, v in data.get("answers", {}).items()}
+            g.restored = tuple(data.get("restored", ()))
+        except (ValueError, SyntaxError, AttributeError, TypeError):
+            g.message = "the referee's report could not be read"
+            grades.append(g)
+            continue
+        if cell.role == "quiz":
+            failed = judge_quiz(cell.hidden, answers)
+            if failed:
+                g.message = failed
+                grades.append(g)
+                continue
+        g.score = g.points
+        grades.append(g)
+    return grades

@@ -1,0 +1,363 @@
+"""The referee: runs a lab's test cells inside the student's kernel so that what the student's
+code changed cannot make a test pass, and signs each test that ran to its end.
+
+The grader loads this file (by path, never through ``sys.modules``) in the first cell it runs,
+before any student code, and the student's notebook never imports it. Then:
+
+1. ``Referee(key_file, nonce)`` reads a per-submission secret key and deletes its file at once;
+   the key lives on only inside an OpenSSL HMAC context. It copies the pristine builtins.
+2. ``seal(namespace)``, right after the lab's locked setup cell: takes a snapshot of every
+   callable of the modules a test relies on (minickpt with its functions' code objects and its
+   classes' attributes, labkit, numpy, jax, builtins, os, json, ...) and of the names the setup
+   cell defined, and loads a *private* copy of ``minickpt.labkit`` whose functions see the
+   pristine builtins. Nothing of it is reachable by name from the notebook.
+3. ``test(grade_id, source, mac, report)`` runs one test cell:
+
+   * refuses a test text whose MAC (computed by the grader) does not match: an input
+     transformer or hook that rewrote the test gets nothing;
+   * puts back everything the snapshot holds (and says what it had to put back);
+   * runs the test in a fresh namespace: the student's names, then the sealed setup names on
+     top (``check``, ``lab``, ``np`` ... as they were), and a private copy of the builtins, so
+     redefining ``check``, patching ``minickpt.labkit.check``, the reference functions or
+     ``builtins.isinstance`` changes nothing the test uses;
+   * wraps each of the student's functions so that after every call it checks that the
+     protected modules are unchanged (apart from ``plugged_in``'s own swaps) and that no trace
+     function is installed; a function that tampers while under test fails that test;
+   * if the test ran to its end, prints a receipt: the HMAC of (nonce, grade id, payload). The
+     grader scores a test cell only with a valid receipt in *its own* output, so suppressing
+     errors (``sys.exit``, a patched ``showtraceback``, a kernel that lies about the reply
+     status) or printing "all tests passed" earns nothing.
+
+   For a quiz question the grader sends only the visible part (the answer's form) and names
+   the answer variables in ``report``: their values go into the receipt as Python literals
+   and the hidden check runs in the grader, outside the kernel. Quiz answers never enter the
+   student's process.
+
+What it cannot stop: code that digs into the referee itself (frames, ``gc``, closures,
+``ctypes``) shares its process and could forge anything; the grader flags such constructs for
+a person to review (``autograder/notebook.py``). See docs/LABS.md, "Grading untrusted code".
+"""
+
+from __future__ import annotations
+
+import builtins
+import hmac
+import importlib.util
+import os
+import sys
+import types
+from re import fullmatch as re_fullmatch
+
+RECEIPT = "[minickpt-referee]"
+PROTECTED = ("builtins", "numpy", "jax", "jax.numpy", "jax.tree_util", "jax.random", "jax.dtypes",
+             "jax.sharding", "json", "json.encoder", "json.decoder", "os", "os.path", "posixpath",
+             "re", "zlib", "math", "tempfile", "shutil", "contextlib", "functools", "inspect",
+             "collections", "collections.abc", "typing", "io", "time", "types", "copy",
+             "pathlib", "importlib", "pkgutil", "operator", "itertools", "hmac", "hashlib")
+IPYTHON_NAMES = frozenset({"In", "Out", "get_ipython", "exit", "quit", "__referee__"})
+PER_EXECUTION = {"builtins": {"input", "raw_input", "getpass"}}
+"""Attributes the kernel itself swaps around every execution (ipykernel's stdin forwarding)."""
+
+
+def _internal(name: str) -> bool:
+    """IPython's own names in the user namespace (``_``, ``_i3``, ``_oh`` ...) and dunders."""
+    return name in IPYTHON_NAMES or (name.startswith("__") and name.endswith("__")) or \
+        re_fullmatch(r"_+|_i+|_i?\d+|_(ih|oh|dh)", name) is not None
+MAX_ANSWER = 10_000  # characters of one reported answer
+MAX_CELL_OUTPUT = 8 << 20
+"""Characters a cell may print through ``sys.stdout``/``sys.stderr``; then ``print`` raises.
+A flood stops where it starts, the same way on every run (the grader also bounds what
+reaches it, for code that writes around these streams)."""
+_MISSING = object()
+
+
+def _protected(value: object) -> bool:
+    """Callables, classes and modules are what a patch replaces; data (a lazily set cache,
+    ``tempfile.tempdir``) changes for innocent reasons and is left alone."""
+    return callable(value) or isinstance(value, types.ModuleType)
+
+
+class TamperedError(AssertionError):
+    """The student's code changed what the test relies on while the test ran."""
+
+
+class OutputLimitExceeded(RuntimeError):
+    """A cell printed more than :data:`MAX_CELL_OUTPUT` characters."""
+
+
+class _Capped:
+    """A kernel output stream that refuses to print more than the limit in one cell."""
+
+    def __init__(self, stream: object, count: list[int]) -> None:
+        self._stream, self._count = stream, count
+
+    def write(self, text: str) -> int:
+        self._count[0] += len(text) if type(text) is str else 0
+        if self._count[0] > MAX_CELL_OUTPUT:
+            raise OutputLimitExceeded(f"this cell printed more than {MAX_CELL_OUTPUT >> 20} MiB; "
+                                      "the rest is not printed")
+        return self._stream.write(text)
+
+    def __getattr__(self, name: str) -> object:
+        return getattr(self._stream, name)
+
+
+class Referee:
+    def __init__(self, key_file: str, nonce: str, shell: object = None) -> None:
+        with open(key_file, "rb") as f:
+            key = f.read()
+        os.unlink(key_file)
+        mac = hmac.new(key, digestmod="sha256")
+        del key
+        self._hmac = getattr(mac, "_hmac", None) or mac   # OpenSSL's context: C methods only
+        self._compare = hmac.compare_digest
+        self._nonce = str(nonce)
+        self._builtins = dict(vars(builtins))          # pristine: no student code ran yet
+        self._sealed = False
+        # what the referee itself calls, taken before any student code can replace it
+        self._sys = sys
+        self._settrace, self._setprofile = sys.settrace, sys.setprofile
+        self._gettrace, self._getprofile = sys.gettrace, sys.getprofile
+        self._FunctionType = types.FunctionType
+        self._compile, self._exec = compile, exec
+        self._waitpid, self._WNOHANG = os.waitpid, os.WNOHANG
+        count = [0]
+        sys.stdout, sys.stderr = _Capped(sys.stdout, count), _Capped(sys.stderr, count)
+        if shell is not None:  # a fresh count for every cell
+            shell.events.register("pre_run_cell", lambda *a: count.__setitem__(0, 0))
+
+    # -----------------------------------------------------------------------------------
+    # the seal
+    # -----------------------------------------------------------------------------------
+    def seal(self, namespace: dict) -> None:
+        """Snapshot the protected modules and the setup cell's names (once)."""
+        if self._sealed:
+            raise RuntimeError("the referee is sealed already")
+        self._ns = namespace
+        names = sorted({n for n in sys.modules if n == "minickpt" or n.startswith("minickpt.")}
+                       | {n for n in PROTECTED if n in sys.modules})
+        self._modules = {}
+        self._functions = []
+        self._classes = []
+        for name in names:
+            mod = sys.modules[name]
+            if not isinstance(mod, types.ModuleType):
+                continue
+            skip = PER_EXECUTION.get(name, ())
+            items = {k: v for k, v in vars(mod).items() if _protected(v) and k not in skip}
+            self._modules[name] = (mod, items)
+            if name == "minickpt" or name.startswith("minickpt."):
+                for v in items.values():
+                    if isinstance(v, types.FunctionType) and v.__module__ == name:
+                        self._functions.append((v, v.__code__, v.__defaults__, v.__kwdefaults__))
+                    elif isinstance(v, type) and v.__module__ == name:
+                        self._classes.append((v, {
+                            k: a for k, a in vars(v).items() if not k.startswith("__") and (
+                                callable(a) or isinstance(a, (property, staticmethod, classmethod)))}))
+        self._sys_hooks = {k: getattr(sys, k) for k in
+                           ("stdout", "stderr", "stdin", "displayhook")}
+        self._meta_path, self._path_hooks = list(sys.meta_path), list(sys.path_hooks)
+        self._reference_ids = {id(f) for f, *_ in self._functions}
+        self._labkit = self._fresh_labkit()
+        real = sys.modules.get("minickpt.labkit")
+        sealed = {}
+        for k, v in namespace.items():
+            if _internal(k):
+                continue
+            if v is real:
+                v = self._labkit
+            elif real is not None and getattr(real, getattr(v, "__name__", ""), _MISSING) is v \
+                    and hasattr(self._labkit, v.__name__):
+                v = getattr(self._labkit, v.__name__)
+            sealed[k] = v
+        self._setup_names = sealed
+        self._sealed = True
+
+    def _fresh_labkit(self) -> types.ModuleType:
+        """A private copy of minickpt.labkit: not in sys.modules, its functions bound to the
+        pristine builtins, its reference functions found now, before any student code."""
+        real = sys.modules.get("minickpt.labkit")
+        if real is None:
+            import minickpt.labkit as real
+        spec = importlib.util.spec_from_file_location("minickpt.labkit", real.__file__)
+        mod = importlib.util.module_from_spec(spec)
+        mod.__dict__["__builtins__"] = self._builtins
+        spec.loader.exec_module(mod)
+        mod.reference_functions()
+        return mod
+
+    # -----------------------------------------------------------------------------------
+    # restoring and checking
+    # -----------------------------------------------------------------------------------
+    def _changes(self, allowed: frozenset[int] = frozenset(), fix: bool = False) -> list[str]:
+        """What differs from the snapshot (names for a person); with ``fix``, put it back."""
+        changed = []
+        modules = self._sys.modules
+        for name, (mod, items) in self._modules.items():
+            if modules.get(name) is not mod:
+                changed.append(f"sys.modules[{name!r}]")
+                if fix:
+                    modules[name] = mod
+            d = vars(mod)
+            for k, v in items.items():
+                now = d.get(k, _MISSING)
+                if now is not v and id(now) not in allowed:
+                    changed.append(f"{name}.{k}")
+                    if fix:
+                        d[k] = v
+        for f, code, defaults, kwdefaults in self._functions:
+            if f.__code__ is not code or f.__defaults__ is not defaults \
+                    or f.__kwdefaults__ is not kwdefaults:
+                changed.append(f"{f.__module__}.{f.__qualname__}.__code__")
+                if fix:
+                    f.__code__, f.__defaults__, f.__kwdefaults__ = code, defaults, kwdefaults
+        for cls, attrs in self._classes:
+            d = vars(cls)
+            for k, v in attrs.items():
+                if d.get(k, _MISSING) is not v:
+                    changed.append(f"{cls.__module__}.{cls.__qualname__}.{k}")
+                    if fix:
+                        try:
+                            setattr(cls, k, v)
+                        except (AttributeError, TypeError):
+                            pass
+        for k, v in self._sys_hooks.items():
+            if getattr(self._sys, k) is not v:
+                changed.append(f"sys.{k}")
+                if fix:
+                    setattr(self._sys, k, v)
+        for hooks, snap in ((self._sys.meta_path, self._meta_path),
+                            (self._sys.path_hooks, self._path_hooks)):
+            # libraries add finders (absl does); one put first, or ours removed, is a patch
+            if not _in_order(hooks, snap):
+                changed.append("sys.meta_path" if hooks is self._sys.meta_path
+                               else "sys.path_hooks")
+                if fix:
+                    hooks[:] = snap + [h for h in hooks if not any(h is s for s in snap)]
+        if self._gettrace() is not None or self._getprofile() is not None:
+            changed.append("sys.settrace/setprofile")
+            if fix:
+                self._settrace(None)
+                self._setprofile(None)
+        return changed
+
+    def _wrap(self, fn, allowed: set[int], calls: list[str]):
+        """The student's function, checked after every call: a call that changes a protected
+        module (other than plugged_in's swaps, which are these wrappers) fails the test."""
+        referee = self
+
+        def checked(*args, **kwargs):
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                changed = referee._changes(frozenset(allowed), fix=True)
+                if changed:
+                    calls.append(fn.__name__)
+                    raise TamperedError(
+                        f"{fn.__name__} changed {', '.join(sorted(set(changed))[:6])} while the "
+                        "test ran; a test cannot trust what it sees after that, so it fails")
+
+        for attr in ("__name__", "__qualname__", "__doc__", "__module__"):
+            try:
+                setattr(checked, attr, getattr(fn, attr))
+            except (AttributeError, TypeError):
+                pass
+        checked.__wrapped__ = fn
+        allowed.add(id(checked))
+        return checked
+
+    def _reap_children(self) -> None:
+        """Collect children that have ended (the grader kills what a cell leaves running):
+        a zombie still counts against the process limit."""
+        while True:
+            try:
+                pid, _ = self._waitpid(-1, self._WNOHANG)
+            except ChildProcessError:
+                return
+            if pid == 0:
+                return
+
+    # -----------------------------------------------------------------------------------
+    # one test
+    # -----------------------------------------------------------------------------------
+    def _sign(self, text: str) -> str:
+        mac = self._hmac.copy()
+        mac.update(text.encode("utf-8"))
+        return mac.hexdigest()
+
+    def test(self, grade_id: str, source: str, mac: str, report: tuple = ()) -> None:
+        """Run one test cell; print its receipt if it ran to the end (see the module doc)."""
+        if not self._sealed:
+            raise RuntimeError("the referee was not sealed: the setup cell did not run")
+        if not self._compare(self._sign(f"{self._nonce}|test|{grade_id}|{report!r}|{source}"),
+                                   str(mac)):
+            raise TamperedError(f"the text of test {grade_id} was changed before it ran "
+                                "(an input transformer or a hook?): the test is not run")
+        restored = sorted(set(self._changes(fix=True)))
+        self._reap_children()
+        allowed: set[int] = set()
+        calls: list[str] = []
+        ns = {}
+        for k, v in self._ns.items():
+            if _internal(k):
+                continue
+            if isinstance(v, self._FunctionType) and id(v) not in self._reference_ids:
+                v = self._wrap(v, allowed, calls)
+            ns[k] = v
+        ns.update(self._setup_names)
+        ns["__builtins__"] = self._builtins
+        ns["__name__"] = "__main__"
+        code = self._compile(source, f"<{grade_id}>", "exec")
+        self._exec(code, ns)
+        after = self._changes(fix=True)
+        if after:
+            raise TamperedError(f"the test left {', '.join(sorted(set(after))[:6])} changed: "
+                                "something the student's code started kept tampering")
+        answers = {}
+        for name in report:
+            answers[name] = _literal(ns.get(name, _MISSING))
+        payload = repr({"answers": answers, "restored": restored})
+        line = f"{self._nonce}|pass|{grade_id}|{payload}"
+        self._builtins["print"](f"\n{RECEIPT} {grade_id} {self._sign(line)} {payload}",
+                                flush=True)
+
+
+def _in_order(now: list, snap: list) -> bool:
+    """``snap``'s items are all in ``now``, in order, and ``now`` starts with ``snap[0]``
+    (compared by identity: a student's object never gets to run its ``__eq__``)."""
+    if snap and (not now or now[0] is not snap[0]):
+        return False
+    it = iter(now)
+    return all(any(x is y for y in it) for x in snap)
+
+
+def _literal(value: object, depth: int = 0) -> tuple:
+    """A quiz answer as a tagged tree of plain literals (``ast.literal_eval`` reads it back in
+    the grader; see ``autograder.notebook.decode_answer``). Exact types only: a ``str``
+    subclass with a lying ``__eq__`` is not a str; anything else is ``("unreadable", type)``."""
+    t = type(value)
+    if value is _MISSING:
+        return ("undefined", None)
+    if depth > 6:
+        return ("unreadable", "nested too deep")
+    if t is int and not -10**100 < value < 10**100:
+        out: tuple = ("unreadable", "an int of more than 100 digits")
+    elif t is str and len(value) > MAX_ANSWER:
+        out = ("unreadable", "a str too long to be an answer")
+    elif t in (bool, int, str, type(None)):
+        out = (t.__name__, value)
+    elif t is float:
+        out = ("float", repr(value))
+    elif t in (list, tuple, set, frozenset, dict) and len(value) > 1000:
+        out = ("unreadable", f"a {t.__name__} of {len(value)} items")
+    elif t in (list, tuple, set, frozenset):
+        out = (t.__name__, [_literal(v, depth + 1) for v in value])
+        if t in (set, frozenset):
+            out = (t.__name__, sorted(out[1], key=repr))
+    elif t is dict:
+        out = ("dict", [(_literal(k, depth + 1), _literal(v, depth + 1)) for k, v in value.items()])
+    else:
+        out = ("unreadable", t.__name__)
+    if len(repr(out)) > MAX_ANSWER:
+        return ("unreadable", "too large")
+    return out
