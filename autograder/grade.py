@@ -1,39 +1,39 @@
-"""Grade submitted labs with nbgrader; run through ``bash autograder/grade.sh``.
+"""Grade submitted labs, each in its own sandboxed kernel; run through ``bash autograder/grade.sh``.
 
-    grade.sh                           the example submissions in autograder/examples/
-    grade.sh SUBMISSIONS               a folder (or .zip) of <student>/<lab>/<lab>.ipynb
-    grade.sh ... --lab lab01_basics    only this lab (repeatable)
-    grade.sh ... --out DIR             where results go (default grading-out/)
+    grade.sh                              the example submissions in autograder/examples/
+    grade.sh SUBMISSIONS                  a folder (or .zip) of <student>/<lab>/<lab>.ipynb
+    grade.sh ... -j 4                     four submissions at once
+    grade.sh ... --shard 3/8              the third of eight slices of the class (a job array)
+    grade.sh merge OUT1 OUT2 ... --out ALL    one set of results from the slices' folders
+    grade.sh ... --lab lab01_basics       only this lab (repeatable)
+    grade.sh ... --out DIR                where results go (default grading-out/)
 
-Each submission is graded on its own by :func:`grade_submission`: in its own work folder (a
-copy of the gradebook that knows the lab, its notebook, nbgrader's autograded and feedback
-output) and in its own process with a wall-clock limit. One submission cannot disturb the
-grading of another, and the function is the unit that a sandbox, parallel grading or a batch
-system can wrap. The overall steps:
+Every submission is graded on its own (:func:`autograder.runner.grade_one`): the lab's cells in
+the lab's order with the tests from the source (``--source``, default solutions/; point it at a
+private copy whose hidden tests students never saw), run in a fresh kernel in a sandbox
+(:mod:`autograder.sandbox`) under the referee (:mod:`autograder.referee`), which signs each test
+that ran to its end; the grade is read from those signatures. ``-j N`` runs N such kernels at
+once; the results do not depend on N, nor on the order, nor on the slot.
 
-1. ``prepare``: nbgrader generate_assignment of each lab from the source (``--source``,
-   default solutions/: point it at a private copy whose hidden tests students never saw) into
-   the work folder's gradebook. The committed labs/ is not touched.
-2. per submission: the notebook's cell metadata is reset to the released lab's (tampered flags
-   would abort nbgrader), then nbgrader autograde (which restores locked and test cells from
-   the gradebook and re-adds deleted ones), then the HTML feedback (hidden tests removed).
-3. the report: per-lab and overall CSVs, feedback files, ``results.json`` and the table.
+A student's broken notebook is a grade (0 for what did not pass, and why), never a crash:
+the exit code is 2 only when grading itself failed for some submission.
 
-A submission that fails is a grade (0 for what did not pass, with the reason), not a crash:
-the exit code is 2 only when the grader itself failed.
+Outputs in ``--out``: ``grades.csv`` (one row per student, one column per lab, for an LMS),
+``grades-<lab>.csv`` (per task and per test, status, reason, review flags, isolation),
+``class-summary-<lab>.csv`` and ``class-summary.html`` (per task and per quiz question: who got
+full marks, the most common failure), ``summary.txt`` (what the terminal shows),
+``feedback/<student>/<lab>.html``, ``results.json`` (everything above, for merge), ``run.json``
+(the settings and what isolated the kernels), ``timings.csv`` and ``logs/``.
 """
 
 from __future__ import annotations
 
 import argparse
-import copy
 import csv
+import hashlib
 import json
-import os
 import re
 import shutil
-import signal
-import subprocess
 import sys
 import time
 import zipfile
@@ -42,7 +42,7 @@ from pathlib import Path
 from typing import Any
 
 from . import ROOT, tools_on_path
-from .settings import CELL_TIMEOUT, KERNEL
+from .settings import CELL_TIMEOUT, SETUP_TIMEOUT
 
 STUDENT_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,99}$")
 TEST_RE = re.compile(r"^test_(\d+)_(\d+)_")
@@ -50,7 +50,12 @@ QUIZ_RE = re.compile(r"^test_quiz_")
 MAX_ZIP_BYTES = 2 << 30
 MAX_ZIP_FILES = 100_000
 WALL_DEFAULT = 1200
+GRACE = 10
 REFERENCE_STUDENT = "reference"
+MARK = ".minickpt-grading"
+ATTACK_PREFIX = "attack_"
+"""Example submissions that attack the machine: never graded without a sandbox."""
+CSV_STATIC = ("total", "max_score", "status", "reason", "review", "isolation")
 
 
 # ---------------------------------------------------------------------------------------
@@ -96,6 +101,19 @@ def find_submissions(folder: Path, labs: set[str]) -> tuple[list[Submission], li
     return sorted(subs.values(), key=lambda s: (s.lab, s.student)), warnings
 
 
+def shard_of(student: str, n: int) -> int:
+    """The slice (1..n) a student belongs to: a hash of the name, so the same on every machine
+    and for every lab, whatever else is in the class."""
+    return int.from_bytes(hashlib.sha256(student.encode()).digest()[:8], "big") % n + 1
+
+
+def parse_shard(text: str) -> tuple[int, int]:
+    m = re.fullmatch(r"(\d+)/(\d+)", text)
+    if not m or not 1 <= int(m.group(1)) <= int(m.group(2)):
+        raise argparse.ArgumentTypeError(f"--shard wants i/n with 1 <= i <= n, got {text!r}")
+    return int(m.group(1)), int(m.group(2))
+
+
 # ---------------------------------------------------------------------------------------
 # the lab's grade cells
 # ---------------------------------------------------------------------------------------
@@ -105,6 +123,8 @@ class LabInfo:
 
     name: str
     cells: dict[str, float] = field(default_factory=dict)  # grade_id -> points
+    fingerprint: str = ""
+    questions: dict[str, str] = field(default_factory=dict)
 
     @property
     def max_score(self) -> float:
@@ -127,280 +147,50 @@ class LabInfo:
             out["quiz"] = out.pop("quiz")
         return out
 
+    def as_dict(self) -> dict[str, Any]:
+        return {"name": self.name, "cells": self.cells, "fingerprint": self.fingerprint,
+                "questions": self.questions}
+
 
 def lab_info(notebook: Path, name: str) -> LabInfo:
-    import nbformat
+    from .notebook import load_lab
 
-    info = LabInfo(name)
-    for cell in nbformat.read(notebook, as_version=4).cells:
-        meta = cell.metadata.get("nbgrader", {})
-        if meta.get("grade"):
-            info.cells[meta["grade_id"]] = float(meta.get("points", 0))
-    return info
-
-
-# ---------------------------------------------------------------------------------------
-# preparing the gradebook
-# ---------------------------------------------------------------------------------------
-def nbgrader_api(root: Path, *, work: str, source: Path, release: Path, timeout: int,
-                 kernel: str) -> Any:
-    from nbgrader.apps import NbGraderAPI
-    from nbgrader.coursedir import CourseDirectory
-    from traitlets.config import Config
-
-    from .settings import configure
-
-    cfg = configure(Config(), root=root, work=work, source=str(source), release=str(release),
-                    timeout=timeout, kernel=kernel)
-    cfg.Application.log_level = "WARN"
-    return NbGraderAPI(coursedir=CourseDirectory(config=cfg), config=cfg)
-
-
-def prepare(base: Path, source: Path, labs: list[str]) -> None:
-    """A gradebook that knows every lab (source cells, hidden tests, points, checksums) and
-    the released notebooks, in ``base``."""
-    if base.exists():
-        shutil.rmtree(base)
-    base.mkdir(parents=True)
-    api = nbgrader_api(base, work=".", source=source, release=base / "release",
-                       timeout=CELL_TIMEOUT, kernel=KERNEL)
-    for lab in labs:
-        res = api.generate_assignment(lab, force=True, create=True)
-        if not res["success"]:
-            raise RuntimeError(f"nbgrader generate_assignment {lab} failed:\n"
-                               f"{res.get('log', '')}\n{res.get('error', '')}")
-
-
-# ---------------------------------------------------------------------------------------
-# grading one submission
-# ---------------------------------------------------------------------------------------
-def sanitize(release_nb: Path, submitted: Path) -> None:
-    """Reset the nbgrader metadata, cell types and kernelspec of a submission to the release.
-
-    A student who flips ``solution`` or ``grade`` on a test cell (or changes its type) makes
-    nbgrader abort with "Inconsistent checksums"; reset, nbgrader then restores the cell's
-    source from the gradebook. Cells whose grade_id is unknown or repeated lose their nbgrader
-    metadata (nbgrader re-adds missing graded cells itself).
-    """
-    import nbformat
-    from nbformat.v4 import new_code_cell, new_markdown_cell
-
-    rel = nbformat.read(release_nb, as_version=4)
-    ref = {c.metadata["nbgrader"]["grade_id"]: c for c in rel.cells
-           if "grade_id" in c.metadata.get("nbgrader", {})}
-    sub = nbformat.read(submitted, as_version=4)
-    seen: set[str] = set()
-    cells = []
-    for c in sub.cells:
-        gid = c.metadata.get("nbgrader", {}).get("grade_id")
-        if gid is None or gid not in ref or gid in seen:
-            c.metadata.pop("nbgrader", None)
-            cells.append(c)
-            continue
-        seen.add(gid)
-        r = ref[gid]
-        if c.cell_type != r.cell_type:
-            c = (new_code_cell if r.cell_type == "code" else new_markdown_cell)(source=c.source)
-        c.metadata = copy.deepcopy(r.metadata)
-        cells.append(c)
-    sub.cells = cells
-    sub.metadata["kernelspec"] = copy.deepcopy(rel.metadata.get("kernelspec", {}))
-    nbformat.write(sub, submitted)
-
-
-STUDENT_FAILURES = [  # what autograde failures mean: the submission's doing, not the grader's
-    ("DeadKernelError", "the kernel died (the code crashed Python or exited)"),
-    ("Kernel died", "the kernel died (the code crashed Python or exited)"),
-    ("Timeout waiting for IOPub", "the kernel stopped responding (it ignored the time-out)"),
-    ("Inconsistent checksums", "the notebook's cell metadata could not be repaired"),
-    ("NotJSONError", "the notebook is not a readable .ipynb file"),
-    ("Notebook does not appear to be JSON", "the notebook is not a readable .ipynb file"),
-    ("ValidationError", "the notebook is not a valid .ipynb file"),
-]
-
-
-def _classify(text: str) -> str | None:
-    for needle, reason in STUDENT_FAILURES:
-        if needle in text:
-            return reason
-    return None
-
-
-def _scores(db: Path, lab: str, student: str) -> dict[str, float | None]:
-    from nbgrader.api import Gradebook, MissingEntry
-
-    with Gradebook("sqlite:///" + str(db)) as gb:
-        try:
-            sub = gb.find_submission(lab, student)
-        except MissingEntry:
-            return {}
-        return {g.name: (None if g.auto_score is None and g.manual_score is None
-                         else float(g.score))
-                for nb in sub.notebooks for g in nb.grades}
-
-
-def _cell_report(autograded: Path) -> tuple[dict[str, str], bool]:
-    """Per graded cell that failed, its error line; and whether every code cell ran."""
-    import nbformat
-
-    nb = nbformat.read(autograded, as_version=4)
-    errors: dict[str, str] = {}
-    ran_all = True
-    for cell in nb.cells:
-        if cell.cell_type != "code":
-            continue
-        if cell.get("execution_count") is None and not cell.get("outputs"):
-            ran_all = False
-        gid = cell.metadata.get("nbgrader", {}).get("grade_id")
-        for out in cell.get("outputs", []):
-            if gid and out.get("output_type") == "error":
-                errors[gid] = f"{out.get('ename')}: {out.get('evalue', '')}"[:500]
-            elif gid and out.get("output_type") == "stream" and out.get("name") == "stderr":
-                errors.setdefault(gid, "wrote to stderr")
-    return errors, ran_all
-
-
-def grade_in_process(sub: Submission, *, base: Path, root: Path, source: Path,
-                     timeout: int, kernel: str) -> dict[str, Any]:
-    """Autograde one submission in ``root`` (its own folder) and return its result."""
-    t0 = time.monotonic()
-    if root.exists():
-        shutil.rmtree(root)
-    root.mkdir(parents=True)
-    shutil.copy2(base / "gradebook.db", root / "gradebook.db")
-    submitted = root / "submitted" / sub.student / sub.lab / f"{sub.lab}.ipynb"
-    submitted.parent.mkdir(parents=True)
-    shutil.copyfile(sub.notebook, submitted)  # the notebook only: no files that shadow imports
-    result: dict[str, Any] = {"student": sub.student, "lab": sub.lab, "status": "graded",
-                              "reason": "", "scores": {}, "errors": {}, "ran_all_cells": False,
-                              "feedback": None, "log": ""}
-    release_nb = base / "release" / sub.lab / f"{sub.lab}.ipynb"
-    try:
-        sanitize(release_nb, submitted)
-    except Exception as e:
-        reason = _classify(f"{type(e).__name__} {e}") or "the notebook could not be read"
-        result.update(status="failed", reason=f"{reason} ({type(e).__name__}: {e})"[:300])
-        result["seconds"] = time.monotonic() - t0
-        return result
-    api = nbgrader_api(root, work=".", source=source, release=base / "release",
-                       timeout=timeout, kernel=kernel)
-    res = api.autograde(sub.lab, sub.student, force=True, create=True)
-    result["log"] = res.get("log", "") + res.get("error", "")
-    autograded = root / "autograded" / sub.student / sub.lab / f"{sub.lab}.ipynb"
-    if not res["success"]:
-        reason = _classify(result["log"])
-        if reason is None:
-            result.update(status="error", reason="nbgrader autograde failed (see the log)")
-        else:
-            result.update(status="failed", reason=reason)
-    result["scores"] = _scores(root / "gradebook.db", sub.lab, sub.student)
-    if autograded.exists():
-        result["errors"], result["ran_all_cells"] = _cell_report(autograded)
-    if res["success"]:
-        fb = api.generate_feedback(sub.lab, sub.student, force=True)
-        html = root / "feedback" / sub.student / sub.lab / f"{sub.lab}.html"
-        if fb["success"] and html.exists():
-            result["feedback"] = str(html)
-        else:
-            result["log"] += fb.get("log", "") + fb.get("error", "")
-    result["seconds"] = time.monotonic() - t0
-    return result
-
-
-def grade_submission(sub: Submission, *, base: Path, root: Path, source: Path, timeout: int,
-                     kernel: str, wall: int) -> dict[str, Any]:
-    """Grade one submission in a separate process bounded by ``wall`` seconds (the process
-    group is killed after it, kernel included). Always returns a result."""
-    t0 = time.monotonic()
-    job = {"student": sub.student, "lab": sub.lab, "notebook": str(sub.notebook),
-           "base": str(base), "root": str(root), "source": str(source), "timeout": timeout,
-           "kernel": kernel}
-    out = root.parent / f"{root.name}.result.json"
-    out.unlink(missing_ok=True)
-    cmd = [sys.executable, "-m", "autograder.grade", "--worker", json.dumps(job), str(out)]
-    proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                            text=True, start_new_session=True)
-    try:
-        log, _ = proc.communicate(timeout=wall)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        log, _ = proc.communicate()
-        return {"student": sub.student, "lab": sub.lab, "status": "failed",
-                "reason": f"grading took longer than {wall} s and was stopped", "scores": {},
-                "errors": {}, "ran_all_cells": False, "feedback": None, "log": log,
-                "seconds": time.monotonic() - t0}
-    finally:
-        try:  # the kernel and anything the student's code started
-            os.killpg(proc.pid, signal.SIGKILL)
-        except (ProcessLookupError, PermissionError):
-            pass
-    if proc.returncode != 0 or not out.exists():
-        return {"student": sub.student, "lab": sub.lab, "status": "error",
-                "reason": f"the grading process failed (exit {proc.returncode})", "scores": {},
-                "errors": {}, "ran_all_cells": False, "feedback": None, "log": log,
-                "seconds": time.monotonic() - t0}
-    result: dict[str, Any] = json.loads(out.read_text())
-    result["log"] = log + result.get("log", "")
-    return result
-
-
-def worker_main(job_json: str, out: str) -> int:
-    job = json.loads(job_json)
-    sub = Submission(job["student"], job["lab"], Path(job["notebook"]))
-    result = grade_in_process(sub, base=Path(job["base"]), root=Path(job["root"]),
-                              source=Path(job["source"]), timeout=int(job["timeout"]),
-                              kernel=job["kernel"])
-    Path(out).write_text(json.dumps(result, indent=1))
-    return 0
+    info = load_lab(notebook).info()
+    return LabInfo(name, info["cells"], info["fingerprint"], info["questions"])
 
 
 # ---------------------------------------------------------------------------------------
 # the report
 # ---------------------------------------------------------------------------------------
 def _fmt(x: float | None) -> str:
-    if x is None:
-        return "-"
-    return f"{x:g}"
+    return "-" if x is None else f"{x:g}"
 
 
-def summarize(results: list[dict[str, Any]], labs: dict[str, LabInfo]) -> list[dict[str, Any]]:
-    """One row per submission: score per task group, total, max, status."""
-    rows = []
-    for r in results:
-        info = labs[r["lab"]]
-        groups = {g: 0.0 for g in info.groups}
-        for gid, pts in r["scores"].items():
-            if gid in info.cells and pts is not None:
-                groups[info.group(gid)] += pts
-        total = sum(groups.values())
-        rows.append({"lab": r["lab"], "student": r["student"], "groups": groups,
-                     "total": total, "max": info.max_score, "status": r["status"],
-                     "reason": r["reason"], "seconds": r.get("seconds", 0.0)})
-    return rows
-
-
-def table(rows: list[dict[str, Any]], labs: dict[str, LabInfo]) -> str:
+def table(results: list[dict[str, Any]], labs: dict[str, LabInfo]) -> str:
+    """The grade table the terminal shows, one block per lab."""
     lines = []
     for lab, info in labs.items():
-        lab_rows = [r for r in rows if r["lab"] == lab]
-        if not lab_rows:
+        rows = [r for r in results if r["lab"] == lab]
+        if not rows:
             continue
         heads = list(info.groups)
         header = ["student", *heads, "total", "status"]
         points = ["(points)", *[_fmt(info.groups[g]) for g in heads], _fmt(info.max_score), ""]
-        body = [[r["student"], *[_fmt(r["groups"][g]) for g in heads], _fmt(r["total"]),
-                 r["status"] + (f": {r['reason']}" if r["reason"] else "")] for r in lab_rows]
+        body = [[r["student"], *[_fmt(r.get("groups", {}).get(g, 0.0)) for g in heads],
+                 _fmt(r.get("total", 0.0)),
+                 r["status"] + (f": {r['reason']}" if r["reason"] else "")] for r in rows]
         width = [max(len(row[i]) for row in [header, points, *body]) for i in range(len(header))]
-        lines.append(f"{lab}: {len(lab_rows)} submission(s)")
+        lines.append(f"{lab}: {len(rows)} submission(s)")
         for row in [header, points, *body]:
             cells = [row[0].ljust(width[0])] + [c.rjust(width[i])
                                                 for i, c in enumerate(row[1:-1], 1)]
             lines.append("  ".join([*cells, row[-1]]).rstrip())
+        flagged = [r for r in rows if r.get("review")]
+        if flagged:
+            lines.append(f"  review: {len(flagged)} submission(s) hold code that can reach into "
+                         f"a test ({', '.join(r['student'] for r in flagged)}); see grades-{lab}.csv")
         lines.append("")
     return "\n".join(lines)
-
-
-MARK = ".minickpt-grading"
 
 
 def fresh_dir(path: Path) -> None:
@@ -415,53 +205,138 @@ def fresh_dir(path: Path) -> None:
     (path / MARK).write_text("written by autograder/grade.sh; emptied by its next run\n")
 
 
-def write_outputs(out: Path, results: list[dict[str, Any]], rows: list[dict[str, Any]],
-                  labs: dict[str, LabInfo]) -> None:
+def _normalize(result: dict[str, Any], info: LabInfo) -> dict[str, Any]:
+    """A result with every field the reports read, in a fixed key order (results.json is
+    compared across runs)."""
+    scores = {gid: float(result.get("scores", {}).get(gid, 0.0) or 0.0) for gid in info.cells}
+    groups = {g: 0.0 for g in info.groups}
+    for gid, s in scores.items():
+        groups[info.group(gid)] += s
+    keys = ("student", "lab", "status", "reason", "isolation", "ran_all_cells")
+    out = {k: result.get(k, "" if k != "ran_all_cells" else False) for k in keys}
+    out.update(scores=scores, groups=groups, total=sum(scores.values()), max_score=info.max_score,
+               messages={k: v for k, v in sorted(result.get("messages", {}).items())},
+               notes=list(result.get("notes", [])), review=sorted(result.get("review", [])),
+               feedback=f"feedback/{result['student']}/{result['lab']}.html")
+    return out
+
+
+def write_outputs(out: Path, results: list[dict[str, Any]], labs: dict[str, LabInfo],
+                  files: dict[tuple[str, str], dict[str, Path]], meta: dict[str, Any]) -> str:
+    """Every output file from the results (a single run and a merge call this alike, so they
+    write the same bytes); ``files`` maps (lab, student) to its feedback page and logs.
+    Returns the text of summary.txt."""
+    from . import feedback
+
     fresh_dir(out)
     (out / "feedback").mkdir()
     (out / "logs").mkdir()
+    results = sorted((_normalize(r, labs[r["lab"]]) for r in results),
+                     key=lambda r: (r["lab"], r["student"]))
     for r in results:
-        if r.get("feedback"):
-            dest = out / "feedback" / r["student"] / f"{r['lab']}.html"
-            dest.parent.mkdir(parents=True, exist_ok=True)
-            shutil.copyfile(r["feedback"], dest)
-            r["feedback"] = str(dest.relative_to(out))
-        log = out / "logs" / r["student"] / f"{r['lab']}.log"
-        log.parent.mkdir(parents=True, exist_ok=True)
-        log.write_text(r.pop("log", "") or "")
+        src = files.get((r["lab"], r["student"]), {})
+        dest = out / r["feedback"]
+        dest.parent.mkdir(parents=True, exist_ok=True)
+        if src.get("feedback") and src["feedback"].exists():
+            shutil.copyfile(src["feedback"], dest)
+        else:
+            r["feedback"] = ""
+        for kind, path in src.items():
+            if kind != "feedback" and path.exists():
+                log = out / "logs" / r["student"] / f"{r['lab']}.{kind}"
+                log.parent.mkdir(parents=True, exist_ok=True)
+                shutil.copyfile(path, log)
+    summaries = []
+    per_lab_rows = {}
     for lab, info in labs.items():
+        rows = [r for r in results if r["lab"] == lab]
+        if not rows:
+            continue
         with open(out / f"grades-{lab}.csv", "w", newline="") as f:
             w = csv.writer(f)
-            w.writerow(["student", *info.groups, *info.cells, "total", "max_score", "status",
-                        "reason"])
-            for r, row in zip(results, rows, strict=True):
-                if r["lab"] != lab:
-                    continue
-                w.writerow([r["student"], *[_fmt(row["groups"][g]) for g in info.groups],
-                            *[_fmt(r["scores"].get(g)) for g in info.cells],
-                            _fmt(row["total"]), _fmt(info.max_score), r["status"], r["reason"]])
+            w.writerow(["student", *info.groups, *info.cells, *CSV_STATIC])
+            for r in rows:
+                w.writerow([r["student"], *[_fmt(r["groups"][g]) for g in info.groups],
+                            *[_fmt(r["scores"][g]) for g in info.cells], _fmt(r["total"]),
+                            _fmt(info.max_score), r["status"], r["reason"],
+                            "; ".join(r["review"]), r["isolation"]])
+        group_of = {gid: info.group(gid) for gid in info.cells}
+        summary = feedback.class_summary(rows, info.cells, info.groups, group_of, info.questions)
+        per_lab_rows[lab] = summary
+        with open(out / f"class-summary-{lab}.csv", "w", newline="") as f:
+            w = csv.DictWriter(f, fieldnames=list(summary[0]))
+            w.writeheader()
+            for row in summary:
+                w.writerow({**row, "mean": f"{row['mean']:.3f}", "pct_full": f"{row['pct_full']:.1f}",
+                            "points": _fmt(row["points"])})
+        summaries.append(feedback.summary_text(lab, summary))
+    (out / "class-summary.html").write_text(feedback.summary_html(per_lab_rows), encoding="utf-8")
     students = sorted({r["student"] for r in results})
     with open(out / "grades.csv", "w", newline="") as f:
         w = csv.writer(f)
         w.writerow(["student", *labs, "total", "max_score"])
         for s in students:
-            per = {row["lab"]: row["total"] for row in rows if row["student"] == s}
+            per = {r["lab"]: r["total"] for r in results if r["student"] == s}
             w.writerow([s, *[_fmt(per.get(lab, 0.0)) for lab in labs],
                         _fmt(sum(per.values())), _fmt(sum(i.max_score for i in labs.values()))])
-    (out / "results.json").write_text(json.dumps(
-        [{**r, **{"groups": row["groups"], "total": row["total"], "max_score": row["max"]}}
-         for r, row in zip(results, rows, strict=True)], indent=1))
+    (out / "results.json").write_text(json.dumps(results, indent=1) + "\n")
+    (out / "run.json").write_text(json.dumps({**meta, "labs": {k: v.as_dict()
+                                                                for k, v in labs.items()}},
+                                             indent=1) + "\n")
+    isolation = sorted({r["isolation"] for r in results if r["isolation"] != "sandbox"})
+    text = table(results, labs) + "\n".join(summaries)
+    if isolation:
+        text += ("\n!! NOT FULLY ISOLATED: " + " | ".join(i for i in isolation if i) + "\n")
+    (out / "summary.txt").write_text(text)
+    return text
+
+
+# ---------------------------------------------------------------------------------------
+# progress
+# ---------------------------------------------------------------------------------------
+class Progress:
+    """Counts graded, failed and remaining; a bar on a terminal, plain lines otherwise."""
+
+    def __init__(self, total: int) -> None:
+        self.total, self.graded, self.failed = total, 0, 0
+        self.bar = None
+        if sys.stderr.isatty():
+            try:
+                from tqdm import tqdm
+
+                self.bar = tqdm(total=total, unit="sub", dynamic_ncols=True, file=sys.stderr)
+            except ImportError:  # pragma: no cover - tqdm is in the course extra
+                self.bar = None
+
+    def update(self, result: dict[str, Any], seconds: float) -> None:
+        ok = result["status"] == "graded"
+        self.graded += ok
+        self.failed += not ok
+        left = self.total - self.graded - self.failed
+        total = sum(v for v in result.get("scores", {}).values() if v is not None)
+        what = (f"{result['student']}/{result['lab']}: {total:g} {result['status']}"
+                f" ({seconds:.1f} s)")
+        if self.bar is not None:
+            self.bar.set_postfix_str(f"graded {self.graded}, failed {self.failed}, left {left}")
+            self.bar.write(f"  {what}")
+            self.bar.update(1)
+        else:
+            n = self.graded + self.failed
+            print(f"  [{n:>{len(str(self.total))}}/{self.total}] {what} · graded {self.graded},"
+                  f" failed {self.failed}, left {left}", flush=True)
+
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.close()
 
 
 # ---------------------------------------------------------------------------------------
 # main
 # ---------------------------------------------------------------------------------------
-def main(argv: list[str] | None = None) -> int:
-    argv = sys.argv[1:] if argv is None else argv
-    if argv[:1] == ["--worker"]:
-        return worker_main(argv[1], argv[2])
+def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="autograder/grade.sh", description=__doc__.split("\n\n")[0],
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+                                formatter_class=argparse.RawDescriptionHelpFormatter,
+                                epilog="grade.sh merge --help: combining the slices of a class")
     p.add_argument("submissions", nargs="?", default=str(ROOT / "autograder" / "examples"),
                    help="folder or .zip of <student>/<lab>/<lab>.ipynb "
                         "(default: the examples in autograder/examples)")
@@ -471,17 +346,41 @@ def main(argv: list[str] | None = None) -> int:
                    help="the labs' source with hidden tests (default solutions/; use a private "
                         "copy so that students never see the hidden tests)")
     p.add_argument("--work", default=str(ROOT / ".grading"),
-                   help="nbgrader's work folder (default .grading/, emptied first)")
+                   help="work folder: each submission's graded notebook (hidden tests "
+                        "included), feedback and logs (default .grading/, emptied first)")
+    p.add_argument("-j", "--jobs", type=int, default=1,
+                   help="submissions graded at once (default 1; each takes about one core)")
+    p.add_argument("--shard", type=parse_shard, default=None, metavar="I/N",
+                   help="grade only the I-th of N slices of the class (by student name); "
+                        "combine the slices' --out folders with `grade.sh merge`")
     p.add_argument("--timeout", type=int, default=CELL_TIMEOUT,
-                   help=f"seconds a cell may run (default {CELL_TIMEOUT})")
+                   help=f"seconds a cell may run (default {CELL_TIMEOUT}; setup cells "
+                        f"{SETUP_TIMEOUT})")
     p.add_argument("--wall", type=int, default=WALL_DEFAULT,
                    help=f"seconds one submission may take in all (default {WALL_DEFAULT})")
-    p.add_argument("--kernel", default=KERNEL, help=f"Jupyter kernel name (default {KERNEL})")
+    p.add_argument("--memory", type=float, default=4.0,
+                   help="GiB of address space per process of a kernel (default 4)")
+    p.add_argument("--sandbox-uid", type=int, default=None,
+                   help="first uid of the range the sandboxes run as (default 64200)")
     p.add_argument("--include-solutions", action="store_true",
                    help=f"also grade each lab's source notebook as student "
                         f"'{REFERENCE_STUDENT}' (a self-check: it must score full marks)")
-    a = p.parse_args(argv)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["--worker"]:
+        from .runner import worker_main
+
+        return worker_main(argv[1])
+    if argv[:1] == ["merge"]:
+        return merge_main(argv[1:])
+    a = _parser().parse_args(argv)
     tools_on_path()
+    from . import sandbox
+    from .runner import Job, run_pool
+
     t0 = time.monotonic()
     source, work, out = Path(a.source).resolve(), Path(a.work).resolve(), Path(a.out).resolve()
     known = {d.name for d in source.iterdir() if (d / f"{d.name}.ipynb").is_file()}
@@ -491,6 +390,9 @@ def main(argv: list[str] | None = None) -> int:
             print(f"grade: no lab {sorted(unknown)} in {source}", file=sys.stderr)
             return 2
         known = set(a.lab)
+    if a.jobs < 1:
+        print("grade: -j wants at least 1", file=sys.stderr)
+        return 2
     fresh_dir(work)
     if out.exists() and any(out.iterdir()) and not (out / MARK).exists():
         fresh_dir(out)  # refuses now, before any grading, rather than at the end
@@ -513,35 +415,142 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     labs = sorted({s.lab for s in subs})
     infos = {lab: lab_info(source / lab / f"{lab}.ipynb", lab) for lab in labs}
-    print(f"grade: {len(subs)} submission(s) of {', '.join(labs)}; cells may run {a.timeout} s",
-          flush=True)
+    everyone = len(subs)
+    if a.shard:
+        i, n = a.shard
+        subs = [s for s in subs if shard_of(s.student, n) == i]
+    subs.sort(key=lambda s: (s.lab, s.student))
+    iso = sandbox.probe()
+    limits = sandbox.Limits(memory_bytes=int(a.memory * (1 << 30)))
+    if iso.warning():
+        print(iso.warning(), file=sys.stderr, flush=True)
+    if not iso.sandboxed:
+        unsafe = [s for s in subs if s.student.startswith(ATTACK_PREFIX)]
+        if unsafe:
+            print(f"grade: SKIPPED {len(unsafe)} submission(s) named {ATTACK_PREFIX}* (they "
+                  "fork, allocate, flood or write for real; they are graded only in a "
+                  f"sandbox): {', '.join(s.student for s in unsafe)}", file=sys.stderr)
+            subs = [s for s in subs if not s.student.startswith(ATTACK_PREFIX)]
+    shard = f"shard {a.shard[0]}/{a.shard[1]}: {len(subs)} of {everyone}; " if a.shard else ""
+    print(f"grade: {shard}{len(subs)} submission(s) of {', '.join(labs)}; {a.jobs} at once; "
+          f"cells may run {a.timeout} s; kernels: {iso.marker}", flush=True)
+    cfg = {"source": str(source), "timeout": a.timeout, "setup_timeout": SETUP_TIMEOUT,
+           "wall": a.wall, "grace": GRACE, "iso": {
+               "mode": iso.mode, "bwrap": iso.bwrap, "setpriv": iso.setpriv,
+               "prlimit": iso.prlimit, "lost": list(iso.lost), "detail": iso.detail},
+           "limits": limits.as_dict(), "keep_output": 1 << 20, "max_output": 64 << 20,
+           "max_message": 32 << 20, "uid_base": a.sandbox_uid or sandbox.UID_BASE}
+    jobs = [Job(k, s.student, s.lab, str(s.notebook), str(work / "subs" / s.lab / s.student))
+            for k, s in enumerate(subs)]
+    (work / "logs").mkdir(parents=True, exist_ok=True)
+    results: list[dict[str, Any]] = []
+    timings: list[tuple[str, str, float]] = []
+    progress = Progress(len(jobs))
+
+    def on_result(job: Job, result: dict[str, Any], seconds: float) -> None:
+        results.append(result)
+        timings.append((job.student, job.lab, seconds))
+        progress.update(result, seconds)
+
     try:
-        prepare(work / "base", source, labs)
-    except Exception as e:
-        print(f"grade: could not prepare the gradebook: {e}", file=sys.stderr)
-        return 2
-    results = []
-    for i, sub in enumerate(subs, 1):
-        r = grade_submission(sub, base=work / "base", root=work / "subs" / f"{sub.lab}-{sub.student}",
-                             source=source, timeout=a.timeout, kernel=a.kernel, wall=a.wall)
-        results.append(r)
-        total = sum(v for v in r["scores"].values() if v is not None)
-        print(f"  [{i}/{len(subs)}] {sub.student}/{sub.lab}: {total:g}/{infos[sub.lab].max_score:g} "
-              f"{r['status']} ({r['seconds']:.1f} s)", flush=True)
-    rows = summarize(results, infos)
-    write_outputs(out, results, rows, infos)
-    text = table(rows, infos)
-    (out / "summary.txt").write_text(text)
+        if jobs:
+            run_pool(jobs, cfg, min(a.jobs, len(jobs)), work / "logs", on_result)
+    finally:
+        progress.close()
+    files = {}
+    for job in jobs:
+        d = Path(job.dir)
+        files[job.lab, job.student] = {"feedback": d / "feedback.html", "log": d / "kernel.log",
+                                       "grader": d / "grader.log"}
+    meta = {"shard": list(a.shard) if a.shard else None, "timeout": a.timeout, "wall": a.wall,
+            "source": str(source), "isolation": sandbox.describe(iso, limits)}
+    text = write_outputs(out, results, infos, files, meta)
+    with open(out / "timings.csv", "w", newline="") as f:
+        w = csv.writer(f)
+        w.writerow(["student", "lab", "seconds"])
+        for row in sorted(timings):
+            w.writerow([row[0], row[1], f"{row[2]:.1f}"])
     print()
     print(text)
     errors = [r for r in results if r["status"] == "error"]
-    print(f"graded {len(results)} submission(s) in {time.monotonic() - t0:.0f} s; results in {out}"
-          f" (grades.csv, grades-<lab>.csv, feedback/, logs/)")
+    print(f"graded {len(results)} submission(s) in {time.monotonic() - t0:.0f} s with -j {a.jobs};"
+          f" results in {out} (grades.csv, grades-<lab>.csv, class-summary.html, feedback/)")
+    if iso.warning():
+        print(iso.warning(), file=sys.stderr)
     if errors:
         print(f"grade: grading itself failed for {len(errors)} submission(s): "
               + ", ".join(f"{r['student']}/{r['lab']}" for r in errors)
-              + f"; see {out}/logs/", file=sys.stderr)
+              + f"; see {out}/logs/ and {work}/logs/", file=sys.stderr)
         return 2
+    return 0
+
+
+# ---------------------------------------------------------------------------------------
+# merge
+# ---------------------------------------------------------------------------------------
+def merge_main(argv: list[str]) -> int:
+    p = argparse.ArgumentParser(
+        prog="autograder/grade.sh merge",
+        description="Combine the --out folders of `grade.sh --shard i/n` runs (from several "
+                    "machines) into the outputs one run over the whole class writes.")
+    p.add_argument("folders", nargs="+", help="the --out folders of the slices")
+    p.add_argument("--out", required=True, help="where the combined results go")
+    p.add_argument("--allow-missing", action="store_true",
+                   help="merge even when some slices of an i/n set are absent")
+    a = p.parse_args(argv)
+    out = Path(a.out).resolve()
+    results: list[dict[str, Any]] = []
+    files: dict[tuple[str, str], dict[str, Path]] = {}
+    labs: dict[str, LabInfo] = {}
+    shards: set[tuple[int, int]] = set()
+    seen: dict[tuple[str, str], Path] = {}
+    isolation: list[Any] = []
+    for folder in map(lambda f: Path(f).resolve(), a.folders):
+        if folder == out:
+            print(f"grade merge: --out {out} is one of the inputs", file=sys.stderr)
+            return 2
+        try:
+            run = json.loads((folder / "run.json").read_text())
+            rows = json.loads((folder / "results.json").read_text())
+        except (OSError, ValueError) as e:
+            print(f"grade merge: {folder} is not a grade.sh --out folder ({e})", file=sys.stderr)
+            return 2
+        for name, d in run["labs"].items():
+            info = LabInfo(name, d["cells"], d.get("fingerprint", ""), d.get("questions", {}))
+            if name in labs and (labs[name].cells, labs[name].fingerprint) != \
+                    (info.cells, info.fingerprint):
+                print(f"grade merge: {folder} graded {name} from another source than the "
+                      "folders before it (different tests or points)", file=sys.stderr)
+                return 2
+            labs[name] = info
+        if run.get("shard"):
+            shards.add(tuple(run["shard"]))
+        isolation.append(run.get("isolation"))
+        for r in rows:
+            key = (r["lab"], r["student"])
+            if key in seen:
+                print(f"grade merge: {r['student']}/{r['lab']} is in both {seen[key]} and "
+                      f"{folder}", file=sys.stderr)
+                return 2
+            seen[key] = folder
+            results.append(r)
+            logs = folder / "logs" / r["student"]
+            files[key] = {"feedback": folder / r["feedback"] if r.get("feedback") else Path("-"),
+                          **{kind: logs / f"{r['lab']}.{kind}" for kind in ("log", "grader")}}
+    ns = {n for _, n in shards}
+    if shards and not a.allow_missing:
+        missing = [f"{i}/{n}" for n in ns for i in range(1, n + 1) if (i, n) not in shards]
+        if len(ns) > 1 or missing:
+            print(f"grade merge: slices missing or mixed: have {sorted(shards)}, missing "
+                  f"{missing} (use --allow-missing to merge anyway)", file=sys.stderr)
+            return 2
+    labs = dict(sorted(labs.items()))
+    meta = {"shard": None, "merged_from": [str(Path(f).resolve()) for f in a.folders],
+            "isolation": isolation[0] if len({json.dumps(i) for i in isolation}) == 1
+            else isolation}
+    text = write_outputs(out, results, labs, files, meta)
+    print(text)
+    print(f"merged {len(results)} submission(s) from {len(a.folders)} folder(s) into {out}")
     return 0
 
 

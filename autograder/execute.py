@@ -1,0 +1,243 @@
+"""Running one assembled notebook in a (sandboxed) kernel, whatever the student's code does.
+
+nbclient's NotebookClient does the messaging; this subclass adds what grading hostile code
+needs, with nbgrader's rules where it has them (errors allowed, a timed-out cell is interrupted
+and the next one runs):
+
+* **A kernel that dies** (``os._exit``, a kill, a crash, a CPU or memory limit) is not a failed
+  submission: the cell it died in gets an error output that says so, every later cell is
+  marked as not run, and the cells before it keep what they earned.
+* **A kernel that ignores the interrupt** after a time-out (``signal.SIG_IGN``, a loop that
+  catches ``KeyboardInterrupt``) is killed after a grace period, the same way.
+* **Output is bounded**: per cell, what is kept in the notebook (the rest is counted, not
+  stored) and what may be printed at all (then the cell is interrupted); a single message
+  larger than the ZMQ limit is dropped by ZMQ before it is read. Receipt lines always get
+  through, so a flood cannot hide a test that passed, and cannot forge one either.
+* **Processes a cell leaves behind** (a fork bomb's children) are killed after every cell, and
+  everything of the sandbox's uid when the notebook is done.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from nbclient import NotebookClient
+from nbclient.exceptions import CellTimeoutError, DeadKernelError
+from nbformat import NotebookNode
+from nbformat.v4 import new_output
+
+from . import sandbox
+from .referee import RECEIPT
+
+NO_REPLY_GRACE = 5.0
+"""Seconds a kernel that went idle may take to send its reply before it counts as broken."""
+
+
+@dataclass
+class RunReport:
+    """What happened to the kernel, beyond the cells' outputs."""
+
+    fate: str = ""                                  # "" when the kernel lived to the end
+    fate_cell: int | None = None                    # index of the cell it ended in
+    not_run: dict[int, str] = field(default_factory=dict)
+    strays_killed: int = 0
+    seconds: dict[int, float] = field(default_factory=dict)
+    kernel_log: str = ""
+
+
+def _error(ename: str, evalue: str) -> NotebookNode:
+    return new_output("error", ename=ename, evalue=evalue, traceback=[f"{ename}: {evalue}"])
+
+
+def _note(text: str) -> NotebookNode:
+    return new_output("stream", name="stdout", text=f"[grader] {text}\n")
+
+
+class GradingClient(NotebookClient):
+    """See the module doc. ``uid`` is the sandbox's uid when processes can be told apart."""
+
+    def __init__(self, nb: NotebookNode, km: Any, *, timeout: int, setup_timeout: int,
+                 keep_output_bytes: int, max_output_bytes: int, interrupt_grace: int,
+                 reap_uid: int | None, deadline: float | None = None) -> None:
+        super().__init__(nb, km=km, timeout=timeout, allow_errors=True,
+                         interrupt_on_timeout=True, raise_on_iopub_timeout=True,
+                         iopub_timeout=interrupt_grace, shutdown_kernel="immediate",
+                         record_timing=False, store_widget_state=False,
+                         error_on_timeout={"ename": "CellTimeoutError", "evalue": "",
+                                           "traceback": []})
+        self.timeout_func = self._cell_timeout
+        self._setup_timeout = setup_timeout
+        self._keep = keep_output_bytes
+        self._max = max_output_bytes
+        self._reap_uid = reap_uid
+        self._current = -1
+        self._interrupting: asyncio.Future[Any] | None = None
+        self._deadline = deadline
+        self._kernel_pid: int | None = None
+        self.report = RunReport()
+        self._reset_cell()
+
+    def _cell_timeout(self, cell: NotebookNode) -> int:
+        role = cell.get("metadata", {}).get("minickpt", {}).get("role", "")
+        t = max(self._setup_timeout, self.timeout) if role in ("setup", "referee") \
+            else self.timeout
+        if self._deadline is not None:  # never past the submission's own wall clock
+            t = max(1, min(t, int(self._deadline - time.monotonic())))
+        return t
+
+    def _reset_cell(self) -> None:
+        self._bytes = 0
+        self._kept = 0
+        self._dropped = 0
+        self._flooded = False
+        self._timed_out = False
+        self._broken = False
+
+    def process_message(self, msg: dict[str, Any], cell: NotebookNode, cell_index: int
+                        ) -> NotebookNode | None:
+        content = msg.get("content", {})
+        if msg.get("msg_type") == "status" and content.get("execution_state") == "idle":
+            # idle after the request: its reply must be there too, or about to be. A kernel
+            # whose own machinery the code broke goes idle and never replies; do not wait
+            # out the whole time-out for every cell left.
+            asyncio.get_event_loop().call_later(NO_REPLY_GRACE, self._no_reply, cell_index)
+        return super().process_message(msg, cell, cell_index)
+
+    def _no_reply(self, cell_index: int) -> None:
+        task = getattr(self, "task_poll_for_reply", None)
+        if task is not None and not task.done() and self._current == cell_index:
+            self._broken = True
+            task.cancel()
+
+    # -- output limits -------------------------------------------------------------------
+    def output(self, outs: list[NotebookNode], msg: dict[str, Any], display_id: str | None,
+               cell_index: int) -> NotebookNode | None:
+        content = msg.get("content", {})
+        kind = msg.get("msg_type")
+        size = len(str(content.get("text", ""))) + len(str(content.get("data", "")))
+        self._bytes += size
+        if self._bytes > self._max and not self._flooded:
+            self._flooded = True
+            self._interrupting = asyncio.ensure_future(self.km.interrupt_kernel())
+        if kind == "error":  # always kept (short): it is what the student reads
+            content = {**content, "evalue": str(content.get("evalue", ""))[:10_000],
+                       "traceback": [str(t)[:10_000] for t in content.get("traceback", [])][-20:]}
+            return super().output(outs, {**msg, "content": content}, display_id, cell_index)
+        room = self._keep - self._kept
+        if kind == "stream":
+            text = str(content.get("text", ""))
+            if len(text) > max(room, 0):
+                receipts = [x for x in text[max(room, 0):].split("\n") if x.startswith(RECEIPT)]
+                self._dropped += len(text) - max(room, 0)
+                text = text[:max(room, 0)] + "".join(f"\n{r}\n" for r in receipts[-4:])
+                if not text:
+                    return None
+                msg = {**msg, "content": {**content, "text": text}}
+            self._kept += len(text)
+        elif size > room:
+            self._dropped += size
+            return None
+        else:
+            self._kept += size
+        return super().output(outs, msg, display_id, cell_index)
+
+    async def _async_handle_timeout(self, timeout: int, cell: NotebookNode | None = None
+                                    ) -> dict[str, Any] | None:
+        self._timed_out = True
+        return await super()._async_handle_timeout(timeout, cell)
+
+    # -- the run ---------------------------------------------------------------------------
+    async def run(self, **kernel_kwargs: Any) -> RunReport:
+        """Execute every code cell; never raises for what the notebook's code does.
+        ``kernel_kwargs`` go to the kernel's launch (stdout, stderr, env, cwd)."""
+        self.reset_execution_trackers()
+        kernel_kwargs = {k: v for k, v in kernel_kwargs.items() if v is not None}
+        async with self.async_setup_kernel(**kernel_kwargs):
+            await self.async_wait_for_reply(await _ensure(self.kc.kernel_info()))
+            if self._reap_uid is not None:
+                found = sandbox.processes_of(self._reap_uid)
+                self._kernel_pid = found[0][1] if found else None
+            count = 0
+            for index, cell in enumerate(self.nb.cells):
+                if cell.cell_type != "code":
+                    continue
+                if self.report.fate:
+                    self.report.not_run[index] = f"not run: {self.report.fate}"
+                    cell.outputs = [_note(self.report.not_run[index])]
+                    continue
+                if not cell.source.strip():
+                    continue
+                if self._deadline is not None and time.monotonic() >= self._deadline:
+                    self.report.fate = "the submission used up its time"
+                    self.report.fate_cell = index
+                    self.report.not_run[index] = f"not run: {self.report.fate}"
+                    cell.outputs = [_note(self.report.not_run[index])]
+                    continue
+                count += 1
+                self._reset_cell()
+                self._current = index
+                t0 = time.monotonic()
+                try:
+                    await self.async_execute_cell(cell, index, execution_count=count)
+                except DeadKernelError:
+                    if self._broken:
+                        await self._kill()
+                        self._end(index, cell, "KernelBroken", "the kernel stopped answering "
+                                  "(the code broke its machinery); it was stopped")
+                    else:
+                        self._end(index, cell, "KernelDied", "the kernel died while this cell "
+                                  "ran (os._exit, a kill, a crash, or a CPU-time or memory limit)")
+                except CellTimeoutError:
+                    await self._kill()
+                    self._end(index, cell, "KernelUnresponsive",
+                              f"the cell ran longer than {self._cell_timeout(cell)} s and did "
+                              "not stop when interrupted; the kernel was stopped")
+                except Exception as e:  # a kernel that sends garbage is the student's doing
+                    await self._kill()
+                    self._end(index, cell, "KernelMisbehaved",
+                              f"the kernel's messages could not be read ({type(e).__name__}); "
+                              "it was stopped")
+                else:
+                    self._after_cell(cell)
+                self.report.seconds[index] = time.monotonic() - t0
+                self._reap(cell)
+        return self.report
+
+    def _after_cell(self, cell: NotebookNode) -> None:
+        if self._timed_out and not any(o.get("ename") == "CellTimeoutError"
+                                       for o in cell.outputs if o.output_type == "error"):
+            cell.outputs.append(_error("CellTimeoutError", f"the cell ran longer than "
+                                       f"{self._cell_timeout(cell)} s and was interrupted"))
+        if self._dropped:
+            cell.outputs.append(_note(f"{self._dropped} more characters of output were not kept"))
+        if self._flooded:
+            cell.outputs.append(_error("OutputLimitExceeded", f"the cell printed more than "
+                                       f"{self._max >> 20} MiB and was interrupted"))
+
+    def _end(self, index: int, cell: NotebookNode, ename: str, evalue: str) -> None:
+        cell.outputs.append(_error(ename, evalue))
+        where = cell.get("metadata", {}).get("minickpt", {}).get("grade_id") or f"cell {index}"
+        self.report.fate = f"{evalue.split(';')[0].split(' (')[0]} in {where}"
+        self.report.fate_cell = index
+
+    async def _kill(self) -> None:
+        try:
+            await _ensure(self.km.shutdown_kernel(now=True))
+        except Exception:
+            pass
+
+    def _reap(self, cell: NotebookNode) -> None:
+        if self._reap_uid is None:
+            return
+        keep = None if self.report.fate else self._kernel_pid
+        killed = sandbox.kill_uid(self._reap_uid, keep=keep)
+        if killed and not self.report.fate:
+            cell.outputs.append(_note(f"stopped {killed} process(es) this cell left running"))
+        self.report.strays_killed += killed
+
+
+async def _ensure(x: Any) -> Any:
+    return await x if asyncio.iscoroutine(x) or isinstance(x, asyncio.Future) else x

@@ -1,0 +1,395 @@
+"""Grading submissions: one submission (:func:`grade_one`), the worker processes that grade
+them one after another, and the pool that keeps ``-j N`` workers busy.
+
+:func:`grade_one` is the unit: one notebook, its own folder, its own sandboxed kernel; it
+always returns a result (a broken notebook is a grade with a reason, a bug of the grader is
+status ``error``). A worker is a long-lived Python process (nbclient, the lab's source and the
+quiz checker are loaded once, not once per student) that reads jobs on stdin and answers on
+its own pipe. The pool gives each worker a parallel *slot* with its own sandbox uid; a worker
+that dies or overruns the wall clock is killed with everything of its uid, the submission
+gets its reason, and a fresh worker takes the slot. So one submission never stops the others,
+and which slot graded a submission changes nothing in its result.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import queue
+import select
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import traceback
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from . import ROOT, sandbox
+from .notebook import (
+    Assembled,
+    Lab,
+    SubmissionError,
+    assemble,
+    grade_cells,
+    hidden_lines_of,
+    load_lab,
+    read_submission,
+    scan,
+    strip_receipts,
+)
+
+REFEREE_FILE = Path(__file__).resolve().parent / "referee.py"
+REFEREE_IN_SANDBOX = "/opt/minickpt-grader/referee.py"
+KERNEL_ARGS = ["--HistoryManager.hist_file=:memory:", "--InteractiveShell.xmode=Minimal"]
+
+
+@dataclass(frozen=True)
+class Job:
+    id: int
+    student: str
+    lab: str
+    notebook: str
+    dir: str
+
+
+def job_from(d: dict[str, Any]) -> Job:
+    return Job(int(d["id"]), str(d["student"]), str(d["lab"]), str(d["notebook"]), str(d["dir"]))
+
+
+# ---------------------------------------------------------------------------------------
+# one submission
+# ---------------------------------------------------------------------------------------
+def _base_result(job: Job, lab: Lab, isolation: str) -> dict[str, Any]:
+    return {"student": job.student, "lab": job.lab, "status": "graded", "reason": "",
+            "scores": dict.fromkeys(lab.grade_cells, 0.0), "messages": {}, "notes": [],
+            "review": [], "isolation": isolation, "ran_all_cells": False}
+
+
+def _to_notebook(asm: Assembled) -> Any:
+    from nbformat.v4 import new_code_cell, new_markdown_cell, new_notebook
+
+    cells = []
+    for c in asm.cells:
+        meta = {"minickpt": {"role": c.role, "grade_id": c.grade_id}}
+        cells.append(new_markdown_cell(c.show, metadata=meta) if c.kind == "markdown"
+                     else new_code_cell(c.run, metadata=meta))
+    return new_notebook(cells=cells, metadata={"kernelspec": {"name": "python3",
+                                                              "display_name": "Python 3",
+                                                              "language": "python"}})
+
+
+def grade_one(job: Job, cfg: dict[str, Any], labs: dict[str, Lab]) -> dict[str, Any]:
+    """Grade one submission in ``job.dir``; write result.json, feedback.html, graded.ipynb
+    (the instructor's copy, hidden tests included) and kernel.log there. Never raises."""
+    t0 = time.monotonic()
+    root = Path(job.dir)
+    iso = sandbox.Isolation(**cfg["iso"])
+    try:
+        if root.exists():
+            shutil.rmtree(root)
+        root.mkdir(parents=True, mode=0o700)
+        lab = labs.get(job.lab)
+        if lab is None:
+            lab = labs[job.lab] = load_lab(Path(cfg["source"]) / job.lab / f"{job.lab}.ipynb")
+        result = _base_result(job, lab, iso.marker)
+        try:
+            shutil.copyfile(job.notebook, root / "submitted.ipynb")
+            student = read_submission(root / "submitted.ipynb")
+        except (SubmissionError, OSError) as e:
+            reason = str(e) if isinstance(e, SubmissionError) else f"cannot be read: {e}"
+            result.update(status="failed", reason=reason)
+            _finish(root, result, lab, None, None, t0)
+            return result
+        _run(job, cfg, lab, student, iso, result, root, t0)
+        return result
+    except Exception:
+        result = {"student": job.student, "lab": job.lab, "status": "error",
+                  "reason": "the grader failed on this submission (see its log)", "scores": {},
+                  "messages": {}, "notes": [], "review": [], "isolation": iso.marker,
+                  "ran_all_cells": False}
+        try:
+            root.mkdir(parents=True, exist_ok=True)
+            (root / "grader.log").write_text(traceback.format_exc())
+            (root / "result.json").write_text(json.dumps(result, indent=1))
+            (root / "timing.json").write_text(json.dumps({"seconds": time.monotonic() - t0}))
+        except OSError:
+            pass
+        return result
+
+
+def _run(job: Job, cfg: dict[str, Any], lab: Lab, student: list[Any], iso: sandbox.Isolation,
+         result: dict[str, Any], root: Path, t0: float) -> None:
+    from .execute import GradingClient
+
+    uid = cfg.get("uid")
+    limits = sandbox.Limits(**cfg["limits"])
+    ipc = Path(cfg["ipc"])
+    sandbox.prepare_ipc_dir(ipc, iso, uid or 0)
+    if iso.sandboxed:
+        referee_path, cwd = REFEREE_IN_SANDBOX, f"/home/student/{lab.name}"
+        key_file = str(ipc / "referee.key")
+        extra_ro = {str(REFEREE_FILE): REFEREE_IN_SANDBOX}
+        lab_dir = Path(cfg["source"]) / lab.name
+        for f in sorted(lab_dir.iterdir()):  # the lab's data files, in the working folder
+            if f.is_file() and f.suffix != ".ipynb" and not f.name.startswith("."):
+                extra_ro[str(f)] = f"{cwd}/{f.name}"
+    else:
+        scratch = root / "scratch"
+        (scratch / "tmp").mkdir(parents=True)
+        referee_path, cwd, key_file, extra_ro = str(REFEREE_FILE), str(scratch), \
+            str(scratch / "referee.key"), {}
+    refereed = os.environ.get("MINICKPT_REFEREE", "").lower() not in ("off", "0", "no")
+    asm = assemble(lab, student, referee_path=referee_path, key_file=key_file, refereed=refereed)
+    if not refereed:
+        result["isolation"] += " + NO REFEREE (MINICKPT_REFEREE=off)"
+    fd = os.open(key_file, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o400)
+    with os.fdopen(fd, "wb") as f:
+        f.write(asm.key)
+    if iso.mode == "bwrap-root" and uid:
+        os.chown(key_file, uid, uid)
+    nb = _to_notebook(asm)
+    reap = uid if iso.mode == "bwrap-root" else None
+    km = sandbox.make_kernel_manager(iso, uid=uid or 0, ipc_dir=str(ipc), cwd=cwd,
+                                     limits=limits, extra_ro=extra_ro, kernel_args=KERNEL_ARGS,
+                                     max_message_bytes=int(cfg["max_message"]))
+    client = GradingClient(nb, km, timeout=int(cfg["timeout"]),
+                           setup_timeout=int(cfg["setup_timeout"]),
+                           keep_output_bytes=int(cfg["keep_output"]),
+                           max_output_bytes=int(cfg["max_output"]),
+                           interrupt_grace=int(cfg["grace"]), reap_uid=reap,
+                           deadline=t0 + int(cfg["wall"]))
+    env = None if iso.sandboxed else {**os.environ, "IPYTHONDIR": str(root / "scratch" / ".ipython"),
+                                      "TMPDIR": str(root / "scratch" / "tmp")}
+    started = False
+    with open(root / "kernel.log", "wb") as klog:
+        try:
+            report = asyncio.run(client.run(stdout=klog, stderr=klog, env=env,
+                                            cwd=cwd if not iso.sandboxed else None))
+            started = True
+        finally:
+            if reap:
+                sandbox.kill_uid(reap)
+            km.context.destroy(linger=0)
+    if not started:  # pragma: no cover - asyncio.run raised: reported by grade_one
+        return
+    executed = [list(c.get("outputs", [])) if c.cell_type == "code" else [] for c in nb.cells]
+    notes = {i: msg for i, msg in report.not_run.items()}
+    for g in grade_cells(asm, executed, notes, lab.grade_cells):
+        result["scores"][g.grade_id] = g.score
+        if g.message:
+            result["messages"][g.grade_id] = g.message
+        for what in g.restored:
+            result["review"].append(f"changed {what} (put back before {g.grade_id})")
+    result["notes"] = asm.notes
+    if report.fate:
+        result["reason"] = f"{report.fate}: the cells after it were not run (0 points)"
+        result["notes"] = [*asm.notes, result["reason"]]
+    result["ran_all_cells"] = not report.not_run and not report.fate
+    mine = [(c.grade_id or f"your cell {k}", c.run) for k, c in enumerate(asm.cells)
+            if c.role == "student" and c.run.strip()]
+    result["review"] = sorted(set(result["review"]) | set(scan(mine)))
+    if report.strays_killed:
+        result["killed_processes"] = report.strays_killed
+    _finish(root, result, lab, asm, executed, t0)
+
+
+def _finish(root: Path, result: dict[str, Any], lab: Lab, asm: Assembled | None,
+            executed: list[list[Any]] | None, t0: float) -> None:
+    """Write the feedback page, the instructor's copy and the result."""
+    from . import feedback
+
+    info = lab.info()
+    group_of = {gid: lab.group(gid) for gid in info["cells"]}
+    result["groups"] = {g: 0.0 for g in lab.groups}
+    for gid, s in result["scores"].items():
+        result["groups"][group_of[gid]] += s
+    result["total"] = sum(result["scores"].values())
+    result["max_score"] = lab.max_score
+    cells: list[dict[str, Any]] = []
+    secrets: set[str] = set()
+    if asm is not None and executed is not None:
+        secrets = hidden_lines_of(asm)
+        for c, outs in zip(asm.cells, executed, strict=True):
+            if c.role == "referee":
+                continue
+            cells.append({"kind": c.kind, "role": c.role, "grade_id": c.grade_id,
+                          "show": c.show, "outputs": strip_receipts([dict(o) for o in outs])})
+        _write_graded(root / "graded.ipynb", asm, executed)
+    page = feedback.feedback_html({**result, "points": info["cells"], "group_of": group_of},
+                                  cells, lab.groups, secrets)
+    (root / "feedback.html").write_text(page, encoding="utf-8")
+    (root / "result.json").write_text(json.dumps(result, indent=1))
+    (root / "timing.json").write_text(json.dumps({"seconds": time.monotonic() - t0}))
+
+
+def _write_graded(path: Path, asm: Assembled, executed: list[list[Any]]) -> None:
+    import nbformat
+    from nbformat.v4 import new_code_cell, new_markdown_cell, new_notebook
+
+    cells = []
+    for c, outs in zip(asm.cells, executed, strict=True):
+        if c.role == "referee":
+            continue
+        if c.kind == "markdown":
+            cells.append(new_markdown_cell(c.show))
+            continue
+        cell = new_code_cell(c.full or c.run, metadata={"minickpt": {"role": c.role,
+                                                                      "grade_id": c.grade_id}})
+        cell.outputs = [nbformat.from_dict(o) for o in strip_receipts([dict(o) for o in outs])]
+        cells.append(cell)
+    nb = new_notebook(cells=cells)
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)  # hidden tests inside
+    with os.fdopen(fd, "w", encoding="utf-8") as f:
+        f.write(nbformat.writes(nb))
+
+
+# ---------------------------------------------------------------------------------------
+# the worker process
+# ---------------------------------------------------------------------------------------
+def worker_main(cfg_json: str) -> int:
+    """Grade jobs read from stdin (one JSON per line); answer ``done <id>`` on the original
+    stdout, which nothing else writes to (stdout is redirected to the log)."""
+    proto = os.fdopen(os.dup(1), "w", buffering=1)
+    os.dup2(2, 1)
+    cfg = json.loads(cfg_json)
+    labs: dict[str, Lab] = {}
+    from . import notebook  # noqa: F401  (loads nbformat & co before the first job)
+
+    for line in sys.stdin:
+        if not line.strip():
+            continue
+        job = job_from(json.loads(line))
+        grade_one(job, cfg, labs)
+        proto.write(f"done {job.id}\n")
+    return 0
+
+
+# ---------------------------------------------------------------------------------------
+# the pool
+# ---------------------------------------------------------------------------------------
+class Slot:
+    """One parallel slot: a worker process and the sandbox uid it grades under."""
+
+    def __init__(self, k: int, uid: int | None, cfg: dict[str, Any], logs: Path) -> None:
+        self.k, self.uid = k, uid
+        self.ipc = Path(tempfile.mkdtemp(prefix=f"minickpt-grade-{k}-"))
+        self.cfg = {**cfg, "uid": uid, "ipc": str(self.ipc / "ipc")}
+        self.log_path = logs / f"worker-{k}.log"
+        self.proc: subprocess.Popen[bytes] | None = None
+        self._buf = b""
+
+    def start(self) -> None:
+        log = open(self.log_path, "ab")
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "autograder.grade", "--worker", json.dumps(self.cfg)],
+            cwd=ROOT, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=log,
+            start_new_session=True, env={**os.environ, "PYTHONPATH": str(ROOT)})
+        log.close()
+        self._buf = b""
+
+    def stop(self) -> None:
+        if self.proc is not None:
+            try:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+            except (ProcessLookupError, PermissionError):
+                pass
+            self.proc.wait()
+            self.proc = None
+        if self.uid:
+            sandbox.kill_uid(self.uid)
+
+    def close(self) -> None:
+        self.stop()
+        shutil.rmtree(self.ipc, ignore_errors=True)
+
+    def grade(self, job: Job, wall: float) -> str:
+        """Send one job; ``"done"``, ``"timeout"`` or ``"died"``."""
+        if self.proc is None or self.proc.poll() is not None:
+            self.start()
+        assert self.proc is not None and self.proc.stdin is not None and self.proc.stdout
+        try:
+            self.proc.stdin.write((json.dumps(job.__dict__) + "\n").encode())
+            self.proc.stdin.flush()
+        except (BrokenPipeError, OSError):
+            self.stop()
+            return "died"
+        deadline = time.monotonic() + wall
+        fd = self.proc.stdout.fileno()
+        while b"\n" not in self._buf:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                self.stop()
+                return "timeout"
+            ready, _, _ = select.select([fd], [], [], min(left, 5.0))
+            if ready:
+                chunk = os.read(fd, 4096)
+                if not chunk:
+                    self.stop()
+                    return "died"
+                self._buf += chunk
+        line, _, self._buf = self._buf.partition(b"\n")
+        return "done" if line.strip() == f"done {job.id}".encode() else "died"
+
+
+def run_pool(jobs: list[Job], cfg: dict[str, Any], n: int, logs: Path,
+             on_result: Callable[[Job, dict[str, Any], float], None]) -> None:
+    """Grade ``jobs`` with ``n`` workers; ``on_result`` is called (in the main thread) with
+    each job's result as it comes."""
+    iso = sandbox.Isolation(**cfg["iso"])
+    uids_cm = sandbox.SlotUids(n, base=int(cfg.get("uid_base", sandbox.UID_BASE))) \
+        if iso.mode == "bwrap-root" else None
+    uids = uids_cm.__enter__().uids if uids_cm else [None] * n
+    todo: queue.Queue[Job | None] = queue.Queue()
+    done: queue.Queue[tuple[Job, dict[str, Any], float]] = queue.Queue()
+    for j in jobs:
+        todo.put(j)
+    slots = [Slot(k, uids[k], cfg, logs) for k in range(n)]
+    wall = float(cfg["wall"]) + 120.0
+
+    def serve(slot: Slot) -> None:
+        while True:
+            try:
+                job = todo.get_nowait()
+            except queue.Empty:
+                return
+            t0 = time.monotonic()
+            outcome = slot.grade(job, wall)
+            result = _read_result(job, outcome, wall)
+            done.put((job, result, time.monotonic() - t0))
+
+    threads = [threading.Thread(target=serve, args=(s,), daemon=True) for s in slots]
+    try:
+        for t in threads:
+            t.start()
+        for _ in range(len(jobs)):
+            job, result, seconds = done.get()
+            on_result(job, result, seconds)
+        for t in threads:
+            t.join()
+    finally:
+        for s in slots:
+            s.close()
+        if uids_cm:
+            uids_cm.__exit__()
+
+
+def _read_result(job: Job, outcome: str, wall: float) -> dict[str, Any]:
+    path = Path(job.dir) / "result.json"
+    if outcome == "done" and path.exists():
+        try:
+            return json.loads(path.read_text())
+        except ValueError:
+            pass
+    reason = {"timeout": f"grading took longer than {wall:.0f} s and was stopped",
+              "died": "the grading process died (see logs/worker-*.log)"}.get(
+        outcome, "the grading process gave no result")
+    return {"student": job.student, "lab": job.lab, "status": "error", "reason": reason,
+            "scores": {}, "messages": {}, "notes": [], "review": [], "isolation": "",
+            "ran_all_cells": False}
