@@ -135,6 +135,10 @@ def build(out: Path, *, solutions_in: Path) -> dict[str, Path]:
                     extra.name != "__pycache__":
                 dest = sol_out / lab / extra.name
                 (shutil.copytree if extra.is_dir() else shutil.copy2)(extra, dest)
+    from .notebook import load_lab
+
+    for lab in labs:  # what the grader needs of a lab (a setup cell, quiz checks that stand alone)
+        load_lab(sol_out / lab / f"{lab}.ipynb")
     generate_labs(sol_out, labs_out, labs)
     write_examples(labs_out, sol_out, ex_out)
     return {"solutions": sol_out, "labs": labs_out, "examples": ex_out}

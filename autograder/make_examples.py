@@ -5,7 +5,7 @@ Each example is the released notebook as a student would hand it in: ``perfect``
 task with the reference code and answers the quiz right; the others start from ``perfect`` (or
 from the blank release) and make one kind of mistake the grader must handle. Their expected
 scores, per task, are in ``autograder/examples/expected.csv`` (written by hand: the point is to
-check the grader against what a person expects).
+check the grader against what a person expects; tests/test_grading_hardening.py compares).
 """
 
 from __future__ import annotations

@@ -371,10 +371,13 @@ def assemble(lab: Lab, student: list[StudentCell], *, referee_path: str, key_fil
 
 
 def hidden_lines_of(asm: Assembled) -> set[str]:
-    """Lines of this lab's hidden tests, to blank wherever an output repeats them."""
+    """Lines of this lab's hidden tests that no visible part shows, to blank wherever an
+    output repeats them."""
     from .feedback import hidden_lines
 
-    return hidden_lines([split_hidden(c.full)[1] for c in asm.cells if c.role in ("test", "quiz")])
+    tests = [c for c in asm.cells if c.role in ("test", "quiz")]
+    shown = {line.strip() for c in asm.cells for line in c.show.split("\n")}
+    return hidden_lines([split_hidden(c.full)[1] for c in tests]) - shown
 
 
 def _norm(source: str) -> str:

@@ -81,6 +81,8 @@ def configure(c: Any, *, root: str | os.PathLike[str] = ROOT, work: str | os.Pat
                                                                "editable"}
     c.ClearMetadataPreprocessor.preserve_nb_metadata_mask = {"kernelspec", ("language_info", "name")}
 
+    # grading with plain `nbgrader autograde` (grade.sh does not use it: its own executor runs
+    # the lab's cells under the referee, see autograder/grade.py); these keep it sensible
     # grading: students come from the submissions; deleted test cells come back
     c.Autograde.create_student = True
     c.OverwriteCells.add_missing_cells = True

@@ -1,0 +1,25 @@
+#!/usr/bin/env bash
+# Install what grade.sh isolates student code with: bubblewrap (bwrap), and setpriv/prlimit
+# (util-linux, present on Debian/Ubuntu). Needs root and apt-get; elsewhere it says what to do.
+# Idempotent: does nothing when bwrap is already installed. CI runs it (scripts/test.sh).
+set -euo pipefail
+if command -v bwrap >/dev/null 2>&1; then
+  exit 0
+fi
+if [ "$(id -u)" != 0 ] || ! command -v apt-get >/dev/null 2>&1; then
+  echo "install-sandbox: bubblewrap is missing; install it as root, e.g." >&2
+  echo "  sudo apt-get install bubblewrap      (Debian/Ubuntu)" >&2
+  echo "  sudo dnf install bubblewrap          (Fedora)" >&2
+  echo "Without it grade.sh still grades, but WITHOUT isolating student code (it warns)." >&2
+  exit 0
+fi
+echo "install-sandbox: installing bubblewrap with apt-get" >&2
+export DEBIAN_FRONTEND=noninteractive
+apt-get install -y -q bubblewrap >/dev/null 2>&1 ||
+  { apt-get update -q >/dev/null 2>&1 && apt-get install -y -q bubblewrap >/dev/null 2>&1; } ||
+  true
+if command -v bwrap >/dev/null 2>&1; then
+  echo "install-sandbox: $(bwrap --version)" >&2
+else
+  echo "install-sandbox: COULD NOT INSTALL bubblewrap: grade.sh will not isolate student code" >&2
+fi

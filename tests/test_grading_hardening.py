@@ -1,0 +1,670 @@
+"""Grading untrusted notebooks: the sandbox, the referee, the hostile corpus, -j and shards.
+
+The expensive part runs once per session (``corpus``): ``grade.sh -j 2`` over every example
+submission (the hostile corpus included) and each lab's source notebook as student
+``reference``, while a TCP listener waits on the port the network attack aims at. A second,
+small run (``sliced``) grades four of the examples sequentially (-j 1), in two shards, and
+merges them: its CSV must equal the -j 2 run's rows for those students.
+
+Without a working sandbox (no bubblewrap, not root) the attack_* examples are skipped by
+grade.sh and the tests here that need the sandbox skip too, unless MINICKPT_REQUIRE_SANDBOX=1
+(set by scripts/test.sh, as CI runs it) makes that a failure.
+"""
+
+from __future__ import annotations
+
+import ast
+import csv
+import hashlib
+import html
+import json
+import os
+import re
+import shutil
+import socket
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from autograder import ROOT, build, sandbox
+from autograder.grade import LabInfo, shard_of, write_outputs
+from autograder.make_examples import EXAMPLES, NETWORK_PORTS
+from autograder.notebook import (
+    assemble,
+    decode_answer,
+    grade_cells,
+    load_lab,
+    read_submission,
+    scan,
+    split_hidden,
+)
+from autograder.referee import RECEIPT
+from autograder.referee import _literal as referee_literal
+from minickpt import labkit
+
+SOLUTIONS, LABS, EXAMPLES_DIR = ROOT / "solutions", ROOT / "labs", ROOT / "autograder" / "examples"
+LAB_NAMES = build.lab_names(SOLUTIONS)
+GRADE_SH = ROOT / "autograder" / "grade.sh"
+CI_TIMEOUT = 20  # seconds a cell may run in these runs: never_finishes & co cost this
+GRADING = pytest.mark.timeout(1500)
+SLICE = {"blank": 1, "cheat_os_exit": 1, "partial": 2, "cheat_kernel_lie": 2}
+"""The examples graded again sequentially, in two shards (their shard by name)."""
+ISOLATION = sandbox.probe()
+REQUIRE = os.environ.get("MINICKPT_REQUIRE_SANDBOX") == "1"
+
+
+def need_sandbox() -> None:
+    if ISOLATION.mode == "bwrap-root":
+        return
+    why = f"needs the sandbox as root (have {ISOLATION.mode}: {ISOLATION.detail})"
+    if REQUIRE:
+        pytest.fail(why + "; MINICKPT_REQUIRE_SANDBOX=1: install bubblewrap "
+                          "(scripts/install-sandbox.sh) and run as root")
+    pytest.skip(why)
+
+
+def _env() -> dict[str, str]:
+    env = {**os.environ, "JAX_PLATFORMS": os.environ.get("JAX_PLATFORMS", "cpu")}
+    env.pop("XLA_FLAGS", None)  # the notebooks choose their devices themselves
+    return env
+
+
+def _grade(*args: str, timeout: int = 1200) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(["bash", str(GRADE_SH), *args], capture_output=True, text=True,
+                          timeout=timeout, env=_env())
+
+
+def _tree(folder: Path) -> dict[str, str]:
+    return {str(p.relative_to(folder)): hashlib.sha256(p.read_bytes()).hexdigest()
+            for p in sorted(folder.rglob("*")) if p.is_file()}
+
+
+def _notebooks(folder: Path) -> dict[str, str]:
+    return {k: v for k, v in _tree(folder).items() if k.endswith(".ipynb")}
+
+
+class Listener:
+    """A localhost TCP server on one of the ports attack_network tries; it records whoever
+    connects (nobody must)."""
+
+    def __init__(self) -> None:
+        self.connections: list[bytes] = []
+        for port in NETWORK_PORTS:
+            s = socket.socket()
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                s.close()
+                continue
+            s.listen(8)
+            s.settimeout(0.2)
+            self.sock, self.port = s, port
+            break
+        else:  # pragma: no cover - every port taken
+            raise RuntimeError(f"no free port in {NETWORK_PORTS}")
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._serve, daemon=True)
+        self._thread.start()
+
+    def _serve(self) -> None:
+        while not self._stop.is_set():
+            try:
+                conn, _ = self.sock.accept()
+            except OSError:
+                continue
+            with conn:
+                conn.settimeout(1)
+                try:
+                    self.connections.append(conn.recv(1024) or b"<connected>")
+                except OSError:
+                    self.connections.append(b"<connected>")
+
+    def close(self) -> None:
+        self._stop.set()
+        self._thread.join(5)
+        self.sock.close()
+
+
+# ---------------------------------------------------------------------------------------
+# the session's runs
+# ---------------------------------------------------------------------------------------
+@pytest.fixture(scope="session")
+def corpus(tmp_path_factory):
+    """grade.sh -j 2 over every example and each lab's source (student 'reference')."""
+    tmp = tmp_path_factory.mktemp("corpus")
+    subs = tmp / "subs"
+    shutil.copytree(EXAMPLES_DIR, subs, ignore=shutil.ignore_patterns("*.csv", "*.md"))
+    for lab in LAB_NAMES:  # a released lab that has no untouched copy among the examples
+        release = (LABS / lab / f"{lab}.ipynb").read_bytes()
+        if not any(p.read_bytes() == release for p in subs.glob(f"*/{lab}/{lab}.ipynb")):
+            (subs / "released" / lab).mkdir(parents=True)
+            (subs / "released" / lab / f"{lab}.ipynb").write_bytes(release)
+    before = {"subs": _tree(subs), "root": _notebooks(EXAMPLES_DIR)}
+    listener = Listener()
+    t0 = time.monotonic()
+    try:
+        proc = _grade(str(subs), "--include-solutions", "-j", "2", "--timeout", str(CI_TIMEOUT),
+                      "--out", str(tmp / "out"), "--work", str(tmp / "work"))
+    finally:
+        listener.close()
+    out = tmp / "out"
+    results = json.loads((out / "results.json").read_text()) if (out / "results.json").exists() \
+        else []
+    return {"proc": proc, "out": out, "work": tmp / "work", "subs": subs, "tmp": tmp,
+            "before": before, "listener": listener, "seconds": time.monotonic() - t0,
+            "results": {(r["lab"], r["student"]): r for r in results}}
+
+
+@pytest.fixture(scope="session")
+def sliced(corpus, tmp_path_factory):
+    """Four of the examples again: shard 1/2 then shard 2/2, each with -j 1, then merged."""
+    tmp = tmp_path_factory.mktemp("sliced")
+    subs = tmp / "subs"
+    for student in SLICE:
+        shutil.copytree(EXAMPLES_DIR / student, subs / student)
+    procs = []
+    for i in (1, 2):
+        procs.append(_grade(str(subs), "--shard", f"{i}/2", "-j", "1", "--timeout",
+                            str(CI_TIMEOUT), "--out", str(tmp / f"out{i}"),
+                            "--work", str(tmp / f"work{i}")))
+    procs.append(_grade("merge", str(tmp / "out1"), str(tmp / "out2"), "--out",
+                        str(tmp / "merged"), timeout=300))
+    return {"procs": procs, "tmp": tmp}
+
+
+def _result(corpus, student, lab="lab01_basics"):
+    return corpus["results"][lab, student]
+
+
+def _feedback(corpus, student, lab="lab01_basics") -> str:
+    return (corpus["out"] / "feedback" / student / f"{lab}.html").read_text()
+
+
+def _graded_outputs(corpus, student, lab="lab01_basics") -> str:
+    """All text the student's kernel printed (the instructor's copy of the notebook)."""
+    nb = json.loads((corpus["work"] / "subs" / lab / student / "graded.ipynb").read_text())
+    texts = []
+    for c in nb["cells"]:
+        for o in c.get("outputs", []):
+            t = o.get("text", "")
+            texts.append("".join(t) if isinstance(t, list) else t)
+            if o.get("output_type") == "error":
+                texts.append(f"{o.get('ename')}: {o.get('evalue')}")
+    return "\n".join(texts)
+
+
+# ---------------------------------------------------------------------------------------
+# the corpus grades as expected
+# ---------------------------------------------------------------------------------------
+@GRADING
+def test_grading_itself_succeeds(corpus):
+    proc = corpus["proc"]
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert "kernels: " in proc.stdout
+
+
+@GRADING
+def test_every_example_grades_as_expected(corpus):
+    """expected.csv, written by hand: per task, total, status. For the hostile examples: the
+    hostile part gains nothing, the honest parts keep their points."""
+    with open(EXAMPLES_DIR / "expected.csv") as f:
+        expected = list(csv.DictReader(f))
+    assert {(e["lab"], e["student"]) for e in expected} == {
+        (lab, s) for lab, exs in EXAMPLES.items() for s in exs}
+    graded_attacks = ISOLATION.sandboxed
+    for e in expected:
+        if e["student"].startswith("attack_") and not graded_attacks:
+            continue
+        r = _result(corpus, e["student"], e["lab"])
+        got = {g: f"{v:g}" for g, v in r["groups"].items()}
+        want = {k: v for k, v in e.items() if k not in ("lab", "student", "total", "status")}
+        assert (got, f"{r['total']:g}", r["status"]) == (want, e["total"], e["status"]), \
+            f"{e['student']}: {r['messages']} {r['reason']}"
+        row = r"\s+".join([e["student"], *want.values(), e["total"], e["status"]])
+        assert re.search(rf"^{row}\b", corpus["proc"].stdout, re.M), \
+            f"the printed table lacks the row of {e['student']}"
+    if not graded_attacks:
+        need_sandbox()  # the attack_* rows were skipped: say so (or fail in CI)
+
+
+@GRADING
+def test_every_solution_notebook_scores_full_marks(corpus):
+    for lab in LAB_NAMES:
+        r = _result(corpus, "reference", lab)
+        assert r["status"] == "graded" and r["total"] == r["max_score"] > 0, r["messages"]
+        assert not r["messages"] and not r["review"] and r["ran_all_cells"]
+
+
+@GRADING
+def test_every_released_lab_scores_zero_and_runs_to_the_end(corpus):
+    for lab in LAB_NAMES:
+        release = (LABS / lab / f"{lab}.ipynb").read_bytes()
+        students = [p.parent.parent.name for p in EXAMPLES_DIR.glob(f"*/{lab}/{lab}.ipynb")
+                    if p.read_bytes() == release] or ["released"]
+        r = _result(corpus, students[0], lab)
+        assert r["status"] == "graded" and r["ran_all_cells"], r
+        assert r["total"] == 0 and all(v == 0 for v in r["groups"].values()), r["groups"]
+        for gid, err in r["messages"].items():
+            m = re.match(r"test_(\d+)_(\d+)_", gid)
+            if m:  # an unfinished task fails with its own ID
+                assert f"Task {m.group(1)}.{m.group(2)}" in err, (gid, err)
+
+
+@GRADING
+def test_a_kernel_that_dies_keeps_the_points_before_it_and_says_why(corpus):
+    for student, cell in (("cheat_os_exit", "test_1_3_leaf"), ("cheat_kill_kernel", "test_1_4_resume")):
+        r = _result(corpus, student)
+        assert r["status"] == "graded" and not r["ran_all_cells"]
+        assert "kernel died" in r["reason"] and cell in r["reason"], r["reason"]
+        assert "KernelDied" in r["messages"][cell]
+        later = [g for g in r["scores"] if list(r["scores"]).index(g) > list(r["scores"]).index(cell)]
+        assert later and all(r["scores"][g] == 0 and "not run" in r["messages"][g] for g in later)
+        assert "kernel died" in _feedback(corpus, student)
+
+
+@GRADING
+def test_cells_that_do_not_stop_are_stopped(corpus):
+    r = _result(corpus, "never_finishes")  # interrupted at the time-out; the rest runs
+    assert r["ran_all_cells"] and r["messages"] == {
+        "test_1_4_resume": f"CellTimeoutError: the cell ran longer than {CI_TIMEOUT} s and was "
+                           "interrupted"}
+    if ISOLATION.sandboxed:  # ignores the interrupt: the kernel is stopped, the rest is 0
+        r = _result(corpus, "attack_ignore_interrupt")
+        assert "did not stop when interrupted" in r["reason"] and not r["ran_all_cells"]
+        assert r["messages"]["test_1_4_resume"].startswith("KernelUnresponsive")
+
+
+@GRADING
+def test_attacks_on_the_machine_are_contained(corpus):
+    need_sandbox()
+    assert corpus["listener"].connections == [], "a submission reached a localhost server"
+    assert "reached nothing" in _graded_outputs(corpus, "attack_network")
+    assert "answers found: none" in _graded_outputs(corpus, "attack_read_solutions")
+    assert "marked 0 folder(s); could write 0 notebook(s)" in \
+        _graded_outputs(corpus, "attack_write_others")
+    pwned = [p for base in (corpus["tmp"], ROOT) for p in base.rglob("PWNED*")]
+    assert not pwned, pwned
+    assert _tree(corpus["subs"]) == corpus["before"]["subs"], "a submission was changed"
+    assert _notebooks(EXAMPLES_DIR) == corpus["before"]["root"]
+    forked = int(re.search(r"forked (\d+) children", _graded_outputs(corpus, "attack_fork_bomb"))[1])
+    assert 0 < forked < sandbox.Limits().processes
+    hog = _graded_outputs(corpus, "attack_memory_hog")
+    assert int(re.search(r"MemoryError after (\d+) MiB", hog)[1]) * 2**20 < sandbox.Limits().memory_bytes
+    flood = _graded_outputs(corpus, "attack_huge_output")
+    assert "OutputLimitExceeded" in flood and len(flood) < 2 * 2**20
+    assert len(_feedback(corpus, "attack_huge_output")) < 500_000
+    for r in corpus["results"].values():
+        assert r["isolation"] == "sandbox"
+
+
+@GRADING
+def test_feedback_shows_messages_but_never_hidden_tests_or_receipts(corpus):
+    out = corpus["out"]
+    with open(out / "grades.csv") as f:
+        overall = {row["student"]: row for row in csv.DictReader(f)}
+    hidden = set()
+    for lab in LAB_NAMES:  # hidden test lines that no visible part of the lab shows too
+        cells = load_lab(SOLUTIONS / lab / f"{lab}.ipynb").cells
+        shown = {s.strip() for c in cells for s in split_hidden(c.source)[0].split("\n")}
+        for c in cells:
+            hidden |= {s.strip() for s in split_hidden(c.source)[1].split("\n")
+                       if len(s.strip()) >= 20 and not s.strip().startswith("#")} - shown
+    assert hidden
+    for (lab, student), r in corpus["results"].items():
+        assert float(overall[student][lab]) == r["total"]
+        page = html.unescape((out / r["feedback"]).read_text())
+        assert "__referee__" not in page  # only cheat_fake_output's own code forges a receipt:
+        assert set(re.findall(re.escape(RECEIPT) + r" \S+ ([0-9a-f]{64})", page)) <= {"0" * 64}
+        leaked = [s for s in hidden if s in page]
+        assert not leaked, f"{student}: hidden test lines in the feedback: {leaked[:3]}"
+    page = _feedback(corpus, "partial")  # the teaching message is there
+    assert "compare step numbers, not names" in page and "13 / 26 points" in page
+    with open(out / "grades-lab01_basics.csv") as f:
+        rows = {row["student"]: row for row in csv.DictReader(f)}
+    assert rows["partial"]["test_1_4_resume"] == "0" and rows["perfect"]["test_1_4_resume"] == "3"
+    assert "seconds" not in next(iter(rows.values()))  # nothing that varies between runs
+    assert (out / "summary.txt").read_text().strip() in corpus["proc"].stdout
+
+
+@GRADING
+def test_forged_receipts_and_peeking_earn_nothing_and_tampering_is_flagged(corpus):
+    r = _result(corpus, "cheat_fake_output")
+    assert r["scores"]["test_1_2_host"] == 0  # its to_host printed a receipt-like line
+    assert "no sign from the referee" in _result(corpus, "cheat_kernel_lie")["messages"]["test_1_2_host"]
+    assert any("get_ipython" in f for f in _result(corpus, "cheat_kernel_lie")["review"])
+    assert any("builtins.type" in f for f in _result(corpus, "cheat_patch_builtins")["review"])
+    assert not _result(corpus, "perfect")["review"]
+    notes = " ".join(_result(corpus, "cheat_reordered")["notes"])
+    assert "lab's order" in notes
+    assert "test_1_9_bonus" not in _result(corpus, "cheat_metadata")["scores"]
+    assert _result(corpus, "cheat_metadata")["max_score"] == 26
+
+
+@GRADING
+def test_class_summary_says_which_tasks_most_students_failed(corpus):
+    out = corpus["out"]
+    with open(out / "class-summary-lab01_basics.csv") as f:
+        rows = list(csv.DictReader(f))
+    by = {r["name"]: r for r in rows}
+    info = load_lab(SOLUTIONS / "lab01_basics" / "lab01_basics.ipynb")
+    assert set(by) == {*info.groups, *info.grade_cells}
+    n = len([r for r in corpus["results"].values() if r["lab"] == "lab01_basics"])
+    full_14 = sum(1 for r in corpus["results"].values() if r["lab"] == "lab01_basics"
+                  and r["groups"]["1.4"] == 3)
+    assert by["1.4"]["full_marks"] == str(full_14) and by["1.4"]["submissions"] == str(n)
+    assert by["test_quiz_q3"]["title"].startswith("Q3.")
+    assert "most common failure" in corpus["proc"].stdout
+    assert "Class summary" in (out / "class-summary.html").read_text()
+
+
+@GRADING
+def test_one_at_a_time_in_two_shards_gives_the_same_grades_as_two_at_a_time(corpus, sliced):
+    """What is compared: the merged --out of `--shard 1/2 -j 1` and `--shard 2/2 -j 1` over
+    four examples, against the corpus run (-j 2, all examples): grades-<lab>.csv must hold
+    byte for byte the corpus run's header and rows for those four students; results.json the
+    same entries; class-summary-<lab>.csv and grades.csv what the corpus results for those
+    four make (write_outputs, the code both runs end in)."""
+    for proc in sliced["procs"]:
+        assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    merged, tmp = sliced["tmp"] / "merged", sliced["tmp"]
+    for i in (1, 2):
+        graded = json.loads((tmp / f"out{i}" / "results.json").read_text())
+        assert sorted(r["student"] for r in graded) == sorted(s for s, k in SLICE.items() if k == i)
+        assert all(shard_of(r["student"], 2) == i for r in graded)
+    whole = (corpus["out"] / "grades-lab01_basics.csv").read_text().splitlines()
+    want = [whole[0]] + [line for line in whole[1:] if line.split(",")[0] in SLICE]
+    assert (merged / "grades-lab01_basics.csv").read_text().splitlines() == want
+    corpus_rows = json.loads((corpus["out"] / "results.json").read_text())
+    subset = [r for r in corpus_rows if r["student"] in SLICE]
+    assert json.loads((merged / "results.json").read_text()) == subset
+    again = tmp / "rewritten"
+    write_outputs(again, subset, {"lab01_basics": _info()}, {}, {})
+    for name in ("class-summary-lab01_basics.csv", "grades.csv"):
+        assert (merged / name).read_bytes() == (again / name).read_bytes(), name
+    for student in SLICE:
+        assert (merged / "feedback" / student / "lab01_basics.html").exists()
+
+
+def _info() -> LabInfo:
+    info = load_lab(SOLUTIONS / "lab01_basics" / "lab01_basics.ipynb").info()
+    return LabInfo("lab01_basics", info["cells"], info["fingerprint"], info["questions"])
+
+
+# ---------------------------------------------------------------------------------------
+# the pieces, fast
+# ---------------------------------------------------------------------------------------
+def _lab():
+    return load_lab(SOLUTIONS / "lab01_basics" / "lab01_basics.ipynb")
+
+
+def test_assembly_runs_the_labs_cells_in_order_with_only_the_students_code(tmp_path):
+    lab = _lab()
+    nb = json.loads((EXAMPLES_DIR / "perfect" / "lab01_basics" / "lab01_basics.ipynb").read_text())
+    cells = nb["cells"]
+    test = next(c for c in cells if c["metadata"].get("nbgrader", {}).get("grade_id") == "test_1_3_leaf")
+    test["source"] = "pass"                                          # an edited test
+    test["metadata"]["nbgrader"]["points"] = 100                     # edited metadata
+    cells.remove(next(c for c in cells if c["metadata"].get("nbgrader", {}).get("grade_id")
+                      == "test_quiz_q5"))                             # a deleted test
+    cells.insert(0, {"cell_type": "code", "metadata": {}, "source": "print('first!')",
+                     "outputs": [], "execution_count": None, "id": "mine"})  # above the setup
+    nb["cells"] = list(reversed(cells))                              # and all reversed
+    path = tmp_path / "sub.ipynb"
+    path.write_text(json.dumps(nb))
+    asm = assemble(lab, read_submission(path), referee_path="/r.py", key_file="/k")
+    roles = [c.role for c in asm.cells]
+    assert roles[0] == "referee" and "__referee__ = " in asm.cells[0].run
+    assert roles.index("setup") < roles.index("referee", 1) < roles.index("student")
+    gids = [c.grade_id for c in asm.cells if c.grade_id]
+    assert gids == [c.grade_id for c in lab.cells if c.grade_id]    # the lab's order, all of it
+    leaf = next(c for c in asm.cells if c.grade_id == "test_1_3_leaf")
+    assert "### BEGIN HIDDEN TESTS" in leaf.full and repr(leaf.full) in leaf.run  # the lab's test
+    quiz = next(c for c in asm.cells if c.grade_id == "test_quiz_q5")
+    assert quiz.report == ("Q5",) and "same(Q5" in quiz.hidden and "same(Q5" not in quiz.run
+    mine = next(i for i, c in enumerate(asm.cells) if "first!" in c.run)
+    assert mine > roles.index("referee", 1)                            # after the seal
+    notes = " ".join(asm.notes)
+    assert "test_1_3_leaf was edited" in notes and "test_quiz_q5 is missing" in notes
+    assert "lab's order" in notes and "above the setup cell" in notes
+
+
+def test_a_test_scores_only_with_its_own_valid_receipt():
+    lab = _lab()
+    asm = assemble(lab, [], referee_path="/r.py", key_file="/k", key=b"k" * 32, nonce="n1")
+    idx = {c.grade_id: i for i, c in enumerate(asm.cells) if c.role in ("test", "quiz")}
+    executed: list[list] = [[] for _ in asm.cells]
+
+    def receipt(gid, key=asm.key, answers=None):
+        from autograder.notebook import sign
+
+        payload = repr({"answers": answers or {}, "restored": []})
+        mac = sign(key, f"{asm.nonce}|pass|{gid}|{payload}")
+        return {"output_type": "stream", "name": "stdout", "text": f"{RECEIPT} {gid} {mac} {payload}\n"}
+
+    executed[idx["test_1_1_names"]] = [receipt("test_1_1_names")]
+    executed[idx["test_1_1_minickpt"]] = [receipt("test_1_1_minickpt", key=b"x" * 32)]  # forged
+    executed[idx["test_1_2_host"]] = [receipt("test_1_1_names")]                        # replayed
+    executed[idx["test_quiz_q1"]] = [receipt("test_quiz_q1", answers={"Q1": ("str", "B")})]
+    executed[idx["test_quiz_q2"]] = [receipt("test_quiz_q2", answers={"Q2": ("str", "A")})]
+    grades = {g.grade_id: g for g in grade_cells(asm, executed, {}, lab.grade_cells)}
+    assert grades["test_1_1_names"].score == 2
+    assert grades["test_1_1_minickpt"].score == 0 and grades["test_1_2_host"].score == 0
+    assert grades["test_quiz_q1"].score == 1
+    assert grades["test_quiz_q2"].score == 0 and "save_checkpoint" in grades["test_quiz_q2"].message
+
+
+answers = st.recursive(
+    st.none() | st.booleans() | st.integers(-2**70, 2**70) | st.text(max_size=20)
+    | st.floats(allow_nan=False, allow_infinity=False),
+    lambda inner: st.lists(inner, max_size=4) | st.tuples(inner, inner)
+    | st.frozensets(st.integers() | st.text(max_size=5), max_size=4)
+    | st.sets(st.text(max_size=5), max_size=4)
+    | st.dictionaries(st.text(max_size=5), inner, max_size=4), max_leaves=12)
+
+
+@given(answers)
+def test_quiz_answers_cross_the_kernel_boundary_as_plain_literals(value):
+    back = decode_answer(ast.literal_eval(repr(referee_literal(value))))
+    assert labkit.same(back, value)
+
+
+def test_answers_that_are_not_plain_values_match_nothing():
+    class Liar(str):
+        def __eq__(self, other):
+            return True
+
+        __hash__ = str.__hash__
+
+    for odd in (Liar("B"), object(), [1, Liar("x")], "x" * 20_000):
+        back = decode_answer(ast.literal_eval(repr(referee_literal(odd))))
+        assert not labkit.same(back, "B") and not labkit.same(back, [1, "x"])
+
+
+def test_the_scan_flags_reaching_into_the_kernel_but_not_ordinary_code():
+    flags = scan([("task_1_1", "import sys\nf = sys._getframe(1)\nget_ipython().events.register('x', f)"),
+                  ("task_1_2", "import minickpt.labkit as L\nL.check = print\nbuiltins.type = 3"),
+                  ("task_1_3", "import subprocess\np = subprocess.Popen(['x'])\np.kill()\n"
+                               "import os\nos.makedirs('d', exist_ok=True)")])
+    text = " | ".join(flags)
+    assert "sys._getframe in task_1_1" in text and "get_ipython in task_1_1" in text
+    assert "assigns L.check in task_1_2" in text and "assigns builtins.type in task_1_2" in text
+    assert "task_1_3" not in text
+
+
+def test_the_referee_restores_what_student_code_patched_and_signs_only_passing_tests(tmp_path):
+    """In a fresh Python (the referee rewires sys.stdout and restores modules): a patched
+    labkit.check, builtins and reference do not make a wrong function pass; a function that
+    patches while under test fails; a test whose text was changed is refused."""
+    script = tmp_path / "run.py"
+    script.write_text(REFEREE_SCRIPT)
+    proc = subprocess.run([sys.executable, str(script), str(ROOT / "autograder" / "referee.py"),
+                           str(tmp_path / "key")], capture_output=True, text=True, timeout=120,
+                          env=_env(), cwd=ROOT)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    lines = dict(line.split(": ", 1) for line in proc.stdout.splitlines() if ": " in line)
+    assert lines["right"].startswith("receipt") and "minickpt.labkit.check" in lines["right"]
+    assert lines["wrong"] == "LabCheckError: plan_leaf is wrong"
+    assert lines["patches while tested"].startswith("TamperedError: plan_leaf changed")
+    assert lines["changed text"].startswith("TamperedError: the text of test t was changed")
+    assert lines["builtins in test"] == "receipt ['builtins.isinstance']}"
+
+
+REFEREE_SCRIPT = r'''
+import hmac, importlib.util, builtins, sys
+import minickpt.labkit as lab
+from minickpt.labkit import check
+
+spec = importlib.util.spec_from_file_location("referee", sys.argv[1])
+mod = importlib.util.module_from_spec(spec)
+mod.__dict__["__builtins__"] = dict(vars(builtins))
+spec.loader.exec_module(mod)
+with open(sys.argv[2], "wb") as f:
+    f.write(b"k" * 32)
+ref = mod.Referee(sys.argv[2], "n")
+out = sys.stdout
+ns = {"lab": lab, "check": check}
+ref.seal(ns)
+import minickpt.format as fmt
+real_plan = fmt.plan_leaf
+
+def sign(gid, src, report=()):
+    return hmac.new(b"k" * 32, f"n|test|{gid}|{report!r}|{src}".encode(), "sha256").hexdigest()
+
+def run(label, gid, src, mac=None):
+    captured = []
+    class Grab:
+        def write(self, t): captured.append(t)
+        def flush(self): pass
+    sys.stdout = ref._sys_hooks["stdout"] = Grab()
+    try:
+        ref.test(gid, src, mac or sign(gid, src))
+        text = "".join(captured)
+        result = "receipt" + (" " + text.split("'restored': ")[1] if mod.RECEIPT in text else " MISSING")
+    except BaseException as e:
+        result = f"{type(e).__name__}: {e}"
+    sys.stdout = out
+    print(f"{label}: {result.strip()}", file=out)
+
+# the student's cells: a wrong plan_leaf, and patches that would make any check pass
+def plan_leaf(names, host):
+    return ("wrong", None)
+ns["plan_leaf"] = plan_leaf
+lab.check = lambda ok, message: None
+ns["check"] = lambda ok, message: None
+lab.reference = lambda name: ns[name]
+TEST = 'check(plan_leaf(("a",), 1) == lab.reference("plan_leaf")(("a",), 1), "plan_leaf is wrong")'
+run("wrong", "t", TEST)
+def plan_leaf(names, host):
+    return real_plan(names, host)
+ns["plan_leaf"] = plan_leaf
+lab.check = lambda ok, message: None
+run("right", "t", TEST)
+def plan_leaf(names, host):
+    fmt.read_leaves = lambda *a, **k: None
+    return real_plan(names, host)
+ns["plan_leaf"] = plan_leaf
+run("patches while tested", "t", TEST)
+run("changed text", "t", "pass", sign("t", TEST))
+builtins.isinstance = lambda *a: True
+run("builtins in test", "t", 'check(isinstance(1, str) is False, "builtins are the real ones")')
+'''
+
+
+def test_shards_partition_a_class_by_name():
+    names = [f"student{k:03d}" for k in range(300)]
+    for n in (1, 2, 7):
+        slices = [{s for s in names if shard_of(s, n) == i} for i in range(1, n + 1)]
+        assert set().union(*slices) == set(names) and sum(map(len, slices)) == len(names)
+        assert all(slices) or n > len(names)
+    assert shard_of("alice", 5) == shard_of("alice", 5)
+
+
+def test_merge_refuses_overlapping_or_missing_slices(tmp_path):
+    info = _info()
+
+    def fake(name, shard, students):
+        d = tmp_path / name
+        results = [{"student": s, "lab": "lab01_basics", "status": "graded", "reason": "",
+                    "scores": dict.fromkeys(info.cells, 0.0)} for s in students]
+        write_outputs(d, results, {"lab01_basics": info}, {}, {"shard": shard})
+        return str(d)
+
+    a, b = fake("a", [1, 3], ["ann"]), fake("b", [2, 3], ["bob", "ann"])
+    c = fake("c", [2, 3], ["bob"])
+    proc = _grade("merge", a, b, "--out", str(tmp_path / "m1"), timeout=120)
+    assert proc.returncode == 2 and "ann/lab01_basics is in both" in proc.stderr
+    proc = _grade("merge", a, c, "--out", str(tmp_path / "m2"), timeout=120)
+    assert proc.returncode == 2 and "missing ['3/3']" in proc.stderr
+    proc = _grade("merge", a, c, "--out", str(tmp_path / "m3"), "--allow-missing", timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    with open(tmp_path / "m3" / "grades.csv") as f:
+        assert [r["student"] for r in csv.DictReader(f)] == ["ann", "bob"]
+
+
+def test_the_sandbox_hides_the_machine_and_bounds_the_process(tmp_path):
+    """The isolation mechanisms one by one, on a plain Python in the sandbox."""
+    need_sandbox()
+    secret = tmp_path / "secret.txt"
+    secret.write_text("the hidden tests")
+    ipc = tmp_path / "ipc"
+    listener = Listener()
+    with sandbox.SlotUids(1) as uids:
+        uid = uids.uids[0]
+        sandbox.prepare_ipc_dir(ipc, ISOLATION, uid)
+        code = SANDBOX_PROBE.format(secret=str(secret), outside=str(tmp_path / "outside.txt"),
+                                    port=listener.port)
+        cmd = sandbox.kernel_command(
+            ISOLATION, [sys.executable, "-c", code], uid=uid, cwd="/home/student/x",
+            ipc_dir=str(ipc), read_only=sandbox.python_paths(),
+            limits=sandbox.Limits(memory_bytes=1 << 30, processes=64), env={})
+        try:
+            proc = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
+        finally:
+            listener.close()
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    got = dict(line.split("=", 1) for line in proc.stdout.split())
+    assert got.pop("write") in ("FileNotFoundError", "PermissionError")  # not there, or not ours
+    assert got == {"read": "FileNotFoundError",
+                   "init": "PermissionError", "uid": str(uid), "caps": "0000000000000000",
+                   "net": "ConnectionRefusedError", "forks": "lessthan64",
+                   "memory": "MemoryError", "scratch": "ok", "ro": "OSError"}, proc.stdout
+    assert listener.connections == [] and not (tmp_path / "outside.txt").exists()
+
+
+SANDBOX_PROBE = '''
+import os, socket, sys, time
+def attempt(f):
+    try:
+        f()
+        return "ok"
+    except Exception as e:
+        return type(e).__name__
+print("read=" + attempt(lambda: open({secret!r}).read()))
+print("write=" + attempt(lambda: open({outside!r}, "w").write("x")))
+print("init=" + attempt(lambda: open("/proc/1/environ").read()))
+print("uid=" + str(os.getuid()))
+print("caps=" + [l.split()[1] for l in open("/proc/self/status") if l.startswith("CapEff")][0])
+print("net=" + attempt(lambda: socket.create_connection(("127.0.0.1", {port}), timeout=2)))
+kids = 0
+for _ in range(200):
+    try:
+        pid = os.fork()
+    except OSError:
+        break
+    if pid == 0:
+        time.sleep(30)
+        os._exit(0)
+    kids += 1
+print("forks=" + ("lessthan64" if kids < 64 else str(kids)))
+print("memory=" + attempt(lambda: bytearray(2 << 30)))
+print("scratch=" + attempt(lambda: open("/tmp/mine", "w").write("x")))
+print("ro=" + attempt(lambda: open(os.path.join(os.path.dirname(os.__file__), "x"), "w")))
+sys.stdout.flush()
+os._exit(0)
+'''
