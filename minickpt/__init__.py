@@ -10,6 +10,7 @@ from .checkpointer import Checkpointer, CheckpointMetadata, SaveStats, VerifyRep
 from .errors import (
     CheckpointCorruptedError,
     CheckpointNotFoundError,
+    CheckpointTooLargeError,
     FormatVersionError,
     MiniCkptError,
     StepAlreadyExistsError,
@@ -26,6 +27,7 @@ __all__ = [
     "CheckpointManagerOptions",
     "CheckpointMetadata",
     "CheckpointNotFoundError",
+    "CheckpointTooLargeError",
     "Checkpointer",
     "FormatVersionError",
     "MiniCkptError",

@@ -41,6 +41,10 @@ class FormatVersionError(CheckpointCorruptedError):
     """The checkpoint was written by a format this version of minickpt does not read."""
 
 
+class CheckpointTooLargeError(MiniCkptError, MemoryError):
+    """Restoring would need more memory than this machine has; refused before allocating."""
+
+
 class UnsupportedLeafError(MiniCkptError, TypeError):
     """A leaf of the tree cannot be stored without pickle (an object array, a function...)."""
 

@@ -21,7 +21,7 @@ from typing import Any
 
 from . import policy
 from .checkpointer import Checkpointer, CheckpointMetadata, SaveStats, VerifyReport
-from .commit import cleanup_temporaries, delete_dir, parse_step, step_dir_name
+from .commit import DELETE_MARK, cleanup_temporaries, delete_dir, parse_step, step_dir_name
 from .errors import (
     CheckpointCorruptedError,
     CheckpointNotFoundError,
@@ -99,6 +99,8 @@ class CheckpointManager:
         self.save_history: collections.deque[SaveStats] = collections.deque(maxlen=1000)
         self.listeners: list[Callable[[str, dict[str, Any]], None]] = []
         self.removed_temporaries: list[str] = []
+        self._names: dict[int, str] = {}  # step -> its directory's name, as found on disk
+        self._sweep_deletions = False
         opts = self.options
         if not self.fs.is_dir(self.directory):
             if self.fs.exists(self.directory):
@@ -138,7 +140,7 @@ class CheckpointManager:
                               "cannot stop two writers from sharing it", stacklevel=3)
                 return
             raise
-        os.ftruncate(fd, 0)  # the lock file is a note for people, not checkpoint data
+        self.fs.ftruncate(fd, 0)  # the lock file is a note for people, not checkpoint data
         self.fs.write(fd, f"pid {os.getpid()} on {os.uname().nodename}\n".encode())
         self._lock_fd = fd
 
@@ -157,32 +159,45 @@ class CheckpointManager:
                 log.exception("minickpt: listener failed on %s", event)
 
     def step_path(self, step: int) -> str:
-        """The directory of ``step``'s checkpoint."""
-        return os.path.join(self.directory, step_dir_name(
-            step, self.options.step_prefix, self.options.step_format_fixed_length))
+        """The directory of ``step``'s checkpoint (as found on disk: ``step_0042`` is still
+        step 42's directory when this manager would name it ``step_42``)."""
+        name = self._names.get(step) or step_dir_name(
+            step, self.options.step_prefix, self.options.step_format_fixed_length)
+        return os.path.join(self.directory, name)
 
     def reload(self) -> None:
         """Re-read which checkpoints exist (after another process changed the directory)."""
         with self._mutex:
             infos: dict[int, policy.StepInfo] = {}
+            dirnames: dict[int, str] = {}
             try:
                 names = self.fs.listdir(self.directory)
             except FileNotFoundError:
                 names = []
-            for name in names:
-                step = parse_step(name, self.options.step_prefix)
+            o = self.options
+            for name in sorted(names):
+                step = parse_step(name, o.step_prefix)
                 if step is None or not self.fs.is_dir(os.path.join(self.directory, name)):
                     continue
+                if step in dirnames:  # step_7 and step_07: the canonical name wins
+                    if name != step_dir_name(step, o.step_prefix, o.step_format_fixed_length):
+                        log.warning("minickpt: ignoring %s: step %d is also in %s", name, step,
+                                    dirnames[step])
+                        continue
+                    log.warning("minickpt: ignoring %s: step %d is also in %s", dirnames[step],
+                                step, name)
+                dirnames[step] = name
                 old = self._infos.get(step)
-                if old is not None:
+                if old is not None and self._names.get(step) == name:
                     infos[step] = old
                     continue
                 try:
-                    meta = self._checkpointer.metadata(os.path.join(self.directory, name))
+                    meta = self._checkpointer.metadata(os.path.join(self.directory, name),
+                                                       step=step)
                     infos[step] = policy.StepInfo(step, meta.metrics, meta.time or 0.0)
                 except (MiniCkptError, OSError):
                     infos[step] = policy.StepInfo(step, None, 0.0)
-            self._infos = infos
+            self._infos, self._names = infos, dirnames
 
     def close(self) -> None:
         """Finish pending work and release the directory."""
@@ -233,13 +248,13 @@ class CheckpointManager:
     def metadata(self, step: int | None = None) -> CheckpointMetadata:
         """A step's metadata (metrics, your metadata, times, items) without loading arrays."""
         step = self._resolve(step)
-        return self._checkpointer.metadata(self.step_path(step))
+        return self._checkpointer.metadata(self.step_path(step), step=step)
 
     def item_metadata(self, step: int | None = None) -> dict[str, Any]:
         """Each item's tree of ``{path: (dtype, shape)}``, read from the manifests only."""
         step = self._resolve(step)
         path = self.step_path(step)
-        meta = self._checkpointer.metadata(path)
+        meta = self._checkpointer.metadata(path, step=step)
         out = {}
         for name in meta.items:
             m = self._checkpointer.manifest(path, name, meta)
@@ -250,7 +265,12 @@ class CheckpointManager:
     def verify(self, step: int | None = None, *, deep: bool = True) -> VerifyReport:
         """Check one step on disk (checksums too when ``deep``) without restoring it."""
         step = self._resolve(step)
-        return self._checkpointer.verify(self.step_path(step), deep=deep)
+        path = self.step_path(step)
+        report = self._checkpointer.verify(path, deep=deep, step=step)
+        if not report.ok and not self.fs.exists(path):
+            raise CheckpointNotFoundError(f"step {step} was deleted while it was being verified "
+                                          f"(by another process?): {path}")
+        return report
 
     def _resolve(self, step: int | None) -> int:
         if step is None:
@@ -312,6 +332,12 @@ class CheckpointManager:
             failed = SaveStats(step, self.step_path(step), ok=False,
                                error=f"{type(e).__name__}: {e}", start_time=time.time(),
                                total_s=time.perf_counter() - t0)
+            if isinstance(e, OSError) and self._exists(self.step_path(step)):
+                # only the final fsync failed: the checkpoint is complete and in place, so
+                # list it; but its rename may not be durable, so delete nothing for it
+                with self._mutex:
+                    self._infos[step] = policy.StepInfo(
+                        step, dict(metrics) if metrics is not None else None, time.time())
             self._record(failed)
             raise
         self._committed(step, metrics, stats)
@@ -326,7 +352,16 @@ class CheckpointManager:
             self._apply_retention()
             stats.retention_s = time.perf_counter() - t
 
+    def _exists(self, path: str) -> bool:
+        try:
+            return self.fs.is_dir(path)
+        except OSError:
+            return False
+
     def _apply_retention(self) -> None:
+        if self._sweep_deletions:
+            self._sweep_deletions = False
+            self._remove_deletion_leftovers()
         o = self.options
         keep = policy.steps_to_keep(
             list(self._infos.values()), max_to_keep=o.max_to_keep, keep_period=o.keep_period,
@@ -337,11 +372,28 @@ class CheckpointManager:
                 self._delete_step(step)
             except OSError as e:
                 # The new checkpoint is safe; failing to remove an old one must not fail the
-                # save, but it must not go unnoticed either (the disk will fill up).
+                # save, but it must not go unnoticed either (the disk will fill up). What is
+                # left has a deletion name: invisible, and removed at the next save.
+                self._sweep_deletions = True
                 log.error("minickpt: could not delete old checkpoint %s: %s",
                           self.step_path(step), e)
                 warnings.warn(f"could not delete old checkpoint {self.step_path(step)}: {e}",
                               stacklevel=4)
+
+    def _remove_deletion_leftovers(self) -> None:
+        """Finish deletions an earlier error interrupted (only names marked for deletion)."""
+        try:
+            names = self.fs.listdir(self.directory)
+        except OSError:
+            return
+        for name in sorted(names):
+            if DELETE_MARK in name:
+                try:
+                    self.fs.rmtree(os.path.join(self.directory, name))
+                except OSError as e:
+                    self._sweep_deletions = True
+                    log.error("minickpt: could not remove %s: %s",
+                              os.path.join(self.directory, name), e)
 
     def _delete_step(self, step: int) -> None:
         path = self.step_path(step)
@@ -352,6 +404,7 @@ class CheckpointManager:
             # (what is left is a deletion temporary, cleaned at the next start-up)
             if not self.fs.is_dir(path):
                 self._infos.pop(step, None)
+                self._names.pop(step, None)
         self._emit("delete", {"step": step, "time": time.time()})
 
     def delete(self, step: int) -> None:
@@ -381,33 +434,51 @@ class CheckpointManager:
         fallback = self.options.fallback_on_damage if fallback is None else fallback
         if step is not None:
             return self._restore_step(self._resolve(step), target, partial, verify, sharding)
-        steps = sorted(self.all_steps(read=True), reverse=True)
-        if not steps:
-            raise CheckpointNotFoundError(f"no checkpoint to restore in {self.directory}")
-        errors: list[str] = []
-        for s in steps:
-            try:
-                out = self._restore_step(s, target, partial, verify, sharding)
-            except (CheckpointCorruptedError, OSError) as e:
-                if isinstance(e, CheckpointNotFoundError) or not fallback:
-                    raise
-                msg = f"minickpt: skipping damaged checkpoint step {s}: {e}"
-                log.error(msg)
-                warnings.warn(msg, stacklevel=2)
-                errors.append(f"step {s}: {e}")
-                self._emit("skip", {"step": s, "error": str(e), "time": time.time()})
-                continue
-            return out
-        raise CheckpointCorruptedError(self.directory, "every checkpoint is damaged:\n  "
-                                       + "\n  ".join(errors))
+        skipped: set[int] = set()
+        for _ in range(3):  # a writer's retention may delete steps while we read: look again
+            steps = sorted(self.all_steps(read=True), reverse=True)
+            if not steps:
+                raise CheckpointNotFoundError(f"no checkpoint to restore in {self.directory}")
+            errors: list[str] = []
+            vanished = False
+            for s in steps:
+                try:
+                    out = self._restore_step(s, target, partial, verify, sharding)
+                except (CheckpointCorruptedError, OSError) as e:
+                    if isinstance(e, CheckpointNotFoundError):
+                        vanished = True
+                        break
+                    if not fallback:
+                        raise
+                    errors.append(f"step {s}: {e}")
+                    if s not in skipped:
+                        skipped.add(s)
+                        msg = f"minickpt: skipping damaged checkpoint step {s}: {e}"
+                        log.error(msg)
+                        warnings.warn(msg, stacklevel=2)
+                        self._emit("skip", {"step": s, "error": str(e), "time": time.time()})
+                    continue
+                return out
+            if not vanished:
+                raise CheckpointCorruptedError(self.directory, "every checkpoint is damaged:\n  "
+                                               + "\n  ".join(errors))
+        raise CheckpointNotFoundError(f"the checkpoints in {self.directory} kept being deleted "
+                                      "while they were read; is another process deleting them?")
 
     def _restore_step(self, step: int, target: Mapping[str, Any] | None, partial: bool,
                       verify: bool, sharding: Any) -> Restored:
         t0 = time.perf_counter()
         path = self.step_path(step)
         try:
-            items = self._checkpointer.restore(path, target, partial=partial, verify=verify,
-                                               sharding=sharding)
+            try:
+                items = self._checkpointer.restore(path, target, partial=partial, verify=verify,
+                                                   sharding=sharding, step=step)
+            except (CheckpointCorruptedError, OSError) as e:
+                if isinstance(e, CheckpointNotFoundError) or self.fs.exists(path):
+                    raise
+                raise CheckpointNotFoundError(
+                    f"step {step} was deleted while it was being restored (by another "
+                    f"process?): {path}") from e
         except Exception as e:
             self._emit("restore", {"step": step, "ok": False, "error": f"{type(e).__name__}: "
                                    f"{e}", "total_s": time.perf_counter() - t0,
