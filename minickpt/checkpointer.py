@@ -252,8 +252,8 @@ def save_error(e: OSError, directory: str) -> OSError:
         hint = (" The disk is full: free space, lower max_to_keep, or save elsewhere; the "
                 "checkpoints already there are untouched.")
     reason = e.strerror or str(e)
-    msg = (f"{reason}: could not save checkpoint {directory}; nothing was committed and the "
-           f"temporary directory was removed.{hint}")
+    msg = (f"{reason}: could not save checkpoint {directory}; nothing was committed and no "
+           f"temporary directory is left.{hint}")
     if e.errno is None:
         return OSError(msg)
     return OSError(e.errno, msg, e.filename, None, e.filename2)
@@ -301,7 +301,11 @@ class Checkpointer:
         t0 = time.perf_counter()
         init_ns = time.time_ns()
         directory = os.fspath(directory)
-        if self.fs.exists(directory):
+        try:
+            exists = self.fs.exists(directory)
+        except OSError as e:
+            raise save_error(e, directory) from e
+        if exists:
             raise StepAlreadyExistsError(f"{directory} already exists: minickpt never "
                                          "replaces a committed checkpoint")
         plans = self.plan(items)
@@ -325,9 +329,14 @@ class Checkpointer:
         fs = self.fs
         stats = stats or SaveStats(step, directory, start_time=time.time())
         root, final_name = os.path.split(os.path.abspath(directory))
-        if not fs.is_dir(root):
-            raise CheckpointNotFoundError(f"parent directory {root} does not exist")
-        tmp = make_temporary(fs, root, final_name)
+        try:
+            if not fs.is_dir(root):
+                raise CheckpointNotFoundError(f"parent directory {root} does not exist")
+            tmp = make_temporary(fs, root, final_name)
+        except OSError as e:
+            if isinstance(e, MiniCkptError):
+                raise
+            raise save_error(e, directory) from e
         try:
             records = {}
             for name, plan in plans.items():

@@ -141,9 +141,9 @@ def decode_value(entry: Mapping[str, Any], where: str) -> Any:
             return complex(float.fromhex(v[0]), float.fromhex(v[1]))
         if t == "str" and isinstance(v, str):
             return v
-    except (TypeError, ValueError):
+    except (TypeError, ValueError, OverflowError):  # 0x1p99999 overflows a float
         pass
-    raise CheckpointCorruptedError(where, f"value leaf of type {t!r} holds {v!r}")
+    raise CheckpointCorruptedError(where, f"value leaf of type {t!r} holds {str(v)[:100]!r}")
 
 
 def plan_leaf(names: Names, host: Any) -> tuple[dict[str, Any], np.ndarray | None]:

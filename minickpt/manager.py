@@ -25,6 +25,7 @@ from .commit import DELETE_MARK, cleanup_temporaries, delete_dir, parse_step, st
 from .errors import (
     CheckpointCorruptedError,
     CheckpointNotFoundError,
+    CheckpointTooLargeError,
     MiniCkptError,
     StepAlreadyExistsError,
 )
@@ -55,7 +56,7 @@ class CheckpointManagerOptions:
     # minickpt's own
     verify_on_restore: bool = True
     fallback_on_damage: bool = True
-    lock: bool = True
+    lock: bool = True  # flock <dir>/.minickpt.lock; without it, temporaries are not cleaned
 
     def __post_init__(self) -> None:
         if not isinstance(self.save_interval_steps, int) or self.save_interval_steps < 1:
@@ -102,18 +103,23 @@ class CheckpointManager:
         self._names: dict[int, str] = {}  # step -> its directory's name, as found on disk
         self._sweep_deletions = False
         opts = self.options
-        if not self.fs.is_dir(self.directory):
-            if self.fs.exists(self.directory):
+        # The run directory may be a symlink (to a bigger disk, say): that is the user's
+        # choice. Only what lies *inside* a checkpoint must never be a link.
+        real = os.path.realpath(self.directory)
+        if not self.fs.is_dir(real):
+            if self.fs.exists(real):
                 raise NotADirectoryError(f"{self.directory} exists and is not a directory")
             if opts.read_only or not opts.create:
                 raise CheckpointNotFoundError(
                     f"checkpoint directory {self.directory} does not exist"
                     + ("" if opts.read_only else " (pass create=True to make it)"))
-            _makedirs(self.fs, self.directory)
+            _makedirs(self.fs, real)
         if not opts.read_only and self.primary:
             if opts.lock:
                 self._acquire_lock()
-            if opts.cleanup_tmp_directories:
+            # Without the lock another writer may be saving right now: its temporary
+            # directory would look exactly like one a crash left behind.
+            if opts.cleanup_tmp_directories and opts.lock:
                 self.removed_temporaries = cleanup_temporaries(self.fs, self.directory)
                 for name in self.removed_temporaries:
                     log.warning("minickpt: removed %s left by an interrupted save or delete",
@@ -444,7 +450,7 @@ class CheckpointManager:
             for s in steps:
                 try:
                     out = self._restore_step(s, target, partial, verify, sharding)
-                except (CheckpointCorruptedError, OSError) as e:
+                except (CheckpointCorruptedError, CheckpointTooLargeError, OSError) as e:
                     if isinstance(e, CheckpointNotFoundError):
                         vanished = True
                         break
@@ -453,14 +459,17 @@ class CheckpointManager:
                     errors.append(f"step {s}: {e}")
                     if s not in skipped:
                         skipped.add(s)
-                        msg = f"minickpt: skipping damaged checkpoint step {s}: {e}"
+                        why = ("too large for this machine"
+                               if isinstance(e, CheckpointTooLargeError) else "damaged")
+                        msg = f"minickpt: skipping {why} checkpoint step {s}: {e}"
                         log.error(msg)
                         warnings.warn(msg, stacklevel=2)
                         self._emit("skip", {"step": s, "error": str(e), "time": time.time()})
                     continue
                 return out
             if not vanished:
-                raise CheckpointCorruptedError(self.directory, "every checkpoint is damaged:\n  "
+                raise CheckpointCorruptedError(self.directory, "no checkpoint can be restored "
+                                               "(damaged, or too large):\n  "
                                                + "\n  ".join(errors))
         raise CheckpointNotFoundError(f"the checkpoints in {self.directory} kept being deleted "
                                       "while they were read; is another process deleting them?")

@@ -11,10 +11,12 @@ knows exactly what it must hold.
 from __future__ import annotations
 
 import contextlib
+import errno
 import io
 import itertools
 import json
 import os
+import pickle
 import shutil
 import tempfile
 import warnings
@@ -625,3 +627,783 @@ FIGURES: dict[str, int] = {}
 def add_figures(**kv: int) -> None:
     for k, v in kv.items():
         FIGURES[k] = FIGURES.get(k, 0) + int(v)
+
+
+# ---------------------------------------------------------------------------------------
+# hostile checkpoints: refused, nothing executed, nothing outside read or written
+# ---------------------------------------------------------------------------------------
+class _Canary:
+    """Unpickling this creates the canary file: proof that pickled data was loaded."""
+
+    def __init__(self, path: str):
+        self.path = path
+
+    def __reduce__(self) -> Any:
+        return (open, (self.path, "w"))
+
+
+class AuditFileSystem(FileSystem):
+    """The real file system, noting every file opened (by its real path, after the kernel
+    followed any link), every path looked at, and every write."""
+
+    def __init__(self, inside: str):
+        self.inside = os.path.realpath(inside)
+        self.lexical = os.path.abspath(inside)
+        self.escapes: list[str] = []
+        self.writes: list[str] = []
+
+    def _in(self, p: str, root: str) -> bool:
+        return p == root or p.startswith(root + os.sep)
+
+    def open(self, path: str, flags: int, mode: int = 0o644) -> int:
+        if flags & (os.O_WRONLY | os.O_RDWR | os.O_CREAT | os.O_TRUNC):
+            self.writes.append(f"open for writing {path}")
+        fd = super().open(path, flags, mode)
+        try:
+            real = os.readlink(f"/proc/self/fd/{fd}")
+        except OSError:  # no /proc here: fall back to the name asked for
+            real = os.path.realpath(path)
+        if not self._in(real, self.inside):
+            self.escapes.append(f"opened {real} (asked for {path})")
+        return fd
+
+    def _look(self, path: str) -> None:
+        if not self._in(os.path.abspath(path), self.lexical):
+            self.escapes.append(f"looked at {path}")
+
+    def lstat(self, path: str) -> os.stat_result:
+        self._look(path)
+        return super().lstat(path)
+
+    def listdir(self, path: str) -> list[str]:
+        self._look(path)
+        return super().listdir(path)
+
+    def _write(self, what: str) -> None:
+        self.writes.append(what)
+
+    def write(self, fd: int, data: Any) -> int:
+        self._write(f"write fd {fd}")
+        return super().write(fd, data)
+
+    def writev(self, fd: int, buffers: Any) -> int:
+        self._write(f"writev fd {fd}")
+        return super().writev(fd, buffers)
+
+    def mkdir(self, path: str, mode: int = 0o755) -> None:
+        self._write(f"mkdir {path}")
+        super().mkdir(path, mode)
+
+    def rename(self, src: str, dst: str) -> None:
+        self._write(f"rename {src}")
+        super().rename(src, dst)
+
+    def unlink(self, path: str) -> None:
+        self._write(f"unlink {path}")
+        super().unlink(path)
+
+    def rmdir(self, path: str) -> None:
+        self._write(f"rmdir {path}")
+        super().rmdir(path)
+
+    def ftruncate(self, fd: int, length: int) -> None:
+        self._write(f"ftruncate fd {fd}")
+        super().ftruncate(fd, length)
+
+
+class _Hung(BaseException):
+    """Raised by an alarm: a BaseException, so that no ``except Exception`` swallows it."""
+
+
+class SkipCase(Exception):
+    """This machine cannot build the case (e.g. no sparse files this large)."""
+
+
+@dataclass
+class Hostile:
+    """A hostile checkpoint (step 3 of a run whose steps 1 and 2 are valid).
+
+    ``refused``: reading step 3 must fail with ``error``; otherwise it is ``ignored``: the
+    hostile part is never looked at and step 3 restores exactly. Either way nothing runs and
+    nothing outside the run is read or written.
+    """
+
+    name: str
+    build: Callable[[str, str], None]  # (step directory, outside directory)
+    error: type = Exception  # set below to the minickpt error class expected
+    refused: bool = True
+
+
+def _outside_copy(rel: str) -> Callable[[str, str], None]:
+    """Replace ``rel`` by a symlink to an intact copy of it outside the run."""
+    def build(step_dir: str, outside: str) -> None:
+        src = os.path.join(step_dir, rel)
+        dst = os.path.join(outside, "copy-" + rel.replace("/", "-"))
+        if os.path.isdir(src):
+            shutil.copytree(src, dst)
+            shutil.rmtree(src)
+        else:
+            shutil.copyfile(src, dst)
+            os.unlink(src)
+        os.symlink(dst, src)
+    return build
+
+
+def _step_dir_symlink(step_dir: str, outside: str) -> None:
+    dst = os.path.join(outside, "copy-step")
+    shutil.copytree(step_dir, dst)
+    shutil.rmtree(step_dir)
+    os.symlink(dst, step_dir)
+
+
+def _fifo(rel: str) -> Callable[[str, str], None]:
+    def build(step_dir: str, outside: str) -> None:
+        p = os.path.join(step_dir, rel)
+        os.unlink(p)
+        os.mkfifo(p)
+    return build
+
+
+def _raw(rel: str, data: bytes | Callable[[str], bytes]) -> Callable[[str, str], None]:
+    def build(step_dir: str, outside: str) -> None:
+        with open(os.path.join(step_dir, rel), "wb") as f:
+            f.write(data(outside) if callable(data) else data)
+    return build
+
+
+def _raw_consistent(step_dir: str, item: str, fn: Callable[[bytes], bytes]) -> None:
+    """Rewrite an item's manifest bytes and record their checksum, as its writer would."""
+    p = _manifest_path(step_dir, item)
+    raw = fn(open(p, "rb").read())
+    with open(p, "wb") as f:
+        f.write(raw)
+    lie_in_metadata(lambda m: m["items"][item].update(manifest_crc32=zlib.crc32(raw)))(step_dir)
+
+
+def _sparse(rel: str, size: int) -> Callable[[str, str], None]:
+    def build(step_dir: str, outside: str) -> None:
+        p = os.path.join(step_dir, rel)
+        try:
+            os.truncate(p, size)
+        except OSError as e:
+            raise SkipCase(f"cannot make a {size}-byte sparse file here: {e}") from e
+    return build
+
+
+def _manifest(item: str, fn: Callable[[dict[str, Any]], None]) -> Callable[[str, str], None]:
+    lie = lie_in_manifest(item, fn)
+    return lambda step_dir, outside: lie(step_dir)
+
+
+def _metadata(fn: Callable[[dict[str, Any]], None]) -> Callable[[str, str], None]:
+    lie = lie_in_metadata(fn)
+    return lambda step_dir, outside: lie(step_dir)
+
+
+def _pickle_as_data(step_dir: str, outside: str) -> None:
+    payload = pickle.dumps(_Canary(os.path.join(outside, "CANARY")))
+    with open(os.path.join(step_dir, "params", "data.bin"), "wb") as f:
+        f.write(payload)
+    _manifest("params", lambda o: o.update(
+        data_bytes=len(payload),
+        leaves=[{"path": ["b"], "kind": "pickle", "nbytes": len(payload), "offset": 0},
+                _leaf_entry(o, "w")]))(step_dir, outside)
+
+
+def _npy_with_objects(step_dir: str, outside: str) -> None:
+    arr = np.array([_Canary(os.path.join(outside, "CANARY")), 1], dtype=object)
+    np.save(os.path.join(step_dir, "params", "data.npy"), arr, allow_pickle=True)
+    _manifest("params", lambda o: o.update(data_file="data.npy"))(step_dir, outside)
+
+
+def _pickles_beside(step_dir: str, outside: str) -> None:
+    canary = _Canary(os.path.join(outside, "CANARY"))
+    with open(os.path.join(step_dir, "state.pkl"), "wb") as f:
+        pickle.dump(canary, f)
+    np.save(os.path.join(step_dir, "params", "extra.npy"), np.array([canary], dtype=object),
+            allow_pickle=True)
+    with open(os.path.join(step_dir, "checkpoint"), "wb") as f:  # a Flax-style file
+        pickle.dump({"params": canary}, f)
+
+
+def _nested(depth: int) -> bytes:
+    return b"[" * depth + b"]" * depth
+
+
+def _skeleton(fn: Callable[[dict[str, Any]], Any]) -> Callable[[dict[str, Any]], None]:
+    return lambda o: o.update(tree=fn(o["tree"]))
+
+
+def _deep_skeleton(tree: dict[str, Any]) -> dict[str, Any]:
+    node: dict[str, Any] = tree
+    for _ in range(300):
+        node = {"t": "list", "c": [node]}
+    return node
+
+
+def _key_entry(impl: str, shape: list[int]) -> Callable[[dict[str, Any]], None]:
+    def fn(o: dict[str, Any]) -> None:
+        e = _leaf_entry(o, "b")
+        e.update(kind="prng_key", impl=impl, dtype="uint32", shape=shape,
+                 nbytes=4 * int(np.prod(shape)))
+    return fn
+
+
+def _unicode_step(step_dir: str, outside: str) -> None:
+    shutil.copytree(step_dir, os.path.join(os.path.dirname(step_dir), "step_\u0669"))
+
+
+def _namedtuple_type_names_code(o: dict[str, Any]) -> None:
+    o["tree"]["t"] = "namedtuple"
+    o["tree"]["type"] = "__import__('os').system('touch CANARY')"
+
+
+HOSTILE: list[Hostile] = [
+    # pickles and code
+    Hostile("manifest leaf of kind 'pickle' over a pickle payload", _pickle_as_data),
+    Hostile("manifest dtype 'object'", _manifest("params", _set("b", dtype="object"))),
+    Hostile("manifest dtype 'O'", _manifest("params", _set("b", dtype="O"))),
+    Hostile("manifest dtype '|O8'", _manifest("params", _set("b", dtype="|O8"))),
+    Hostile("data file is a .npy of pickled objects", _npy_with_objects),
+    Hostile("PRNG key whose impl names code",
+            _manifest("params", _key_entry("__import__('os').system('x')", [7, 2]))),
+    Hostile("PRNG key data of the wrong shape for its impl",
+            _manifest("params", _key_entry("threefry2x32", [7]))),
+    Hostile("pickles beside the checkpoint (state.pkl, .npy of objects, Flax file)",
+            _pickles_beside, refused=False),
+    Hostile("tree type name that is code", _manifest("params", _namedtuple_type_names_code),
+            refused=False),
+    # escaping the directory
+    Hostile("data_file '../../../outside/secret.txt'",
+            _manifest("params", lambda o: o.update(data_file="../../../outside/secret.txt"))),
+    Hostile("data_file '/etc/passwd'", _manifest("params", lambda o: o.update(
+        data_file="/etc/passwd"))),
+    Hostile("data_file 'data/../../x.bin'", _manifest("params", lambda o: o.update(
+        data_file="data/../../x.bin"))),
+    Hostile("item name '../outside' in the metadata",
+            _metadata(lambda m: m["items"].update({"../outside": m["items"].pop("params")}))),
+    Hostile("item name '/tmp' in the metadata",
+            _metadata(lambda m: m["items"].update({"/tmp": m["items"].pop("params")}))),
+    Hostile("item name 'a/b' in the metadata",
+            _metadata(lambda m: m["items"].update({"a/b": m["items"].pop("params")}))),
+    Hostile("item name '..' in the metadata",
+            _metadata(lambda m: m["items"].update({"..": m["items"].pop("params")}))),
+    Hostile("item directory is a symlink to an intact copy outside", _outside_copy("params")),
+    Hostile("data file is a symlink to an intact copy outside", _outside_copy("params/data.bin")),
+    Hostile("manifest is a symlink to an intact copy outside",
+            _outside_copy("params/manifest.json")),
+    Hostile("metadata is a symlink to an intact copy outside",
+            _outside_copy("_CHECKPOINT_METADATA")),
+    Hostile("the step directory is a symlink to an intact copy outside", _step_dir_symlink),
+    Hostile("item directory is a symlink to itself",
+            lambda d, o: (shutil.rmtree(os.path.join(d, "opt")),
+                          os.symlink("opt", os.path.join(d, "opt")))),
+    Hostile("data file is a symlink to /dev/zero",
+            lambda d, o: (os.unlink(os.path.join(d, "params/data.bin")),
+                          os.symlink("/dev/zero", os.path.join(d, "params/data.bin")))),
+    Hostile("manifest is a FIFO (opening it would block)", _fifo("params/manifest.json")),
+    Hostile("metadata is a FIFO (opening it would block)", _fifo("_CHECKPOINT_METADATA")),
+    Hostile("data file is a FIFO (opening it would block)", _fifo("params/data.bin")),
+    # memory
+    Hostile("a leaf of 10^12 elements over a small data file",
+            _manifest("params", _set("w", shape=[10**12], nbytes=4 * 10**12))),
+    Hostile("a leaf of 10^12 elements over a 4 TB sparse data file (all else consistent)",
+            lambda d, o: (_manifest("params", lambda m: (
+                _leaf_entry(m, "w").update(shape=[10**12], nbytes=4 * 10**12),
+                m.update(data_bytes=64 + 4 * 10**12)))(d, o),
+                _metadata(lambda m: m["items"]["params"].update(
+                    data_bytes=64 + 4 * 10**12))(d, o),
+                _sparse("params/data.bin", 64 + 4 * 10**12)(d, o))),
+    Hostile("a shape of 65 dimensions", _manifest("params", _set("b", shape=[1] * 64 + [7]))),
+    Hostile("a shape of 2^62 x 2^62", _manifest("params", _set("b", shape=[2**62, 2**62]))),
+    Hostile("a negative shape and size", _manifest("params", _set("b", shape=[-7], nbytes=-56))),
+    Hostile("a manifest of 300 MB (sparse)", _sparse("params/manifest.json", 300 << 20)),
+    Hostile("a metadata file of 20 MB (sparse)", _sparse("_CHECKPOINT_METADATA", 20 << 20)),
+    Hostile("metadata listing 10000 items",
+            _metadata(lambda m: m["items"].update(
+                {f"i{k}": dict(m["items"]["opt"]) for k in range(10_000)}))),
+    # versions
+    Hostile("manifest format_version 2", _manifest("params", lambda o: o.update(
+        format_version=2))),
+    Hostile("manifest format_version 0", _manifest("params", lambda o: o.update(
+        format_version=0))),
+    Hostile("manifest format_version '1' (a string)",
+            _manifest("params", lambda o: o.update(format_version="1"))),
+    Hostile("manifest of another format ('orbax')",
+            _manifest("params", lambda o: o.update(format="orbax"))),
+    Hostile("metadata format_version 99", _metadata(lambda m: m.update(format_version=99))),
+    Hostile("metadata without a format", _metadata(lambda m: m.pop("format"))),
+    # malformed JSON
+    Hostile("manifest of random bytes", _raw("params/manifest.json", bytes(range(256)) * 4)),
+    Hostile("manifest of invalid UTF-8", _raw("params/manifest.json", b'{"format": "\xff\xfe"}')),
+    Hostile("manifest that is a JSON list", _raw("params/manifest.json", b"[1, 2, 3]")),
+    Hostile("manifest nested 100000 deep", _raw("params/manifest.json", _nested(100_000))),
+    Hostile("metadata nested 100000 deep", _raw("_CHECKPOINT_METADATA", _nested(100_000))),
+    Hostile("metadata nested 1000000 deep", _raw("_CHECKPOINT_METADATA", _nested(1_000_000))),
+    Hostile("manifest holding a 5000-digit integer (its checksum recorded)",
+            lambda d, o: _raw_consistent(d, "params", lambda raw: raw.replace(
+                b'"shape":[7]', b'"shape":[' + b"9" * 5000 + b"]"))),
+    Hostile("metadata holding a 5000-digit integer",
+            lambda d, o: _raw("_CHECKPOINT_METADATA", open(os.path.join(
+                d, "_CHECKPOINT_METADATA"), "rb").read().replace(b'"step": 3', b'"step": '
+                                                                 + b"9" * 5000))(d, o)),
+    Hostile("shape holding NaN", _manifest("params", _set("b", shape=[float("nan")]))),
+    Hostile("skeleton nested 300 deep", _manifest("params", _skeleton(_deep_skeleton))),
+    Hostile("skeleton whose dict key is a list",
+            _manifest("params", lambda o: o["tree"]["c"][0].__setitem__(0, ["b"]))),
+    Hostile("leaf path holding a number", _manifest("params", _set("b", path=[7]))),
+    Hostile("float value that overflows (0x1p99999)",
+            _manifest("opt", lambda o: _leaf_entry(o, "count").update(type="float",
+                                                                       value="0x1p99999"))),
+    Hostile("float value that is not a number",
+            _manifest("opt", lambda o: _leaf_entry(o, "count").update(type="float",
+                                                                       value="one"))),
+    Hostile("complex value of the wrong shape",
+            _manifest("opt", lambda o: _leaf_entry(o, "count").update(type="complex",
+                                                                       value=[1]))),
+    Hostile("metadata items that is a list", _metadata(lambda m: m.update(items=["params"]))),
+    Hostile("metadata step that is a string", _metadata(lambda m: m.update(step="3"))),
+    # names
+    Hostile("a directory named step_\u0669 (an Arabic-Indic 9) beside the steps",
+            _unicode_step, refused=False),
+]
+
+
+def check_hostile(case: Hostile, template: str, workdir: str) -> list[str]:
+    """Build ``case`` into step 3 of a copy of ``template`` and return what went wrong."""
+    import signal
+
+    from minickpt import (
+        Checkpointer,
+        CheckpointNotFoundError,
+        MiniCkptError,
+        UnsafeCheckpointError,
+    )
+    from minickpt.cli import main as cli_main
+
+    error = case.error if case.error is not Exception else (
+        UnsafeCheckpointError if any(w in case.name for w in (
+            "pickle", "object", "'O", "symlink", "'..", "'/", "data_file", "item name",
+            "npy")) else MiniCkptError)
+    run = os.path.join(workdir, "run")
+    outside = os.path.join(workdir, "outside")
+    shutil.copytree(template, run)
+    os.makedirs(outside)
+    with open(os.path.join(outside, "secret.txt"), "w") as f:
+        f.write("not yours")
+    step_dir = os.path.join(run, "step_3")
+    case.build(step_dir, outside)
+    before = _snapshot(outside)
+    wrong: list[str] = []
+    audit = AuditFileSystem(run)
+
+    def expect_error(what: str, fn: Callable[[], Any], err: type) -> None:
+        try:
+            fn()
+            if case.refused:
+                wrong.append(f"{what} accepted it")
+        except err:
+            pass
+        except Exception as e:
+            wrong.append(f"{what} raised {type(e).__name__}, not {err.__name__}: {e}")
+
+    def on_alarm(*_: Any) -> None:
+        raise _Hung("hung for 20 s")
+
+    old = signal.signal(signal.SIGALRM, on_alarm)
+    signal.alarm(20)
+    try:
+        ck = Checkpointer(audit)
+        try:
+            rep = ck.verify(step_dir, step=3)
+            if rep.ok == case.refused:
+                wrong.append(f"Checkpointer.verify said ok={rep.ok}: {rep.problems}")
+        except Exception as e:
+            wrong.append(f"Checkpointer.verify raised {type(e).__name__}: {e}")
+        if case.refused:
+            expect_error("Checkpointer.restore", lambda: ck.restore(step_dir, step=3), error)
+        else:
+            try:
+                check_items(ck.restore(step_dir, step=3), 3)
+            except Exception as e:
+                wrong.append(f"Checkpointer.restore of the ignored case failed: {e!r}")
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            m = CheckpointManager(run, CheckpointManagerOptions(read_only=True), fs=audit)
+            expect_error("manager.restore(3)", lambda: m.restore(3), MiniCkptError)
+            for what, fn in [("manager.verify(3)", lambda: m.verify(3)),
+                             ("manager.metadata(3)", lambda: m.metadata(3)),
+                             ("manager.item_metadata(3)", lambda: m.item_metadata(3))]:
+                try:
+                    fn()
+                except MiniCkptError:
+                    pass
+                except Exception as e:
+                    wrong.append(f"{what} raised {type(e).__name__}: {e}")
+            try:
+                r = m.restore()
+                want = 2 if case.refused else 3
+                if r.step != want:
+                    wrong.append(f"restore() returned step {r.step}, not {want}")
+                check_items(r, r.step)
+            except Exception as e:
+                wrong.append(f"restore() raised {type(e).__name__}: {e}")
+        if case.refused and 3 in m.all_steps():
+            try:
+                if m.verify(3).ok:
+                    wrong.append("manager.verify(3) said ok")
+            except CheckpointNotFoundError:
+                pass
+            except Exception as e:
+                wrong.append(f"manager.verify(3) raised {type(e).__name__}: {e}")
+        out = io.StringIO()
+        with mock.patch("minickpt.cli.DEFAULT_FS", audit), \
+                mock.patch("minickpt.checkpointer.DEFAULT_FS", audit), \
+                contextlib.redirect_stdout(out), contextlib.redirect_stderr(out):
+            for argv in (["verify", run, "3"], ["ls", "--deep", run], ["inspect", run, "3"],
+                         ["diff", os.path.join(run, "step_2"), step_dir]):
+                try:
+                    rc = cli_main(argv)
+                    if argv[0] == "verify" and (rc == 0) == case.refused:
+                        wrong.append(f"`minickpt verify` exited {rc}")
+                except Exception as e:
+                    wrong.append(f"`minickpt {argv[0]}` raised {type(e).__name__}: {e}")
+    except _Hung as e:
+        wrong.append(f"reading it hung: {e}")
+    finally:
+        signal.alarm(0)
+        signal.signal(signal.SIGALRM, old)
+    if audit.escapes:
+        wrong.append(f"read outside the run: {audit.escapes[:3]}")
+    if audit.writes:
+        wrong.append(f"wrote while only reading: {audit.writes[:3]}")
+    if os.path.exists(os.path.join(outside, "CANARY")) or os.path.exists("CANARY"):
+        wrong.append("the canary exists: pickled data was loaded")
+    if _snapshot(outside) != before:
+        wrong.append("something outside the run changed")
+    return wrong
+
+
+def _snapshot(path: str) -> dict[str, tuple[int, int, int]]:
+    out = {}
+    for dirpath, dirnames, filenames in os.walk(path):
+        for n in dirnames + filenames:
+            p = os.path.join(dirpath, n)
+            st = os.lstat(p)
+            out[os.path.relpath(p, path)] = (st.st_mode, st.st_size, st.st_mtime_ns)
+    return out
+
+
+# ---------------------------------------------------------------------------------------
+# real processes: SIGKILL at random moments, two writers
+# ---------------------------------------------------------------------------------------
+class Zygote:
+    """A process that imported minickpt once and forks workers (tests/crash_worker.py)."""
+
+    def __init__(self, timeout: float = 120.0):
+        import subprocess
+        import sys
+
+        env = {**os.environ, "JAX_PLATFORMS": os.environ.get("JAX_PLATFORMS", "cpu")}
+        self.timeout = timeout
+        self.proc = subprocess.Popen(
+            [sys.executable, os.path.join(os.path.dirname(os.path.abspath(__file__)),
+                                          "crash_worker.py")],
+            stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env)
+        self._reply()
+
+    def _reply(self) -> dict[str, Any]:
+        import select
+
+        assert self.proc.stdout is not None
+        ready, _, _ = select.select([self.proc.stdout], [], [], self.timeout)
+        line = self.proc.stdout.readline() if ready else ""
+        if not line:
+            self.close()
+            raise RuntimeError("the worker zygote did not answer")
+        return json.loads(line)
+
+    def _ask(self, req: dict[str, Any]) -> dict[str, Any]:
+        assert self.proc.stdin is not None
+        self.proc.stdin.write(json.dumps(req) + "\n")
+        self.proc.stdin.flush()
+        return self._reply()
+
+    def fork(self, fn: str, **args: Any) -> int:
+        return int(self._ask({"op": "fork", "fn": fn, "args": args})["pid"])
+
+    def wait(self, pid: int) -> int:
+        return int(self._ask({"op": "wait", "pid": pid})["status"])
+
+    def close(self) -> None:
+        if self.proc.poll() is None:
+            try:
+                assert self.proc.stdin is not None
+                self.proc.stdin.close()
+                self.proc.wait(timeout=10)
+            except Exception:
+                self.proc.kill()
+                self.proc.wait(timeout=10)
+
+    def __enter__(self) -> Zygote:
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+
+def _lines(path: str) -> list[str]:
+    try:
+        with open(path) as f:
+            return [ln.strip() for ln in f.read().split("\n") if ln.strip()]
+    except FileNotFoundError:
+        return []
+
+
+def _wait_for(path: str, word: str, timeout: float) -> bool:
+    import time
+
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if any(ln.startswith(word) for ln in _lines(path)):
+            return True
+        time.sleep(0.005)
+    return False
+
+
+@dataclass
+class KillFigures:
+    kills: int = 0
+    survived: int = 0
+    mid_save: int = 0  # restarts that found (and removed) an interrupted save or delete
+    during_open: int = 0  # kills while the manager was starting (cleanup, lock)
+    steps_saved: int = 0
+    failures: list[str] = field(default_factory=list)
+
+
+def kill_drill(zyg: Zygote, root: str, *, kills: int, seed: int = 0, size: int = 64 * 1024,
+               max_delay: float = 0.4) -> KillFigures:
+    """A process saves in a loop and is SIGKILLed at a random moment, ``kills`` times; after
+    each kill a fresh manager must find every checkpoint valid, and the latest one must be
+    at least the last step the process reported saved, holding exactly ``items(step)``."""
+    import random
+    import signal
+    import time
+
+    rng = random.Random(seed)
+    figs = KillFigures()
+    last_saved = 0
+    for k in range(kills):
+        log = os.path.join(os.path.dirname(root), f"kill{k}.log")
+        pid = zyg.fork("save_loop", root=root, log=log, size=size, max_to_keep=3, seconds=30.0)
+        if not _wait_for(log, "ready", 60):
+            os.kill(pid, signal.SIGKILL)
+            zyg.wait(pid)
+            figs.failures.append(f"kill {k}: the worker never became ready")
+            continue
+        # mostly while saving; one kill in six while the manager starts (lock, cleanup)
+        time.sleep(rng.uniform(0.0, 0.004) if rng.random() < 1 / 6 else
+                   rng.uniform(0.0, max_delay))
+        os.kill(pid, signal.SIGKILL)
+        status = zyg.wait(pid)
+        figs.kills += 1
+        lines = _lines(log)
+        saved = [int(ln.split()[1]) for ln in lines if ln.startswith("saved ")]
+        if saved:
+            last_saved = saved[-1]
+        figs.during_open += not any(ln.startswith("open") for ln in lines)
+        figs.steps_saved += len(saved)
+        wrong = []
+        if status != -signal.SIGKILL:
+            wrong.append(f"the worker ended with status {status} before the kill")
+        try:
+            with warnings.catch_warnings(record=True) as caught:
+                warnings.simplefilter("always")
+                with CheckpointManager(root) as m:
+                    figs.mid_save += bool(m.removed_temporaries)
+                    steps = m.all_steps()
+                    latest = m.latest_step()
+                    if last_saved and (latest is None or latest < last_saved):
+                        wrong.append(f"latest step is {latest}, but step {last_saved} was "
+                                     "saved before the kill")
+                    for s in steps:
+                        if not m.verify(s).ok:
+                            wrong.append(f"step {s} is damaged: {m.verify(s).problems}")
+                    if latest is not None:
+                        r = m.restore()
+                        if r.step != latest:
+                            wrong.append(f"restore() gave step {r.step}, latest is {latest}")
+                        check_items(r, r.step, size)
+                if [w for w in caught if "skipping damaged" in str(w.message)]:
+                    wrong.append("restore() had to skip a damaged checkpoint")
+        except Exception as e:
+            wrong.append(f"restart failed: {type(e).__name__}: {e}")
+        figs.survived += not wrong
+        figs.failures += [f"kill {k} (after {len(saved)} saves): {w}" for w in wrong]
+    return figs
+
+
+# ---------------------------------------------------------------------------------------
+# full disks and I/O errors
+# ---------------------------------------------------------------------------------------
+def _temporaries(root: str) -> list[str]:
+    return sorted(n for n in os.listdir(root) if is_temporary(n))
+
+
+def check_save_fault(root: str, k: int, err: int, *, persistent: bool = False) -> list[str]:
+    """Steps 1, 2 saved (max_to_keep=2); save 3 meets ``err`` at its k-th file-system call
+    (and, ``persistent``, at every later write-like call: a disk that stays full). Returns
+    what went wrong: the error must carry the errno and name the checkpoint, no temporary
+    may stay, steps 1 and 2 must stay intact, and retention must not run for a failed save."""
+    import errno as errno_mod
+
+    from minickpt.fs import FaultyFileSystem
+
+    build_run(root, (1, 2))
+    writes = {"write", "writev", "fsync", "mkdir", "open", "ftruncate"}
+
+    def full(op: str, args: tuple[Any, ...]) -> bool:  # a full disk still lets you delete
+        return op != "open" or bool(args[1] & os.O_CREAT)
+
+    fs = FaultyFileSystem(error=OSError(err, os.strerror(err)), base=FAST,
+                          ops=writes if persistent else
+                          FaultyFileSystem(base=FAST).ops,
+                          when=full if persistent else None, persistent=persistent)
+    wrong: list[str] = []
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        m = CheckpointManager(root, CheckpointManagerOptions(max_to_keep=2), fs=fs)
+        fs.fail_at = fs.count + k
+        failed = None
+        try:
+            m.save(3, items(3))
+        except OSError as e:
+            failed = e
+        fs.fail_at = None
+        if not fs.tripped:
+            m.close()
+            return ["the fault was never reached"]
+        step3 = os.path.isdir(os.path.join(root, "step_3"))
+        if failed is not None:
+            if failed.errno != err:
+                wrong.append(f"error carries errno {failed.errno}, not {err}: {failed}")
+            if "step_3" not in str(failed):
+                wrong.append(f"error does not name the checkpoint: {failed}")
+            if err == errno_mod.ENOSPC and not step3 and "disk is full" not in str(failed):
+                wrong.append(f"ENOSPC error does not say the disk is full: {failed}")
+            if sorted(s for s in (1, 2) if os.path.isdir(os.path.join(root, f"step_{s}"))) \
+                    != [1, 2]:
+                wrong.append("a failed save triggered a retention deletion")
+            if _temporaries(root):
+                wrong.append(f"temporaries left after the error: {_temporaries(root)}")
+        else:
+            errnos = [w for w in caught if f"[Errno {err}]" in str(w.message)]
+            if not step3:
+                wrong.append("save returned, but step 3 is not there")
+            elif not errnos and _temporaries(root):
+                wrong.append("a fault after the commit left a temporary without a warning")
+        try:
+            if step3 and 3 not in m.all_steps():
+                wrong.append("step 3 is on disk but the manager does not list it")
+            if not step3:  # the manager must still work once the disk is fine again
+                m.save(3, items(3))
+            m.save(4, items(4))
+            if _temporaries(root):
+                wrong.append(f"temporaries still there after the next save: "
+                             f"{_temporaries(root)}")
+            for s in m.all_steps():
+                if not m.verify(s).ok:
+                    wrong.append(f"step {s} damaged: {m.verify(s).problems}")
+            if m.all_steps() != [3, 4]:
+                wrong.append(f"after two more saves the steps are {m.all_steps()}")
+        except Exception as e:
+            wrong.append(f"the manager did not recover: {type(e).__name__}: {e}")
+        m.close()
+    return wrong
+
+
+def save_call_count() -> int:
+    """How many file-system calls saving step 3 (with retention) makes."""
+    from minickpt.fs import FaultyFileSystem
+
+    with tempfile.TemporaryDirectory() as d:
+        build_run(os.path.join(d, "run"), (1, 2))
+        fs = FaultyFileSystem(base=FAST)
+        with CheckpointManager(os.path.join(d, "run"), CheckpointManagerOptions(max_to_keep=2),
+                               fs=fs) as m:
+            start = fs.count
+            m.save(3, items(3))
+            return fs.count - start
+
+
+@contextlib.contextmanager
+def small_filesystem(kind: str, mountpoint: str, size_mb: int = 2) -> Iterator[str]:
+    """Mount a tiny file system at ``mountpoint`` (tmpfs, or ext4 in a loop-mounted image);
+    raise SkipCase saying why when this machine does not allow it. Always unmounted."""
+    import subprocess
+
+    def sh(*cmd: str) -> subprocess.CompletedProcess[str]:
+        return subprocess.run(cmd, capture_output=True, text=True, timeout=60)
+
+    if os.geteuid() != 0:
+        raise SkipCase("mounting a small file system needs root")
+    os.makedirs(mountpoint, exist_ok=True)
+    if kind == "tmpfs":
+        r = sh("mount", "-t", "tmpfs", "-o", f"size={size_mb}m", "tmpfs", mountpoint)
+    elif kind == "ext4":
+        if shutil.which("mkfs.ext4") is None:
+            raise SkipCase("mkfs.ext4 is not installed")
+        img = mountpoint + ".img"
+        with open(img, "wb") as f:
+            f.truncate(size_mb << 20)
+        r = sh("mkfs.ext4", "-q", "-F", "-m", "0", img)
+        if r.returncode == 0:
+            r = sh("mount", "-o", "loop", img, mountpoint)
+    else:
+        raise ValueError(kind)
+    if r.returncode != 0:
+        raise SkipCase(f"cannot mount a {size_mb} MB {kind} here: "
+                       f"{(r.stderr or r.stdout).strip()}")
+    try:
+        yield mountpoint
+    finally:
+        if sh("umount", mountpoint).returncode != 0:
+            sh("umount", "-l", mountpoint)
+
+
+def check_real_full_disk(mountpoint: str) -> tuple[list[str], int]:
+    """Fill a real small file system with checkpoints until one does not fit. Returns what
+    went wrong and the errno met."""
+    st = os.statvfs(mountpoint)
+    free = st.f_bavail * st.f_frsize
+    size = int(free / 2.6) // 4  # float32 leaves: two checkpoints fit, a third does not
+    root = os.path.join(mountpoint, "run")
+    wrong: list[str] = []
+    met = 0
+    m = CheckpointManager(root, CheckpointManagerOptions(max_to_keep=3))
+    try:
+        m.save(1, items(1, size))
+        m.save(2, items(2, size))
+        try:
+            m.save(3, items(3, size))
+            wrong.append("a third checkpoint fitted: the file system is larger than planned")
+        except OSError as e:
+            met = e.errno or 0
+            if e.errno not in (errno.ENOSPC, errno.EDQUOT):
+                wrong.append(f"the error carries errno {e.errno}, not ENOSPC: {e}")
+            if "step_3" not in str(e) or "disk is full" not in str(e):
+                wrong.append(f"the error does not say which checkpoint, or what to do: {e}")
+        if _temporaries(root):
+            wrong.append(f"temporaries left on the full disk: {_temporaries(root)}")
+        if m.all_steps() != [1, 2]:
+            wrong.append(f"steps after the failure: {m.all_steps()}")
+        for s in (1, 2):
+            if not m.verify(s).ok:
+                wrong.append(f"step {s} damaged by the full disk: {m.verify(s).problems}")
+            check_items(m.restore(s), s, size)
+        m.delete(1)  # free space: saving works again
+        m.save(3, items(3, size))
+        check_items(m.restore(), 3, size)
+    finally:
+        m.close()
+    return wrong, met
