@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import functools
 import io
 import itertools
 import json
@@ -30,8 +31,9 @@ import ml_dtypes
 import numpy as np
 
 from minickpt import CheckpointManager, CheckpointManagerOptions
-from minickpt.commit import is_temporary
+from minickpt.commit import DELETE_MARK, is_temporary
 from minickpt.crashsim import AssertionFailure, explore
+from minickpt.format import write_item
 from minickpt.fs import FileSystem
 from minickpt.legacy import save_checkpoint
 
@@ -190,10 +192,55 @@ LEGACY = _add(Scenario(
     allowed={(1, 2), (1, 2, 3), (2, 3)}, new=(3,), deleted=(1,), run_dir="ckpts",
     options={"step_prefix": "checkpoint"}, item_of=lambda r: r["state"]))
 
-# Async saving (issue: background thread running Checkpointer.write + retention) adds one
-# Scenario here: options={"enable_async_checkpointing": True}, and a run that saves, then
-# calls m.wait_until_finished(). The recorder crashes every thread at once, so nothing else
-# in the harness changes.
+# Async saving (a background thread running Checkpointer.write and retention) is one more
+# Scenario, nothing else: the recorder crashes every thread at once (each later call, from
+# any thread, raises SimulatedCrash), and an error the background thread reports after the
+# crash is ignored because the recorder knows it crashed. For example:
+#
+#   ASYNC = _add(Scenario(
+#       "async save with retention", setup=_scenario_retention,
+#       run=lambda fs, w: _run_and_drop(lambda: ASYNC.manager(w, fs),
+#                                       lambda m: (m.save(3, items(3)), m.wait_until_finished())),
+#       allowed={(1, 2), (1, 2, 3), (2, 3)}, new=(3,), deleted=(1,),
+#       options={"max_to_keep": 2, "enable_async_checkpointing": True}))
+#
+# explore() insists that every run of a scenario makes the same calls; if the background
+# thread's calls interleave differently from run to run it says so.
+
+
+# The harness must fail on a library that is not crash-safe: each mutation breaks one
+# rule of the commit protocol; (patch target, replacement, scenario, symptom expected).
+def _commit_without_parent_fsync(fs, tmp_dir, final_dir, *, subdirs=()):
+    fs.fsync_dir(tmp_dir)
+    fs.rename(tmp_dir, final_dir)
+
+
+def _commit_without_tmp_fsync(fs, tmp_dir, final_dir, *, subdirs=()):
+    fs.rename(tmp_dir, final_dir)
+    fs.fsync_dir(os.path.dirname(final_dir))
+
+
+def _delete_without_fsync(fs, path):
+    doomed = path + DELETE_MARK + "x"
+    fs.rename(path, doomed)
+    fs.rmtree(doomed)
+
+
+MUTATIONS = {
+    "commit skips the parent's fsync (the rename can vanish)":
+        ("minickpt.checkpointer.commit", _commit_without_parent_fsync, FIRST,
+         "can be lost although its save returned"),
+    "commit skips the temporary directory's fsync (entries inside can vanish)":
+        ("minickpt.checkpointer.commit", _commit_without_tmp_fsync, RETENTION,
+         "is listed but damaged"),
+    "items are written without fsync (data lost, names kept)":
+        ("minickpt.checkpointer.write_item",
+         functools.partial(write_item, fsync=False), RETENTION,
+         "is listed but damaged"),
+    "delete removes files before its rename is durable":
+        ("minickpt.manager.delete_dir", _delete_without_fsync, DELETE,
+         "is listed but damaged"),
+}
 
 
 def observe(scn: Scenario, world: str) -> tuple[int, ...]:
@@ -1160,13 +1207,30 @@ def _lines(path: str) -> list[str]:
         return []
 
 
-def _wait_for(path: str, word: str, timeout: float) -> bool:
+def _alive(pid: int) -> bool:
+    """Whether a worker (the zygote's child, not ours to wait for) still runs."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] not in ("Z", "X")
+    except OSError:
+        try:
+            os.kill(pid, 0)
+            return True
+        except OSError:
+            return False
+
+
+def _wait_for(path: str, word: str, timeout: float, pid: int | None = None) -> bool:
+    """Wait until the log at ``path`` has a line starting with ``word`` (False if the
+    worker ``pid`` died first, or after ``timeout`` seconds)."""
     import time
 
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         if any(ln.startswith(word) for ln in _lines(path)):
             return True
+        if pid is not None and not _alive(pid):
+            return any(ln.startswith(word) for ln in _lines(path))
         time.sleep(0.005)
     return False
 
@@ -1193,14 +1257,17 @@ def kill_drill(zyg: Zygote, root: str, *, kills: int, seed: int = 0, size: int =
     rng = random.Random(seed)
     figs = KillFigures()
     last_saved = 0
+    os.makedirs(os.path.dirname(root), exist_ok=True)
     for k in range(kills):
         log = os.path.join(os.path.dirname(root), f"kill{k}.log")
         pid = zyg.fork("save_loop", root=root, log=log, size=size, max_to_keep=3, seconds=30.0)
-        if not _wait_for(log, "ready", 60):
+        if not _wait_for(log, "ready", 60, pid):
             os.kill(pid, signal.SIGKILL)
             zyg.wait(pid)
             figs.failures.append(f"kill {k}: the worker never became ready")
             continue
+        if k % 4 == 3:  # every fourth round, let it save once first: progress is certain
+            _wait_for(log, "saved", 60, pid)
         # mostly while saving; one kill in six while the manager starts (lock, cleanup)
         time.sleep(rng.uniform(0.0, 0.004) if rng.random() < 1 / 6 else
                    rng.uniform(0.0, max_delay))
@@ -1407,3 +1474,125 @@ def check_real_full_disk(mountpoint: str) -> tuple[list[str], int]:
     finally:
         m.close()
     return wrong, met
+
+
+def check_run_owners(root: str, writers: str = "AB") -> tuple[dict[int, str], list[str]]:
+    """Which writer made each checkpoint; wrong if any checkpoint mixes two writers' items."""
+    from crash_worker import writer_items
+
+    m = CheckpointManager(root, CheckpointManagerOptions(read_only=True))
+    owners: dict[int, str] = {}
+    wrong = []
+    for s in m.all_steps():
+        rep = m.verify(s)
+        if not rep.ok:
+            wrong.append(f"step {s} damaged: {rep.problems}")
+            continue
+        r = m.restore(s)
+        who, _, step = str(r["opt"]["tag"]).partition("-")
+        want = writer_items(s, who) if who in writers else None
+        if want is None or int(step) != s:
+            wrong.append(f"step {s} holds tag {r['opt']['tag']!r}")
+        elif not np.array_equal(r["params"]["w"], want["params"]["w"]) \
+                or r["opt"]["count"] != want["opt"]["count"]:
+            wrong.append(f"step {s} mixes items of two writers")
+        else:
+            owners[s] = who
+    return owners, wrong
+
+
+def two_writers(zyg: Zygote, workdir: str, mode: str) -> list[str]:
+    """Two processes open managers on one directory at the same moment.
+
+    ``refuse``: neither waits; one must be refused with a clear error. ``serialise``: both
+    wait for the lock; all of both writers' steps must be there. ``nolock``: lock=False,
+    both save the same steps; each step must be exactly one writer's, the other told it
+    exists. In every mode no checkpoint may mix the two writers' items."""
+    import time
+
+    from crash_worker import EXIT_REFUSED
+
+    root = os.path.join(workdir, "run")
+    os.makedirs(root, exist_ok=True)
+    logs = {w: os.path.join(workdir, f"{w}.log") for w in "AB"}
+    steps = {"A": list(range(10, 16)), "B": list(range(20, 26))} if mode == "serialise" \
+        else {w: list(range(1, 9)) for w in "AB"}
+    start = time.time() + 1.0
+    pids = {w: zyg.fork("writer", root=root, log=logs[w], name=w, steps=steps[w],
+                        start_at=start, wait_for_lock=mode == "serialise",
+                        lock=mode != "nolock") for w in "AB"}
+    codes = {w: zyg.wait(pid) for w, pid in pids.items()}
+    owners, wrong = check_run_owners(root)
+    if mode == "refuse":
+        if sorted(codes.values()) != [0, EXIT_REFUSED]:
+            return [*wrong, f"exit codes {codes}: expected one writer refused"]
+        loser = next(w for w, c in codes.items() if c == EXIT_REFUSED)
+        refusal = _lines(logs[loser])[-1]
+        if "another CheckpointManager is writing to" not in refusal or "pid" not in refusal:
+            wrong.append(f"the refusal is not clear: {refusal}")
+        winner = "B" if loser == "A" else "A"
+        if owners != {s: winner for s in steps[winner]}:
+            wrong.append(f"steps and owners: {owners}")
+        return wrong
+    if codes != {"A": 0, "B": 0}:
+        return [*wrong, f"exit codes {codes}: {[_lines(p)[-2:] for p in logs.values()]}"]
+    if mode == "serialise":
+        if owners != {s: w for w in "AB" for s in steps[w]}:
+            wrong.append(f"steps and owners: {owners}")
+        return wrong
+    for s in steps["A"]:  # nolock: one "saved" and one "exists" for every step
+        said = {w: next((ln.split()[0] for ln in _lines(logs[w]) if ln.endswith(f" {s}")), "?")
+                for w in "AB"}
+        if sorted(said.values()) != ["exists", "saved"] or said.get(owners.get(s, "")) != "saved":
+            wrong.append(f"step {s}: writers said {said}, owner {owners.get(s)}")
+    return wrong
+
+
+def reader_under_churn(zyg: Zygote, workdir: str, seconds: float, seed: int = 3
+                       ) -> tuple[dict[str, int], list[str]]:
+    """A read-only manager restores (latest, or a random listed step) while another process
+    saves and deletes as fast as it can. Every restore must be whole and exact, or a clean
+    CheckpointNotFoundError when the step was deleted under it; never a "damaged" fallback."""
+    import random
+    import time
+
+    from minickpt import CheckpointNotFoundError
+
+    root = os.path.join(workdir, "run")
+    log = os.path.join(workdir, "churn.log")
+    pid = zyg.fork("churn", root=root, log=log, seconds=seconds)
+    outcomes = {"restored": 0, "not found": 0}
+    wrong: list[str] = []
+    if not _wait_for(log, "ready", 60, pid):
+        zyg.wait(pid)
+        return outcomes, [f"the writer never started: {_lines(log)}"]
+    give_up = time.monotonic() + 60
+    while not os.path.isdir(root):
+        if time.monotonic() > give_up:
+            return outcomes, [f"the writer never created {root}: {_lines(log)[-3:]}"]
+        time.sleep(0.01)
+    rng = random.Random(seed)
+    reader = CheckpointManager(root, CheckpointManagerOptions(read_only=True))
+    deadline = time.monotonic() + seconds
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # a fallback warning would mean "damaged"
+        while time.monotonic() < deadline and len(wrong) < 5:
+            try:
+                reader.reload()
+                steps = reader.all_steps()
+                if not steps:
+                    continue
+                s = rng.choice(steps)
+                r = reader.restore(s) if rng.random() < 0.5 else reader.restore()
+                check_items(r, int(r.step), 20000)
+                reader.verify(s)
+                outcomes["restored"] += 1
+            except CheckpointNotFoundError:
+                outcomes["not found"] += 1
+            except BaseException as e:
+                wrong.append(f"{type(e).__name__}: {e}")
+    if zyg.wait(pid) != 0:
+        wrong.append(f"the writer failed: {_lines(log)[-3:]}")
+    if outcomes["restored"] < 10:
+        wrong.append(f"too few restores to mean anything: {outcomes}")
+    return outcomes, wrong

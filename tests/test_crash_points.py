@@ -7,15 +7,12 @@ in a fresh directory, where a fresh CheckpointManager must list only complete ch
 restore the old latest step or the new one. See minickpt/crashsim.py for the model.
 """
 
-import functools
 import os
 import threading
 
 import pytest
 from crash_harness import (
-    DELETE,
-    FIRST,
-    RETENTION,
+    MUTATIONS,
     SCALE,
     SCENARIOS,
     add_figures,
@@ -23,8 +20,6 @@ from crash_harness import (
     scratch,
 )
 
-import minickpt.commit as commit_mod
-import minickpt.format as format_mod
 from minickpt.crashsim import CrashRecorder, CrashState, read_tree
 from minickpt.fs import FileSystem, SimulatedCrash
 
@@ -47,39 +42,6 @@ def test_every_crash_point_leaves_the_old_or_the_new_checkpoints(scn, tmp_path):
 
 
 # ---- the harness must fail on a library that is not crash-safe -------------------------
-def _commit_without_parent_fsync(fs, tmp_dir, final_dir, *, subdirs=()):
-    fs.fsync_dir(tmp_dir)
-    fs.rename(tmp_dir, final_dir)
-
-
-def _commit_without_tmp_fsync(fs, tmp_dir, final_dir, *, subdirs=()):
-    fs.rename(tmp_dir, final_dir)
-    fs.fsync_dir(os.path.dirname(final_dir))
-
-
-def _delete_without_fsync(fs, path):
-    doomed = path + commit_mod.DELETE_MARK + "x"
-    fs.rename(path, doomed)
-    fs.rmtree(doomed)
-
-
-MUTATIONS = {
-    "commit skips the parent's fsync (the rename can vanish)":
-        ("minickpt.checkpointer.commit", _commit_without_parent_fsync, FIRST,
-         "can be lost although its save returned"),
-    "commit skips the temporary directory's fsync (entries inside can vanish)":
-        ("minickpt.checkpointer.commit", _commit_without_tmp_fsync, RETENTION,
-         "is listed but damaged"),
-    "items are written without fsync (data lost, names kept)":
-        ("minickpt.checkpointer.write_item",
-         functools.partial(format_mod.write_item, fsync=False), RETENTION,
-         "is listed but damaged"),
-    "delete removes files before its rename is durable":
-        ("minickpt.manager.delete_dir", _delete_without_fsync, DELETE,
-         "is listed but damaged"),
-}
-
-
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("name", list(MUTATIONS))
 def test_the_harness_catches_a_library_that_is_not_crash_safe(name, tmp_path, monkeypatch):
