@@ -71,3 +71,14 @@ def test_a_killed_worker_leaves_no_lock_behind(zygote, tmp_path):
     assert zygote.wait(pid) == -signal.SIGKILL
     with CheckpointManager(root) as m:
         check_items(m.restore(), m.latest_step(), 100)
+
+
+def test_without_the_lock_temporaries_are_left_alone(tmp_path):
+    """With lock=False another writer may be saving right now, and its temporary looks just
+    like a crashed one: a manager that cannot exclude writers must not clean it up."""
+    (tmp_path / "step_5.minickpt-tmp-inflight").mkdir()
+    with CheckpointManager(tmp_path, CheckpointManagerOptions(lock=False)) as m:
+        assert m.removed_temporaries == []
+    assert (tmp_path / "step_5.minickpt-tmp-inflight").is_dir()
+    with CheckpointManager(tmp_path) as m:  # with the lock it is ours to clean
+        assert m.removed_temporaries == ["step_5.minickpt-tmp-inflight"]

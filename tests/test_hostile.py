@@ -123,3 +123,16 @@ def test_copy_of_template_is_untouched(template, tmp_path):
     shutil.copytree(template, tmp_path / "run")
     m = CheckpointManager(tmp_path / "run", CheckpointManagerOptions(read_only=True))
     assert [m.verify(s).ok for s in (1, 2, 3)] == [True, True, True]
+
+
+def test_step_names_other_than_this_managers_still_restore(tmp_path):
+    """A run saved as step_00000042 read by a manager that would write step_42: listed AND
+    restorable (before, it was listed but restore() failed with not-found)."""
+    from minickpt import CheckpointManagerOptions as O
+
+    with CheckpointManager(tmp_path, O(step_format_fixed_length=8)) as m:
+        m.save(42, items(42))
+    m = CheckpointManager(tmp_path, O(read_only=True))
+    assert m.all_steps() == [42] and m.verify(42).ok
+    check_items(m.restore(), 42)
+    check_items(m.restore(42), 42)
