@@ -345,11 +345,6 @@ def _manifest_path(step_dir: str, item: str) -> str:
     return os.path.join(step_dir, item, "manifest.json")
 
 
-def _leaf(step_dir: str, item: str, leaf: str) -> dict[str, Any]:
-    obj = json.loads(open(_manifest_path(step_dir, item), "rb").read())
-    return next(e for e in obj["leaves"] if e["path"] == [leaf])
-
-
 def flip(rel: str, where: int | bytes | Callable[[str], int], bit: int = 0x10
          ) -> Callable[[str], None]:
     """Flip one bit of ``rel``: at a byte offset, in the first byte of a marker, or where a
@@ -777,7 +772,8 @@ class Hostile:
 
     name: str
     build: Callable[[str, str], None]  # (step directory, outside directory)
-    error: type = Exception  # set below to the minickpt error class expected
+    error: type | None = None  # None: UnsafeCheckpointError for escapes and pickles, else
+    #                            any MiniCkptError
     refused: bool = True
 
 
@@ -1028,7 +1024,7 @@ def check_hostile(case: Hostile, template: str, workdir: str) -> list[str]:
     )
     from minickpt.cli import main as cli_main
 
-    error = case.error if case.error is not Exception else (
+    error = case.error if case.error is not None else (
         UnsafeCheckpointError if any(w in case.name for w in (
             "pickle", "object", "'O", "symlink", "'..", "'/", "data_file", "item name",
             "npy")) else MiniCkptError)
