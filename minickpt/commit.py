@@ -46,7 +46,8 @@ def parse_step(name: str, prefix: str | None = "step") -> int | None:
 
     Temporary and deletion names never parse: they carry a suffix the pattern rejects.
     """
-    pat = rf"{re.escape(prefix)}_(\d+)" if prefix else r"(\d+)"
+    # ASCII digits only: \d would also take "step_٣" (Arabic-Indic 3) for step 3
+    pat = rf"{re.escape(prefix)}_([0-9]+)" if prefix else r"([0-9]+)"
     m = re.fullmatch(pat, name)
     return int(m.group(1)) if m else None
 
@@ -84,7 +85,13 @@ def commit(fs: FileSystem, tmp_dir: str, final_dir: str, *, subdirs: Iterable[st
                 f"{final_dir} already exists: minickpt never replaces a committed checkpoint. "
                 "Delete it first (manager.delete(step)) or save under another step.") from e
         raise
-    fs.fsync_dir(os.path.dirname(os.path.abspath(final_dir)))
+    parent = os.path.dirname(os.path.abspath(final_dir))
+    try:
+        fs.fsync_dir(parent)
+    except OSError as e:
+        raise OSError(e.errno, f"{e.strerror or e}: {final_dir} is complete and in place, but "
+                               f"the fsync of {parent} failed, so a power cut could still undo "
+                               "its rename", e.filename) from e
 
 
 def abort(fs: FileSystem, tmp_dir: str) -> None:

@@ -25,6 +25,7 @@ import json
 import math
 import os
 import re
+import stat
 import time
 import zlib
 from collections.abc import Iterable, Mapping, Sequence
@@ -37,6 +38,7 @@ import numpy as np
 
 from .errors import (
     CheckpointCorruptedError,
+    CheckpointTooLargeError,
     FormatVersionError,
     UnsafeCheckpointError,
     UnsupportedLeafError,
@@ -147,9 +149,9 @@ def decode_value(entry: Mapping[str, Any], where: str) -> Any:
             return complex(float.fromhex(v[0]), float.fromhex(v[1]))
         if t == "str" and isinstance(v, str):
             return v
-    except (TypeError, ValueError):
+    except (TypeError, ValueError, OverflowError):  # 0x1p99999 overflows a float
         pass
-    raise CheckpointCorruptedError(where, f"value leaf of type {t!r} holds {v!r}")
+    raise CheckpointCorruptedError(where, f"value leaf of type {t!r} holds {str(v)[:100]!r}")
 
 
 def plan_leaf(names: Names, host: Any) -> tuple[dict[str, Any], np.ndarray | None]:
@@ -417,11 +419,27 @@ def read_manifest(fs: FileSystem, item_dir: str, *, expected_crc32: int | None =
     if expected_crc32 is not None and crc != expected_crc32:
         raise _corrupt(path, f"manifest checksum {crc:#010x} differs from the one recorded at "
                              f"commit ({expected_crc32:#010x}): it was changed or damaged")
-    try:
-        obj = json.loads(raw.decode("utf-8"))
-    except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as e:
-        raise _corrupt(path, f"manifest is not valid JSON ({e})") from e
+    obj = parse_json(raw, path, "manifest")
     return validate_manifest(obj, path, item_dir, crc, fs=fs)
+
+
+def parse_json(raw: bytes, path: str, what: str) -> Any:
+    """Parse a manifest or metadata file; every way it can be malformed is a clear error.
+
+    Nesting deeper than the interpreter's recursion limit raises RecursionError inside the
+    parser (never a crash), and integers too long to convert raise ValueError: both, like
+    bad UTF-8 or bad syntax, become :class:`CheckpointCorruptedError`.
+    """
+    try:
+        return json.loads(raw.decode("utf-8"))
+    except (UnicodeDecodeError, ValueError, RecursionError) as e:
+        raise _corrupt(path, f"{what} is not valid JSON ({type(e).__name__}: "
+                             f"{str(e)[:200]})") from e
+
+
+def _leaf_list(entries: Sequence[Mapping[str, Any]]) -> str:
+    names = list(dict.fromkeys(path_str(e["path"]) for e in entries))  # shards: once a leaf
+    return ", ".join(names[:5]) + (f" and {len(names) - 5} more" if len(names) > 5 else "")
 
 
 def validate_manifest(obj: Any, path: str, item_dir: str, crc: int = 0, *,
@@ -449,25 +467,6 @@ def validate_manifest(obj: Any, path: str, item_dir: str, crc: int = 0, *,
     skel, entries = obj.get("tree"), obj.get("leaves")
     if not isinstance(skel, dict) or not isinstance(entries, list):
         raise _corrupt(path, "manifest lacks its 'tree' or its 'leaves'")
-    _check_skeleton(skel, len(entries), path)
-
-    file_size = None
-    if data_file is not None and fs is not None:
-        dpath = os.path.join(item_dir, data_file)
-        try:
-            st = fs.lstat(dpath)
-        except FileNotFoundError as e:
-            raise _corrupt(dpath, "data file is missing") from e
-        import stat as _stat
-
-        if _stat.S_ISLNK(st.st_mode):
-            raise UnsafeCheckpointError(dpath, "is a symbolic link; refusing to follow it")
-        if not _stat.S_ISREG(st.st_mode):
-            raise _corrupt(dpath, "data file is not a regular file")
-        file_size = st.st_size
-        if file_size != data_bytes:
-            raise _corrupt(dpath, f"data file has {file_size} bytes, the manifest says "
-                                  f"{data_bytes} (truncated or padded)")
     seen: set[tuple[str, ...]] = set()
     for i, e in enumerate(entries):
         _check_entry(e, i, path, data_file, data_bytes)
@@ -475,6 +474,18 @@ def validate_manifest(obj: Any, path: str, item_dir: str, crc: int = 0, *,
         if key in seen:
             raise _corrupt(path, "two leaves share this path", leaf=path_str(key))
         seen.add(key)
+    _check_skeleton(skel, entries, path)
+    # leaves written whole lie in the item's own data file; sharded leaves (format 2) lie in
+    # the per-process shard files, checked by _load_shards
+    whole = [e for e in entries if e["kind"] != "value" and not e.get("sharded")]
+    arrays = sorted((e for e in whole if e["nbytes"]), key=lambda e: e["offset"])
+    for a, b in itertools.pairwise(arrays):
+        if b["offset"] < a["offset"] + a["nbytes"]:
+            raise _corrupt(path, f"leaf {path_str(b['path'])} starts at byte {b['offset']}, "
+                                 f"inside leaf {path_str(a['path'])}: leaves never overlap",
+                           leaf=path_str(b["path"]))
+    if data_file is not None and fs is not None:
+        _check_data_file(fs, os.path.join(item_dir, data_file), data_bytes, whole)
     m = Manifest(item_dir, skel, entries, data_file, data_bytes, crc, obj)
     sharded = [i for i, e in enumerate(entries) if e.get("sharded")]
     if "shard_files" in obj or sharded:
@@ -485,10 +496,43 @@ def validate_manifest(obj: Any, path: str, item_dir: str, crc: int = 0, *,
     return m
 
 
-def _check_skeleton(skel: dict[str, Any], n_leaves: int, where: str) -> None:
+def _check_data_file(fs: FileSystem, dpath: str, data_bytes: int,
+                     arrays: Sequence[Mapping[str, Any]]) -> None:
+    """The data file must be a regular file of exactly the manifest's size; if it is not,
+    the error names the leaves it costs."""
+    first = path_str(arrays[0]["path"]) if arrays else None
+    try:
+        st = fs.lstat(dpath)
+    except FileNotFoundError as e:
+        raise _corrupt(dpath, f"data file is missing (it holds {_leaf_list(arrays)})",
+                       leaf=first) from e
+    if stat.S_ISLNK(st.st_mode):
+        raise UnsafeCheckpointError(dpath, "is a symbolic link; refusing to follow it",
+                                    leaf=first)
+    if not stat.S_ISREG(st.st_mode):
+        raise _corrupt(dpath, f"data file is not a regular file (it should hold "
+                              f"{_leaf_list(arrays)})", leaf=first)
+    if st.st_size < data_bytes:
+        lost = [e for e in arrays if e["offset"] + e["nbytes"] > st.st_size]
+        raise _corrupt(dpath, f"data file has {st.st_size} bytes, the manifest says "
+                              f"{data_bytes}: truncated, losing {_leaf_list(lost)}",
+                       leaf=path_str(lost[0]["path"]) if lost else first)
+    if st.st_size > data_bytes:
+        raise _corrupt(dpath, f"data file has {st.st_size} bytes, the manifest says "
+                              f"{data_bytes}: something was appended to it")
+
+
+def _check_skeleton(skel: dict[str, Any], entries: Sequence[Mapping[str, Any]],
+                    where: str) -> None:
+    """The skeleton must name each leaf exactly once, by the same key path as its entry.
+
+    (Restoring without a target follows the skeleton, with one by the entries' paths: a
+    manifest where the two disagree would give different trees depending on how it is read.)
+    """
+    n_leaves = len(entries)
     seen: list[int] = []
 
-    def walk(node: Any, depth: int) -> None:
+    def walk(node: Any, depth: int, names: tuple[str, ...]) -> None:
         if depth > MAX_DEPTH or not isinstance(node, dict):
             raise _corrupt(where, "tree skeleton is malformed or nested too deep")
         t = node.get("t")
@@ -496,6 +540,10 @@ def _check_skeleton(skel: dict[str, Any], n_leaves: int, where: str) -> None:
             i = node.get("i")
             if not _is_int(i) or not 0 <= i < n_leaves:
                 raise _corrupt(where, f"tree skeleton names leaf {i!r} of {n_leaves}")
+            if tuple(entries[i]["path"]) != names:
+                raise _corrupt(where, f"tree skeleton puts leaf {path_str(entries[i]['path'])} "
+                                      f"at {path_str(names)}",
+                               leaf=path_str(entries[i]["path"]))
             seen.append(i)
         elif t == "none":
             pass
@@ -503,20 +551,25 @@ def _check_skeleton(skel: dict[str, Any], n_leaves: int, where: str) -> None:
             kids = node.get("c")
             if not isinstance(kids, list):
                 raise _corrupt(where, "tree skeleton is malformed")
+            keys = set()
             for kid in kids:
                 if not (isinstance(kid, list) and len(kid) == 2):
                     raise _corrupt(where, "tree skeleton is malformed")
-                walk(kid[1], depth + 1)
+                k = kid[0]
+                if not (isinstance(k, str) or (_is_int(k) and t == "dict")) or k in keys:
+                    raise _corrupt(where, f"tree skeleton has a bad or repeated key {k!r}")
+                keys.add(k)
+                walk(kid[1], depth + 1, (*names, str(k)))
         elif t in ("list", "tuple"):
             kids = node.get("c")
             if not isinstance(kids, list):
                 raise _corrupt(where, "tree skeleton is malformed")
-            for kid in kids:
-                walk(kid, depth + 1)
+            for n, kid in enumerate(kids):
+                walk(kid, depth + 1, (*names, str(n)))
         else:
             raise _corrupt(where, f"unknown container type {t!r} in tree skeleton")
 
-    walk(skel, 0)
+    walk(skel, 0, ())
     if sorted(seen) != list(range(n_leaves)):
         raise _corrupt(where, "tree skeleton and leaf list disagree")
 
@@ -548,8 +601,15 @@ def _check_entry(e: Any, i: int, where: str, data_file: str | None, data_bytes: 
     if not _is_int(nbytes) or nbytes != expect:
         raise _corrupt(where, f"nbytes {nbytes!r} does not match shape {shape} of {dt} "
                               f"({expect} bytes)", leaf=leaf)
-    if kind == "prng_key" and not isinstance(e.get("impl"), str):
-        raise _corrupt(where, "PRNG key leaf without an impl name", leaf=leaf)
+    if kind == "prng_key":
+        impl = e.get("impl")
+        key_shape = key_data_shape(impl) if isinstance(impl, str) else None
+        if key_shape is None:
+            raise _corrupt(where, f"PRNG key leaf with unknown implementation {impl!r}",
+                           leaf=leaf)
+        if tuple(shape[len(shape) - len(key_shape):]) != key_shape:
+            raise _corrupt(where, f"PRNG key data of shape {shape} does not end with the "
+                                  f"{impl} key shape {list(key_shape)}", leaf=leaf)
     if "sharded" in e:
         if e["sharded"] is not True or "offset" in e:
             raise _corrupt(where, "malformed sharded leaf entry", leaf=leaf)
@@ -562,8 +622,6 @@ def _check_entry(e: Any, i: int, where: str, data_file: str | None, data_bytes: 
     crc = e.get("crc32")
     if crc is not None and (not _is_int(crc) or not 0 <= crc < 2**32):
         raise _corrupt(where, f"crc32 {crc!r} is not a 32-bit checksum", leaf=leaf)
-    if kind == "prng_key" and not isinstance(e.get("impl"), str):
-        raise _corrupt(where, "PRNG key leaf without an impl name", leaf=leaf)
 
 
 def read_leaves(fs: FileSystem, manifest: Manifest, indices: Sequence[int] | None = None, *,
@@ -575,6 +633,13 @@ def read_leaves(fs: FileSystem, manifest: Manifest, indices: Sequence[int] | Non
     :class:`CheckpointCorruptedError` naming the data file and the leaf.
     """
     idx = list(range(len(manifest.entries))) if indices is None else list(indices)
+    need = sum(manifest.entries[i].get("nbytes", 0) for i in idx)
+    limit = host_memory_bytes()
+    if limit is not None and need > limit:
+        raise CheckpointTooLargeError(
+            f"reading {need} bytes from {manifest.item_dir} would need more than the "
+            f"{limit} bytes of memory this machine has; refusing before allocating (restore "
+            "fewer leaves with a partial target, or use a bigger machine)")
     out: list[Any] = [None] * len(idx)
     arrays: list[tuple[int, dict[str, Any], np.ndarray]] = []
     for k, i in enumerate(idx):
@@ -609,6 +674,36 @@ def _finish_leaf(e: Mapping[str, Any], arr: np.ndarray) -> Any:
     if e.get("scalar"):
         return arr[()]
     return arr
+
+
+def host_memory_bytes() -> int | None:
+    """Physical memory of this machine (None where the OS does not say)."""
+    try:
+        return os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (ValueError, OSError, AttributeError):
+        return None
+
+
+_KEY_SHAPES: dict[str, tuple[int, ...] | None] = {}
+_IMPL_RE = re.compile(r"^[a-z0-9_]{1,64}$")
+
+
+def key_data_shape(impl: str) -> tuple[int, ...] | None:
+    """The trailing data shape of a PRNG key implementation JAX knows (None if unknown).
+
+    Only plain lower-case names reach JAX, and JAX only looks them up in its registry.
+    """
+    if not _IMPL_RE.match(impl):
+        return None
+    if impl not in _KEY_SHAPES:
+        import jax
+
+        try:
+            _KEY_SHAPES[impl] = tuple(jax.eval_shape(
+                lambda: jax.random.key_data(jax.random.key(0, impl=impl))).shape)
+        except (ValueError, TypeError, KeyError):
+            _KEY_SHAPES[impl] = None
+    return _KEY_SHAPES[impl]
 
 
 def _read_arrays(fs: FileSystem, fd: int, arrays: list[tuple[int, dict[str, Any], np.ndarray]],
@@ -849,22 +944,6 @@ def write_shards(fs: FileSystem, item_dir: str, process: int, plan: ItemPlan, *,
                      fsync_s=data.fsync_s + time.perf_counter() - t)
 
 
-def _check_data_file(fs: FileSystem, dpath: str, size: int) -> None:
-    import stat as _stat
-
-    try:
-        st = fs.lstat(dpath)
-    except FileNotFoundError as e:
-        raise _corrupt(dpath, "data file is missing") from e
-    if _stat.S_ISLNK(st.st_mode):
-        raise UnsafeCheckpointError(dpath, "is a symbolic link; refusing to follow it")
-    if not _stat.S_ISREG(st.st_mode):
-        raise _corrupt(dpath, "data file is not a regular file")
-    if st.st_size != size:
-        raise _corrupt(dpath, f"data file has {st.st_size} bytes, its manifest says {size} "
-                              "(truncated or padded)")
-
-
 def _load_shards(fs: FileSystem, m: Manifest, path: str, records: Any,
                  sharded: list[int]) -> dict[int, list[ShardRef]]:
     """Read and check every per-process manifest an item lists; check the coverage."""
@@ -912,12 +991,23 @@ def _load_shards(fs: FileSystem, m: Manifest, path: str, records: Any,
         if not _is_int(v) or not SHARDED_FORMAT_VERSION <= v <= MAX_FORMAT_VERSION:
             raise FormatVersionError(mpath, f"shard manifest format version {v!r} is not one "
                                             "this minickpt reads; upgrade minickpt")
+        if n and df is None:
+            raise _corrupt(mpath, "shards listed but no data file")
+        refs = [_check_shard(se, m, mpath, p, df, db, shards) for se in obj["shards"]]
+        by_offset = sorted((r for r in refs if r.nbytes), key=lambda r: r.offset)
+        for a, b in itertools.pairwise(by_offset):
+            if b.offset < a.offset + a.nbytes:
+                leaf = path_str(m.entries[b.leaf]["path"])
+                raise _corrupt(mpath, f"shard {[list(x) for x in b.box]} starts at byte "
+                                      f"{b.offset} of {df}, inside another shard: shards never "
+                                      "overlap", leaf=leaf)
         if n:
-            if df is None:
-                raise _corrupt(mpath, "shards listed but no data file")
-            _check_data_file(fs, os.path.join(m.item_dir, df), db)
-        for se in obj["shards"]:
-            ref = _check_shard(se, m, mpath, p, df, db, shards)
+            assert df is not None
+            # what a damaged shard file costs, named leaf by leaf (as for data.bin)
+            _check_data_file(fs, os.path.join(m.item_dir, df), db,
+                             [{"path": m.entries[r.leaf]["path"], "offset": r.offset,
+                               "nbytes": r.nbytes} for r in refs])
+        for ref in refs:
             shards[ref.leaf].append(ref)
     for i, refs in shards.items():
         e = m.entries[i]
@@ -978,6 +1068,13 @@ def read_region(fs: FileSystem, manifest: Manifest, i: int, box: Box, *, verify:
                                      in zip(box, shape, strict=False)):
         raise ValueError(f"region {box} lies outside leaf {path_str(e['path'])} of shape {shape}")
     cache = {} if cache is None else cache
+    need = math.prod(box_shape(box)) * dtype.itemsize
+    limit = host_memory_bytes()
+    if limit is not None and need > limit:
+        raise CheckpointTooLargeError(
+            f"reading {need} bytes of leaf {path_str(e['path'])} from {manifest.item_dir} "
+            f"would need more than the {limit} bytes of memory this machine has; refusing "
+            "before allocating")
     out = np.empty(box_shape(box), dtype)
     if out.size == 0:
         return out

@@ -91,6 +91,9 @@ class FileSystem:
     def close(self, fd: int) -> None:
         os.close(fd)
 
+    def ftruncate(self, fd: int, length: int) -> None:
+        os.ftruncate(fd, length)
+
     def mkdir(self, path: str, mode: int = 0o755) -> None:
         os.mkdir(path, mode)
 
@@ -191,15 +194,27 @@ class FileSystem:
         return n
 
     def open_read(self, path: str) -> int:
-        """Open a file for reading, refusing a symlink (a checkpoint never contains one)."""
+        """Open a regular file for reading, refusing a symlink (a checkpoint never contains
+        one) and anything that is not a regular file: opening a FIFO would block forever
+        (``O_NONBLOCK`` lets the open return so that ``fstat`` can refuse it)."""
+        from .errors import CheckpointCorruptedError, UnsafeCheckpointError
+
         try:
-            return self.open(path, os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0))
+            fd = self.open(path, os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0)
+                           | getattr(os, "O_NONBLOCK", 0))
         except OSError as e:
             if e.errno == errno.ELOOP:
-                from .errors import UnsafeCheckpointError
-
                 raise UnsafeCheckpointError(path, "is a symbolic link; refusing to follow it") from e
             raise
+        try:
+            mode = self.fstat(fd).st_mode
+        except BaseException:
+            self.close(fd)
+            raise
+        if not stat.S_ISREG(mode):
+            self.close(fd)
+            raise CheckpointCorruptedError(path, "is not a regular file")
+        return fd
 
     def read_into(self, fd: int, buf: memoryview, offset: int) -> None:
         """Fill ``buf`` from ``offset``; a short file is an error, not a silent zero fill."""
@@ -282,8 +297,8 @@ class FileSystem:
         return total
 
 
-PRIMITIVES = ("open", "write", "writev", "preadv", "fsync", "close", "mkdir", "rename",
-              "unlink", "rmdir", "listdir", "lstat", "fstat", "flock")
+PRIMITIVES = ("open", "write", "writev", "preadv", "fsync", "close", "ftruncate", "mkdir",
+              "rename", "unlink", "rmdir", "listdir", "lstat", "fstat", "flock")
 
 
 class FaultyFileSystem(FileSystem):
@@ -292,14 +307,18 @@ class FaultyFileSystem(FileSystem):
     ``fail_at=n`` makes the n-th primitive call (counting from 0, among ``ops``) raise
     ``error``; ``crash=True`` instead raises :class:`SimulatedCrash`, which the library does
     not catch, so nothing after that call runs — like a power cut between two syscalls.
-    Every call is recorded in ``calls`` as ``(op, args)``.
+    ``persistent=True`` makes every counted call from the n-th on fail too (a disk that stays
+    full or dead, rather than one transient error). Every call is recorded in ``calls`` as
+    ``(op, args)``.
     """
 
     def __init__(self, fail_at: int | None = None, *, error: BaseException | None = None,
                  ops: Iterable[str] = PRIMITIVES, crash: bool = False,
                  base: FileSystem | None = None,
-                 when: Callable[[str, tuple[Any, ...]], bool] | None = None):
+                 when: Callable[[str, tuple[Any, ...]], bool] | None = None,
+                 persistent: bool = False):
         self.fail_at = fail_at
+        self.persistent = persistent
         self.error = error if error is not None else OSError(errno.EIO, os.strerror(errno.EIO))
         self.ops = frozenset(ops)
         self.crash = crash
@@ -314,7 +333,8 @@ class FaultyFileSystem(FileSystem):
         with self._lock:
             counted = op in self.ops and (self.when is None or self.when(op, args))
             self.calls.append((op, args))
-            trip = counted and self.fail_at is not None and self.count == self.fail_at
+            trip = counted and self.fail_at is not None and (
+                self.count >= self.fail_at if self.persistent else self.count == self.fail_at)
             if counted:
                 self.count += 1
             if trip:
@@ -342,6 +362,9 @@ class FaultyFileSystem(FileSystem):
 
     def close(self, fd: int) -> None:
         return self._call("close", fd)
+
+    def ftruncate(self, fd: int, length: int) -> None:
+        return self._call("ftruncate", fd, length)
 
     def mkdir(self, path: str, mode: int = 0o755) -> None:
         return self._call("mkdir", path, mode)

@@ -73,7 +73,7 @@ from typing import Any
 import jax
 import numpy as np
 
-from .checkpointer import Checkpointer, SaveStats, metadata_bytes
+from .checkpointer import Checkpointer, SaveStats, _renamed, metadata_bytes, save_error
 from .commit import METADATA_FILE, TMP_MARK, abort, commit
 from .errors import (
     CheckpointCorruptedError,
@@ -768,7 +768,11 @@ def remote_failure(statuses: Mapping[int, Mapping[str, Any]], what: str, *,
         return StepAlreadyExistsError(first.get("message"))
     if reading and all(st.get("damage") for st in statuses.values()):
         return CheckpointCorruptedError(f"process {min(statuses)}", msg)
-    return MultiHostError(msg)
+    err = MultiHostError(msg)
+    # the errno of the first process that failed with one (ENOSPC on a peer's disk, say)
+    err.errno = next((st["errno"] for _, st in sorted(statuses.items())
+                      if isinstance(st.get("errno"), int)), None)
+    return err
 
 
 def raise_failures(statuses: Sequence[Any] | Mapping[int, Any], me: int,
@@ -857,7 +861,7 @@ class CollectiveSave:
                     fs.mkdir(os.path.join(tmp, item))
             except Exception as e:
                 abort(fs, tmp)
-                local = e
+                local = self._save_error(e)
         _fault(sync, "after_create")
         statuses = self._exchange("created", failure_status(local),
                                   "waiting for the primary to create the temporary directory")
@@ -882,7 +886,7 @@ class CollectiveSave:
                         self.stats.bytes += sf.data_bytes
                 _fault(sync, "after_write")
             except Exception as e:
-                local = e
+                local = self._save_error(e)
             statuses = self._exchange("written", failure_status(local, files=written),
                                       "waiting for every process to write its shards")
             raise_failures(statuses, me, local, f"writing step {self.step}")
@@ -912,7 +916,7 @@ class CollectiveSave:
             except Exception as e:
                 if not committed:
                     abort(fs, tmp)
-                local = e
+                local = self._save_error(e)
         # 4. nobody returns before the commit is durable (or known to have failed)
         try:
             statuses = self._exchange("committed", failure_status(local, **info)
@@ -927,6 +931,16 @@ class CollectiveSave:
                         f"committing step {self.step}")
         if not self.primary and self.on_done is not None:
             self.on_done(result)
+
+    def _save_error(self, e: Exception) -> Exception:
+        """A file-system error as the error a failed save raises (same errno, saying which
+        checkpoint and that nothing was committed), unless the rename already happened."""
+        if (isinstance(e, OSError) and not isinstance(e, MiniCkptError)
+                and not _renamed(self.checkpointer.fs, os.path.abspath(self.directory))):
+            err = save_error(e, self.directory)
+            err.__cause__ = e
+            return err
+        return e
 
     def _write_manifests(self, tmp: str, primary_data: Mapping[str, ItemData],
                          statuses: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
@@ -1059,8 +1073,11 @@ def _unpack(payload: np.ndarray) -> tuple[list[Any], Any]:
 
 def restore_broadcast(checkpointer: Checkpointer, sync: Sync, key: str, path: str,
                       target: Mapping[str, Any] | None, *, partial: bool, verify: bool,
-                      sharding: Any, options: MultiHostOptions) -> dict[str, Any]:
+                      sharding: Any, options: MultiHostOptions,
+                      step: int | None = None) -> dict[str, Any]:
     """Restore on the primary, broadcast to all: the other processes never read the disk.
+
+    ``step``: the step ``path``'s name stands for, checked against its metadata.
 
     Every process then places the values as its own target asks (its shardings). The
     primary's success or failure is exchanged (with a time-out) before the broadcast, so a
@@ -1075,7 +1092,9 @@ def restore_broadcast(checkpointer: Checkpointer, sync: Sync, key: str, path: st
     sizes: dict[str, int] = {}
     if me == src:
         try:
-            meta = checkpointer.metadata(path)
+            meta = checkpointer.metadata(path, step=step)
+            if verify:
+                checkpointer.check_listed(path, meta)
             names = list(meta.items) if names is None else names
             missing = [n for n in names if n not in meta.items]
             if missing:
