@@ -48,7 +48,7 @@ from .format import (
     read_manifest,
     write_item,
 )
-from .fs import DEFAULT_FS, FileSystem
+from .fs import DEFAULT_FS, FileSystem, SyncBatch
 from .restore import restore_item
 
 MAX_METADATA_BYTES = 16 << 20
@@ -265,14 +265,14 @@ class Checkpointer:
         if not fs.is_dir(root):
             raise CheckpointNotFoundError(f"parent directory {root} does not exist")
         tmp = make_temporary(fs, root, final_name)
+        batch = SyncBatch(fs)  # every file and directory below, fsynced together at commit
         try:
             records = {}
             for name, plan in plans.items():
                 item_dir = os.path.join(tmp, name)
                 fs.mkdir(item_dir)
-                res = write_item(fs, item_dir, plan)
+                res = write_item(fs, item_dir, plan, sync=batch)
                 stats.write_s += res.write_s
-                stats.fsync_s += res.fsync_s
                 stats.bytes += res.data_bytes
                 stats.num_leaves += res.num_leaves
                 records[name] = {"manifest_crc32": res.manifest_crc32,
@@ -280,10 +280,15 @@ class Checkpointer:
             t = time.perf_counter()
             raw = metadata_bytes(step, records, metrics=metrics, custom_metadata=custom_metadata,
                                  init_ns=init_ns)
-            fs.write_file(os.path.join(tmp, METADATA_FILE), [raw])
-            commit(fs, tmp, os.path.join(root, final_name))
-            stats.commit_s = time.perf_counter() - t
+            fs.write_file(os.path.join(tmp, METADATA_FILE), [raw], batch=batch)
+            commit(fs, tmp, os.path.join(root, final_name), sync=batch)
+            stats.fsync_s += batch.flush_s
+            stats.commit_s = time.perf_counter() - t - batch.flush_s
         except BaseException as e:
+            try:
+                batch.close()  # descriptors not yet flushed (like write_file's own finally)
+            except OSError:
+                pass
             if isinstance(e, Exception):
                 abort(fs, tmp)
             stats.ok, stats.error = False, f"{type(e).__name__}: {e}"

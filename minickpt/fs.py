@@ -16,6 +16,7 @@ import os
 import stat
 import sys
 import threading
+import time
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
@@ -178,16 +179,24 @@ class FileSystem:
         return total
 
     def write_file(self, path: str, buffers: Iterable[Buffer], *, fsync: bool = True,
-                   exclusive: bool = True) -> int:
-        """Create ``path`` with the given contents; fsync before closing when asked."""
+                   exclusive: bool = True, batch: SyncBatch | None = None) -> int:
+        """Create ``path`` with the given contents; fsync before closing when asked.
+
+        With ``batch`` the file is neither fsynced nor closed here: the batch owns it from
+        then on and fsyncs it together with the rest of the save (see :class:`SyncBatch`).
+        """
         flags = os.O_WRONLY | os.O_CREAT | (os.O_EXCL if exclusive else os.O_TRUNC)
         fd = self.open(path, flags)
         try:
             n = self.write_all(fd, buffers)
-            if fsync:
+            if batch is not None:
+                owned, fd = fd, -1  # the batch closes it from here on, even if add_file fails
+                batch.add_file(owned)
+            elif fsync:
                 self.fsync(fd)
         finally:
-            self.close(fd)
+            if fd >= 0:
+                self.close(fd)
         return n
 
     def open_read(self, path: str) -> int:
@@ -248,6 +257,34 @@ class FileSystem:
         finally:
             self.close(fd)
 
+    def fsync_all(self, fds: Sequence[int] = (), dirs: Sequence[str] = ()) -> None:
+        """fsync every file descriptor and directory given, concurrently — a group commit.
+
+        The fsyncs are independent of each other: issued one after another, each waits for a
+        journal commit of its own; issued together, the file system gathers them into one or
+        two. Returns only when *every* one has finished; if any failed, the first error is
+        raised (after all of them finished, so nothing is left running).
+        """
+        jobs: list[tuple[Callable[..., None], Any]] = [(self.fsync, fd) for fd in fds]
+        jobs += [(self.fsync_dir, d) for d in dirs]
+        if len(jobs) <= 1:
+            for fn, arg in jobs:
+                fn(arg)
+            return
+        pool = _sync_pool()
+        futures = [pool.submit(fn, arg) for fn, arg in jobs[1:]]
+        first: BaseException | None = None
+        try:
+            jobs[0][0](jobs[0][1])  # the caller's thread does one of them itself
+        except BaseException as e:
+            first = e
+        for fut in futures:
+            err = fut.exception()
+            if err is not None and first is None:
+                first = err
+        if first is not None:
+            raise first
+
     def rmtree(self, path: str) -> None:
         """Delete a tree without following symlinks (they are unlinked, never entered)."""
         st = self.lstat(path)
@@ -280,6 +317,91 @@ class FileSystem:
             elif stat.S_ISREG(st.st_mode):
                 total += st.st_size
         return total
+
+
+_POOL: tuple[int, Any] | None = None
+_POOL_LOCK = threading.Lock()
+_SYNC_THREADS = 8  # fsyncs wait on the disk, not the CPU: more threads than cores is right
+
+
+def _sync_pool() -> Any:
+    """The process's fsync threads (made on first use, and again in a forked child)."""
+    global _POOL
+    with _POOL_LOCK:
+        if _POOL is None or _POOL[0] != os.getpid():
+            from concurrent.futures import ThreadPoolExecutor
+
+            _POOL = (os.getpid(), ThreadPoolExecutor(_SYNC_THREADS,
+                                                     thread_name_prefix="minickpt-fsync"))
+        return _POOL[1]
+
+
+class SyncBatch:
+    """Files and directories a save has written, to be made durable together.
+
+    A save registers each file it wrote (the open descriptor, which the batch then owns) and
+    each directory it created, *without* fsyncing them one by one; :meth:`flush` fsyncs them
+    all at once with :meth:`FileSystem.fsync_all` and closes the files. The commit protocol
+    is unchanged — everything in the temporary tree is durable before the rename — only the
+    waiting is shared. :meth:`close` (also on ``with`` exit) closes what was not flushed.
+    """
+
+    MAX_OPEN = 256  # flush early rather than hold more descriptors than this
+
+    def __init__(self, fs: FileSystem):
+        self.fs = fs
+        self.fds: list[int] = []
+        self.dirs: list[str] = []
+        self.flush_s = 0.0
+
+    def add_file(self, fd: int) -> None:
+        """Take ``fd`` (it is closed by :meth:`flush` or :meth:`close`, never by the caller)."""
+        self.fds.append(fd)
+        if len(self.fds) >= self.MAX_OPEN:
+            self.flush()
+
+    def add_dir(self, path: str) -> None:
+        self.dirs.append(path)
+
+    def flush(self) -> None:
+        t = time.perf_counter()
+        fds, dirs = self.fds, self.dirs
+        self.fds, self.dirs = [], []
+        try:
+            self.fs.fsync_all(fds, dirs)
+        except BaseException:
+            try:
+                self._close(fds)
+            except OSError:
+                pass  # the fsync's error is the one that matters
+            raise
+        finally:
+            self.flush_s += time.perf_counter() - t
+        self._close(fds)
+
+    def close(self) -> None:
+        fds, self.fds, self.dirs = self.fds, [], []
+        self._close(fds)
+
+    def _close(self, fds: list[int]) -> None:
+        err: BaseException | None = None
+        for fd in fds:
+            try:
+                self.fs.close(fd)
+            except OSError as e:
+                err = err or e
+        if err is not None:
+            raise err
+
+    def __enter__(self) -> SyncBatch:
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        try:
+            self.close()
+        except OSError:
+            if exc[0] is None:
+                raise
 
 
 PRIMITIVES = ("open", "write", "writev", "preadv", "fsync", "close", "mkdir", "rename",

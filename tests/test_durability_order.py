@@ -1,0 +1,145 @@
+"""The fsyncs of a save run concurrently (a group commit), but the order that makes a
+checkpoint durable never changes:
+
+* every file and every directory of the temporary tree is fsynced — finished, not merely
+  started — before the rename that publishes the checkpoint;
+* the parent is fsynced after that rename;
+* an old checkpoint is renamed to a deletion name only after that parent fsync, and its files
+  are removed only after the parent is fsynced again.
+"""
+
+import errno
+import os
+import threading
+
+import numpy as np
+import pytest
+
+from minickpt import CheckpointManager, CheckpointManagerOptions, Checkpointer
+from minickpt.commit import DELETE_MARK, TMP_MARK
+from minickpt.fs import FaultyFileSystem, FileSystem, SyncBatch
+
+
+class Journal(FileSystem):
+    """Records, in the order they *finished*, the operations that change what is durable."""
+
+    def __init__(self):
+        self.events: list[tuple[str, str]] = []
+        self._paths: dict[int, str] = {}
+        self._lock = threading.Lock()
+
+    def _log(self, op, path):
+        with self._lock:
+            self.events.append((op, path))
+
+    def open(self, path, flags, mode=0o644):
+        fd = super().open(path, flags, mode)
+        with self._lock:
+            self._paths[fd] = path
+        if flags & os.O_CREAT:
+            self._log("create", path)
+        return fd
+
+    def close(self, fd):
+        with self._lock:
+            self._paths.pop(fd, None)
+        super().close(fd)
+
+    def fsync(self, fd):
+        super().fsync(fd)
+        with self._lock:
+            path = self._paths[fd]
+        self._log("fsync", path)
+
+    def mkdir(self, path, mode=0o755):
+        super().mkdir(path, mode)
+        self._log("mkdir", path)
+
+    def rename(self, src, dst):
+        super().rename(src, dst)
+        self._log("rename", f"{src} -> {dst}")
+
+    def unlink(self, path):
+        super().unlink(path)
+        self._log("remove", path)
+
+    def rmdir(self, path):
+        super().rmdir(path)
+        self._log("remove", path)
+
+
+def items(v, n_items=3):
+    return {f"item{i}": {"w": np.full((100,), v, np.float32), "b": np.arange(5) + i,
+                         "tag": f"v{v}"} for i in range(n_items)}
+
+
+def test_every_file_and_dir_is_durable_before_rename_and_parent_after(tmp_path):
+    fs = Journal()
+    root = str(tmp_path)
+    with CheckpointManager(root, CheckpointManagerOptions(max_to_keep=1), fs=fs) as m:
+        m.save(1, items(1))
+        start = len(fs.events)
+        m.save(2, items(2))
+    ev = fs.events[start:]
+    renames = [i for i, (op, p) in enumerate(ev) if op == "rename"]
+    commit_at = next(i for i in renames if TMP_MARK in ev[i][1].split(" -> ")[0])
+    tmp = ev[commit_at][1].split(" -> ")[0]
+    written = {p for op, p in ev[:commit_at] if op in ("create", "mkdir") and p.startswith(tmp)}
+    assert len(written) == 1 + 3 + 3 * 2 + 1  # tmp dir, 3 item dirs, 3×2 files, metadata
+    synced_before = {p for op, p in ev[:commit_at] if op == "fsync"}
+    assert written - synced_before == set(), "written but not durable before the rename"
+    parent_syncs = [i for i, (op, p) in enumerate(ev) if op == "fsync" and p == root]
+    assert any(i > commit_at for i in parent_syncs)
+    # retention: step_1 leaves the namespace only after the new checkpoint's rename is durable
+    delete_at = next(i for i in renames if DELETE_MARK in ev[i][1].split(" -> ")[1])
+    assert any(commit_at < i < delete_at for i in parent_syncs)
+    first_removal = next(i for i, (op, p) in enumerate(ev) if op == "remove" and DELETE_MARK in p)
+    assert any(delete_at < i < first_removal for i in parent_syncs)
+
+
+def _open_fds():
+    return len(os.listdir("/proc/self/fd")) if os.path.isdir("/proc/self/fd") else None
+
+
+def _fsyncs_of_a_save(tmp_path):
+    fs = FaultyFileSystem(ops={"fsync"})
+    Checkpointer(fs).save(str(tmp_path / "count"), items(0))
+    return fs.count
+
+
+def test_a_failed_fsync_in_the_group_fails_the_save_and_leaks_nothing(tmp_path):
+    n = _fsyncs_of_a_save(tmp_path)
+    assert n >= 11  # 7 files and dirs of the tree + metadata + tmp + parent ...
+    before = _open_fds()
+    for k in range(n):
+        fs = FaultyFileSystem(k, ops={"fsync"}, error=OSError(errno.EIO, "I/O error"))
+        target = tmp_path / f"ckpt{k}"
+        with pytest.raises(OSError) as info:
+            Checkpointer(fs).save(str(target), items(k))
+        assert info.value.errno == errno.EIO  # the original error, errno intact
+        renamed = any(op == "rename" for op, _ in fs.calls)
+        # a failure before the rename never publishes; one after it (the parent's fsync)
+        # has published a complete checkpoint, which must then be readable
+        if renamed:
+            assert Checkpointer().verify(str(target)).ok
+        else:
+            assert not target.exists()
+        assert not [p for p in os.listdir(tmp_path) if TMP_MARK in p]
+    assert _open_fds() == before, "a failed save left file descriptors open"
+
+
+def test_sync_batch_closes_what_it_owns_even_when_nothing_is_flushed(tmp_path):
+    before = _open_fds()
+    fs = FileSystem()
+    with SyncBatch(fs) as batch:
+        for i in range(3):
+            fs.write_file(str(tmp_path / f"f{i}"), [b"x"], batch=batch)
+    assert _open_fds() == before
+    batch = SyncBatch(fs)
+    batch.MAX_OPEN = 2  # more files than it may hold open: it flushes early, still closes all
+    for i in range(5):
+        fs.write_file(str(tmp_path / f"g{i}"), [b"y"], batch=batch)
+    batch.add_dir(str(tmp_path))
+    batch.flush()
+    assert _open_fds() == before and batch.fds == [] and batch.dirs == []
+    assert (tmp_path / "g4").read_bytes() == b"y"
