@@ -23,7 +23,7 @@ import os
 import re
 import time
 import zlib
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
@@ -49,9 +49,14 @@ MAX_MANIFEST_BYTES = 256 << 20
 MAX_NDIM = 64
 _CRC_IN_THREAD_BYTES = 8 << 20  # below this, threads cost more than they save
 
-crc32 = zlib.crc32
-"""The manifest's checksum: CRC-32 (ISO-HDLC, as zlib computes it) of a buffer."""
-CRC_IMPL = "zlib"
+try:  # ISA-L computes the very same CRC-32 as zlib, ~4× faster (carry-less multiply)
+    from isal.isal_zlib import crc32 as _isal_crc32
+except ImportError:  # pragma: no cover - isal is an optional extra ("minickpt[fast]")
+    _isal_crc32 = None
+
+crc32: Callable[..., int] = _isal_crc32 if _isal_crc32 is not None else zlib.crc32
+"""The manifest's checksum of a buffer: CRC-32 as zlib computes it (whichever library does)."""
+CRC_IMPL = "isal" if _isal_crc32 is not None else "zlib"
 
 _NAME_RE = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.\-]{0,199}$")
 _DATA_FILE_RE = re.compile(r"^data(\.[A-Za-z0-9_\-]{1,64})?\.bin$")
@@ -72,12 +77,19 @@ def _allowed_dtypes() -> dict[str, np.dtype]:
 DTYPES = _allowed_dtypes()
 
 
+_NAME_OF: dict[np.dtype, str] = {}  # dtype -> checked name (numpy's dtype.name is slow)
+
+
 def dtype_name(dtype: np.dtype) -> str:
     """The manifest's name for a dtype; refuses anything that is not plain numbers."""
     dt = np.dtype(dtype)
+    name = _NAME_OF.get(dt)
+    if name is not None:
+        return name
     name = dt.name
     if name not in DTYPES or DTYPES[name] != dt.newbyteorder("="):
         raise UnsupportedLeafError(f"dtype {dt} cannot be stored (supported: {sorted(DTYPES)})")
+    _NAME_OF[dt] = name
     return name
 
 
@@ -171,14 +183,16 @@ def plan_item(tree: Any, *, copy: bool = False) -> ItemPlan:
     skel, named = skeleton(tree)
     entries: list[dict[str, Any]] = []
     buffers: list[np.ndarray | None] = []
-    # start every device-to-host transfer before waiting on any of them
-    for _, leaf in named:
-        start = getattr(leaf, "copy_to_host_async", None)
-        if start is not None and not _is_key(leaf):
-            try:
-                start()
-            except Exception:
-                pass
+    # start every device-to-host transfer before waiting on any of them (on a CPU backend
+    # the arrays already are host memory: nothing to start, and the calls cost ~4 µs each)
+    if _on_accelerator(named):
+        for _, leaf in named:
+            start = getattr(leaf, "copy_to_host_async", None)
+            if start is not None and not _is_key(leaf):
+                try:
+                    start()
+                except Exception:
+                    pass
     offset = 0
     for names, leaf in named:
         was_np_scalar = isinstance(leaf, np.generic)
@@ -193,6 +207,16 @@ def plan_item(tree: Any, *, copy: bool = False) -> ItemPlan:
         entries.append(entry)
         buffers.append(buf)
     return ItemPlan(skel, entries, buffers, offset)
+
+
+def _on_accelerator(named: Sequence[tuple[Names, Any]]) -> bool:
+    """Whether leaves may live off the host: some leaf is a jax.Array and JAX's default
+    backend is not the CPU (asked only then, so a numpy-only save never starts JAX)."""
+    import jax
+
+    if not any(isinstance(leaf, jax.Array) for _, leaf in named):
+        return False
+    return jax.default_backend() != "cpu"
 
 
 def _is_key(x: Any) -> bool:
@@ -223,6 +247,12 @@ def _crc_all(buffers: Sequence[np.ndarray | None]) -> list[int | None]:
     return [None if b is None else crc32(b) for b in buffers]
 
 
+_ZEROS = memoryview(bytes(ALIGN))  # padding between leaves is always < ALIGN bytes
+_JOIN_BELOW = 1 << 20  # items smaller than this go to disk in one write of one buffer
+_WRITEBACK_EVERY = 32 << 20  # start the disk on each 32 MiB written (measured: 400 MB
+# written and fsynced ~1.6× faster than write-then-fsync on an ext4 virtual disk)
+
+
 def _data_chunks(plan: ItemPlan) -> Iterable[memoryview | bytes]:
     pos = 0
     for entry, buf in zip(plan.entries, plan.buffers, strict=True):
@@ -230,10 +260,14 @@ def _data_chunks(plan: ItemPlan) -> Iterable[memoryview | bytes]:
             continue
         pad = entry["offset"] - pos
         if pad:
-            yield bytes(pad)
+            yield _ZEROS[:pad]
         if buf.nbytes:
             yield memoryview(buf)
         pos = entry["offset"] + buf.nbytes
+
+
+_COMPACT = json.JSONEncoder(separators=(",", ":"))  # the same text as json.dumps(...), and
+# made once: json.dumps builds a new encoder on every call with non-default separators
 
 
 def manifest_bytes(skel: Mapping[str, Any], entries: Sequence[Mapping[str, Any]], *,
@@ -244,9 +278,9 @@ def manifest_bytes(skel: Mapping[str, Any], entries: Sequence[Mapping[str, Any]]
             "data_file": data_file, "data_bytes": data_bytes, **(extra or {})}
     lines = ["{"]
     lines += [f"{json.dumps(k)}: {json.dumps(v)}," for k, v in head.items()]
-    lines.append(f'"tree": {json.dumps(skel, separators=(",", ":"))},')
+    lines.append(f'"tree": {_COMPACT.encode(skel)},')
     lines.append('"leaves": [')
-    lines.append(",\n".join(json.dumps(e, separators=(",", ":")) for e in entries))
+    lines.append(",\n".join(map(_COMPACT.encode, entries)))
     lines.append("]}")
     return ("\n".join(lines) + "\n").encode()
 
@@ -299,7 +333,11 @@ def _write_data(fs: FileSystem, path: str, plan: ItemPlan, fsync: bool,
                 sync: SyncBatch | None = None) -> float:
     fd = fs.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL)
     try:
-        fs.write_all(fd, _data_chunks(plan))
+        if plan.nbytes < _JOIN_BELOW:  # many small leaves: one buffer, one write
+            fs.write_all(fd, [b"".join(_data_chunks(plan))])
+        else:  # large: let the disk start while the rest is still being copied
+            fs.write_all(fd, _data_chunks(plan),
+                         writeback_every=_WRITEBACK_EVERY if fsync or sync else 0)
         t = time.perf_counter()
         if sync is not None:
             owned, fd = fd, -1  # the batch fsyncs and closes it
@@ -492,6 +530,26 @@ def _check_entry(e: Any, i: int, where: str, data_file: str | None, data_bytes: 
         raise _corrupt(where, "PRNG key leaf without an impl name", leaf=leaf)
 
 
+def aligned_empty(shape: Sequence[int], dtype: np.dtype) -> np.ndarray:
+    """An uninitialised array whose data starts on a 64-byte boundary.
+
+    numpy aligns large buffers to 16 bytes only; XLA's CPU client takes a host buffer
+    aligned to 64 *without copying it* (``jax.device_put`` then aliases it), so a restore
+    into jax arrays on a CPU backend costs one read, not a read and a copy — and needs the
+    state's size in memory once, not twice.
+    """
+    dt = np.dtype(dtype)
+    nbytes = math.prod(shape) * dt.itemsize
+    if nbytes < _ALIGN_FROM:
+        return np.empty(shape, dt)
+    raw = np.empty(nbytes + ALIGN, np.uint8)
+    start = -raw.ctypes.data % ALIGN
+    return raw[start: start + nbytes].view(dt).reshape(shape)
+
+
+_ALIGN_FROM = 16 << 10  # below this a copy costs less than the bookkeeping
+
+
 def read_leaves(fs: FileSystem, manifest: Manifest, indices: Sequence[int] | None = None, *,
                 verify: bool = True) -> list[Any]:
     """Task 1.3 (read) — the host values of the chosen leaves (all by default).
@@ -508,18 +566,22 @@ def read_leaves(fs: FileSystem, manifest: Manifest, indices: Sequence[int] | Non
         if e["kind"] == "value":
             out[k] = decode_value(e, manifest.item_dir)
             continue
-        arr = np.empty(e["shape"], DTYPES[e["dtype"]])
+        arr = aligned_empty(e["shape"], DTYPES[e["dtype"]])
         arrays.append((k, e, arr))
     if arrays:
         assert manifest.data_file is not None
         dpath = os.path.join(manifest.item_dir, manifest.data_file)
         fd = fs.open_read(dpath)
         try:
-            _read_arrays(fs, fd, arrays, dpath)
+            if verify and sum(e["nbytes"] for _, e, _ in arrays) >= _CRC_IN_THREAD_BYTES:
+                _read_and_verify(fs, fd, arrays, dpath)
+            else:
+                _read_arrays(fs, fd, arrays, dpath)
+                if verify:
+                    for a in arrays:
+                        _check_crc(a, dpath)
         finally:
             fs.close(fd)
-        if verify:
-            _verify_arrays(arrays, dpath)
     for k, e, arr in arrays:
         if e["kind"] == "prng_key":
             out[k] = HostKey(arr, e["impl"])
@@ -531,52 +593,79 @@ def read_leaves(fs: FileSystem, manifest: Manifest, indices: Sequence[int] | Non
 
 
 def _read_arrays(fs: FileSystem, fd: int, arrays: list[tuple[int, dict[str, Any], np.ndarray]],
-                 where: str) -> None:
-    """Read leaves in file order; neighbouring leaves are read with one preadv call."""
+                 where: str, on_read: Callable[[list[Any]], None] | None = None) -> None:
+    """Read leaves in file order; neighbouring leaves are read with one preadv call.
+
+    ``on_read`` is called with the leaves of each call as soon as they are in memory, so
+    their checksums can be verified while the next ones are being read.
+    """
     order = sorted(arrays, key=lambda t: t[1]["offset"])
     batch: list[memoryview] = []
-    batch_start = pos = 0
+    items: list[Any] = []
+    batch_start = pos = batch_bytes = 0
 
     def flush() -> None:
-        nonlocal batch
+        nonlocal batch, items, batch_bytes
         if batch:
             try:
                 fs.read_into_many(fd, batch, batch_start)
             except EOFError as e:
                 raise _corrupt(where, f"data file ended early ({e})") from e
-            batch = []
+            if on_read is not None:
+                on_read(items)
+        batch, items, batch_bytes = [], [], 0
 
-    for _, e, arr in order:
+    for item in order:
+        _, e, arr = item
         if e["nbytes"] == 0:
             continue
         view = memoryview(arr.reshape(-1).view(np.uint8))
         gap = e["offset"] - pos
-        if not batch or gap < 0 or gap > 4096 or len(batch) >= 256 or len(view) > (8 << 20):
+        if not batch or gap < 0 or gap > 4096 or len(batch) >= 256 or \
+                batch_bytes + len(view) > _READ_BATCH_BYTES:
             flush()
             batch_start = e["offset"]
         elif gap:
             batch.append(memoryview(bytearray(gap)))
         batch.append(view)
+        items.append(item)
+        batch_bytes += len(view)
         pos = e["offset"] + e["nbytes"]
     flush()
 
 
-def _verify_arrays(arrays: list[tuple[int, dict[str, Any], np.ndarray]], where: str) -> None:
-    total = sum(e["nbytes"] for _, e, _ in arrays)
+_READ_BATCH_BYTES = 16 << 20  # read at most this much per call, so checksums can overlap
 
-    def check(item: tuple[int, dict[str, Any], np.ndarray]) -> None:
-        _, e, arr = item
-        if "crc32" not in e:
-            return
-        got = crc32(arr.reshape(-1).view(np.uint8))
-        if got != e["crc32"]:
-            raise _corrupt(where, f"checksum mismatch (stored {e['crc32']:#010x}, "
-                                  f"read {got:#010x}): the bytes were damaged",
-                           leaf=path_str(e["path"]))
 
-    if total >= _CRC_IN_THREAD_BYTES and len(arrays) > 1:
-        with ThreadPoolExecutor(min(4, os.cpu_count() or 1)) as pool:
-            list(pool.map(check, arrays))
-    else:
-        for a in arrays:
-            check(a)
+def _check_crc(item: tuple[int, dict[str, Any], np.ndarray], where: str) -> None:
+    _, e, arr = item
+    if "crc32" not in e:
+        return
+    got = crc32(arr.reshape(-1).view(np.uint8))
+    if got != e["crc32"]:
+        raise _corrupt(where, f"checksum mismatch (stored {e['crc32']:#010x}, "
+                              f"read {got:#010x}): the bytes were damaged",
+                       leaf=path_str(e["path"]))
+
+
+def _read_and_verify(fs: FileSystem, fd: int,
+                     arrays: list[tuple[int, dict[str, Any], np.ndarray]], where: str) -> None:
+    """Read large items while checking what was already read on other threads: the
+    checksums then cost (almost) no time of their own. The first damaged leaf in file order
+    is the one reported."""
+    from concurrent.futures import Future
+
+    futures: list[Future[None]] = []
+    with ThreadPoolExecutor(max(1, min(2, os.cpu_count() or 1)),
+                            thread_name_prefix="minickpt-verify") as pool:
+        try:
+            _read_arrays(fs, fd, arrays, where, on_read=lambda items: futures.extend(
+                pool.submit(_check_crc, item, where) for item in items))
+        except BaseException:
+            for f in futures:
+                f.cancel()
+            raise
+        for f in futures:
+            f.result()
+
+

@@ -180,6 +180,34 @@ def put(arr: np.ndarray, sharding: Any = None) -> jax.Array:
     return jax.make_array_from_callback(arr.shape, sharding, lambda idx: arr[idx])
 
 
+def put_many(arrays: Sequence[np.ndarray], shardings: Sequence[Any]) -> list[jax.Array]:
+    """:func:`put` for many arrays: those that go whole to addressable devices travel in one
+    batched ``device_put`` (one dispatch instead of one per leaf — most of the cost of
+    restoring many small leaves); the others go one by one through :func:`put`.
+
+    On a CPU backend an array whose buffer is 64-byte aligned (as :func:`read_leaves` makes
+    them) becomes a jax.Array without being copied.
+    """
+    out: list[Any] = [None] * len(arrays)
+    plain: list[int] = []
+    placed: list[int] = []
+    for i, s in enumerate(shardings):
+        if s is None:
+            plain.append(i)
+        elif isinstance(s, jax.Device) or s.is_fully_addressable:
+            placed.append(i)
+        else:
+            out[i] = put(arrays[i], s)
+    if plain:
+        for i, a in zip(plain, jax.device_put([arrays[i] for i in plain]), strict=True):
+            out[i] = a
+    if placed:
+        for i, a in zip(placed, jax.device_put([arrays[i] for i in placed],
+                                               [shardings[i] for i in placed]), strict=True):
+            out[i] = a
+    return out
+
+
 def restore_item(fs: FileSystem, manifest: Manifest, target: Any = None, *, item: str = "",
                  partial: bool = False, verify: bool = True, sharding: Any = None) -> Any:
     """Read one item: into ``target`` (strictly checked) or, without one, as nested dicts,
@@ -194,8 +222,19 @@ def restore_item(fs: FileSystem, manifest: Manifest, target: Any = None, *, item
     pairs = check_structure(manifest, target, item=item, partial=partial)
     values = read_leaves(fs, manifest, [i for _, i in pairs], verify=verify)
     flat, treedef = jax.tree_util.tree_flatten(target)
-    outs = [to_output(v, expect_of(leaf), sharding)
-            for v, leaf in zip(values, flat, strict=True)]
+    outs: list[Any] = [None] * len(flat)
+    to_device: list[int] = []  # plain arrays bound for devices: placed together, below
+    for k, (v, leaf) in enumerate(zip(values, flat, strict=True)):
+        want = expect_of(leaf)
+        if want.kind == "array" and want.out == "jax" and isinstance(v, np.ndarray):
+            to_device.append(k)
+            outs[k] = want.sharding if want.sharding is not None else sharding
+        else:
+            outs[k] = to_output(v, want, sharding)
+    if to_device:
+        placed = put_many([values[k] for k in to_device], [outs[k] for k in to_device])
+        for k, arr in zip(to_device, placed, strict=True):
+            outs[k] = arr
     return jax.tree_util.tree_unflatten(treedef, outs)
 
 

@@ -15,7 +15,7 @@ import threading
 import numpy as np
 import pytest
 
-from minickpt import CheckpointManager, CheckpointManagerOptions, Checkpointer
+from minickpt import Checkpointer, CheckpointManager, CheckpointManagerOptions
 from minickpt.commit import DELETE_MARK, TMP_MARK
 from minickpt.fs import FaultyFileSystem, FileSystem, SyncBatch
 
