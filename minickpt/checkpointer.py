@@ -148,7 +148,12 @@ def metadata_bytes(step: int | None, items: Mapping[str, Any], *, metrics: Any =
         "custom_metadata": _json_safe(custom_metadata or {}, "metadata"),
         "writer": writer_info(),
     }
-    return (json.dumps(meta, indent=1, allow_nan=True) + "\n").encode()
+    # one top-level key per line, each value compact: as readable as indent=1 for the
+    # handful of fields people look at, and built by json's C encoder instead of its
+    # pure-Python indenting one
+    body = ",\n".join(f"{json.dumps(k)}: {json.dumps(v, allow_nan=True)}"
+                      for k, v in meta.items())
+    return ("{\n" + body + "\n}\n").encode()
 
 
 def read_metadata(fs: FileSystem, path: str) -> CheckpointMetadata:

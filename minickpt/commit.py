@@ -112,11 +112,20 @@ def abort(fs: FileSystem, tmp_dir: str) -> None:
 # ---------------------------------------------------------------------------------------
 def delete_dir(fs: FileSystem, path: str) -> None:
     """Crash-safe deletion: rename out of the checkpoint namespace (durably), then remove."""
+    fs.rmtree(retire_dir(fs, path))
+
+
+def retire_dir(fs: FileSystem, path: str) -> str:
+    """The first, atomic half of :func:`delete_dir`: rename ``path`` to a deletion name and
+    make that rename durable. From then on the checkpoint no longer exists, whatever
+    happens; removing the files (the second half) can wait, or run on another thread, and
+    a crash in between leaves only a deletion temporary for the next start-up to clean.
+    Returns the deletion name."""
     root = os.path.dirname(os.path.abspath(path))
     doomed = f"{path}{DELETE_MARK}{secrets.token_hex(4)}"
     fs.rename(path, doomed)
     fs.fsync_dir(root)
-    fs.rmtree(doomed)
+    return doomed
 
 
 def cleanup_temporaries(fs: FileSystem, root: str) -> list[str]:

@@ -21,7 +21,7 @@ from typing import Any
 
 from . import policy
 from .checkpointer import Checkpointer, CheckpointMetadata, SaveStats, VerifyReport
-from .commit import cleanup_temporaries, delete_dir, parse_step, step_dir_name
+from .commit import cleanup_temporaries, delete_dir, parse_step, retire_dir, step_dir_name
 from .errors import (
     CheckpointCorruptedError,
     CheckpointNotFoundError,
@@ -52,6 +52,11 @@ class CheckpointManagerOptions:
     cleanup_tmp_directories: bool = True
     read_only: bool = False
     enable_async_checkpointing: bool = False
+    # Remove a deleted checkpoint's files on a background thread. The deletion itself (a
+    # durable rename out of the step namespace) still happens inside save(), after the new
+    # checkpoint is durable; only the unlinking — slow on a busy or remote file system —
+    # leaves the critical path. wait_until_finished()/close() wait for it.
+    enable_background_delete: bool = False
     # minickpt's own
     verify_on_restore: bool = True
     fallback_on_damage: bool = True
@@ -99,6 +104,8 @@ class CheckpointManager:
         self.save_history: collections.deque[SaveStats] = collections.deque(maxlen=1000)
         self.listeners: list[Callable[[str, dict[str, Any]], None]] = []
         self.removed_temporaries: list[str] = []
+        self._remover: Any = None  # ThreadPoolExecutor for enable_background_delete
+        self._removals: list[Any] = []  # its pending futures
         opts = self.options
         if not self.fs.is_dir(self.directory):
             if self.fs.exists(self.directory):
@@ -191,6 +198,9 @@ class CheckpointManager:
         try:
             self.wait_until_finished()
         finally:
+            if self._remover is not None:
+                self._remover.shutdown(wait=True)
+                self._remover = None
             self._release_lock()
             self._closed = True
 
@@ -207,7 +217,9 @@ class CheckpointManager:
             pass
 
     def wait_until_finished(self) -> None:
-        """Block until every save has committed (saves are synchronous here)."""
+        """Block until every save has committed (saves are synchronous here) and every
+        background removal of a deleted checkpoint has finished."""
+        self._finish_removals()
 
     def is_saving_in_progress(self) -> bool:
         return False
@@ -346,13 +358,41 @@ class CheckpointManager:
     def _delete_step(self, step: int) -> None:
         path = self.step_path(step)
         try:
-            delete_dir(self.fs, path)
+            if self.options.enable_background_delete:
+                self._remove_later(retire_dir(self.fs, path))
+            else:
+                delete_dir(self.fs, path)
         finally:
             # forget the step once its name is gone, even if removing its files failed
             # (what is left is a deletion temporary, cleaned at the next start-up)
             if not self.fs.is_dir(path):
                 self._infos.pop(step, None)
         self._emit("delete", {"step": step, "time": time.time()})
+
+    def _remove_later(self, doomed: str) -> None:
+        """Remove a retired checkpoint's files on the background thread (FIFO, one at a time)."""
+        from concurrent.futures import ThreadPoolExecutor
+
+        self._finish_removals(block=False)
+        if self._remover is None:
+            self._remover = ThreadPoolExecutor(1, thread_name_prefix="minickpt-delete")
+        self._removals.append((doomed, self._remover.submit(self.fs.rmtree, doomed)))
+
+    def _finish_removals(self, block: bool = True) -> None:
+        """Collect finished background removals (all of them when ``block``); a failure is
+        logged and warned about — the checkpoint is already gone from the step namespace,
+        and what is left is a deletion temporary that the next start-up removes."""
+        keep = []
+        for doomed, fut in self._removals:
+            if not block and not fut.done():
+                keep.append((doomed, fut))
+                continue
+            err = fut.exception()
+            if err is not None:
+                log.error("minickpt: could not remove %s: %s", doomed, err)
+                warnings.warn(f"could not remove deleted checkpoint {doomed}: {err}",
+                              stacklevel=3)
+        self._removals = keep
 
     def delete(self, step: int) -> None:
         """Delete one checkpoint, crash-safely (it vanishes from the step list atomically)."""
@@ -364,7 +404,8 @@ class CheckpointManager:
     def _record(self, stats: SaveStats) -> None:
         self.last_save_stats = stats
         self.save_history.append(stats)
-        self._emit("save", stats.as_dict())
+        if self.listeners:  # as_dict() deep-copies: only when someone listens
+            self._emit("save", stats.as_dict())
 
     # ---- restoring -----------------------------------------------------------------------
     def restore(self, step: int | None = None, target: Mapping[str, Any] | None = None, *,

@@ -73,13 +73,16 @@ def items(v, n_items=3):
                          "tag": f"v{v}"} for i in range(n_items)}
 
 
-def test_every_file_and_dir_is_durable_before_rename_and_parent_after(tmp_path):
+@pytest.mark.parametrize("background", [False, True], ids=["inline-delete", "background-delete"])
+def test_every_file_and_dir_is_durable_before_rename_and_parent_after(tmp_path, background):
     fs = Journal()
     root = str(tmp_path)
-    with CheckpointManager(root, CheckpointManagerOptions(max_to_keep=1), fs=fs) as m:
+    opts = CheckpointManagerOptions(max_to_keep=1, enable_background_delete=background)
+    with CheckpointManager(root, opts, fs=fs) as m:
         m.save(1, items(1))
         start = len(fs.events)
         m.save(2, items(2))
+        assert m.all_steps() == [2] and not (tmp_path / "step_1").exists()
     ev = fs.events[start:]
     renames = [i for i, (op, p) in enumerate(ev) if op == "rename"]
     commit_at = next(i for i in renames if TMP_MARK in ev[i][1].split(" -> ")[0])
@@ -143,3 +146,29 @@ def test_sync_batch_closes_what_it_owns_even_when_nothing_is_flushed(tmp_path):
     batch.flush()
     assert _open_fds() == before and batch.fds == [] and batch.dirs == []
     assert (tmp_path / "g4").read_bytes() == b"y"
+
+
+def test_background_delete_removes_everything_by_close(tmp_path):
+    opts = CheckpointManagerOptions(max_to_keep=2, enable_background_delete=True)
+    with CheckpointManager(tmp_path, opts) as m:
+        for s in range(6):
+            m.save(s, items(s, n_items=1))
+            assert m.all_steps() == list(range(max(0, s - 1), s + 1))
+    assert sorted(os.listdir(tmp_path)) == [".minickpt.lock", "step_4", "step_5"]
+
+
+def test_background_delete_failure_warns_and_leaves_only_a_cleanable_temporary(tmp_path):
+    fs = FaultyFileSystem(0, ops={"unlink"}, error=OSError(errno.EACCES, "Permission denied"))
+    opts = CheckpointManagerOptions(max_to_keep=1, enable_background_delete=True)
+    m = CheckpointManager(tmp_path, opts, fs=fs)
+    m.save(1, items(1, n_items=1))
+    m.save(2, items(2, n_items=1))  # step 1 is retired; removing its files fails
+    with pytest.warns(UserWarning, match="could not remove deleted checkpoint"):
+        m.wait_until_finished()
+    m.close()
+    assert m.all_steps() == [2]
+    left = [n for n in os.listdir(tmp_path) if DELETE_MARK in n]
+    assert len(left) == 1
+    with CheckpointManager(tmp_path, CheckpointManagerOptions(max_to_keep=1)) as m2:
+        assert m2.all_steps() == [2] and m2.removed_temporaries == left
+    assert not [n for n in os.listdir(tmp_path) if DELETE_MARK in n]
