@@ -50,7 +50,8 @@ def main(argv: list[str] | None = None) -> int:
                    default="auto", help="multi-host figures: auto = when minickpt.multihost "
                                         "exists")
     p.add_argument("--update-readme", metavar="README", nargs="?", const="README.md",
-                   help="write this run's table into the README's Performance section")
+                   help="write this run's table into the README's Performance section, and "
+                        "its plot and raw numbers to benchmarks/latest/")
     a = p.parse_args(argv)
 
     from .suite import Config, print_report, run, write_outputs
@@ -69,9 +70,17 @@ def main(argv: list[str] | None = None) -> int:
     print_report(res)
     print("\nwrote " + ", ".join(paths.values()))
     if a.update_readme:
-        with open(paths["markdown"]) as f:
+        with open(paths["readme"]) as f:
             update_readme(a.update_readme, f.read())
-        print(f"updated the Performance section of {a.update_readme}")
+        latest = os.path.join(os.path.dirname(os.path.abspath(__file__)), "latest")
+        os.makedirs(latest, exist_ok=True)
+        import shutil
+
+        for key, name in (("json", "results.json"), ("markdown", "table.md"),
+                          ("plot", "scaling.png")):
+            if key in paths:
+                shutil.copyfile(paths[key], os.path.join(latest, name))
+        print(f"updated the Performance section of {a.update_readme} and {latest}/")
     return 0
 
 

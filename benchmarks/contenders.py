@@ -172,6 +172,7 @@ class MinickptManager:
                                                  enable_async_checkpointing=async_,
                                                  enable_background_delete=background_delete)
         self.mngr = minickpt.CheckpointManager(self.dir, opts)
+        self.async_ = async_
         self.tree, self.target = tree, states.abstract(tree)
         self.step = 0
         for _ in range(max_to_keep):  # steady state: from now on every save deletes one
@@ -186,7 +187,11 @@ class MinickptManager:
         self.mngr.wait_until_finished()
 
     def save(self) -> Op:
-        return Op(self.label, lambda: (self.save_now(self.tree), self.wait()))
+        """A whole save: for an async manager until it is committed; a background delete
+        is not waited for (that is the point of the option), only before the next one."""
+        if self.async_:
+            return Op(self.label, lambda: (self.save_now(self.tree), self.wait()))
+        return Op(self.label, lambda: self.save_now(self.tree), after=self.wait)
 
     def restore(self) -> Op:
         def run() -> None:
@@ -255,6 +260,7 @@ class OrbaxManager:
                                             enable_async_checkpointing=async_,
                                             enable_background_delete=background_delete)
         self.mngr = ocp.CheckpointManager(self.dir, options=opts)
+        self.async_ = async_
         self.tree, self.target = tree, states.abstract(tree)
         self.step = 0
         for _ in range(max_to_keep):
@@ -269,7 +275,11 @@ class OrbaxManager:
         self.mngr.wait_until_finished()
 
     def save(self) -> Op:
-        return Op(self.label, lambda: (self.save_now(self.tree), self.wait()))
+        """A whole save: for an async manager until it is committed; a background delete
+        is not waited for (that is the point of the option), only before the next one."""
+        if self.async_:
+            return Op(self.label, lambda: (self.save_now(self.tree), self.wait()))
+        return Op(self.label, lambda: self.save_now(self.tree), after=self.wait)
 
     def restore(self) -> Op:
         def run() -> None:

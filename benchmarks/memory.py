@@ -1,6 +1,8 @@
 """Peak host memory of a save and of a restore, measured in a fresh process.
 
-The measure is the process's resident-set high-water mark (``VmHWM``), reset just before the
+It also times that first large save and restore of the process: what a job pays when it
+starts, before any memory of that size has been handed to it (repetitions in one process
+hide this). The measure is the process's resident-set high-water mark (``VmHWM``), reset just before the
 operation (``echo 5 > /proc/self/clear_refs``), minus the resident set just before it: the
 host memory the operation itself added at its peak, divided by the state's size. On a CPU
 backend the state's own buffers are host memory too; they were resident before the save and
@@ -44,14 +46,20 @@ def reset_peak() -> bool:
         return False
 
 
-def _measure(fn: Any) -> tuple[int | None, Any]:
+def _measure(fn: Any) -> tuple[int | None, float, Any]:
+    """(peak bytes added, seconds, result) of ``fn()``."""
+    import time
+
     gc.collect()
-    if not reset_peak():
-        return None, fn()
+    ok = reset_peak()
     base = _status("VmRSS")
+    t0 = time.perf_counter()
     out = fn()
+    dt = time.perf_counter() - t0
     peak = _status("VmHWM")
-    return (None if base is None or peak is None else max(peak - base, 0)), out
+    if not ok or base is None or peak is None:
+        return None, dt, out
+    return max(peak - base, 0), dt, out
 
 
 def run(lib: str, nbytes: int, leaves: int, workdir: str) -> dict[str, Any]:
@@ -92,15 +100,15 @@ def run(lib: str, nbytes: int, leaves: int, workdir: str) -> dict[str, Any]:
         save(os.path.join(d, "warm"), small)
         restore(os.path.join(d, "warm"), states.abstract(small))
         path = os.path.join(d, "big")
-        save_extra, _ = _measure(lambda: save(path, tree))
+        save_extra, save_s, _ = _measure(lambda: save(path, tree))
         # the state stays alive: memory it frees could otherwise be reused by the restore
         # and hide part of the restore's cost from the resident-set figures
-        restore_extra, out = _measure(lambda: restore(path, target))
+        restore_extra, restore_s, out = _measure(lambda: restore(path, target))
         del out
     finally:
         shutil.rmtree(d, ignore_errors=True)
     return {"lib": lib, "state_bytes": size, "save_extra_bytes": save_extra,
-            "restore_extra_bytes": restore_extra,
+            "restore_extra_bytes": restore_extra, "save_s": save_s, "restore_s": restore_s,
             "save_ratio": None if save_extra is None else save_extra / size,
             "restore_ratio": None if restore_extra is None else restore_extra / size}
 

@@ -229,6 +229,11 @@ def memory_rows(cfg: Config) -> tuple[list[Row], list[dict[str, Any]]]:
     size = reports[0]["state_bytes"]
     rows = []
     for phase in ("save", "restore"):
+        samples = {r["lib"]: [r[f"{phase}_s"]] for r in reports}
+        rows.append(Row.from_samples(f"fresh.{phase}", f"first {phase} in a fresh process "
+                                     f"(50 leaves, {fmt_bytes(size)})", samples, nbytes=size,
+                                     section="memory"))
+    for phase in ("save", "restore"):
         values = {r["lib"]: r[f"{phase}_ratio"] for r in reports}
         row = Row(f"memory.{phase}", f"peak memory of a {phase} (50 leaves, "
                   f"{fmt_bytes(size)})", nbytes=size, unit="x",
@@ -386,7 +391,7 @@ def scaling_table(res: Results) -> str:
     return "\n".join(lines)
 
 
-def report_markdown(res: Results) -> str:
+def report_markdown(res: Results, *, scaling: bool = True) -> str:
     m = res.machine
     parts = [f"Machine: {machine.one_line(m)}. Benchmark directory on {m['filesystem'].get('fstype', '?')} "
              f"({m['filesystem'].get('device', '?')}); minickpt CRC-32 via {m['minickpt_crc32']}; "
@@ -403,7 +408,7 @@ def report_markdown(res: Results) -> str:
         parts += ["", *notes]
     if res.skipped:
         parts += ["", *[f"- not run: {s}" for s in res.skipped]]
-    st = scaling_table(res)
+    st = scaling_table(res) if scaling else ""
     if st:
         parts += ["", "Scaling (medians; 50 float32 leaves):", "", st]
     return "\n".join(parts) + "\n"
@@ -416,11 +421,14 @@ def fmt_load(v: Any) -> str:
 def write_outputs(res: Results, out: str) -> dict[str, str]:
     os.makedirs(out, exist_ok=True)
     paths = {"json": os.path.join(out, "results.json"),
-             "markdown": os.path.join(out, "table.md")}
+             "markdown": os.path.join(out, "table.md"),
+             "readme": os.path.join(out, "readme-section.md")}
     with open(paths["json"], "w") as f:
         json.dump(res.as_dict(), f, indent=1, default=str)
     with open(paths["markdown"], "w") as f:
         f.write(report_markdown(res))
+    with open(paths["readme"], "w") as f:
+        f.write(report_markdown(res, scaling=False))
     if "plot" in res.extra:
         paths["plot"] = res.extra["plot"]
     return paths
