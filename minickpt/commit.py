@@ -115,17 +115,28 @@ def delete_dir(fs: FileSystem, path: str) -> None:
     fs.rmtree(retire_dir(fs, path))
 
 
-def retire_dir(fs: FileSystem, path: str) -> str:
-    """The first, atomic half of :func:`delete_dir`: rename ``path`` to a deletion name and
-    make that rename durable. From then on the checkpoint no longer exists, whatever
-    happens; removing the files (the second half) can wait, or run on another thread, and
-    a crash in between leaves only a deletion temporary for the next start-up to clean.
-    Returns the deletion name."""
+def retire_dir(fs: FileSystem, path: str, *, durable: bool = True) -> str:
+    """The first, atomic half of :func:`delete_dir`: rename ``path`` to a deletion name
+    (and, when ``durable``, fsync the parent so that the rename survives a crash). From then
+    on no reader sees the checkpoint; removing its files is :func:`remove_retired`.
+
+    With ``durable=False`` a crash before the parent's next fsync may bring the checkpoint
+    back — whole, since nothing of it is removed before that fsync — which is safe; its
+    files must then only be removed through :func:`remove_retired`. Returns the new name.
+    """
     root = os.path.dirname(os.path.abspath(path))
     doomed = f"{path}{DELETE_MARK}{secrets.token_hex(4)}"
     fs.rename(path, doomed)
-    fs.fsync_dir(root)
+    if durable:
+        fs.fsync_dir(root)
     return doomed
+
+
+def remove_retired(fs: FileSystem, doomed: str) -> None:
+    """The second half of :func:`delete_dir`: make the retirement durable, then remove the
+    files (a crash half-way leaves a deletion temporary, cleaned at the next start-up)."""
+    fs.fsync_dir(os.path.dirname(os.path.abspath(doomed)))
+    fs.rmtree(doomed)
 
 
 def cleanup_temporaries(fs: FileSystem, root: str) -> list[str]:

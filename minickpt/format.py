@@ -592,49 +592,57 @@ def read_leaves(fs: FileSystem, manifest: Manifest, indices: Sequence[int] | Non
     return out
 
 
-def _read_arrays(fs: FileSystem, fd: int, arrays: list[tuple[int, dict[str, Any], np.ndarray]],
-                 where: str, on_read: Callable[[list[Any]], None] | None = None) -> None:
-    """Read leaves in file order; neighbouring leaves are read with one preadv call.
+def _read_batches(arrays: list[tuple[int, dict[str, Any], np.ndarray]]
+                  ) -> list[tuple[int, list[memoryview], list[Any]]]:
+    """Leaves in file order, grouped into reads: ``(file offset, buffers, leaves)`` each.
 
-    ``on_read`` is called with the leaves of each call as soon as they are in memory, so
-    their checksums can be verified while the next ones are being read.
-    """
+    Neighbouring leaves share one preadv call (small gaps are read into scratch buffers);
+    a read holds at most 256 leaves and ``_READ_BATCH_BYTES`` bytes, so that checksums can
+    be verified — and other reads run — while the next ones are in flight."""
     order = sorted(arrays, key=lambda t: t[1]["offset"])
-    batch: list[memoryview] = []
+    batches: list[tuple[int, list[memoryview], list[Any]]] = []
+    bufs: list[memoryview] = []
     items: list[Any] = []
-    batch_start = pos = batch_bytes = 0
-
-    def flush() -> None:
-        nonlocal batch, items, batch_bytes
-        if batch:
-            try:
-                fs.read_into_many(fd, batch, batch_start)
-            except EOFError as e:
-                raise _corrupt(where, f"data file ended early ({e})") from e
-            if on_read is not None:
-                on_read(items)
-        batch, items, batch_bytes = [], [], 0
-
+    start = pos = nbytes = 0
     for item in order:
         _, e, arr = item
         if e["nbytes"] == 0:
             continue
         view = memoryview(arr.reshape(-1).view(np.uint8))
         gap = e["offset"] - pos
-        if not batch or gap < 0 or gap > 4096 or len(batch) >= 256 or \
-                batch_bytes + len(view) > _READ_BATCH_BYTES:
-            flush()
-            batch_start = e["offset"]
+        if not bufs or gap < 0 or gap > 4096 or len(bufs) >= 256 or \
+                nbytes + len(view) > _READ_BATCH_BYTES:
+            if bufs:
+                batches.append((start, bufs, items))
+            bufs, items, nbytes, start = [], [], 0, e["offset"]
         elif gap:
-            batch.append(memoryview(bytearray(gap)))
-        batch.append(view)
+            bufs.append(memoryview(bytearray(gap)))
+        bufs.append(view)
         items.append(item)
-        batch_bytes += len(view)
+        nbytes += len(view)
         pos = e["offset"] + e["nbytes"]
-    flush()
+    if bufs:
+        batches.append((start, bufs, items))
+    return batches
 
 
-_READ_BATCH_BYTES = 16 << 20  # read at most this much per call, so checksums can overlap
+_READ_BATCH_BYTES = 16 << 20
+
+
+def _read_batch(fs: FileSystem, fd: int, batch: tuple[int, list[memoryview], list[Any]],
+                where: str) -> None:
+    start, bufs, _ = batch
+    try:
+        fs.read_into_many(fd, bufs, start)
+    except EOFError as e:
+        raise _corrupt(where, f"data file ended early ({e})") from e
+
+
+def _read_arrays(fs: FileSystem, fd: int, arrays: list[tuple[int, dict[str, Any], np.ndarray]],
+                 where: str) -> None:
+    """Read leaves in file order; neighbouring leaves are read with one preadv call."""
+    for batch in _read_batches(arrays):
+        _read_batch(fs, fd, batch, where)
 
 
 def _check_crc(item: tuple[int, dict[str, Any], np.ndarray], where: str) -> None:
@@ -650,22 +658,34 @@ def _check_crc(item: tuple[int, dict[str, Any], np.ndarray], where: str) -> None
 
 def _read_and_verify(fs: FileSystem, fd: int,
                      arrays: list[tuple[int, dict[str, Any], np.ndarray]], where: str) -> None:
-    """Read large items while checking what was already read on other threads: the
-    checksums then cost (almost) no time of their own. The first damaged leaf in file order
-    is the one reported."""
-    from concurrent.futures import Future
+    """Large items: the file is cut into a few contiguous parts, read by as many threads,
+    each through its own descriptor (so each keeps its own sequential read-ahead) and each
+    checking the checksums of what it just read. Copying out of the page cache and
+    checksumming then use several cores, and a cold file is still read sequentially. The
+    first damage in file order is the one reported. ``where`` is the data file's path."""
+    batches = _read_batches(arrays)
+    n = max(1, min(_READ_THREADS, os.cpu_count() or 1, len(batches)))
+    size = (len(batches) + n - 1) // n
+    parts = [batches[i * size:(i + 1) * size] for i in range(n)]
 
-    futures: list[Future[None]] = []
-    with ThreadPoolExecutor(max(1, min(2, os.cpu_count() or 1)),
-                            thread_name_prefix="minickpt-verify") as pool:
+    def run(part: list[tuple[int, list[memoryview], list[Any]]], own_fd: bool) -> None:
+        f = fs.open_read(where) if own_fd else fd
         try:
-            _read_arrays(fs, fd, arrays, where, on_read=lambda items: futures.extend(
-                pool.submit(_check_crc, item, where) for item in items))
-        except BaseException:
-            for f in futures:
-                f.cancel()
-            raise
-        for f in futures:
+            for batch in part:
+                _read_batch(fs, f, batch, where)
+                for item in batch[2]:
+                    _check_crc(item, where)
+        finally:
+            if own_fd:
+                fs.close(f)
+
+    if n == 1:
+        run(batches, False)
+        return
+    with ThreadPoolExecutor(n, thread_name_prefix="minickpt-read") as pool:
+        futures = [pool.submit(run, part, i > 0) for i, part in enumerate(parts) if part]
+        for f in futures:  # in file order: the first damage is the one raised
             f.result()
 
 
+_READ_THREADS = 4

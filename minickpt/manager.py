@@ -21,7 +21,14 @@ from typing import Any
 
 from . import policy
 from .checkpointer import Checkpointer, CheckpointMetadata, SaveStats, VerifyReport
-from .commit import cleanup_temporaries, delete_dir, parse_step, retire_dir, step_dir_name
+from .commit import (
+    cleanup_temporaries,
+    delete_dir,
+    parse_step,
+    remove_retired,
+    retire_dir,
+    step_dir_name,
+)
 from .errors import (
     CheckpointCorruptedError,
     CheckpointNotFoundError,
@@ -52,10 +59,11 @@ class CheckpointManagerOptions:
     cleanup_tmp_directories: bool = True
     read_only: bool = False
     enable_async_checkpointing: bool = False
-    # Remove a deleted checkpoint's files on a background thread. The deletion itself (a
-    # durable rename out of the step namespace) still happens inside save(), after the new
-    # checkpoint is durable; only the unlinking — slow on a busy or remote file system —
-    # leaves the critical path. wait_until_finished()/close() wait for it.
+    # Remove a deleted checkpoint's files on a background thread. The deletion itself (the
+    # rename out of the step namespace) still happens inside save(), after the new
+    # checkpoint is durable; the fsync that makes it durable and the unlinking — slow on a
+    # busy or remote file system — leave the critical path, in that order.
+    # wait_until_finished()/close() wait for them.
     enable_background_delete: bool = False
     # minickpt's own
     verify_on_restore: bool = True
@@ -359,7 +367,9 @@ class CheckpointManager:
         path = self.step_path(step)
         try:
             if self.options.enable_background_delete:
-                self._remove_later(retire_dir(self.fs, path))
+                # out of the step namespace now; durable (parent fsync) and removed on the
+                # background thread — the fsync always before the first file is removed
+                self._remove_later(retire_dir(self.fs, path, durable=False))
             else:
                 delete_dir(self.fs, path)
         finally:
@@ -376,7 +386,7 @@ class CheckpointManager:
         self._finish_removals(block=False)
         if self._remover is None:
             self._remover = ThreadPoolExecutor(1, thread_name_prefix="minickpt-delete")
-        self._removals.append((doomed, self._remover.submit(self.fs.rmtree, doomed)))
+        self._removals.append((doomed, self._remover.submit(remove_retired, self.fs, doomed)))
 
     def _finish_removals(self, block: bool = True) -> None:
         """Collect finished background removals (all of them when ``block``); a failure is
