@@ -117,12 +117,12 @@ def one_line(info: dict[str, Any]) -> str:
     """The machine in one line, for the table's caption."""
     fs = info.get("filesystem", {})
     mem = info.get("mem_total_bytes") or 0
-    disk = {"0": "non-rotating", "1": "rotating"}.get(fs.get("rotational", ""), "disk")
     v = info["versions"]
     return (f"{info['cpu']} ({info['cpu_affinity'] or info['cpu_count']} cores), "
             f"{mem / 2**30:.0f} GiB RAM, {fs.get('fstype', '?')} on {fs.get('device', '?')} "
-            f"({disk}), {info['os']}; Python {info['python']}, jax {v.get('jax')} on "
-            f"{info['jax_devices']}, orbax-checkpoint {v.get('orbax-checkpoint')}")
+            f"(mounted {fs.get('options', '?')}), {info['os']}; Python {info['python']}, jax "
+            f"{v.get('jax')} on {info['jax_devices']}, orbax-checkpoint "
+            f"{v.get('orbax-checkpoint')}")
 
 
 # ---------------------------------------------------------------------------------------

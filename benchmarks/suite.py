@@ -36,10 +36,10 @@ class Config:
     """What to run. :meth:`full` is the real run; :meth:`smoke` checks the harness fast."""
 
     mode: str = "full"
-    reps_small: int = 30
+    reps_small: int = 60
     warmup_small: int = 3
-    reps_medium: int = 15
-    reps_large: int = 5
+    reps_medium: int = 21
+    reps_large: int = 9
     large_bytes: int = 400 * MB
     large_leaves: int = 50
     wide: tuple[int, int] | None = (1024, 4)  # hidden, layers of the wider TrainState
@@ -393,13 +393,13 @@ def scaling_table(res: Results) -> str:
 
 def report_markdown(res: Results, *, scaling: bool = True) -> str:
     m = res.machine
-    parts = [f"Machine: {machine.one_line(m)}. Benchmark directory on {m['filesystem'].get('fstype', '?')} "
-             f"({m['filesystem'].get('device', '?')}); minickpt CRC-32 via {m['minickpt_crc32']}; "
-             f"load average {fmt_load(m.get('load_avg_start'))} at start, "
-             f"{fmt_load(m.get('load_avg_end'))} at the end; {m.get('time')}, git "
-             f"{m.get('git', '?')}; mode {res.config['mode']}, {res.seconds:.0f} s.",
+    parts = [f"Machine: {machine.one_line(m)}. minickpt's CRC-32 via {m['minickpt_crc32']}. "
+             f"Load average {fmt_load(m.get('load_avg_start'))} at the start, "
+             f"{fmt_load(m.get('load_avg_end'))} at the end (the machine is shared). "
+             f"{m.get('time')}, git {m.get('git', '?')}, mode {res.config['mode']}, "
+             f"{res.seconds:.0f} s.",
              "",
-             "Page cache: warm rows " + res.page_cache.get("warm", "") + "; cold rows: "
+             "Page cache — warm rows: " + res.page_cache.get("warm", "") + "; cold rows: "
              + res.page_cache.get("cold", "") + ".",
              "",
              markdown_table(res.rows)]
