@@ -189,21 +189,15 @@ def put_many(arrays: Sequence[np.ndarray], shardings: Sequence[Any]) -> list[jax
     them) becomes a jax.Array without being copied.
     """
     out: list[Any] = [None] * len(arrays)
-    plain: list[int] = []
-    placed: list[int] = []
+    groups: dict[Any, list[int]] = {}  # one device_put per distinct sharding (usually one)
     for i, s in enumerate(shardings):
-        if s is None:
-            plain.append(i)
-        elif isinstance(s, jax.Device) or s.is_fully_addressable:
-            placed.append(i)
+        if s is None or isinstance(s, jax.Device) or s.is_fully_addressable:
+            groups.setdefault(s, []).append(i)
         else:
             out[i] = put(arrays[i], s)
-    if plain:
-        for i, a in zip(plain, jax.device_put([arrays[i] for i in plain]), strict=True):
-            out[i] = a
-    if placed:
-        for i, a in zip(placed, jax.device_put([arrays[i] for i in placed],
-                                               [shardings[i] for i in placed]), strict=True):
+    for s, idx in groups.items():
+        placed = jax.device_put([arrays[i] for i in idx], s)
+        for i, a in zip(idx, placed, strict=True):
             out[i] = a
     return out
 
