@@ -55,7 +55,7 @@ from .format import (
     read_manifest,
     write_item,
 )
-from .fs import DEFAULT_FS, FileSystem
+from .fs import DEFAULT_FS, FileSystem, SyncBatch
 from .restore import restore_item
 
 MAX_METADATA_BYTES = 16 << 20
@@ -175,7 +175,7 @@ def metadata_bytes(step: int | None, items: Mapping[str, Any], *, metrics: Any =
 
 
 _CRC_KEY = "metadata_crc32"
-_CRC_MARK = b',\n "' + _CRC_KEY.encode() + b'": '
+_CRC_FIELD = b'"' + _CRC_KEY.encode() + b'":'
 
 
 def encode_metadata(meta: Mapping[str, Any]) -> bytes:
@@ -185,18 +185,25 @@ def encode_metadata(meta: Mapping[str, Any]) -> bytes:
     metadata itself: a flipped bit in a metric would silently change which checkpoint is the
     best, one in the step would move a checkpoint in time. The field is plain JSON, so any
     reader can ignore it.
+
+    One top-level key per line, each value compact: as readable as ``indent=1`` for the
+    handful of fields people look at, and built by json's C encoder instead of its
+    pure-Python indenting one.
     """
-    body = json.dumps(dict(meta), indent=1, allow_nan=True)
-    head = body[:-2].encode()  # without the closing "\n}"
-    return head + _CRC_MARK + f"{zlib.crc32(head)}\n}}\n".encode()
+    head = ("{\n" + ",\n".join(f"{json.dumps(k)}: {json.dumps(v, allow_nan=True)}"
+                                for k, v in meta.items() if k != _CRC_KEY)).encode()
+    return head + b",\n" + _CRC_FIELD + f" {zlib.crc32(head)}\n}}\n".encode()
 
 
 def _check_metadata_crc(raw: bytes, obj: dict[str, Any], mpath: str) -> None:
     if _CRC_KEY not in obj:  # written before minickpt recorded it: nothing to check
         return
     want = obj[_CRC_KEY]
-    at = raw.rfind(_CRC_MARK)
-    got = zlib.crc32(raw[:at]) if at >= 0 else None
+    # the checksum covers every byte before the comma that precedes its field (whatever the
+    # white space: metadata written with indent=1 carries it too)
+    at = raw.rfind(_CRC_FIELD)
+    head = raw[:at].rstrip(b" \t\r\n") if at >= 0 else b""
+    got = zlib.crc32(head[:-1]) if head.endswith(b",") else None
     if not isinstance(want, int) or isinstance(want, bool) or got != want:
         raise CheckpointCorruptedError(mpath, f"metadata checksum {got!r} differs from the one "
                                               f"it records ({want!r}): it was changed or "
@@ -362,14 +369,14 @@ class Checkpointer:
             if isinstance(e, MiniCkptError):
                 raise
             raise save_error(e, directory) from e
+        batch = SyncBatch(fs)  # every file and directory below, fsynced together at commit
         try:
             records = {}
             for name, plan in plans.items():
                 item_dir = os.path.join(tmp, name)
                 fs.mkdir(item_dir)
-                res = write_item(fs, item_dir, plan)
+                res = write_item(fs, item_dir, plan, sync=batch)
                 stats.write_s += res.write_s
-                stats.fsync_s += res.fsync_s
                 stats.bytes += res.data_bytes
                 stats.num_leaves += res.num_leaves
                 records[name] = {"manifest_crc32": res.manifest_crc32,
@@ -377,10 +384,15 @@ class Checkpointer:
             t = time.perf_counter()
             raw = metadata_bytes(step, records, metrics=metrics, custom_metadata=custom_metadata,
                                  init_ns=init_ns)
-            fs.write_file(os.path.join(tmp, METADATA_FILE), [raw])
-            commit(fs, tmp, os.path.join(root, final_name))
-            stats.commit_s = time.perf_counter() - t
+            fs.write_file(os.path.join(tmp, METADATA_FILE), [raw], batch=batch)
+            commit(fs, tmp, os.path.join(root, final_name), sync=batch)
+            stats.fsync_s += batch.flush_s
+            stats.commit_s = time.perf_counter() - t - batch.flush_s
         except BaseException as e:
+            try:
+                batch.close()  # descriptors not yet flushed (like write_file's own finally)
+            except OSError:
+                pass
             if isinstance(e, Exception):
                 abort(fs, tmp)
             stats.ok, stats.error = False, f"{type(e).__name__}: {e}"

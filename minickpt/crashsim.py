@@ -276,6 +276,28 @@ class CrashRecorder(FileSystem):
                 f.data.extend(bytes(length - len(f.data)))
                 f.dirty = True
 
+    def start_writeback(self, fd: int, offset: int, nbytes: int) -> None:
+        """A hint to start writing: one more call a crash can come before, and nothing
+        more — data is durable only once ``fsync`` returns, so the model does not change."""
+        with self._lock:
+            self._enter("start_writeback", f"fd {fd} [{offset}, +{nbytes})")
+            if self.sync:
+                self.base.start_writeback(fd, offset, nbytes)
+
+    def fsync_all(self, fds: Sequence[int] = (), dirs: Sequence[str] = ()) -> None:
+        """The group commit, modelled as its fsyncs one after another, in a fixed order.
+
+        For real they run concurrently and finish in any order, so a crash in the middle
+        can leave any subset of them done. Such a state is one a crash *before* the first of
+        them can leave too (un-synced data and entries may persist anyway, file by file and
+        directory by directory: the random states sample those mixes), and the crash points
+        between them add every prefix. Running them in order keeps every run of a scenario
+        making the same calls."""
+        for fd in fds:
+            self.fsync(fd)
+        for d in dirs:
+            self.fsync_dir(d)
+
     def mkdir(self, path: str, mode: int = 0o755) -> None:
         with self._lock:
             self._enter("mkdir", path)

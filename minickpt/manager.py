@@ -22,7 +22,15 @@ from typing import Any
 from . import multihost, policy
 from .asynchronous import AsyncCheckpointer
 from .checkpointer import Checkpointer, CheckpointMetadata, SaveStats, VerifyReport, _json_safe
-from .commit import DELETE_MARK, cleanup_temporaries, delete_dir, parse_step, step_dir_name
+from .commit import (
+    DELETE_MARK,
+    cleanup_temporaries,
+    delete_dir,
+    parse_step,
+    remove_retired,
+    retire_dir,
+    step_dir_name,
+)
 from .errors import (
     CheckpointCorruptedError,
     CheckpointNotFoundError,
@@ -55,6 +63,12 @@ class CheckpointManagerOptions:
     cleanup_tmp_directories: bool = True
     read_only: bool = False
     enable_async_checkpointing: bool = False
+    # Remove a deleted checkpoint's files on a background thread. The deletion itself (the
+    # rename out of the step namespace) still happens inside save(), after the new
+    # checkpoint is durable; the fsync that makes it durable and the unlinking — slow on a
+    # busy or remote file system — leave the critical path, in that order.
+    # wait_until_finished()/close() wait for them.
+    enable_background_delete: bool = False
     # minickpt's own
     verify_on_restore: bool = True
     fallback_on_damage: bool = True
@@ -117,18 +131,23 @@ class CheckpointManager:
         self.removed_temporaries: list[str] = []
         self._names: dict[int, str] = {}  # step -> its directory's name, as found on disk
         self._sweep_deletions = False
+        self._remover: Any = None  # ThreadPoolExecutor for enable_background_delete
+        self._removals: list[Any] = []  # its pending (name, future) pairs
+        self._removals_lock = threading.Lock()  # retention may run on the async writer
         opts = self.options
         # The run directory may be a symlink (to a bigger disk, say): that is the user's
         # choice. Only what lies *inside* a checkpoint must never be a link.
         real = os.path.realpath(self.directory)
         if not self.fs.is_dir(real):
-            if self.fs.exists(real):
+            if not self.fs.exists(real):
+                if opts.read_only or not opts.create:
+                    raise CheckpointNotFoundError(
+                        f"checkpoint directory {self.directory} does not exist"
+                        + ("" if opts.read_only else " (pass create=True to make it)"))
+                _makedirs(self.fs, real)
+            # look again: another process of the job may have made it meanwhile
+            if not self.fs.is_dir(real):
                 raise NotADirectoryError(f"{self.directory} exists and is not a directory")
-            if opts.read_only or not opts.create:
-                raise CheckpointNotFoundError(
-                    f"checkpoint directory {self.directory} does not exist"
-                    + ("" if opts.read_only else " (pass create=True to make it)"))
-            _makedirs(self.fs, real)
         if not opts.read_only and self.primary:
             if opts.lock:
                 self._acquire_lock()
@@ -236,7 +255,13 @@ class CheckpointManager:
             if self._async is not None:
                 self._async.close()
         finally:
-            self._release_lock()
+            try:
+                self._finish_removals()
+            finally:
+                if self._remover is not None:
+                    self._remover.shutdown(wait=True)
+                    self._remover = None
+                self._release_lock()
             self._closed = True
             if self.preemption_handler is not None and hasattr(self.preemption_handler, "close"):
                 self.preemption_handler.close()  # put the previous signal handlers back
@@ -254,12 +279,16 @@ class CheckpointManager:
             pass
 
     def wait_until_finished(self) -> None:
-        """Block until the async save in flight has committed; raise its error if it failed.
+        """Block until the async save in flight has committed and every background removal
+        of a deleted checkpoint has finished; raise the save's error if it failed.
 
-        Sync saves have committed when ``save()`` returns, so then this returns at once.
+        Sync saves have committed when ``save()`` returns.
         """
-        if self._async is not None:
-            self._async.wait_until_finished()
+        try:
+            if self._async is not None:
+                self._async.wait_until_finished()
+        finally:
+            self._finish_removals()
 
     def check_for_errors(self) -> None:
         """Raise the error of a finished async save that failed (once); never blocks."""
@@ -552,19 +581,34 @@ class CheckpointManager:
             names = self.fs.listdir(self.directory)
         except OSError:
             return
-        for name in sorted(names):
-            if DELETE_MARK in name:
-                try:
-                    self.fs.rmtree(os.path.join(self.directory, name))
-                except OSError as e:
-                    self._sweep_deletions = True
-                    log.error("minickpt: could not remove %s: %s",
-                              os.path.join(self.directory, name), e)
+        with self._removals_lock:  # being removed in the background: not a leftover
+            busy = {os.path.basename(d) for d, fut in self._removals if not fut.done()}
+        doomed = [n for n in sorted(names) if DELETE_MARK in n and n not in busy]
+        if not doomed:
+            return
+        try:  # their renames must be durable before any file goes (else a torn step returns)
+            self.fs.fsync_dir(self.directory)
+        except OSError as e:
+            self._sweep_deletions = True
+            log.error("minickpt: could not fsync %s: %s", self.directory, e)
+            return
+        for name in doomed:
+            try:
+                self.fs.rmtree(os.path.join(self.directory, name))
+            except OSError as e:
+                self._sweep_deletions = True
+                log.error("minickpt: could not remove %s: %s",
+                          os.path.join(self.directory, name), e)
 
     def _delete_step(self, step: int) -> None:
         path = self.step_path(step)
         try:
-            delete_dir(self.fs, path)
+            if self.options.enable_background_delete:
+                # out of the step namespace now; durable (parent fsync) and removed on the
+                # background thread — the fsync always before the first file is removed
+                self._remove_later(retire_dir(self.fs, path, durable=False))
+            else:
+                delete_dir(self.fs, path)
         finally:
             # forget the step once its name is gone, even if removing its files failed
             # (what is left is a deletion temporary, cleaned at the next start-up)
@@ -572,6 +616,37 @@ class CheckpointManager:
                 self._infos.pop(step, None)
                 self._names.pop(step, None)
         self._emit("delete", {"step": step, "time": time.time()})
+
+    def _remove_later(self, doomed: str) -> None:
+        """Remove a retired checkpoint's files on the background thread (FIFO, one at a time)."""
+        from concurrent.futures import ThreadPoolExecutor
+
+        self._finish_removals(block=False)
+        with self._removals_lock:
+            if self._remover is None:
+                self._remover = ThreadPoolExecutor(1, thread_name_prefix="minickpt-delete")
+            self._removals.append((doomed, self._remover.submit(remove_retired, self.fs,
+                                                                doomed)))
+
+    def _finish_removals(self, block: bool = True) -> None:
+        """Collect finished background removals (all of them when ``block``); a failure is
+        logged and warned about — the checkpoint is already gone from the step namespace,
+        and what is left is a deletion temporary that the next start-up removes."""
+        with self._removals_lock:
+            pending, self._removals = self._removals, []
+        keep = []
+        for doomed, fut in pending:
+            if not block and not fut.done():
+                keep.append((doomed, fut))
+                continue
+            err = fut.exception()
+            if err is not None:
+                self._sweep_deletions = True  # the next save's retention finishes the job
+                log.error("minickpt: could not remove %s: %s", doomed, err)
+                warnings.warn(f"could not remove deleted checkpoint {doomed}: {err}",
+                              stacklevel=3)
+        with self._removals_lock:
+            self._removals[:0] = keep
 
     def delete(self, step: int) -> None:
         """Delete one checkpoint, crash-safely (it vanishes from the step list atomically)."""
@@ -609,7 +684,8 @@ class CheckpointManager:
     def _record(self, stats: SaveStats) -> None:
         self.last_save_stats = stats
         self.save_history.append(stats)
-        self._emit("save", stats.as_dict())
+        if self.listeners:  # as_dict() deep-copies: only when someone listens
+            self._emit("save", stats.as_dict())
 
     # ---- restoring -----------------------------------------------------------------------
     def restore(self, step: int | None = None, target: Mapping[str, Any] | None = None, *,

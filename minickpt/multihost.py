@@ -104,6 +104,7 @@ from .format import (
     write_item_manifest,
     write_shards,
 )
+from .fs import SyncBatch
 from .tree import HostKey, Names, is_prng_key, path_str, skeleton, to_host
 
 log = logging.getLogger("minickpt")
@@ -870,23 +871,29 @@ class CollectiveSave:
         written: dict[str, Any] = {}
         primary_data: dict[str, ItemData] = {}
         try:
+            # this process's files and directories, fsynced together (one group commit)
+            # before it reports them written
+            batch = SyncBatch(fs)
             try:
                 for item, plan in self.plans.items():
                     item_dir = os.path.join(tmp, item)
                     if plan.primary is not None:
-                        primary_data[item] = d = write_item_data(fs, item_dir, plan.primary)
+                        primary_data[item] = d = write_item_data(fs, item_dir, plan.primary,
+                                                                 sync=batch)
                         self.stats.write_s += d.write_s
-                        self.stats.fsync_s += d.fsync_s
-                        self.stats.bytes += d.data_bytes
-                    sf = write_shards(fs, item_dir, me, plan.shards)
+                        self.stats.bytes += d.data_bytes  # its directory: by commit()
+                    sf = write_shards(fs, item_dir, me, plan.shards, sync=batch)
                     written[item] = None if sf is None else sf.record()
                     if sf is not None:
                         self.stats.write_s += sf.write_s
-                        self.stats.fsync_s += sf.fsync_s
                         self.stats.bytes += sf.data_bytes
+                batch.flush()
+                self.stats.fsync_s += batch.flush_s
                 _fault(sync, "after_write")
             except Exception as e:
                 local = self._save_error(e)
+            finally:
+                _close_quietly(batch)
             statuses = self._exchange("written", failure_status(local, files=written),
                                       "waiting for every process to write its shards")
             raise_failures(statuses, me, local, f"writing step {self.step}")
@@ -901,16 +908,24 @@ class CollectiveSave:
             try:
                 _fault(sync, "before_commit")
                 t = time.perf_counter()
-                records = self._write_manifests(tmp, primary_data, statuses)
-                sharded = any(p.num_sharded for p in self.plans.values())
-                raw = metadata_bytes(self.step, records, metrics=self.metrics,
-                                     custom_metadata=self.custom_metadata, init_ns=self.init_ns,
-                                     format_version=SHARDED_FORMAT_VERSION if sharded
-                                     else FORMAT_VERSION)
-                fs.write_file(os.path.join(tmp, METADATA_FILE), [raw])
-                commit(fs, tmp, self.directory, subdirs=list(self.plans))
+                # the manifests, the metadata and every directory of the tree: fsynced
+                # together by commit(), before its rename
+                batch = SyncBatch(fs)
+                try:
+                    records = self._write_manifests(tmp, primary_data, statuses, batch)
+                    sharded = any(p.num_sharded for p in self.plans.values())
+                    raw = metadata_bytes(self.step, records, metrics=self.metrics,
+                                         custom_metadata=self.custom_metadata,
+                                         init_ns=self.init_ns,
+                                         format_version=SHARDED_FORMAT_VERSION if sharded
+                                         else FORMAT_VERSION)
+                    fs.write_file(os.path.join(tmp, METADATA_FILE), [raw], batch=batch)
+                    commit(fs, tmp, self.directory, subdirs=list(self.plans), sync=batch)
+                finally:
+                    _close_quietly(batch)
                 committed = True
-                self.stats.commit_s = time.perf_counter() - t
+                self.stats.fsync_s += batch.flush_s
+                self.stats.commit_s = time.perf_counter() - t - batch.flush_s
                 _fault(sync, "after_commit")
                 info = dict(self.on_commit(self.stats)) if self.on_commit else {}
             except Exception as e:
@@ -943,7 +958,8 @@ class CollectiveSave:
         return e
 
     def _write_manifests(self, tmp: str, primary_data: Mapping[str, ItemData],
-                         statuses: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
+                         statuses: Sequence[Mapping[str, Any]], batch: SyncBatch
+                         ) -> dict[str, Any]:
         fs = self.checkpointer.fs
         records = {}
         for item, plan in self.plans.items():
@@ -954,8 +970,7 @@ class CollectiveSave:
                 extra = {"format_version": SHARDED_FORMAT_VERSION,
                          "process_count": self.sync.process_count, "shard_files": files}
             res = write_item_manifest(fs, os.path.join(tmp, item), plan.primary,
-                                      primary_data[item], extra=extra)
-            self.stats.fsync_s += res.fsync_s - primary_data[item].fsync_s
+                                      primary_data[item], extra=extra, sync=batch)
             self.stats.num_leaves += res.num_leaves
             shard_bytes = sum(f["data_bytes"] for f in files)
             records[item] = {"manifest_crc32": res.manifest_crc32, "data_bytes": res.data_bytes,
@@ -963,6 +978,14 @@ class CollectiveSave:
             if plan.num_sharded:
                 records[item]["shard_bytes"] = shard_bytes
         return records
+
+
+def _close_quietly(batch: SyncBatch) -> None:
+    """Close what a failed write left in its batch; the write's own error matters more."""
+    try:
+        batch.close()
+    except OSError:
+        pass
 
 
 def prepare_save(checkpointer: Checkpointer, sync: Sync, directory: str,

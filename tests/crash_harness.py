@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import contextlib
 import errno
-import functools
 import io
 import itertools
 import json
@@ -34,7 +33,7 @@ from minickpt import CheckpointManager, CheckpointManagerOptions
 from minickpt.commit import DELETE_MARK, is_temporary
 from minickpt.crashsim import AssertionFailure, explore
 from minickpt.format import write_item
-from minickpt.fs import FileSystem
+from minickpt.fs import FileSystem, SyncBatch
 from minickpt.legacy import save_checkpoint
 
 
@@ -192,38 +191,79 @@ LEGACY = _add(Scenario(
     allowed={(1, 2), (1, 2, 3), (2, 3)}, new=(3,), deleted=(1,), run_dir="ckpts",
     options={"step_prefix": "checkpoint"}, item_of=lambda r: r["state"]))
 
-# Async saving (a background thread running Checkpointer.write and retention) is one more
-# Scenario, nothing else: the recorder crashes every thread at once (each later call, from
-# any thread, raises SimulatedCrash), and an error the background thread reports after the
-# crash is ignored because the recorder knows it crashed. For example:
-#
-#   ASYNC = _add(Scenario(
-#       "async save with retention", setup=_scenario_retention,
-#       run=lambda fs, w: _run_and_drop(lambda: ASYNC.manager(w, fs),
-#                                       lambda m: (m.save(3, items(3)), m.wait_until_finished())),
-#       allowed={(1, 2), (1, 2, 3), (2, 3)}, new=(3,), deleted=(1,),
-#       options={"max_to_keep": 2, "enable_async_checkpointing": True}))
-#
-# explore() insists that every run of a scenario makes the same calls; if the background
-# thread's calls interleave differently from run to run it says so.
+# Async saving: the write, the commit and the retention run on the background thread. The
+# recorder crashes every thread at once (each later call, from any thread, raises
+# SimulatedCrash); the error the background thread keeps is raised by wait_until_finished()
+# and ignored because the recorder knows it crashed. The main thread makes no file-system
+# call while the background one runs, so every run makes the same calls in the same order.
+ASYNC = _add(Scenario(
+    "async save with retention, after cleaning an interrupted save and delete",
+    setup=_scenario_retention,
+    run=lambda fs, w: _run_and_drop(lambda: ASYNC.manager(w, fs),
+                                    lambda m: (m.save(3, items(3), metrics={"loss": 0.25}),
+                                               m.wait_until_finished())),
+    allowed={(1, 2), (1, 2, 3), (2, 3)}, new=(3,), deleted=(1,),
+    options={"max_to_keep": 2, "enable_async_checkpointing": True}))
+
+ASYNC_MANY = _add(Scenario(
+    "async save whose retention deletes three checkpoints in the background",
+    setup=lambda w: _saved(w, [1, 2, 3]),
+    run=lambda fs, w: _run_and_drop(lambda: ASYNC_MANY.manager(w, fs),
+                                    lambda m: (m.save(4, items(4), metrics={"loss": 0.01}),
+                                               m.wait_until_finished())),
+    allowed={(1, 2, 3), (1, 2, 3, 4), (2, 3, 4), (3, 4), (4,)}, new=(4,), deleted=(1, 2, 3),
+    options={"max_to_keep": 1, "best_fn": lambda m: m["loss"], "best_mode": "min",
+             "enable_async_checkpointing": True}))
+
+# Background delete: the retired checkpoint's parent fsync and removal run on another
+# thread. The main thread's only call meanwhile is one lstat (it changes nothing durable),
+# so where it falls among the remover's calls shifts the crash points by at most one.
+BACKGROUND_DELETE = _add(Scenario(
+    "save whose retention removes the old checkpoint in the background",
+    setup=_scenario_retention,
+    run=lambda fs, w: _run_and_drop(lambda: BACKGROUND_DELETE.manager(w, fs),
+                                    lambda m: (m.save(3, items(3), metrics={"loss": 0.25}),
+                                               m.wait_until_finished())),
+    allowed={(1, 2), (1, 2, 3), (2, 3)}, new=(3,), deleted=(1,),
+    options={"max_to_keep": 2, "enable_background_delete": True}))
+
+# explore() insists that every run of a scenario makes the same number of calls.
 
 
 # The harness must fail on a library that is not crash-safe: each mutation breaks one
 # rule of the commit protocol; (patch target, replacement, scenario, symptom expected).
-def _commit_without_parent_fsync(fs, tmp_dir, final_dir, *, subdirs=()):
-    fs.fsync_dir(tmp_dir)
+def _flush(fs, batch, *dirs):
+    """What commit() does first: fsync the files and directories handed over (together)."""
+    batch = batch if batch is not None else SyncBatch(fs)
+    for d in dirs:
+        batch.add_dir(d)
+    batch.flush()
+
+
+def _commit_without_parent_fsync(fs, tmp_dir, final_dir, *, subdirs=(), sync=None):
+    _flush(fs, sync, *(os.path.join(tmp_dir, d) for d in subdirs), tmp_dir)
     fs.rename(tmp_dir, final_dir)
 
 
-def _commit_without_tmp_fsync(fs, tmp_dir, final_dir, *, subdirs=()):
+def _commit_without_tmp_fsync(fs, tmp_dir, final_dir, *, subdirs=(), sync=None):
+    _flush(fs, sync, *(os.path.join(tmp_dir, d) for d in subdirs))
     fs.rename(tmp_dir, final_dir)
     fs.fsync_dir(os.path.dirname(final_dir))
+
+
+def _write_item_without_fsync(fs, item_dir, plan, *, sync=None, **kw):
+    """Writes the item but neither fsyncs it nor hands it to the save's group commit."""
+    return write_item(fs, item_dir, plan, fsync=False, **kw)
 
 
 def _delete_without_fsync(fs, path):
     doomed = path + DELETE_MARK + "x"
     fs.rename(path, doomed)
     fs.rmtree(doomed)
+
+
+def _remove_retired_without_fsync(fs, doomed):
+    fs.rmtree(doomed)  # before the retirement's rename is durable
 
 
 MUTATIONS = {
@@ -234,11 +274,16 @@ MUTATIONS = {
         ("minickpt.checkpointer.commit", _commit_without_tmp_fsync, RETENTION,
          "is listed but damaged"),
     "items are written without fsync (data lost, names kept)":
-        ("minickpt.checkpointer.write_item",
-         functools.partial(write_item, fsync=False), RETENTION,
+        ("minickpt.checkpointer.write_item", _write_item_without_fsync, RETENTION,
          "is listed but damaged"),
     "delete removes files before its rename is durable":
         ("minickpt.manager.delete_dir", _delete_without_fsync, DELETE,
+         "is listed but damaged"),
+    "an async save's items are written without fsync":
+        ("minickpt.checkpointer.write_item", _write_item_without_fsync, ASYNC,
+         "is listed but damaged"),
+    "a background removal starts before the retirement is durable":
+        ("minickpt.manager.remove_retired", _remove_retired_without_fsync, BACKGROUND_DELETE,
          "is listed but damaged"),
 }
 
@@ -671,9 +716,8 @@ def build_sharded_run(run: str, steps: Any = (1, 2, 3), fs: FileSystem = FAST) -
 
     opts = CheckpointManagerOptions(multihost=MultiHostOptions(timeout_s=30))
     for s in steps:
-        tree = sharded_items(s)
-
-        def save(sync: Any, s: int = s, tree: Any = tree) -> bool:
+        def save(sync: Any, s: int = s) -> bool:
+            tree = sharded_items(s)  # each process its own arrays, as in a real job
             with CheckpointManager(run, opts, fs=fs, sync=sync) as m:
                 return m.save(s, tree, metrics={"loss": 1.0 / (s + 1)}, force=True)
 
@@ -1544,9 +1588,9 @@ def check_collective_save_fault(template: str, root: str, process: int, k: int, 
     shutil.copytree(template, root)
     opts = CheckpointManagerOptions(max_to_keep=2, multihost=MultiHostOptions(timeout_s=30))
     faulty = FaultyFileSystem(error=OSError(err, os.strerror(err)), base=FAST)
-    tree = sharded_items(3)
 
     def save(sync: Any) -> bool:
+        tree = sharded_items(3)  # each process its own arrays, as in a real job
         fs = faulty if sync.process_index == process else FAST
         m = CheckpointManager(root, opts, fs=fs, sync=sync)
         try:
@@ -1605,10 +1649,10 @@ def collective_save_call_count(template: str, root: str, process: int) -> int:
     shutil.copytree(template, root)
     opts = CheckpointManagerOptions(max_to_keep=2, multihost=MultiHostOptions(timeout_s=30))
     counter = FaultyFileSystem(base=FAST)
-    tree = sharded_items(3)
     counts: dict[str, int] = {}
 
     def save(sync: Any) -> bool:
+        tree = sharded_items(3)
         fs = counter if sync.process_index == process else FAST
         with CheckpointManager(root, opts, fs=fs, sync=sync) as m:
             start = counter.count

@@ -21,7 +21,7 @@ from crash_harness import (
 )
 
 from minickpt.crashsim import CrashRecorder, CrashState, read_tree
-from minickpt.fs import FileSystem, SimulatedCrash
+from minickpt.fs import FileSystem, SimulatedCrash, SyncBatch
 
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")
 
@@ -97,6 +97,28 @@ def test_the_model_follows_truncation_appends_and_deletes(tmp_path):
     # what a power cut leaves: the synced five bytes, the append maybe
     assert {rec.tree(s)["old"] for s in rec.crash_states()} == {
         b"xy\0\0\0", b"xy\0\0\0ABC", bytes(8), b"xy\0\0"}
+
+
+def test_writeback_is_a_hint_and_a_group_fsync_is_every_fsync(tmp_path):
+    """start_writeback makes nothing durable; fsync_all (a SyncBatch's flush) makes every
+    file and directory handed to it durable, and is as many crash points as fsyncs."""
+    rec = CrashRecorder(tmp_path)
+    batch = SyncBatch(rec)
+    rec.mkdir(str(tmp_path / "d"))
+    fd = rec.open(str(tmp_path / "d" / "f"), os.O_WRONLY | os.O_CREAT | os.O_EXCL)
+    rec.write(fd, b"abcdefgh")
+    rec.start_writeback(fd, 0, 8)
+    batch.add_file(fd)
+    rec.write_file(str(tmp_path / "d" / "g"), [b"g"], batch=batch)
+    batch.add_dir(str(tmp_path / "d"))
+    batch.add_dir(str(tmp_path))
+    assert {} in [rec.tree(s) for s in rec.crash_states()]  # the hint kept nothing
+    n = rec.count
+    batch.flush()
+    assert [op for op, _ in rec.calls[n:]] == ["fsync", "fsync", "open", "fsync", "close",
+                                               "open", "fsync", "close", "close", "close"]
+    assert all(rec.tree(s) == {"d": {"f": b"abcdefgh", "g": b"g"}}
+               for s in rec.crash_states())
 
 
 def test_a_crash_stops_every_thread(tmp_path):

@@ -79,8 +79,8 @@ def test_metadata_written_before_it_carried_a_checksum_still_reads(template, tmp
     shutil.copytree(template, run)
     meta = run / "step_3" / "_CHECKPOINT_METADATA"
     text = meta.read_text()
-    cut = text.rindex(',\n "metadata_crc32"')
-    meta.write_text(text[:cut] + "\n}\n")
+    cut = text.rindex('"metadata_crc32"')
+    meta.write_text(text[:cut].rstrip().rstrip(",") + "\n}\n")
     m = CheckpointManager(run, CheckpointManagerOptions(read_only=True))
     assert m.verify(3).ok
     check_items(m.restore(3), 3)
