@@ -156,12 +156,14 @@ def main(argv: list[str] | None = None) -> int:
         row("I/O errors injected (ENOSPC, EIO; once or for good)", injected)
         row("I/O errors handled cleanly", clean)
         injected = clean = 0
+        ctpl = os.path.join(tmp, "template-sharded-12")  # steps 1 and 2; the save is step 3
+        h.build_sharded_run(ctpl, (1, 2))
         for err in (errno.ENOSPC, errno.EIO):
             for proc in range(h.SHARD_PROCESSES):
-                n = h.collective_save_call_count(stpl, os.path.join(mem, "count"), proc)
+                n = h.collective_save_call_count(ctpl, os.path.join(mem, "count"), proc)
                 for k_ in range(n):
                     reached, wrong = h.check_collective_save_fault(
-                        stpl, os.path.join(mem, f"c{err}{proc}{k_}"), proc, k_, err)
+                        ctpl, os.path.join(mem, f"c{err}{proc}{k_}"), proc, k_, err)
                     injected += reached
                     clean += reached and not wrong
                     failures += [f"{errno.errorcode[err]} at call {k_} of process {proc}'s "
