@@ -67,7 +67,11 @@ class Config:
     def smoke(cls, **kw: Any) -> Config:
         base = dict(mode="smoke", reps_small=2, warmup_small=1, reps_medium=2, reps_large=2,
                     large_bytes=2 * MB, wide=None, scaling_sizes=(4_000, 256_000),
-                    scaling_reps=2, memory_bytes=4 * MB, async_bytes=1 * MB,
+                    scaling_reps=2, async_bytes=1 * MB,
+                    # 16 MB in 50 leaves: 320 KB each, above malloc's mmap threshold, so a
+                    # restore's arrays are fresh pages (with 4 MB they reused freed heap
+                    # and the peak looked like 0.5-0.7× the state)
+                    memory_bytes=16 * MB,
                     multihost_bytes=1 * MB, multihost_procs=(1, 2))
         base.update(kw)
         return cls(**base)
