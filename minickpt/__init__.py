@@ -11,6 +11,7 @@ from .checkpointer import Checkpointer, CheckpointMetadata, SaveStats, VerifyRep
 from .errors import (
     CheckpointCorruptedError,
     CheckpointNotFoundError,
+    CheckpointTooLargeError,
     FormatVersionError,
     MiniCkptError,
     MultiHostError,
@@ -32,6 +33,7 @@ __all__ = [
     "CheckpointManagerOptions",
     "CheckpointMetadata",
     "CheckpointNotFoundError",
+    "CheckpointTooLargeError",
     "Checkpointer",
     "FormatVersionError",
     "MiniCkptError",

@@ -21,10 +21,10 @@ snapshot copies everything to host memory first; the cost is one host copy of th
 
 One save is in flight at a time: the next ``save()`` first waits for the previous one (and logs
 a warning when that wait is long — saves are then slower than the interval between them).
-An error in the background is never lost: it is raised — the original exception, errno and
-all — by the next ``save()``, ``wait_until_finished()`` or ``close()``; the failed save's
-temporary directory is removed, earlier checkpoints are untouched, and retention never runs
-for it. Pending saves are finished when the interpreter exits normally.
+An error in the background is never lost: it is raised — with its errno, and the original
+exception as its cause — by the next ``save()``, ``wait_until_finished()`` or ``close()``;
+the failed save's temporary directory is removed, earlier checkpoints are untouched, and
+retention never runs for it. Pending saves are finished when the interpreter exits normally.
 
 :class:`AsyncWriter` runs any write phase given as a callable, so the same writer runs the
 single-process :meth:`Checkpointer.write` and a multi-host per-process shard writer with its
@@ -52,7 +52,14 @@ from collections.abc import Callable, Iterable, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
-from .checkpointer import Checkpointer, CheckpointMetadata, SaveStats, VerifyReport, _json_safe
+from .checkpointer import (
+    Checkpointer,
+    CheckpointMetadata,
+    SaveStats,
+    VerifyReport,
+    _json_safe,
+    save_error,
+)
 from .errors import MiniCkptError, PeerTimeoutError, StepAlreadyExistsError
 from .format import ItemPlan
 from .fs import FileSystem
@@ -281,7 +288,11 @@ class AsyncCheckpointer(Checkpointer):
         if self._closed:
             raise MiniCkptError("this AsyncCheckpointer is closed")
         directory = os.path.abspath(os.fspath(directory))
-        if self.fs.exists(directory):
+        try:
+            exists = self.fs.exists(directory)
+        except OSError as e:
+            raise save_error(e, directory) from e
+        if exists:
             raise StepAlreadyExistsError(f"{directory} already exists: minickpt never "
                                          "replaces a committed checkpoint")
         # Metrics and metadata are part of the photo too: plain JSON, copied now.
@@ -384,18 +395,20 @@ class AsyncCheckpointer(Checkpointer):
         if path is not None and os.path.abspath(os.fspath(directory)) == path:
             self.wait_until_finished()
 
-    def metadata(self, directory: str | os.PathLike[str]) -> CheckpointMetadata:
+    def metadata(self, directory: str | os.PathLike[str], *, step: int | None = None
+                 ) -> CheckpointMetadata:
         self._settle(directory)
-        return super().metadata(directory)
+        return super().metadata(directory, step=step)
 
     def restore(self, directory: str | os.PathLike[str], target: Mapping[str, Any] | None = None,
                 **kw: Any) -> dict[str, Any]:
         self._settle(directory)
         return super().restore(directory, target, **kw)
 
-    def verify(self, directory: str | os.PathLike[str], *, deep: bool = True) -> VerifyReport:
+    def verify(self, directory: str | os.PathLike[str], *, deep: bool = True,
+               step: int | None = None) -> VerifyReport:
         self._settle(directory)
-        return super().verify(directory, deep=deep)
+        return super().verify(directory, deep=deep, step=step)
 
 
 def timeline(history: Iterable[SaveStats]) -> list[dict[str, Any]]:

@@ -17,10 +17,12 @@ Layout of one checkpoint::
 
 from __future__ import annotations
 
+import errno
 import json
 import math
 import os
 import platform
+import stat
 import time
 import zlib
 from collections.abc import Mapping
@@ -36,6 +38,7 @@ from .errors import (
     FormatVersionError,
     MiniCkptError,
     StepAlreadyExistsError,
+    UnsafeCheckpointError,
     UnsupportedLeafError,
 )
 from .format import (
@@ -46,12 +49,13 @@ from .format import (
     Manifest,
     check_name,
     check_shards,
+    parse_json,
     plan_item,
     read_leaves,
     read_manifest,
     write_item,
 )
-from .fs import DEFAULT_FS, FileSystem
+from .fs import DEFAULT_FS, FileSystem, SyncBatch
 from .restore import restore_item
 
 MAX_METADATA_BYTES = 16 << 20
@@ -167,52 +171,118 @@ def metadata_bytes(step: int | None, items: Mapping[str, Any], *, metrics: Any =
         "custom_metadata": _json_safe(custom_metadata or {}, "metadata"),
         "writer": writer_info(),
     }
-    return (json.dumps(meta, indent=1, allow_nan=True) + "\n").encode()
+    return encode_metadata(meta)
 
 
-def read_metadata(fs: FileSystem, path: str) -> CheckpointMetadata:
-    """Read and validate a checkpoint's ``_CHECKPOINT_METADATA``."""
+_CRC_KEY = "metadata_crc32"
+_CRC_FIELD = b'"' + _CRC_KEY.encode() + b'":'
+
+
+def encode_metadata(meta: Mapping[str, Any]) -> bytes:
+    """The metadata as JSON, ending with the CRC-32 of every byte before that last field.
+
+    The manifests' checksums are recorded in the metadata, but nothing would check the
+    metadata itself: a flipped bit in a metric would silently change which checkpoint is the
+    best, one in the step would move a checkpoint in time. The field is plain JSON, so any
+    reader can ignore it.
+
+    One top-level key per line, each value compact: as readable as ``indent=1`` for the
+    handful of fields people look at, and built by json's C encoder instead of its
+    pure-Python indenting one.
+    """
+    head = ("{\n" + ",\n".join(f"{json.dumps(k)}: {json.dumps(v, allow_nan=True)}"
+                                for k, v in meta.items() if k != _CRC_KEY)).encode()
+    return head + b",\n" + _CRC_FIELD + f" {zlib.crc32(head)}\n}}\n".encode()
+
+
+def _check_metadata_crc(raw: bytes, obj: dict[str, Any], mpath: str) -> None:
+    if _CRC_KEY not in obj:  # written before minickpt recorded it: nothing to check
+        return
+    want = obj[_CRC_KEY]
+    # the checksum covers every byte before the comma that precedes its field (whatever the
+    # white space: metadata written with indent=1 carries it too)
+    at = raw.rfind(_CRC_FIELD)
+    head = raw[:at].rstrip(b" \t\r\n") if at >= 0 else b""
+    got = zlib.crc32(head[:-1]) if head.endswith(b",") else None
+    if not isinstance(want, int) or isinstance(want, bool) or got != want:
+        raise CheckpointCorruptedError(mpath, f"metadata checksum {got!r} differs from the one "
+                                              f"it records ({want!r}): it was changed or "
+                                              "damaged")
+
+
+def read_metadata(fs: FileSystem, path: str, *, step: int | None = None) -> CheckpointMetadata:
+    """Read and validate a checkpoint's ``_CHECKPOINT_METADATA``.
+
+    ``step``, when given, is the step the directory's name stands for; metadata naming
+    another step means the checkpoint was moved or its metadata swapped.
+    """
     mpath = os.path.join(path, METADATA_FILE)
+    try:
+        st = fs.lstat(path)
+    except FileNotFoundError as e:
+        raise CheckpointNotFoundError(f"no checkpoint at {path}") from e
+    if stat.S_ISLNK(st.st_mode):
+        raise UnsafeCheckpointError(path, "the checkpoint directory is a symbolic link; "
+                                          "refusing to follow it out of its parent")
+    if not stat.S_ISDIR(st.st_mode):
+        raise CheckpointNotFoundError(f"no checkpoint at {path}: not a directory")
     try:
         raw = fs.read_file(mpath, MAX_METADATA_BYTES)
     except FileNotFoundError as e:
         if not fs.is_dir(path):
-            raise CheckpointNotFoundError(f"no checkpoint at {path}") from e
+            raise CheckpointNotFoundError(f"no checkpoint at {path} (it was deleted)") from e
         raise CheckpointCorruptedError(mpath, "checkpoint metadata is missing (the save never "
                                               "committed, or the file was deleted)") from e
     except ValueError as e:
         raise CheckpointCorruptedError(mpath, str(e)) from e
-    try:
-        obj = json.loads(raw.decode("utf-8"))
-    except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as e:
-        raise CheckpointCorruptedError(mpath, f"metadata is not valid JSON ({e})") from e
+    obj = parse_json(raw, mpath, "metadata")
     if not isinstance(obj, dict) or obj.get("format") != FORMAT_NAME:
         raise FormatVersionError(mpath, "not a minickpt checkpoint")
+    _check_metadata_crc(raw, obj, mpath)
     v = obj.get("format_version")
     if not isinstance(v, int) or isinstance(v, bool) or not 1 <= v <= MAX_FORMAT_VERSION:
         raise FormatVersionError(mpath, f"format version {v!r} is not one this minickpt reads "
                                         f"(1..{MAX_FORMAT_VERSION}); upgrade minickpt")
     items = obj.get("items")
-    if not isinstance(items, dict) or not all(isinstance(i, dict) for i in items.values()):
+    if not isinstance(items, dict) or not items \
+            or not all(isinstance(i, dict) for i in items.values()):
         raise CheckpointCorruptedError(mpath, "metadata lists no items")
     for name in items:
         try:
             check_name(name)
         except ValueError as e:
-            from .errors import UnsafeCheckpointError
-
             raise UnsafeCheckpointError(mpath, str(e)) from e
-    step = obj.get("step")
-    if step is not None and (not isinstance(step, int) or isinstance(step, bool)):
-        raise CheckpointCorruptedError(mpath, f"step {step!r} is not an int")
+    saved_step = obj.get("step")
+    if saved_step is not None and (not isinstance(saved_step, int)
+                                   or isinstance(saved_step, bool)):
+        raise CheckpointCorruptedError(mpath, f"step {saved_step!r} is not an int")
+    if step is not None and saved_step is not None and saved_step != step:
+        raise CheckpointCorruptedError(mpath, f"the metadata is step {saved_step}'s but the "
+                                              f"directory is step {step}'s: the checkpoint was "
+                                              "moved, or its metadata swapped")
     metrics = obj.get("metrics")
     custom = obj.get("custom_metadata") or {}
-    return CheckpointMetadata(step=step, items=items,
+    return CheckpointMetadata(step=saved_step, items=items,
                               metrics=metrics if isinstance(metrics, dict) else None,
                               custom_metadata=custom if isinstance(custom, dict) else {},
                               init_timestamp_nsecs=obj.get("init_timestamp_nsecs"),
                               commit_timestamp_nsecs=obj.get("commit_timestamp_nsecs"),
                               writer=obj.get("writer") or {}, format_version=v)
+
+
+def save_error(e: OSError, directory: str) -> OSError:
+    """The error a failed save raises: the same errno (and OSError subclass), saying which
+    checkpoint failed and that nothing was committed; ENOSPC and EDQUOT say what to do."""
+    hint = ""
+    if e.errno in (errno.ENOSPC, errno.EDQUOT):
+        hint = (" The disk is full: free space, lower max_to_keep, or save elsewhere; the "
+                "checkpoints already there are untouched.")
+    reason = e.strerror or str(e)
+    msg = (f"{reason}: could not save checkpoint {directory}; nothing was committed and no "
+           f"temporary directory is left.{hint}")
+    if e.errno is None:
+        return OSError(msg)
+    return OSError(e.errno, msg, e.filename, None, e.filename2)
 
 
 @dataclass
@@ -263,7 +333,11 @@ class Checkpointer:
         t0 = time.perf_counter()
         init_ns = time.time_ns()
         directory = os.fspath(directory)
-        if self.fs.exists(directory):
+        try:
+            exists = self.fs.exists(directory)
+        except OSError as e:
+            raise save_error(e, directory) from e
+        if exists:
             raise StepAlreadyExistsError(f"{directory} already exists: minickpt never "
                                          "replaces a committed checkpoint")
         plans = self.plan(items)
@@ -287,17 +361,22 @@ class Checkpointer:
         fs = self.fs
         stats = stats or SaveStats(step, directory, start_time=time.time())
         root, final_name = os.path.split(os.path.abspath(directory))
-        if not fs.is_dir(root):
-            raise CheckpointNotFoundError(f"parent directory {root} does not exist")
-        tmp = make_temporary(fs, root, final_name)
+        try:
+            if not fs.is_dir(root):
+                raise CheckpointNotFoundError(f"parent directory {root} does not exist")
+            tmp = make_temporary(fs, root, final_name)
+        except OSError as e:
+            if isinstance(e, MiniCkptError):
+                raise
+            raise save_error(e, directory) from e
+        batch = SyncBatch(fs)  # every file and directory below, fsynced together at commit
         try:
             records = {}
             for name, plan in plans.items():
                 item_dir = os.path.join(tmp, name)
                 fs.mkdir(item_dir)
-                res = write_item(fs, item_dir, plan)
+                res = write_item(fs, item_dir, plan, sync=batch)
                 stats.write_s += res.write_s
-                stats.fsync_s += res.fsync_s
                 stats.bytes += res.data_bytes
                 stats.num_leaves += res.num_leaves
                 records[name] = {"manifest_crc32": res.manifest_crc32,
@@ -305,30 +384,48 @@ class Checkpointer:
             t = time.perf_counter()
             raw = metadata_bytes(step, records, metrics=metrics, custom_metadata=custom_metadata,
                                  init_ns=init_ns)
-            fs.write_file(os.path.join(tmp, METADATA_FILE), [raw])
-            commit(fs, tmp, os.path.join(root, final_name))
-            stats.commit_s = time.perf_counter() - t
+            fs.write_file(os.path.join(tmp, METADATA_FILE), [raw], batch=batch)
+            commit(fs, tmp, os.path.join(root, final_name), sync=batch)
+            stats.fsync_s += batch.flush_s
+            stats.commit_s = time.perf_counter() - t - batch.flush_s
         except BaseException as e:
+            try:
+                batch.close()  # descriptors not yet flushed (like write_file's own finally)
+            except OSError:
+                pass
             if isinstance(e, Exception):
                 abort(fs, tmp)
             stats.ok, stats.error = False, f"{type(e).__name__}: {e}"
+            if isinstance(e, OSError) and not isinstance(e, MiniCkptError) \
+                    and not _renamed(fs, os.path.join(root, final_name)):
+                raise save_error(e, directory) from e
             raise
         return stats
 
     # ---- reading -----------------------------------------------------------------------
-    def metadata(self, directory: str | os.PathLike[str]) -> CheckpointMetadata:
-        return read_metadata(self.fs, os.fspath(directory))
+    def metadata(self, directory: str | os.PathLike[str], *, step: int | None = None
+                 ) -> CheckpointMetadata:
+        """The checkpoint's metadata; ``step``: the step its directory name stands for."""
+        return read_metadata(self.fs, os.fspath(directory), step=step)
 
     def manifest(self, directory: str | os.PathLike[str], item: str,
                  meta: CheckpointMetadata | None = None) -> Manifest:
-        """An item's validated manifest, checked against the checksum recorded at commit."""
+        """An item's validated manifest, checked against what the metadata recorded at commit
+        (the manifest's checksum, the item's data size and number of leaves)."""
         directory = os.fspath(directory)
         meta = meta or self.metadata(directory)
         if item not in meta.items:
             raise KeyError(f"checkpoint {directory} has no item {item!r} "
                            f"(it has {sorted(meta.items)})")
         item_dir = os.path.join(directory, check_name(item))
-        if not self.fs.is_dir(item_dir):
+        try:
+            st = self.fs.lstat(item_dir)
+        except FileNotFoundError:
+            st = None
+        if st is not None and stat.S_ISLNK(st.st_mode):
+            raise UnsafeCheckpointError(item_dir, "the item directory is a symbolic link; "
+                                                  "refusing to follow it")
+        if st is None or not stat.S_ISDIR(st.st_mode):
             raise CheckpointCorruptedError(item_dir, "item directory is missing or not a "
                                                      "directory")
         rec = meta.items[item]
@@ -337,18 +434,52 @@ class Checkpointer:
         if isinstance(rec.get("data_bytes"), int) and rec["data_bytes"] != m.data_bytes:
             raise CheckpointCorruptedError(item_dir, f"item holds {m.data_bytes} bytes, the "
                                                      f"metadata says {rec['data_bytes']}")
+        shard_bytes = m.stored_bytes - m.data_bytes
+        if isinstance(rec.get("shard_bytes"), int) and rec["shard_bytes"] != shard_bytes:
+            raise CheckpointCorruptedError(item_dir, f"item holds {shard_bytes} bytes in shard "
+                                                     "files, the metadata says "
+                                                     f"{rec['shard_bytes']}")
+        if isinstance(rec.get("num_leaves"), int) and rec["num_leaves"] != len(m.entries):
+            raise CheckpointCorruptedError(item_dir, f"item holds {len(m.entries)} leaves, the "
+                                                     f"metadata says {rec['num_leaves']}")
         return m
 
+    def unlisted_items(self, directory: str | os.PathLike[str],
+                       meta: CheckpointMetadata) -> list[str]:
+        """Item directories (holding a manifest) that the metadata does not list: their data
+        would silently go missing from a restore, so they mean the metadata is damaged."""
+        directory = os.fspath(directory)
+        out = []
+        for name in sorted(_listdir(self.fs, directory)):
+            if name in meta.items or name == METADATA_FILE:
+                continue
+            path = os.path.join(directory, name)
+            if self.fs.is_dir(path) and self.fs.exists(os.path.join(path, "manifest.json")):
+                out.append(name)
+        return out
+
+    def check_listed(self, directory: str, meta: CheckpointMetadata) -> None:
+        """Raise :class:`CheckpointCorruptedError` if an item directory is not in ``meta``."""
+        extra = self.unlisted_items(directory, meta)
+        if extra:
+            raise CheckpointCorruptedError(
+                os.path.join(directory, extra[0]),
+                f"item director{'ies' if len(extra) > 1 else 'y'} {extra} not listed in "
+                f"{METADATA_FILE} (it lists {sorted(meta.items)}): the metadata is damaged")
+
     def restore(self, directory: str | os.PathLike[str], target: Mapping[str, Any] | None = None,
-                *, partial: bool = False, verify: bool = True, sharding: Any = None
-                ) -> dict[str, Any]:
+                *, partial: bool = False, verify: bool = True, sharding: Any = None,
+                step: int | None = None) -> dict[str, Any]:
         """Restore items: all of them without a target, else those named in ``target``.
 
         ``target`` maps item names to target trees; a ``None`` value restores that item
-        without a target (numpy arrays in nested dicts).
+        without a target (numpy arrays in nested dicts). ``step``: the step the directory's
+        name stands for, checked against the metadata.
         """
         directory = os.fspath(directory)
-        meta = self.metadata(directory)
+        meta = self.metadata(directory, step=step)
+        if verify:
+            self.check_listed(directory, meta)
         names = list(meta.items) if target is None else list(target)
         missing = [n for n in names if n not in meta.items]
         if missing:
@@ -362,13 +493,14 @@ class Checkpointer:
                                      sharding=sharding)
         return out
 
-    def verify(self, directory: str | os.PathLike[str], *, deep: bool = True) -> VerifyReport:
+    def verify(self, directory: str | os.PathLike[str], *, deep: bool = True,
+               step: int | None = None) -> VerifyReport:
         """Check a checkpoint without restoring it: metadata, manifests, sizes, and (when
         ``deep``) every leaf's checksum. Never raises for damage; lists it instead."""
         directory = os.fspath(directory)
         report = VerifyReport(directory, ok=True)
         try:
-            meta = self.metadata(directory)
+            meta = self.metadata(directory, step=step)
         except (MiniCkptError, OSError) as e:
             report.ok = False
             report.problems.append(str(e))
@@ -385,11 +517,25 @@ class Checkpointer:
             except (MiniCkptError, OSError, KeyError) as e:
                 report.ok = False
                 report.problems.append(str(e))
-        extra = set(_listdir(self.fs, directory)) - set(meta.items) - {METADATA_FILE}
+        try:
+            self.check_listed(directory, meta)
+        except CheckpointCorruptedError as e:
+            report.ok = False
+            report.problems.append(str(e))
+        extra = (set(_listdir(self.fs, directory)) - set(meta.items) - {METADATA_FILE}
+                 - set(self.unlisted_items(directory, meta)))
         for name in sorted(extra):
             report.problems.append(f"{os.path.join(directory, name)}: not part of the "
                                    "checkpoint (ignored)")
         return report
+
+
+def _renamed(fs: FileSystem, final_dir: str) -> bool:
+    """Whether a failed save got as far as its rename (only its last fsync failed)."""
+    try:
+        return fs.is_dir(final_dir)
+    except OSError:
+        return False
 
 
 def _listdir(fs: FileSystem, path: str) -> list[str]:

@@ -29,7 +29,7 @@ from .errors import MiniCkptError
 from .format import read_leaves
 from .fs import DEFAULT_FS
 
-_STEP_RE = re.compile(r"^(?:(?P<prefix>.+)_)?(?P<step>\d+)$")
+_STEP_RE = re.compile(r"^(?:(?P<prefix>.+)_)?(?P<step>[0-9]+)$")
 
 EXIT_OK, EXIT_DAMAGE, EXIT_USAGE = 0, 1, 2
 
@@ -115,7 +115,7 @@ def cmd_ls(args: argparse.Namespace) -> int:
     out = []
     for step, path in entries:
         rec: dict[str, Any] = {"step": step, "path": path}
-        rep = ck.verify(path, deep=args.deep)
+        rep = ck.verify(path, deep=args.deep, step=step)
         rec["status"] = "valid" if rep.ok else "damaged"
         rec["problems"] = [p for p in rep.problems if "not part of the checkpoint" not in p]
         try:
@@ -202,7 +202,7 @@ def cmd_inspect(args: argparse.Namespace) -> int:
 def cmd_verify(args: argparse.Namespace) -> int:
     ck = Checkpointer()
     targets = resolve(args.dir, args.step)
-    reports = [ck.verify(path, deep=True) for _, path in targets]
+    reports = [ck.verify(path, deep=True, step=s) for s, path in targets]
     if args.json:
         print(json.dumps([{"step": s, "path": r.path, "ok": r.ok, "problems": r.problems,
                            "leaves": r.items, "bytes_checked": r.bytes_checked}

@@ -3,7 +3,8 @@
 A save never writes into its final directory. It writes into a temporary directory whose name
 can never be mistaken for a checkpoint, then:
 
-1. fsyncs every file it wrote (done by the writers) and every directory in the temporary tree,
+1. fsyncs every file it wrote and every directory in the temporary tree — together, as one
+   group commit, since none of these fsyncs depends on another,
 2. renames the temporary directory to its final name — atomically, and never over an
    existing checkpoint,
 3. fsyncs the parent directory, so that the rename itself survives a power cut.
@@ -23,7 +24,7 @@ import secrets
 from collections.abc import Iterable
 
 from .errors import StepAlreadyExistsError
-from .fs import FileSystem
+from .fs import FileSystem, SyncBatch
 
 TMP_MARK = ".minickpt-tmp-"
 DELETE_MARK = ".minickpt-del-"
@@ -46,7 +47,8 @@ def parse_step(name: str, prefix: str | None = "step") -> int | None:
 
     Temporary and deletion names never parse: they carry a suffix the pattern rejects.
     """
-    pat = rf"{re.escape(prefix)}_(\d+)" if prefix else r"(\d+)"
+    # ASCII digits only: \d would also take "step_٣" (Arabic-Indic 3) for step 3
+    pat = rf"{re.escape(prefix)}_([0-9]+)" if prefix else r"([0-9]+)"
     m = re.fullmatch(pat, name)
     return int(m.group(1)) if m else None
 
@@ -66,16 +68,26 @@ def make_temporary(fs: FileSystem, root: str, final_name: str) -> str:
     return path
 
 
-def commit(fs: FileSystem, tmp_dir: str, final_dir: str, *, subdirs: Iterable[str] = ()) -> None:
+def commit(fs: FileSystem, tmp_dir: str, final_dir: str, *, subdirs: Iterable[str] = (),
+           sync: SyncBatch | None = None) -> None:
     """Task 2.3 — make a fully written temporary directory the checkpoint ``final_dir``.
 
-    The writers have fsynced every file (and their item directories, listed in ``subdirs``
-    only if they have not). Here: fsync the temporary directory's entries, rename it
-    (never replacing an existing checkpoint), fsync the parent.
+    1. fsync everything in the temporary tree: the files the writers handed over in
+       ``sync`` (a :class:`~minickpt.fs.SyncBatch`; writers that fsynced their own files
+       pass none), the directories in ``subdirs``, and the temporary directory itself — all
+       at once, so that the file system can gather them into one journal commit;
+    2. rename it to ``final_dir``, never replacing an existing checkpoint;
+    3. fsync the parent, so that the rename itself is durable.
     """
-    for sub in subdirs:
-        fs.fsync_dir(os.path.join(tmp_dir, sub))
-    fs.fsync_dir(tmp_dir)
+    batch = sync if sync is not None else SyncBatch(fs)
+    try:
+        for sub in subdirs:
+            batch.add_dir(os.path.join(tmp_dir, sub))
+        batch.add_dir(tmp_dir)
+        batch.flush()
+    finally:
+        if sync is None:
+            batch.close()
     try:
         fs.rename(tmp_dir, final_dir)
     except OSError as e:
@@ -84,7 +96,13 @@ def commit(fs: FileSystem, tmp_dir: str, final_dir: str, *, subdirs: Iterable[st
                 f"{final_dir} already exists: minickpt never replaces a committed checkpoint. "
                 "Delete it first (manager.delete(step)) or save under another step.") from e
         raise
-    fs.fsync_dir(os.path.dirname(os.path.abspath(final_dir)))
+    parent = os.path.dirname(os.path.abspath(final_dir))
+    try:
+        fs.fsync_dir(parent)
+    except OSError as e:
+        raise OSError(e.errno, f"{e.strerror or e}: {final_dir} is complete and in place, but "
+                               f"the fsync of {parent} failed, so a power cut could still undo "
+                               "its rename", e.filename) from e
 
 
 def abort(fs: FileSystem, tmp_dir: str) -> None:
@@ -101,10 +119,30 @@ def abort(fs: FileSystem, tmp_dir: str) -> None:
 # ---------------------------------------------------------------------------------------
 def delete_dir(fs: FileSystem, path: str) -> None:
     """Crash-safe deletion: rename out of the checkpoint namespace (durably), then remove."""
+    fs.rmtree(retire_dir(fs, path))
+
+
+def retire_dir(fs: FileSystem, path: str, *, durable: bool = True) -> str:
+    """The first, atomic half of :func:`delete_dir`: rename ``path`` to a deletion name
+    (and, when ``durable``, fsync the parent so that the rename survives a crash). From then
+    on no reader sees the checkpoint; removing its files is :func:`remove_retired`.
+
+    With ``durable=False`` a crash before the parent's next fsync may bring the checkpoint
+    back — whole, since nothing of it is removed before that fsync — which is safe; its
+    files must then only be removed through :func:`remove_retired`. Returns the new name.
+    """
     root = os.path.dirname(os.path.abspath(path))
     doomed = f"{path}{DELETE_MARK}{secrets.token_hex(4)}"
     fs.rename(path, doomed)
-    fs.fsync_dir(root)
+    if durable:
+        fs.fsync_dir(root)
+    return doomed
+
+
+def remove_retired(fs: FileSystem, doomed: str) -> None:
+    """The second half of :func:`delete_dir`: make the retirement durable, then remove the
+    files (a crash half-way leaves a deletion temporary, cleaned at the next start-up)."""
+    fs.fsync_dir(os.path.dirname(os.path.abspath(doomed)))
     fs.rmtree(doomed)
 
 

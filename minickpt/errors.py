@@ -41,6 +41,10 @@ class FormatVersionError(CheckpointCorruptedError):
     """The checkpoint was written by a format this version of minickpt does not read."""
 
 
+class CheckpointTooLargeError(MiniCkptError, MemoryError):
+    """Restoring would need more memory than this machine has; refused before allocating."""
+
+
 class UnsupportedLeafError(MiniCkptError, TypeError):
     """A leaf of the tree cannot be stored without pickle (an object array, a function...)."""
 
@@ -80,7 +84,13 @@ class StructureMismatchError(MiniCkptError, ValueError):
 # multi-host (chapter 4)
 # ---------------------------------------------------------------------------------------
 class MultiHostError(MiniCkptError):
-    """A collective save or restore failed on some process; the message names which and why."""
+    """A collective save or restore failed on some process; the message names which and why.
+
+    ``errno`` is that of the first process that failed with a file-system error (ENOSPC on
+    one host's disk, say), so that callers can tell a full disk from a dead peer.
+    """
+
+    errno: int | None = None
 
 
 class PeerTimeoutError(MultiHostError, TimeoutError):

@@ -25,9 +25,10 @@ import json
 import math
 import os
 import re
+import stat
 import time
 import zlib
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from concurrent.futures import Executor, Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
@@ -37,11 +38,12 @@ import numpy as np
 
 from .errors import (
     CheckpointCorruptedError,
+    CheckpointTooLargeError,
     FormatVersionError,
     UnsafeCheckpointError,
     UnsupportedLeafError,
 )
-from .fs import FileSystem
+from .fs import FileSystem, SyncBatch
 from .tree import MAX_DEPTH, HostKey, Names, path_str, skeleton, to_host
 
 FORMAT_NAME = "minickpt"
@@ -56,6 +58,15 @@ MAX_MANIFEST_BYTES = 256 << 20
 MAX_NDIM = 64
 _CRC_IN_THREAD_BYTES = 8 << 20  # below this, threads cost more than they save
 _HOST_IN_THREAD_BYTES = 1 << 20
+
+try:  # ISA-L computes the very same CRC-32 as zlib, ~4× faster (carry-less multiply)
+    from isal.isal_zlib import crc32 as _isal_crc32
+except ImportError:  # pragma: no cover - isal is an optional extra ("minickpt[fast]")
+    _isal_crc32 = None
+
+crc32: Callable[..., int] = _isal_crc32 if _isal_crc32 is not None else zlib.crc32
+"""The manifest's checksum of a buffer: CRC-32 as zlib computes it (whichever library does)."""
+CRC_IMPL = "isal" if _isal_crc32 is not None else "zlib"
 
 _NAME_RE = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.\-]{0,199}$")
 _DATA_FILE_RE = re.compile(r"^data(\.[A-Za-z0-9_\-]{1,64})?\.bin$")
@@ -77,13 +88,22 @@ def _allowed_dtypes() -> dict[str, np.dtype]:
 DTYPES = _allowed_dtypes()
 
 
+_NAME_OF: dict[np.dtype, str] = {}  # dtype -> checked name (numpy's dtype.name is slow)
+
+
 def dtype_name(dtype: np.dtype) -> str:
     """The manifest's name for a dtype; refuses anything that is not plain numbers."""
     dt = np.dtype(dtype)
+    name = _NAME_OF.get(dt)
+    if name is not None:
+        return name
     name = dt.name
     if name not in DTYPES or DTYPES[name] != dt.newbyteorder("="):
         raise UnsupportedLeafError(f"dtype {dt} cannot be stored (supported: {sorted(DTYPES)})")
+    _NAME_OF[dt] = name
     return name
+
+
 
 
 def check_name(name: str, what: str = "item name") -> str:
@@ -147,9 +167,9 @@ def decode_value(entry: Mapping[str, Any], where: str) -> Any:
             return complex(float.fromhex(v[0]), float.fromhex(v[1]))
         if t == "str" and isinstance(v, str):
             return v
-    except (TypeError, ValueError):
+    except (TypeError, ValueError, OverflowError):  # 0x1p99999 overflows a float
         pass
-    raise CheckpointCorruptedError(where, f"value leaf of type {t!r} holds {v!r}")
+    raise CheckpointCorruptedError(where, f"value leaf of type {t!r} holds {str(v)[:100]!r}")
 
 
 def plan_leaf(names: Names, host: Any) -> tuple[dict[str, Any], np.ndarray | None]:
@@ -187,14 +207,16 @@ def plan_item(tree: Any, *, copy: bool = False, executor: Executor | None = None
     skel, named = skeleton(tree)
     entries: list[dict[str, Any]] = []
     buffers: list[np.ndarray | None] = []
-    # start every device-to-host transfer before waiting on any of them
-    for _, leaf in named:
-        start = getattr(leaf, "copy_to_host_async", None)
-        if start is not None and not _is_key(leaf):
-            try:
-                start()
-            except Exception:
-                pass
+    # start every device-to-host transfer before waiting on any of them (on a CPU backend
+    # the arrays already are host memory: nothing to start, and the calls cost ~4 µs each)
+    if _on_accelerator(named):
+        for _, leaf in named:
+            start = getattr(leaf, "copy_to_host_async", None)
+            if start is not None and not _is_key(leaf):
+                try:
+                    start()
+                except Exception:
+                    pass
     futures: dict[int, Future[Any]] = {}
     if executor is not None:
         try:
@@ -218,6 +240,16 @@ def plan_item(tree: Any, *, copy: bool = False, executor: Executor | None = None
         entries.append(entry)
         buffers.append(buf)
     return ItemPlan(skel, entries, buffers, offset)
+
+
+def _on_accelerator(named: Sequence[tuple[Names, Any]]) -> bool:
+    """Whether leaves may live off the host: some leaf is a jax.Array and JAX's default
+    backend is not the CPU (asked only then, so a numpy-only save never starts JAX)."""
+    import jax
+
+    if not any(isinstance(leaf, jax.Array) for _, leaf in named):
+        return False
+    return jax.default_backend() != "cpu"
 
 
 def _is_key(x: Any) -> bool:
@@ -245,7 +277,13 @@ class ItemWriteResult:
 
 
 def _crc_all(buffers: Sequence[np.ndarray | None]) -> list[int | None]:
-    return [None if b is None else zlib.crc32(b) for b in buffers]
+    return [None if b is None else crc32(b) for b in buffers]
+
+
+_ZEROS = memoryview(bytes(ALIGN))  # padding between leaves is always < ALIGN bytes
+_JOIN_BELOW = 1 << 20  # items smaller than this go to disk in one write of one buffer
+_WRITEBACK_EVERY = 32 << 20  # start the disk on each 32 MiB written (measured: 400 MB
+# written and fsynced ~1.6× faster than write-then-fsync on an ext4 virtual disk)
 
 
 def _data_chunks(plan: ItemPlan) -> Iterable[memoryview | bytes]:
@@ -255,10 +293,14 @@ def _data_chunks(plan: ItemPlan) -> Iterable[memoryview | bytes]:
             continue
         pad = entry["offset"] - pos
         if pad:
-            yield bytes(pad)
+            yield _ZEROS[:pad]
         if buf.nbytes:
             yield memoryview(buf)
         pos = entry["offset"] + buf.nbytes
+
+
+_COMPACT = json.JSONEncoder(separators=(",", ":"))  # the same text as json.dumps(...), and
+# made once: json.dumps builds a new encoder on every call with non-default separators
 
 
 def manifest_bytes(skel: Mapping[str, Any], entries: Sequence[Mapping[str, Any]], *,
@@ -269,25 +311,29 @@ def manifest_bytes(skel: Mapping[str, Any], entries: Sequence[Mapping[str, Any]]
             "data_file": data_file, "data_bytes": data_bytes, **(extra or {})}
     lines = ["{"]
     lines += [f"{json.dumps(k)}: {json.dumps(v)}," for k, v in head.items()]
-    lines.append(f'"tree": {json.dumps(skel, separators=(",", ":"))},')
+    lines.append(f'"tree": {_COMPACT.encode(skel)},')
     lines.append('"leaves": [')
-    lines.append(",\n".join(json.dumps(e, separators=(",", ":")) for e in entries))
+    lines.append(",\n".join(map(_COMPACT.encode, entries)))
     lines.append("]}")
     return ("\n".join(lines) + "\n").encode()
 
 
 def write_item(fs: FileSystem, item_dir: str, plan: ItemPlan, *,
                data_file: str = DATA_FILE, manifest_file: str = MANIFEST_FILE,
-               fsync: bool = True, extra: Mapping[str, Any] | None = None) -> ItemWriteResult:
+               fsync: bool = True, extra: Mapping[str, Any] | None = None,
+               sync: SyncBatch | None = None) -> ItemWriteResult:
     """Write one item (data, then manifest) into the existing ``item_dir``.
 
     Each file is fsynced before it is closed, and then the directory, so that once this
-    returns the item survives a power cut. Checksums are computed while the data is being
-    written (zlib releases the GIL), so for large items they cost almost nothing.
+    returns the item survives a power cut. With ``sync`` (a :class:`~minickpt.fs.SyncBatch`)
+    the two files and the directory are handed to the batch instead, which the caller
+    flushes — together with the rest of the checkpoint — before its commit. Checksums are
+    computed while the data is being written (the CRC releases the GIL), so for large items
+    they cost almost nothing.
     """
-    data = write_item_data(fs, item_dir, plan, data_file=data_file, fsync=fsync)
+    data = write_item_data(fs, item_dir, plan, data_file=data_file, fsync=fsync, sync=sync)
     return write_item_manifest(fs, item_dir, plan, data, manifest_file=manifest_file,
-                               fsync=fsync, extra=extra)
+                               fsync=fsync, extra=extra, sync=sync)
 
 
 @dataclass
@@ -302,44 +348,51 @@ class ItemData:
 
 
 def write_item_data(fs: FileSystem, item_dir: str, plan: ItemPlan, *,
-                    data_file: str = DATA_FILE, fsync: bool = True) -> ItemData:
-    """The first half of :func:`write_item`: the data file, fsynced, and the leaf checksums.
+                    data_file: str = DATA_FILE, fsync: bool = True,
+                    sync: SyncBatch | None = None) -> ItemData:
+    """The first half of :func:`write_item`: the data file, fsynced (or handed to ``sync``),
+    and the leaf checksums.
 
     A multi-host save writes its data before the barrier and its manifest after it (the
     manifest then lists the other processes' shard files), hence two halves.
     """
     t0 = time.perf_counter()
     fsync_s = 0.0
+    has_data = any(b is not None for b in plan.buffers)
+    dpath = os.path.join(item_dir, data_file)
     crc_future = _crc_in_thread(plan) if plan.nbytes >= _CRC_IN_THREAD_BYTES else None
     if crc_future is not None:
-        fsync_s += _write_data(fs, os.path.join(item_dir, data_file), plan, fsync)
+        fsync_s += _write_data(fs, dpath, plan, fsync, sync)
         crcs = crc_future.result()
     else:
         crcs = _crc_all(plan.buffers)
-        if plan.nbytes or any(b is not None for b in plan.buffers):
-            fsync_s += _write_data(fs, os.path.join(item_dir, data_file), plan, fsync)
+        if plan.nbytes or has_data:
+            fsync_s += _write_data(fs, dpath, plan, fsync, sync)
     entries = []
     for entry, crc in zip(plan.entries, crcs, strict=True):
         if crc is not None:
             entry = {**entry, "crc32": crc}
         entries.append(entry)
-    has_data = any(b is not None for b in plan.buffers)
     return ItemData(entries, data_file if has_data else None, plan.nbytes,
                     write_s=time.perf_counter() - t0 - fsync_s, fsync_s=fsync_s)
 
 
 def write_item_manifest(fs: FileSystem, item_dir: str, plan: ItemPlan, data: ItemData, *,
                         manifest_file: str = MANIFEST_FILE, fsync: bool = True,
-                        extra: Mapping[str, Any] | None = None) -> ItemWriteResult:
-    """The second half of :func:`write_item`: the manifest, fsynced, then the directory."""
+                        extra: Mapping[str, Any] | None = None,
+                        sync: SyncBatch | None = None) -> ItemWriteResult:
+    """The second half of :func:`write_item`: the manifest, fsynced, then the directory
+    (or both handed to ``sync``)."""
     raw = manifest_bytes(plan.skeleton, data.entries, data_file=data.data_file,
                          data_bytes=data.data_bytes, extra=extra)
     t1 = time.perf_counter()
-    fs.write_file(os.path.join(item_dir, manifest_file), [raw], fsync=fsync)
-    if fsync:
+    fs.write_file(os.path.join(item_dir, manifest_file), [raw], fsync=fsync, batch=sync)
+    if sync is not None:
+        sync.add_dir(item_dir)
+    elif fsync:
         fs.fsync_dir(item_dir)
     fsync_s = data.fsync_s + time.perf_counter() - t1  # a tiny file: its cost is its fsyncs
-    return ItemWriteResult(zlib.crc32(raw), data.data_bytes, plan.num_leaves,
+    return ItemWriteResult(crc32(raw), data.data_bytes, plan.num_leaves,
                            write_s=data.write_s, fsync_s=fsync_s)
 
 
@@ -358,16 +411,25 @@ def _crc_in_thread(plan: ItemPlan) -> Future[list[int | None]] | None:
         pool.shutdown(wait=False)  # the submitted task still runs to completion
 
 
-def _write_data(fs: FileSystem, path: str, plan: ItemPlan, fsync: bool) -> float:
+def _write_data(fs: FileSystem, path: str, plan: ItemPlan, fsync: bool,
+                sync: SyncBatch | None = None) -> float:
     fd = fs.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL)
     try:
-        fs.write_all(fd, _data_chunks(plan))
+        if plan.nbytes < _JOIN_BELOW:  # many small leaves: one buffer, one write
+            fs.write_all(fd, [b"".join(_data_chunks(plan))])
+        else:  # large: let the disk start while the rest is still being copied
+            fs.write_all(fd, _data_chunks(plan),
+                         writeback_every=_WRITEBACK_EVERY if fsync or sync else 0)
         t = time.perf_counter()
-        if fsync:
+        if sync is not None:
+            owned, fd = fd, -1  # the batch fsyncs and closes it
+            sync.add_file(owned)
+        elif fsync:
             fs.fsync(fd)
         return time.perf_counter() - t
     finally:
-        fs.close(fd)
+        if fd >= 0:
+            fs.close(fd)
 
 
 # ---------------------------------------------------------------------------------------
@@ -420,15 +482,31 @@ def read_manifest(fs: FileSystem, item_dir: str, *, expected_crc32: int | None =
         raise _corrupt(path, "manifest is missing") from e
     except ValueError as e:
         raise _corrupt(path, str(e)) from e
-    crc = zlib.crc32(raw)
+    crc = crc32(raw)
     if expected_crc32 is not None and crc != expected_crc32:
         raise _corrupt(path, f"manifest checksum {crc:#010x} differs from the one recorded at "
                              f"commit ({expected_crc32:#010x}): it was changed or damaged")
-    try:
-        obj = json.loads(raw.decode("utf-8"))
-    except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as e:
-        raise _corrupt(path, f"manifest is not valid JSON ({e})") from e
+    obj = parse_json(raw, path, "manifest")
     return validate_manifest(obj, path, item_dir, crc, fs=fs)
+
+
+def parse_json(raw: bytes, path: str, what: str) -> Any:
+    """Parse a manifest or metadata file; every way it can be malformed is a clear error.
+
+    Nesting deeper than the interpreter's recursion limit raises RecursionError inside the
+    parser (never a crash), and integers too long to convert raise ValueError: both, like
+    bad UTF-8 or bad syntax, become :class:`CheckpointCorruptedError`.
+    """
+    try:
+        return json.loads(raw.decode("utf-8"))
+    except (UnicodeDecodeError, ValueError, RecursionError) as e:
+        raise _corrupt(path, f"{what} is not valid JSON ({type(e).__name__}: "
+                             f"{str(e)[:200]})") from e
+
+
+def _leaf_list(entries: Sequence[Mapping[str, Any]]) -> str:
+    names = list(dict.fromkeys(path_str(e["path"]) for e in entries))  # shards: once a leaf
+    return ", ".join(names[:5]) + (f" and {len(names) - 5} more" if len(names) > 5 else "")
 
 
 def validate_manifest(obj: Any, path: str, item_dir: str, crc: int = 0, *,
@@ -456,25 +534,6 @@ def validate_manifest(obj: Any, path: str, item_dir: str, crc: int = 0, *,
     skel, entries = obj.get("tree"), obj.get("leaves")
     if not isinstance(skel, dict) or not isinstance(entries, list):
         raise _corrupt(path, "manifest lacks its 'tree' or its 'leaves'")
-    _check_skeleton(skel, len(entries), path)
-
-    file_size = None
-    if data_file is not None and fs is not None:
-        dpath = os.path.join(item_dir, data_file)
-        try:
-            st = fs.lstat(dpath)
-        except FileNotFoundError as e:
-            raise _corrupt(dpath, "data file is missing") from e
-        import stat as _stat
-
-        if _stat.S_ISLNK(st.st_mode):
-            raise UnsafeCheckpointError(dpath, "is a symbolic link; refusing to follow it")
-        if not _stat.S_ISREG(st.st_mode):
-            raise _corrupt(dpath, "data file is not a regular file")
-        file_size = st.st_size
-        if file_size != data_bytes:
-            raise _corrupt(dpath, f"data file has {file_size} bytes, the manifest says "
-                                  f"{data_bytes} (truncated or padded)")
     seen: set[tuple[str, ...]] = set()
     for i, e in enumerate(entries):
         _check_entry(e, i, path, data_file, data_bytes)
@@ -482,6 +541,18 @@ def validate_manifest(obj: Any, path: str, item_dir: str, crc: int = 0, *,
         if key in seen:
             raise _corrupt(path, "two leaves share this path", leaf=path_str(key))
         seen.add(key)
+    _check_skeleton(skel, entries, path)
+    # leaves written whole lie in the item's own data file; sharded leaves (format 2) lie in
+    # the per-process shard files, checked by _load_shards
+    whole = [e for e in entries if e["kind"] != "value" and not e.get("sharded")]
+    arrays = sorted((e for e in whole if e["nbytes"]), key=lambda e: e["offset"])
+    for a, b in itertools.pairwise(arrays):
+        if b["offset"] < a["offset"] + a["nbytes"]:
+            raise _corrupt(path, f"leaf {path_str(b['path'])} starts at byte {b['offset']}, "
+                                 f"inside leaf {path_str(a['path'])}: leaves never overlap",
+                           leaf=path_str(b["path"]))
+    if data_file is not None and fs is not None:
+        _check_data_file(fs, os.path.join(item_dir, data_file), data_bytes, whole)
     m = Manifest(item_dir, skel, entries, data_file, data_bytes, crc, obj)
     sharded = [i for i, e in enumerate(entries) if e.get("sharded")]
     if "shard_files" in obj or sharded:
@@ -492,10 +563,43 @@ def validate_manifest(obj: Any, path: str, item_dir: str, crc: int = 0, *,
     return m
 
 
-def _check_skeleton(skel: dict[str, Any], n_leaves: int, where: str) -> None:
+def _check_data_file(fs: FileSystem, dpath: str, data_bytes: int,
+                     arrays: Sequence[Mapping[str, Any]]) -> None:
+    """The data file must be a regular file of exactly the manifest's size; if it is not,
+    the error names the leaves it costs."""
+    first = path_str(arrays[0]["path"]) if arrays else None
+    try:
+        st = fs.lstat(dpath)
+    except FileNotFoundError as e:
+        raise _corrupt(dpath, f"data file is missing (it holds {_leaf_list(arrays)})",
+                       leaf=first) from e
+    if stat.S_ISLNK(st.st_mode):
+        raise UnsafeCheckpointError(dpath, "is a symbolic link; refusing to follow it",
+                                    leaf=first)
+    if not stat.S_ISREG(st.st_mode):
+        raise _corrupt(dpath, f"data file is not a regular file (it should hold "
+                              f"{_leaf_list(arrays)})", leaf=first)
+    if st.st_size < data_bytes:
+        lost = [e for e in arrays if e["offset"] + e["nbytes"] > st.st_size]
+        raise _corrupt(dpath, f"data file has {st.st_size} bytes, the manifest says "
+                              f"{data_bytes}: truncated, losing {_leaf_list(lost)}",
+                       leaf=path_str(lost[0]["path"]) if lost else first)
+    if st.st_size > data_bytes:
+        raise _corrupt(dpath, f"data file has {st.st_size} bytes, the manifest says "
+                              f"{data_bytes}: something was appended to it")
+
+
+def _check_skeleton(skel: dict[str, Any], entries: Sequence[Mapping[str, Any]],
+                    where: str) -> None:
+    """The skeleton must name each leaf exactly once, by the same key path as its entry.
+
+    (Restoring without a target follows the skeleton, with one by the entries' paths: a
+    manifest where the two disagree would give different trees depending on how it is read.)
+    """
+    n_leaves = len(entries)
     seen: list[int] = []
 
-    def walk(node: Any, depth: int) -> None:
+    def walk(node: Any, depth: int, names: tuple[str, ...]) -> None:
         if depth > MAX_DEPTH or not isinstance(node, dict):
             raise _corrupt(where, "tree skeleton is malformed or nested too deep")
         t = node.get("t")
@@ -503,6 +607,10 @@ def _check_skeleton(skel: dict[str, Any], n_leaves: int, where: str) -> None:
             i = node.get("i")
             if not _is_int(i) or not 0 <= i < n_leaves:
                 raise _corrupt(where, f"tree skeleton names leaf {i!r} of {n_leaves}")
+            if tuple(entries[i]["path"]) != names:
+                raise _corrupt(where, f"tree skeleton puts leaf {path_str(entries[i]['path'])} "
+                                      f"at {path_str(names)}",
+                               leaf=path_str(entries[i]["path"]))
             seen.append(i)
         elif t == "none":
             pass
@@ -510,20 +618,25 @@ def _check_skeleton(skel: dict[str, Any], n_leaves: int, where: str) -> None:
             kids = node.get("c")
             if not isinstance(kids, list):
                 raise _corrupt(where, "tree skeleton is malformed")
+            keys = set()
             for kid in kids:
                 if not (isinstance(kid, list) and len(kid) == 2):
                     raise _corrupt(where, "tree skeleton is malformed")
-                walk(kid[1], depth + 1)
+                k = kid[0]
+                if not (isinstance(k, str) or (_is_int(k) and t == "dict")) or k in keys:
+                    raise _corrupt(where, f"tree skeleton has a bad or repeated key {k!r}")
+                keys.add(k)
+                walk(kid[1], depth + 1, (*names, str(k)))
         elif t in ("list", "tuple"):
             kids = node.get("c")
             if not isinstance(kids, list):
                 raise _corrupt(where, "tree skeleton is malformed")
-            for kid in kids:
-                walk(kid, depth + 1)
+            for n, kid in enumerate(kids):
+                walk(kid, depth + 1, (*names, str(n)))
         else:
             raise _corrupt(where, f"unknown container type {t!r} in tree skeleton")
 
-    walk(skel, 0)
+    walk(skel, 0, ())
     if sorted(seen) != list(range(n_leaves)):
         raise _corrupt(where, "tree skeleton and leaf list disagree")
 
@@ -555,8 +668,15 @@ def _check_entry(e: Any, i: int, where: str, data_file: str | None, data_bytes: 
     if not _is_int(nbytes) or nbytes != expect:
         raise _corrupt(where, f"nbytes {nbytes!r} does not match shape {shape} of {dt} "
                               f"({expect} bytes)", leaf=leaf)
-    if kind == "prng_key" and not isinstance(e.get("impl"), str):
-        raise _corrupt(where, "PRNG key leaf without an impl name", leaf=leaf)
+    if kind == "prng_key":
+        impl = e.get("impl")
+        key_shape = key_data_shape(impl) if isinstance(impl, str) else None
+        if key_shape is None:
+            raise _corrupt(where, f"PRNG key leaf with unknown implementation {impl!r}",
+                           leaf=leaf)
+        if tuple(shape[len(shape) - len(key_shape):]) != key_shape:
+            raise _corrupt(where, f"PRNG key data of shape {shape} does not end with the "
+                                  f"{impl} key shape {list(key_shape)}", leaf=leaf)
     if "sharded" in e:
         if e["sharded"] is not True or "offset" in e:
             raise _corrupt(where, "malformed sharded leaf entry", leaf=leaf)
@@ -569,8 +689,26 @@ def _check_entry(e: Any, i: int, where: str, data_file: str | None, data_bytes: 
     crc = e.get("crc32")
     if crc is not None and (not _is_int(crc) or not 0 <= crc < 2**32):
         raise _corrupt(where, f"crc32 {crc!r} is not a 32-bit checksum", leaf=leaf)
-    if kind == "prng_key" and not isinstance(e.get("impl"), str):
-        raise _corrupt(where, "PRNG key leaf without an impl name", leaf=leaf)
+
+
+def aligned_empty(shape: Sequence[int], dtype: np.dtype) -> np.ndarray:
+    """An uninitialised array whose data starts on a 64-byte boundary.
+
+    numpy aligns large buffers to 16 bytes only; XLA's CPU client takes a host buffer
+    aligned to 64 *without copying it* (``jax.device_put`` then aliases it), so a restore
+    into jax arrays on a CPU backend costs one read, not a read and a copy — and needs the
+    state's size in memory once, not twice.
+    """
+    dt = np.dtype(dtype)
+    nbytes = math.prod(shape) * dt.itemsize
+    if nbytes < _ALIGN_FROM:
+        return np.empty(shape, dt)
+    raw = np.empty(nbytes + ALIGN, np.uint8)
+    start = -raw.ctypes.data % ALIGN
+    return raw[start: start + nbytes].view(dt).reshape(shape)
+
+
+_ALIGN_FROM = 16 << 10  # below this a copy costs less than the bookkeeping
 
 
 def read_leaves(fs: FileSystem, manifest: Manifest, indices: Sequence[int] | None = None, *,
@@ -581,6 +719,13 @@ def read_leaves(fs: FileSystem, manifest: Manifest, indices: Sequence[int] | Non
     :class:`CheckpointCorruptedError` naming the data file and the leaf.
     """
     idx = list(range(len(manifest.entries))) if indices is None else list(indices)
+    need = sum(manifest.entries[i].get("nbytes", 0) for i in idx)
+    limit = host_memory_bytes()
+    if limit is not None and need > limit:
+        raise CheckpointTooLargeError(
+            f"reading {need} bytes from {manifest.item_dir} would need more than the "
+            f"{limit} bytes of memory this machine has; refusing before allocating (restore "
+            "fewer leaves with a partial target, or use a bigger machine)")
     out: list[Any] = [None] * len(idx)
     arrays: list[tuple[int, dict[str, Any], np.ndarray]] = []
     for k, i in enumerate(idx):
@@ -592,28 +737,25 @@ def read_leaves(fs: FileSystem, manifest: Manifest, indices: Sequence[int] | Non
             full = tuple((0, n) for n in e["shape"])
             out[k] = _finish_leaf(e, read_region(fs, manifest, i, full, verify=verify))
             continue
-        arrays.append((k, e, np.empty(e["nbytes"], np.uint8)))
+        # raw bytes, 64-byte aligned (so a CPU device_put can alias them); decoded below by
+        # task 1.3's decode_leaf, so a student's version runs in every restore
+        arrays.append((k, e, aligned_empty((e["nbytes"],), np.uint8)))
     if not arrays:
         return out
     assert manifest.data_file is not None
     dpath = os.path.join(manifest.item_dir, manifest.data_file)
+    # a large item is read by several threads that check checksums as they go
+    big = verify and sum(e["nbytes"] for _, e, _ in arrays) >= _CRC_IN_THREAD_BYTES
     fd = fs.open_read(dpath)
     try:
-        _read_arrays(fs, fd, arrays, dpath)
+        if big:
+            _read_and_verify(fs, fd, arrays, dpath)
+        else:
+            _read_arrays(fs, fd, arrays, dpath)
     finally:
         fs.close(fd)
-
-    def decode(item: tuple[int, dict[str, Any], np.ndarray]) -> None:
-        k, e, raw = item
-        out[k] = decode_leaf(e, raw, verify=verify, where=dpath)
-
-    total = sum(e["nbytes"] for _, e, _ in arrays)
-    if verify and total >= _CRC_IN_THREAD_BYTES and len(arrays) > 1:
-        with ThreadPoolExecutor(min(4, os.cpu_count() or 1)) as pool:  # zlib releases the GIL
-            list(pool.map(decode, arrays))
-    else:
-        for item in arrays:
-            decode(item)
+    for k, e, raw in arrays:
+        out[k] = decode_leaf(e, raw, verify=verify and not big, where=dpath)
     return out
 
 
@@ -650,36 +792,133 @@ def _finish_leaf(e: Mapping[str, Any], arr: np.ndarray) -> Any:
     return arr
 
 
-def _read_arrays(fs: FileSystem, fd: int, arrays: list[tuple[int, dict[str, Any], np.ndarray]],
-                 where: str) -> None:
-    """Read leaves in file order; neighbouring leaves are read with one preadv call."""
+def host_memory_bytes() -> int | None:
+    """Physical memory of this machine (None where the OS does not say)."""
+    try:
+        return os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (ValueError, OSError, AttributeError):
+        return None
+
+
+_KEY_SHAPES: dict[str, tuple[int, ...] | None] = {}
+_IMPL_RE = re.compile(r"^[a-z0-9_]{1,64}$")
+
+
+def key_data_shape(impl: str) -> tuple[int, ...] | None:
+    """The trailing data shape of a PRNG key implementation JAX knows (None if unknown).
+
+    Only plain lower-case names reach JAX, and JAX only looks them up in its registry.
+    """
+    if not _IMPL_RE.match(impl):
+        return None
+    if impl not in _KEY_SHAPES:
+        import jax
+
+        try:
+            _KEY_SHAPES[impl] = tuple(jax.eval_shape(
+                lambda: jax.random.key_data(jax.random.key(0, impl=impl))).shape)
+        except (ValueError, TypeError, KeyError):
+            _KEY_SHAPES[impl] = None
+    return _KEY_SHAPES[impl]
+
+
+def _read_batches(arrays: list[tuple[int, dict[str, Any], np.ndarray]]
+                  ) -> list[tuple[int, list[memoryview], list[Any]]]:
+    """Leaves in file order, grouped into reads: ``(file offset, buffers, leaves)`` each.
+
+    Neighbouring leaves share one preadv call (small gaps are read into scratch buffers);
+    a read holds at most 256 leaves and ``_READ_BATCH_BYTES`` bytes, so that checksums can
+    be verified — and other reads run — while the next ones are in flight."""
     order = sorted(arrays, key=lambda t: t[1]["offset"])
-    batch: list[memoryview] = []
-    batch_start = pos = 0
-
-    def flush() -> None:
-        nonlocal batch
-        if batch:
-            try:
-                fs.read_into_many(fd, batch, batch_start)
-            except EOFError as e:
-                raise _corrupt(where, f"data file ended early ({e})") from e
-            batch = []
-
-    for _, e, arr in order:
+    batches: list[tuple[int, list[memoryview], list[Any]]] = []
+    bufs: list[memoryview] = []
+    items: list[Any] = []
+    start = pos = nbytes = 0
+    for item in order:
+        _, e, arr = item
         if e["nbytes"] == 0:
             continue
         view = memoryview(arr.reshape(-1).view(np.uint8))
         gap = e["offset"] - pos
-        if not batch or gap < 0 or gap > 4096 or len(batch) >= 256 or len(view) > (8 << 20):
-            flush()
-            batch_start = e["offset"]
+        if not bufs or gap < 0 or gap > 4096 or len(bufs) >= 256 or \
+                nbytes + len(view) > _READ_BATCH_BYTES:
+            if bufs:
+                batches.append((start, bufs, items))
+            bufs, items, nbytes, start = [], [], 0, e["offset"]
         elif gap:
-            batch.append(memoryview(bytearray(gap)))
-        batch.append(view)
+            bufs.append(memoryview(bytearray(gap)))
+        bufs.append(view)
+        items.append(item)
+        nbytes += len(view)
         pos = e["offset"] + e["nbytes"]
-    flush()
+    if bufs:
+        batches.append((start, bufs, items))
+    return batches
 
+
+_READ_BATCH_BYTES = 16 << 20
+
+
+def _read_batch(fs: FileSystem, fd: int, batch: tuple[int, list[memoryview], list[Any]],
+                where: str) -> None:
+    start, bufs, _ = batch
+    try:
+        fs.read_into_many(fd, bufs, start)
+    except EOFError as e:
+        raise _corrupt(where, f"data file ended early ({e})") from e
+
+
+def _read_arrays(fs: FileSystem, fd: int, arrays: list[tuple[int, dict[str, Any], np.ndarray]],
+                 where: str) -> None:
+    """Read leaves in file order; neighbouring leaves are read with one preadv call."""
+    for batch in _read_batches(arrays):
+        _read_batch(fs, fd, batch, where)
+
+
+def _check_crc(item: tuple[int, dict[str, Any], np.ndarray], where: str) -> None:
+    _, e, arr = item
+    if "crc32" not in e:
+        return
+    got = crc32(arr.reshape(-1).view(np.uint8))
+    if got != e["crc32"]:
+        raise _corrupt(where, f"checksum mismatch (stored {e['crc32']:#010x}, "
+                              f"read {got:#010x}): the bytes were damaged",
+                       leaf=path_str(e["path"]))
+
+
+def _read_and_verify(fs: FileSystem, fd: int,
+                     arrays: list[tuple[int, dict[str, Any], np.ndarray]], where: str) -> None:
+    """Large items: the file is cut into a few contiguous parts, read by as many threads,
+    each through its own descriptor (so each keeps its own sequential read-ahead) and each
+    checking the checksums of what it just read. Copying out of the page cache and
+    checksumming then use several cores, and a cold file is still read sequentially. The
+    first damage in file order is the one reported. ``where`` is the data file's path."""
+    batches = _read_batches(arrays)
+    n = max(1, min(_READ_THREADS, os.cpu_count() or 1, len(batches)))
+    size = (len(batches) + n - 1) // n
+    parts = [batches[i * size:(i + 1) * size] for i in range(n)]
+
+    def run(part: list[tuple[int, list[memoryview], list[Any]]], own_fd: bool) -> None:
+        f = fs.open_read(where) if own_fd else fd
+        try:
+            for batch in part:
+                _read_batch(fs, f, batch, where)
+                for item in batch[2]:
+                    _check_crc(item, where)
+        finally:
+            if own_fd:
+                fs.close(f)
+
+    if n == 1:
+        run(batches, False)
+        return
+    with ThreadPoolExecutor(n, thread_name_prefix="minickpt-read") as pool:
+        futures = [pool.submit(run, part, i > 0) for i, part in enumerate(parts) if part]
+        for f in futures:  # in file order: the first damage is the one raised
+            f.result()
+
+
+_READ_THREADS = 4
 
 
 # ---------------------------------------------------------------------------------------
@@ -843,45 +1082,32 @@ def plan_shards(shards: Iterable[tuple[int, Names, Box, np.ndarray]]) -> ItemPla
 
 
 def write_shards(fs: FileSystem, item_dir: str, process: int, plan: ItemPlan, *,
-                 fsync: bool = True) -> ShardFile | None:
-    """Write one process's shards of an item (data, then manifest, both fsynced).
+                 fsync: bool = True, sync: SyncBatch | None = None) -> ShardFile | None:
+    """Write one process's shards of an item (data, then manifest, both fsynced — or both
+    handed to ``sync``, with the directory, for one group commit of the process's files).
 
     Returns None, writing nothing, when the process owns no shard of this item.
     """
     if not plan.entries:
         return None
-    data = write_item_data(fs, item_dir, plan, data_file=shard_data_name(process), fsync=fsync)
+    data = write_item_data(fs, item_dir, plan, data_file=shard_data_name(process), fsync=fsync,
+                           sync=sync)
     head = {"format": SHARD_MANIFEST_FORMAT, "format_version": SHARDED_FORMAT_VERSION,
             "checksum": "crc32", "process": process, "data_file": data.data_file,
             "data_bytes": data.data_bytes}
     lines = ["{"] + [f"{json.dumps(k)}: {json.dumps(v)}," for k, v in head.items()]
-    lines += ['"shards": [', ",\n".join(json.dumps(e, separators=(",", ":"))
-                                        for e in data.entries), "]}"]
+    lines += ['"shards": [', ",\n".join(map(_COMPACT.encode, data.entries)), "]}"]
     raw = ("\n".join(lines) + "\n").encode()
     name = shard_manifest_name(process)
     t = time.perf_counter()
-    fs.write_file(os.path.join(item_dir, name), [raw], fsync=fsync)
-    if fsync:
+    fs.write_file(os.path.join(item_dir, name), [raw], fsync=fsync, batch=sync)
+    if sync is not None:
+        sync.add_dir(item_dir)
+    elif fsync:
         fs.fsync_dir(item_dir)
-    return ShardFile(process, name, zlib.crc32(raw), data.data_file, data.data_bytes,
+    return ShardFile(process, name, crc32(raw), data.data_file, data.data_bytes,
                      len(data.entries), write_s=data.write_s,
                      fsync_s=data.fsync_s + time.perf_counter() - t)
-
-
-def _check_data_file(fs: FileSystem, dpath: str, size: int) -> None:
-    import stat as _stat
-
-    try:
-        st = fs.lstat(dpath)
-    except FileNotFoundError as e:
-        raise _corrupt(dpath, "data file is missing") from e
-    if _stat.S_ISLNK(st.st_mode):
-        raise UnsafeCheckpointError(dpath, "is a symbolic link; refusing to follow it")
-    if not _stat.S_ISREG(st.st_mode):
-        raise _corrupt(dpath, "data file is not a regular file")
-    if st.st_size != size:
-        raise _corrupt(dpath, f"data file has {st.st_size} bytes, its manifest says {size} "
-                              "(truncated or padded)")
 
 
 def _load_shards(fs: FileSystem, m: Manifest, path: str, records: Any,
@@ -913,7 +1139,7 @@ def _load_shards(fs: FileSystem, m: Manifest, path: str, records: Any,
             raise _corrupt(mpath, f"shard manifest of process {p} is missing") from e
         except ValueError as e:
             raise _corrupt(mpath, str(e)) from e
-        got = zlib.crc32(raw)
+        got = crc32(raw)
         if got != crc:
             raise _corrupt(mpath, f"shard manifest checksum {got:#010x} differs from the one "
                                   f"recorded at commit ({crc:#010x}): it was changed or damaged")
@@ -931,12 +1157,23 @@ def _load_shards(fs: FileSystem, m: Manifest, path: str, records: Any,
         if not _is_int(v) or not SHARDED_FORMAT_VERSION <= v <= MAX_FORMAT_VERSION:
             raise FormatVersionError(mpath, f"shard manifest format version {v!r} is not one "
                                             "this minickpt reads; upgrade minickpt")
+        if n and df is None:
+            raise _corrupt(mpath, "shards listed but no data file")
+        refs = [_check_shard(se, m, mpath, p, df, db, shards) for se in obj["shards"]]
+        by_offset = sorted((r for r in refs if r.nbytes), key=lambda r: r.offset)
+        for a, b in itertools.pairwise(by_offset):
+            if b.offset < a.offset + a.nbytes:
+                leaf = path_str(m.entries[b.leaf]["path"])
+                raise _corrupt(mpath, f"shard {[list(x) for x in b.box]} starts at byte "
+                                      f"{b.offset} of {df}, inside another shard: shards never "
+                                      "overlap", leaf=leaf)
         if n:
-            if df is None:
-                raise _corrupt(mpath, "shards listed but no data file")
-            _check_data_file(fs, os.path.join(m.item_dir, df), db)
-        for se in obj["shards"]:
-            ref = _check_shard(se, m, mpath, p, df, db, shards)
+            assert df is not None
+            # what a damaged shard file costs, named leaf by leaf (as for data.bin)
+            _check_data_file(fs, os.path.join(m.item_dir, df), db,
+                             [{"path": m.entries[r.leaf]["path"], "offset": r.offset,
+                               "nbytes": r.nbytes} for r in refs])
+        for ref in refs:
             shards[ref.leaf].append(ref)
     for i, refs in shards.items():
         e = m.entries[i]
@@ -997,7 +1234,14 @@ def read_region(fs: FileSystem, manifest: Manifest, i: int, box: Box, *, verify:
                                      in zip(box, shape, strict=False)):
         raise ValueError(f"region {box} lies outside leaf {path_str(e['path'])} of shape {shape}")
     cache = {} if cache is None else cache
-    out = np.empty(box_shape(box), dtype)
+    need = math.prod(box_shape(box)) * dtype.itemsize
+    limit = host_memory_bytes()
+    if limit is not None and need > limit:
+        raise CheckpointTooLargeError(
+            f"reading {need} bytes of leaf {path_str(e['path'])} from {manifest.item_dir} "
+            f"would need more than the {limit} bytes of memory this machine has; refusing "
+            "before allocating")
+    out = aligned_empty(box_shape(box), dtype)  # zero-copy into a CPU jax.Array
     if out.size == 0:
         return out
     if not e.get("sharded"):
@@ -1047,7 +1291,7 @@ def _read_piece(fs: FileSystem, dpath: str, offset: int, shape: tuple[int, ...],
     finally:
         fs.close(fd)
     if crc is not None:
-        got = zlib.crc32(out.reshape(-1).view(np.uint8))
+        got = crc32(out.reshape(-1).view(np.uint8))
         if got != crc:
             what = "" if ref is None else f"shard {[list(b) for b in ref.box]} "
             raise _corrupt(dpath, f"{what}checksum mismatch (stored {crc:#010x}, read "

@@ -16,6 +16,7 @@ import os
 import stat
 import sys
 import threading
+import time
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
@@ -34,6 +35,21 @@ def _load_libc() -> Any:
 
 
 _LIBC = _load_libc()
+
+
+def _load_sync_file_range() -> Any:
+    if not sys.platform.startswith("linux") or _LIBC is None:
+        return None
+    fn = getattr(_LIBC, "sync_file_range", None)
+    if fn is None:  # pragma: no cover - very old C libraries
+        return None
+    fn.argtypes = [ctypes.c_int, ctypes.c_int64, ctypes.c_int64, ctypes.c_uint]
+    fn.restype = ctypes.c_int
+    return fn
+
+
+_SYNC_FILE_RANGE = _load_sync_file_range()
+_SYNC_FILE_RANGE_WRITE = 2
 
 
 def _rename_noreplace(src: str, dst: str) -> None:
@@ -91,6 +107,20 @@ class FileSystem:
     def close(self, fd: int) -> None:
         os.close(fd)
 
+    def ftruncate(self, fd: int, length: int) -> None:
+        os.ftruncate(fd, length)
+
+    def start_writeback(self, fd: int, offset: int, nbytes: int) -> None:
+        """Ask the kernel to start writing these bytes to the disk now, without waiting.
+
+        Only a hint: nothing is durable until ``fsync`` says so, and errors are left for
+        ``fsync`` to report. It lets the disk work on the start of a large file while the
+        rest is still being copied into the page cache (Linux ``sync_file_range``; a no-op
+        elsewhere).
+        """
+        if _SYNC_FILE_RANGE is not None:
+            _SYNC_FILE_RANGE(fd, offset, nbytes, _SYNC_FILE_RANGE_WRITE)
+
     def mkdir(self, path: str, mode: int = 0o755) -> None:
         os.mkdir(path, mode)
 
@@ -134,72 +164,110 @@ class FileSystem:
         except FileNotFoundError:
             return False
 
-    def write_all(self, fd: int, buffers: Iterable[Buffer]) -> int:
-        """Write every buffer in order, batching small ones into one writev call."""
+    def write_all(self, fd: int, buffers: Iterable[Buffer], *, writeback_every: int = 0) -> int:
+        """Write every buffer in order, batching small ones into one writev call.
+
+        With ``writeback_every`` (bytes), writeback of what was written is started each time
+        that much more has been written (see :meth:`start_writeback`), and large buffers are
+        written in pieces of that size, so the disk is busy while the copying goes on.
+        """
         total = 0
         batch: list[memoryview] = []
         batch_bytes = 0
+        piece = min(writeback_every, _MAX_IO) if writeback_every > 0 else _MAX_IO
+        started = 0  # bytes whose writeback has been started
 
         def flush() -> None:
             nonlocal batch, batch_bytes
-            while batch:
-                n = self.writev(fd, batch) if len(batch) > 1 else self.write(fd, batch[0])
+            i = 0
+            while i < len(batch):
+                todo = batch[i:i + _IOV_MAX]
+                n = self.writev(fd, todo) if len(todo) > 1 else self.write(fd, todo[0])
                 if n <= 0:
                     raise OSError(errno.EIO, "write returned no progress")
                 # drop what was written, keep the rest
-                while batch and n >= len(batch[0]):
-                    n -= len(batch[0])
-                    batch.pop(0)
+                while i < len(batch) and n >= len(batch[i]):
+                    n -= len(batch[i])
+                    i += 1
                 if n:
-                    batch[0] = batch[0][n:]
-            batch_bytes = 0
+                    batch[i] = batch[i][n:]
+            batch, batch_bytes = [], 0
+
+        def hint() -> None:
+            nonlocal started
+            if writeback_every > 0 and total - started >= writeback_every:
+                self.start_writeback(fd, started, total - started)
+                started = total
 
         for buf in buffers:
             mv = memoryview(buf).cast("B") if not isinstance(buf, memoryview) else buf
             if mv.ndim != 1 or mv.format != "B":
                 mv = mv.cast("B")
-            total += len(mv)
             if len(mv) == 0:
                 continue
-            if len(mv) >= _MAX_IO // 4:  # large: write it on its own, in pieces
+            if len(mv) >= min(_MAX_IO // 4, piece):  # large: on its own, in pieces
                 flush()
                 off = 0
                 while off < len(mv):
-                    n = self.write(fd, mv[off : off + _MAX_IO])
+                    n = self.write(fd, mv[off : off + piece])
                     if n <= 0:
                         raise OSError(errno.EIO, "write returned no progress")
                     off += n
+                    total += n
+                    hint()
                 continue
             batch.append(mv)
             batch_bytes += len(mv)
-            if len(batch) >= min(_IOV_MAX, 512) or batch_bytes >= (64 << 20):
+            total += len(mv)
+            if len(batch) >= min(_IOV_MAX, 512) or batch_bytes >= min(64 << 20, piece):
                 flush()
+                hint()
         flush()
         return total
 
     def write_file(self, path: str, buffers: Iterable[Buffer], *, fsync: bool = True,
-                   exclusive: bool = True) -> int:
-        """Create ``path`` with the given contents; fsync before closing when asked."""
+                   exclusive: bool = True, batch: SyncBatch | None = None) -> int:
+        """Create ``path`` with the given contents; fsync before closing when asked.
+
+        With ``batch`` the file is neither fsynced nor closed here: the batch owns it from
+        then on and fsyncs it together with the rest of the save (see :class:`SyncBatch`).
+        """
         flags = os.O_WRONLY | os.O_CREAT | (os.O_EXCL if exclusive else os.O_TRUNC)
         fd = self.open(path, flags)
         try:
             n = self.write_all(fd, buffers)
-            if fsync:
+            if batch is not None:
+                owned, fd = fd, -1  # the batch closes it from here on, even if add_file fails
+                batch.add_file(owned)
+            elif fsync:
                 self.fsync(fd)
         finally:
-            self.close(fd)
+            if fd >= 0:
+                self.close(fd)
         return n
 
     def open_read(self, path: str) -> int:
-        """Open a file for reading, refusing a symlink (a checkpoint never contains one)."""
+        """Open a regular file for reading, refusing a symlink (a checkpoint never contains
+        one) and anything that is not a regular file: opening a FIFO would block forever
+        (``O_NONBLOCK`` lets the open return so that ``fstat`` can refuse it)."""
+        from .errors import CheckpointCorruptedError, UnsafeCheckpointError
+
         try:
-            return self.open(path, os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0))
+            fd = self.open(path, os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0)
+                           | getattr(os, "O_NONBLOCK", 0))
         except OSError as e:
             if e.errno == errno.ELOOP:
-                from .errors import UnsafeCheckpointError
-
                 raise UnsafeCheckpointError(path, "is a symbolic link; refusing to follow it") from e
             raise
+        try:
+            mode = self.fstat(fd).st_mode
+        except BaseException:
+            self.close(fd)
+            raise
+        if not stat.S_ISREG(mode):
+            self.close(fd)
+            raise CheckpointCorruptedError(path, "is not a regular file")
+        return fd
 
     def read_into(self, fd: int, buf: memoryview, offset: int) -> None:
         """Fill ``buf`` from ``offset``; a short file is an error, not a silent zero fill."""
@@ -248,6 +316,39 @@ class FileSystem:
         finally:
             self.close(fd)
 
+    def fsync_all(self, fds: Sequence[int] = (), dirs: Sequence[str] = ()) -> None:
+        """fsync every file descriptor and directory given, concurrently — a group commit.
+
+        The fsyncs are independent of each other: issued one after another, each waits for a
+        journal commit of its own; issued together, the file system gathers them into one or
+        two. Returns only when *every* one has finished; if any failed, the first error is
+        raised (after all of them finished, so nothing is left running).
+        """
+        jobs: list[tuple[Callable[..., None], Any]] = [(self.fsync, fd) for fd in fds]
+        jobs += [(self.fsync_dir, d) for d in dirs]
+        if len(jobs) <= 1:
+            for fn, arg in jobs:
+                fn(arg)
+            return
+        pool = _sync_pool()
+        futures = []
+        for fn, arg in jobs[1:]:
+            try:
+                futures.append(pool.submit(fn, arg))
+            except RuntimeError:  # interpreter exit (a pending async save finishing from
+                futures.append(_run_now(fn, arg))  # atexit): no new threads, run it here
+        first: BaseException | None = None
+        try:
+            jobs[0][0](jobs[0][1])  # the caller's thread does one of them itself
+        except BaseException as e:
+            first = e
+        for fut in futures:
+            err = fut.exception()
+            if err is not None and first is None:
+                first = err
+        if first is not None:
+            raise first
+
     def rmtree(self, path: str) -> None:
         """Delete a tree without following symlinks (they are unlinked, never entered)."""
         st = self.lstat(path)
@@ -282,8 +383,107 @@ class FileSystem:
         return total
 
 
-PRIMITIVES = ("open", "write", "writev", "preadv", "fsync", "close", "mkdir", "rename",
-              "unlink", "rmdir", "listdir", "lstat", "fstat", "flock")
+_POOL: tuple[int, Any] | None = None
+_POOL_LOCK = threading.Lock()
+_SYNC_THREADS = 8  # fsyncs wait on the disk, not the CPU: more threads than cores is right
+
+
+def _sync_pool() -> Any:
+    """The process's fsync threads (made on first use, and again in a forked child)."""
+    global _POOL
+    with _POOL_LOCK:
+        if _POOL is None or _POOL[0] != os.getpid():
+            from concurrent.futures import ThreadPoolExecutor
+
+            _POOL = (os.getpid(), ThreadPoolExecutor(_SYNC_THREADS,
+                                                     thread_name_prefix="minickpt-fsync"))
+        return _POOL[1]
+
+
+def _run_now(fn: Callable[..., None], arg: Any) -> Any:
+    """``fn(arg)`` run in this thread, as a finished future (for :meth:`fsync_all`)."""
+    from concurrent.futures import Future
+
+    fut: Future[None] = Future()
+    try:
+        fn(arg)
+        fut.set_result(None)
+    except BaseException as e:
+        fut.set_exception(e)
+    return fut
+
+
+class SyncBatch:
+    """Files and directories a save has written, to be made durable together.
+
+    A save registers each file it wrote (the open descriptor, which the batch then owns) and
+    each directory it created, *without* fsyncing them one by one; :meth:`flush` fsyncs them
+    all at once with :meth:`FileSystem.fsync_all` and closes the files. The commit protocol
+    is unchanged — everything in the temporary tree is durable before the rename — only the
+    waiting is shared. :meth:`close` (also on ``with`` exit) closes what was not flushed.
+    """
+
+    MAX_OPEN = 256  # flush early rather than hold more descriptors than this
+
+    def __init__(self, fs: FileSystem):
+        self.fs = fs
+        self.fds: list[int] = []
+        self.dirs: list[str] = []
+        self.flush_s = 0.0
+
+    def add_file(self, fd: int) -> None:
+        """Take ``fd`` (it is closed by :meth:`flush` or :meth:`close`, never by the caller)."""
+        self.fds.append(fd)
+        if len(self.fds) >= self.MAX_OPEN:
+            self.flush()
+
+    def add_dir(self, path: str) -> None:
+        self.dirs.append(path)
+
+    def flush(self) -> None:
+        t = time.perf_counter()
+        fds, dirs = self.fds, self.dirs
+        self.fds, self.dirs = [], []
+        try:
+            self.fs.fsync_all(fds, dirs)
+        except BaseException:
+            try:
+                self._close(fds)
+            except OSError:
+                pass  # the fsync's error is the one that matters
+            raise
+        finally:
+            self.flush_s += time.perf_counter() - t
+        self._close(fds)
+
+    def close(self) -> None:
+        fds, self.fds, self.dirs = self.fds, [], []
+        self._close(fds)
+
+    def _close(self, fds: list[int]) -> None:
+        err: BaseException | None = None
+        for fd in fds:
+            try:
+                self.fs.close(fd)
+            except OSError as e:
+                err = err or e
+        if err is not None:
+            raise err
+
+    def __enter__(self) -> SyncBatch:
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        try:
+            self.close()
+        except OSError:
+            if exc[0] is None:
+                raise
+
+
+PRIMITIVES = ("open", "write", "writev", "preadv", "fsync", "close", "ftruncate", "mkdir",
+              "rename", "unlink", "rmdir", "listdir", "lstat", "fstat", "flock",
+              "start_writeback")
 
 
 class FaultyFileSystem(FileSystem):
@@ -292,14 +492,18 @@ class FaultyFileSystem(FileSystem):
     ``fail_at=n`` makes the n-th primitive call (counting from 0, among ``ops``) raise
     ``error``; ``crash=True`` instead raises :class:`SimulatedCrash`, which the library does
     not catch, so nothing after that call runs — like a power cut between two syscalls.
-    Every call is recorded in ``calls`` as ``(op, args)``.
+    ``persistent=True`` makes every counted call from the n-th on fail too (a disk that stays
+    full or dead, rather than one transient error). Every call is recorded in ``calls`` as
+    ``(op, args)``.
     """
 
     def __init__(self, fail_at: int | None = None, *, error: BaseException | None = None,
                  ops: Iterable[str] = PRIMITIVES, crash: bool = False,
                  base: FileSystem | None = None,
-                 when: Callable[[str, tuple[Any, ...]], bool] | None = None):
+                 when: Callable[[str, tuple[Any, ...]], bool] | None = None,
+                 persistent: bool = False):
         self.fail_at = fail_at
+        self.persistent = persistent
         self.error = error if error is not None else OSError(errno.EIO, os.strerror(errno.EIO))
         self.ops = frozenset(ops)
         self.crash = crash
@@ -314,7 +518,8 @@ class FaultyFileSystem(FileSystem):
         with self._lock:
             counted = op in self.ops and (self.when is None or self.when(op, args))
             self.calls.append((op, args))
-            trip = counted and self.fail_at is not None and self.count == self.fail_at
+            trip = counted and self.fail_at is not None and (
+                self.count >= self.fail_at if self.persistent else self.count == self.fail_at)
             if counted:
                 self.count += 1
             if trip:
@@ -342,6 +547,12 @@ class FaultyFileSystem(FileSystem):
 
     def close(self, fd: int) -> None:
         return self._call("close", fd)
+
+    def ftruncate(self, fd: int, length: int) -> None:
+        return self._call("ftruncate", fd, length)
+
+    def start_writeback(self, fd: int, offset: int, nbytes: int) -> None:
+        return self._call("start_writeback", fd, offset, nbytes)
 
     def mkdir(self, path: str, mode: int = 0o755) -> None:
         return self._call("mkdir", path, mode)

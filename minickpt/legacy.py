@@ -40,7 +40,7 @@ class InvalidCheckpointError(MiniCkptError, ValueError):
 
 
 def _steps(fs: FileSystem, ckpt_dir: str, prefix: str) -> dict[int, str]:
-    pat = re.compile(rf"{re.escape(prefix)}(\d+)")
+    pat = re.compile(rf"{re.escape(prefix)}([0-9]+)")
     out = {}
     try:
         names = fs.listdir(ckpt_dir)
@@ -102,7 +102,7 @@ def restore_checkpoint(ckpt_dir: str | os.PathLike[str], target: Any, step: int 
     fs = fs or DEFAULT_FS
     ckpt_dir = os.path.abspath(os.fspath(ckpt_dir))
     base = os.path.basename(ckpt_dir)
-    if base.startswith(prefix) and re.fullmatch(rf"{re.escape(prefix)}\d+", base) \
+    if base.startswith(prefix) and re.fullmatch(rf"{re.escape(prefix)}[0-9]+", base) \
             and fs.is_dir(ckpt_dir):
         path = ckpt_dir
     elif step is not None:

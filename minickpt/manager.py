@@ -22,10 +22,19 @@ from typing import Any
 from . import multihost, policy
 from .asynchronous import AsyncCheckpointer
 from .checkpointer import Checkpointer, CheckpointMetadata, SaveStats, VerifyReport, _json_safe
-from .commit import cleanup_temporaries, delete_dir, parse_step, step_dir_name
+from .commit import (
+    DELETE_MARK,
+    cleanup_temporaries,
+    delete_dir,
+    parse_step,
+    remove_retired,
+    retire_dir,
+    step_dir_name,
+)
 from .errors import (
     CheckpointCorruptedError,
     CheckpointNotFoundError,
+    CheckpointTooLargeError,
     MiniCkptError,
     StepAlreadyExistsError,
 )
@@ -54,10 +63,16 @@ class CheckpointManagerOptions:
     cleanup_tmp_directories: bool = True
     read_only: bool = False
     enable_async_checkpointing: bool = False
+    # Remove a deleted checkpoint's files on a background thread. The deletion itself (the
+    # rename out of the step namespace) still happens inside save(), after the new
+    # checkpoint is durable; the fsync that makes it durable and the unlinking — slow on a
+    # busy or remote file system — leave the critical path, in that order.
+    # wait_until_finished()/close() wait for them.
+    enable_background_delete: bool = False
     # minickpt's own
     verify_on_restore: bool = True
     fallback_on_damage: bool = True
-    lock: bool = True
+    lock: bool = True  # flock <dir>/.minickpt.lock; without it, temporaries are not cleaned
     # chapter 4: time-outs and roles when several processes save together
     multihost: MultiHostOptions = field(default_factory=MultiHostOptions)
 
@@ -121,19 +136,31 @@ class CheckpointManager:
         # anything with ``reached(step) -> bool``, e.g. minickpt.production.PreemptionHandler
         self.preemption_handler: Any = None
         self.removed_temporaries: list[str] = []
+        self._names: dict[int, str] = {}  # step -> its directory's name, as found on disk
+        self._sweep_deletions = False
+        self._remover: Any = None  # ThreadPoolExecutor for enable_background_delete
+        self._removals: list[Any] = []  # its pending (name, future) pairs
+        self._removals_lock = threading.Lock()  # retention may run on the async writer
         opts = self.options
-        if not self.fs.is_dir(self.directory):
-            if self.fs.exists(self.directory):
+        # The run directory may be a symlink (to a bigger disk, say): that is the user's
+        # choice. Only what lies *inside* a checkpoint must never be a link.
+        real = os.path.realpath(self.directory)
+        if not self.fs.is_dir(real):
+            if not self.fs.exists(real):
+                if opts.read_only or not opts.create:
+                    raise CheckpointNotFoundError(
+                        f"checkpoint directory {self.directory} does not exist"
+                        + ("" if opts.read_only else " (pass create=True to make it)"))
+                _makedirs(self.fs, real)
+            # look again: another process of the job may have made it meanwhile
+            if not self.fs.is_dir(real):
                 raise NotADirectoryError(f"{self.directory} exists and is not a directory")
-            if opts.read_only or not opts.create:
-                raise CheckpointNotFoundError(
-                    f"checkpoint directory {self.directory} does not exist"
-                    + ("" if opts.read_only else " (pass create=True to make it)"))
-            _makedirs(self.fs, self.directory)
         if not opts.read_only and self.primary:
             if opts.lock:
                 self._acquire_lock()
-            if opts.cleanup_tmp_directories:
+            # Without the lock another writer may be saving right now: its temporary
+            # directory would look exactly like one a crash left behind.
+            if opts.cleanup_tmp_directories and opts.lock:
                 self.removed_temporaries = cleanup_temporaries(self.fs, self.directory)
                 for name in self.removed_temporaries:
                     log.warning("minickpt: removed %s left by an interrupted save or delete",
@@ -160,7 +187,7 @@ class CheckpointManager:
                               "cannot stop two writers from sharing it", stacklevel=3)
                 return
             raise
-        os.ftruncate(fd, 0)  # the lock file is a note for people, not checkpoint data
+        self.fs.ftruncate(fd, 0)  # the lock file is a note for people, not checkpoint data
         self.fs.write(fd, f"pid {os.getpid()} on {os.uname().nodename}\n".encode())
         self._lock_fd = fd
 
@@ -179,37 +206,52 @@ class CheckpointManager:
                 log.exception("minickpt: listener failed on %s", event)
 
     def step_path(self, step: int) -> str:
-        """The directory of ``step``'s checkpoint."""
-        return os.path.join(self.directory, step_dir_name(
-            step, self.options.step_prefix, self.options.step_format_fixed_length))
+        """The directory of ``step``'s checkpoint (as found on disk: ``step_0042`` is still
+        step 42's directory when this manager would name it ``step_42``)."""
+        name = self._names.get(step) or step_dir_name(
+            step, self.options.step_prefix, self.options.step_format_fixed_length)
+        return os.path.join(self.directory, name)
 
     def reload(self) -> None:
         """Re-read which checkpoints exist (after another process changed the directory)."""
         with self._mutex:
             infos: dict[int, policy.StepInfo] = {}
+            dirnames: dict[int, str] = {}
             try:
                 names = self.fs.listdir(self.directory)
             except FileNotFoundError:
                 names = []
-            for name in names:
-                step = parse_step(name, self.options.step_prefix)
+            o = self.options
+            for name in sorted(names):
+                step = parse_step(name, o.step_prefix)
                 if step is None or not self.fs.is_dir(os.path.join(self.directory, name)):
                     continue
+                if step in dirnames:  # step_7 and step_07: the canonical name wins
+                    if name != step_dir_name(step, o.step_prefix, o.step_format_fixed_length):
+                        log.warning("minickpt: ignoring %s: step %d is also in %s", name, step,
+                                    dirnames[step])
+                        continue
+                    log.warning("minickpt: ignoring %s: step %d is also in %s", dirnames[step],
+                                step, name)
+                dirnames[step] = name
                 old = self._infos.get(step)
-                if old is not None:
+                if old is not None and self._names.get(step) == name:
                     infos[step] = old
                     continue
                 if step == self._in_flight_step:  # never wait for a commit under the mutex
                     continue
                 try:
-                    meta = self._checkpointer.metadata(os.path.join(self.directory, name))
+                    meta = self._checkpointer.metadata(os.path.join(self.directory, name),
+                                                       step=step)
                     infos[step] = policy.StepInfo(step, meta.metrics, meta.time or 0.0)
                 except (MiniCkptError, OSError):
                     infos[step] = policy.StepInfo(step, None, 0.0)
             pending = self._in_flight_step
             if pending is not None and pending in self._infos:
                 infos.setdefault(pending, self._infos[pending])  # still being written
-            self._infos = infos
+                if pending in self._names:
+                    dirnames.setdefault(pending, self._names[pending])
+            self._infos, self._names = infos, dirnames
 
     def close(self) -> None:
         """Finish pending work (raising the error of a failed async save) and release the
@@ -221,7 +263,13 @@ class CheckpointManager:
                 self._pending_step = None
                 self._async.close()
         finally:
-            self._release_lock()
+            try:
+                self._finish_removals()
+            finally:
+                if self._remover is not None:
+                    self._remover.shutdown(wait=True)
+                    self._remover = None
+                self._release_lock()
             self._closed = True
             if self.preemption_handler is not None and hasattr(self.preemption_handler, "close"):
                 self.preemption_handler.close()  # put the previous signal handlers back
@@ -239,15 +287,19 @@ class CheckpointManager:
             pass
 
     def wait_until_finished(self) -> None:
-        """Block until the async save in flight has committed; raise its error if it failed.
+        """Block until the async save in flight has committed and every background removal
+        of a deleted checkpoint has finished; raise the save's error if it failed.
 
         Sync saves have committed when ``save()`` returns, so then this returns at once.
         Under several processes every process must call it (as every collective call): each
         waits for its own part, and all raise the same failure, naming the process(es)
         where it happened.
         """
-        if self._async is not None:
-            self._collect()
+        try:
+            if self._async is not None:
+                self._collect()
+        finally:
+            self._finish_removals()
 
     def _collect(self, reason: str | None = None) -> float:
         """Wait for this process's save in flight, then raise its error; seconds waited.
@@ -305,13 +357,13 @@ class CheckpointManager:
     def metadata(self, step: int | None = None) -> CheckpointMetadata:
         """A step's metadata (metrics, your metadata, times, items) without loading arrays."""
         step = self._resolve(step)
-        return self._checkpointer.metadata(self.step_path(step))
+        return self._checkpointer.metadata(self.step_path(step), step=step)
 
     def item_metadata(self, step: int | None = None) -> dict[str, Any]:
         """Each item's tree of ``{path: (dtype, shape)}``, read from the manifests only."""
         step = self._resolve(step)
         path = self.step_path(step)
-        meta = self._checkpointer.metadata(path)
+        meta = self._checkpointer.metadata(path, step=step)
         out = {}
         for name in meta.items:
             m = self._checkpointer.manifest(path, name, meta)
@@ -322,7 +374,12 @@ class CheckpointManager:
     def verify(self, step: int | None = None, *, deep: bool = True) -> VerifyReport:
         """Check one step on disk (checksums too when ``deep``) without restoring it."""
         step = self._resolve(step)
-        return self._checkpointer.verify(self.step_path(step), deep=deep)
+        path = self.step_path(step)
+        report = self._checkpointer.verify(path, deep=deep, step=step)
+        if not report.ok and not self.fs.exists(path):
+            raise CheckpointNotFoundError(f"step {step} was deleted while it was being verified "
+                                          f"(by another process?): {path}")
+        return report
 
     def _resolve(self, step: int | None) -> int:
         if step is None:
@@ -452,7 +509,7 @@ class CheckpointManager:
         with self._mutex:
             if self._in_flight_step == step:
                 self._in_flight_step = None
-            if not stats.ok and not self.fs.is_dir(self.step_path(step)):
+            if not stats.ok and not self._exists(self.step_path(step)):
                 self._infos.pop(step, None)  # it never existed; earlier steps are untouched
         self._record(stats)
 
@@ -466,6 +523,12 @@ class CheckpointManager:
             failed = SaveStats(step, self.step_path(step), ok=False,
                                error=f"{type(e).__name__}: {e}", start_time=time.time(),
                                total_s=time.perf_counter() - t0)
+            if isinstance(e, OSError) and self._exists(self.step_path(step)):
+                # only the final fsync failed: the checkpoint is complete and in place, so
+                # list it; but its rename may not be durable, so delete nothing for it
+                with self._mutex:
+                    self._infos[step] = policy.StepInfo(
+                        step, dict(metrics) if metrics is not None else None, time.time())
             self._record(failed)
             raise
         self._committed(step, metrics, stats)
@@ -525,6 +588,11 @@ class CheckpointManager:
                 if self._async is None:
                     job.run()
             except BaseException as e:
+                if isinstance(e, Exception) and self._exists(path):
+                    # renamed into place (only the parent's fsync, or the last barrier,
+                    # failed): the checkpoint is complete, so list it; delete nothing for it
+                    with self._mutex:
+                        self._infos[step] = policy.StepInfo(step, m, time.time())
                 self._record(SaveStats(step, path, ok=False, error=f"{type(e).__name__}: {e}",
                                        start_time=wall0, wait_s=wait_s,
                                        async_=self._async is not None,
@@ -555,7 +623,16 @@ class CheckpointManager:
             self._apply_retention()
             stats.retention_s = time.perf_counter() - t
 
+    def _exists(self, path: str) -> bool:
+        try:
+            return self.fs.is_dir(path)
+        except OSError:
+            return False
+
     def _apply_retention(self) -> None:
+        if self._sweep_deletions:
+            self._sweep_deletions = False
+            self._remove_deletion_leftovers()
         o = self.options
         keep = policy.steps_to_keep(
             list(self._infos.values()), max_to_keep=o.max_to_keep, keep_period=o.keep_period,
@@ -566,22 +643,86 @@ class CheckpointManager:
                 self._delete_step(step)
             except OSError as e:
                 # The new checkpoint is safe; failing to remove an old one must not fail the
-                # save, but it must not go unnoticed either (the disk will fill up).
+                # save, but it must not go unnoticed either (the disk will fill up). What is
+                # left has a deletion name: invisible, and removed at the next save.
+                self._sweep_deletions = True
                 log.error("minickpt: could not delete old checkpoint %s: %s",
                           self.step_path(step), e)
                 warnings.warn(f"could not delete old checkpoint {self.step_path(step)}: {e}",
                               stacklevel=4)
 
+    def _remove_deletion_leftovers(self) -> None:
+        """Finish deletions an earlier error interrupted (only names marked for deletion)."""
+        try:
+            names = self.fs.listdir(self.directory)
+        except OSError:
+            return
+        with self._removals_lock:  # being removed in the background: not a leftover
+            busy = {os.path.basename(d) for d, fut in self._removals if not fut.done()}
+        doomed = [n for n in sorted(names) if DELETE_MARK in n and n not in busy]
+        if not doomed:
+            return
+        try:  # their renames must be durable before any file goes (else a torn step returns)
+            self.fs.fsync_dir(self.directory)
+        except OSError as e:
+            self._sweep_deletions = True
+            log.error("minickpt: could not fsync %s: %s", self.directory, e)
+            return
+        for name in doomed:
+            try:
+                self.fs.rmtree(os.path.join(self.directory, name))
+            except OSError as e:
+                self._sweep_deletions = True
+                log.error("minickpt: could not remove %s: %s",
+                          os.path.join(self.directory, name), e)
+
     def _delete_step(self, step: int) -> None:
         path = self.step_path(step)
         try:
-            delete_dir(self.fs, path)
+            if self.options.enable_background_delete:
+                # out of the step namespace now; durable (parent fsync) and removed on the
+                # background thread — the fsync always before the first file is removed
+                self._remove_later(retire_dir(self.fs, path, durable=False))
+            else:
+                delete_dir(self.fs, path)
         finally:
             # forget the step once its name is gone, even if removing its files failed
             # (what is left is a deletion temporary, cleaned at the next start-up)
             if not self.fs.is_dir(path):
                 self._infos.pop(step, None)
+                self._names.pop(step, None)
         self._emit("delete", {"step": step, "time": time.time()})
+
+    def _remove_later(self, doomed: str) -> None:
+        """Remove a retired checkpoint's files on the background thread (FIFO, one at a time)."""
+        from concurrent.futures import ThreadPoolExecutor
+
+        self._finish_removals(block=False)
+        with self._removals_lock:
+            if self._remover is None:
+                self._remover = ThreadPoolExecutor(1, thread_name_prefix="minickpt-delete")
+            self._removals.append((doomed, self._remover.submit(remove_retired, self.fs,
+                                                                doomed)))
+
+    def _finish_removals(self, block: bool = True) -> None:
+        """Collect finished background removals (all of them when ``block``); a failure is
+        logged and warned about — the checkpoint is already gone from the step namespace,
+        and what is left is a deletion temporary that the next start-up removes."""
+        with self._removals_lock:
+            pending, self._removals = self._removals, []
+        keep = []
+        for doomed, fut in pending:
+            if not block and not fut.done():
+                keep.append((doomed, fut))
+                continue
+            err = fut.exception()
+            if err is not None:
+                self._sweep_deletions = True  # the next save's retention finishes the job
+                log.error("minickpt: could not remove %s: %s", doomed, err)
+                warnings.warn(f"could not remove deleted checkpoint {doomed}: {err}",
+                              stacklevel=3)
+        with self._removals_lock:
+            self._removals[:0] = keep
 
     def delete(self, step: int) -> None:
         """Delete one checkpoint, crash-safely (it vanishes from the step list atomically)."""
@@ -622,7 +763,8 @@ class CheckpointManager:
     def _record(self, stats: SaveStats) -> None:
         self.last_save_stats = stats
         self.save_history.append(stats)
-        self._emit("save", stats.as_dict())
+        if self.listeners:  # as_dict() deep-copies: only when someone listens
+            self._emit("save", stats.as_dict())
 
     # ---- restoring -----------------------------------------------------------------------
     def restore(self, step: int | None = None, target: Mapping[str, Any] | None = None, *,
@@ -652,25 +794,39 @@ class CheckpointManager:
             self.wait_until_finished()
         if step is not None:
             return self._restore_step(self._resolve(step), target, partial, verify, sharding)
-        steps = sorted(self.all_steps(read=True), reverse=True)
-        if not steps:
-            raise CheckpointNotFoundError(f"no checkpoint to restore in {self.directory}")
-        errors: list[str] = []
-        for s in steps:
-            try:
-                out = self._restore_step(s, target, partial, verify, sharding)
-            except (CheckpointCorruptedError, OSError) as e:
-                if isinstance(e, CheckpointNotFoundError) or not fallback:
-                    raise
-                msg = f"minickpt: skipping damaged checkpoint step {s}: {e}"
-                log.error(msg)
-                warnings.warn(msg, stacklevel=2)
-                errors.append(f"step {s}: {e}")
-                self._emit("skip", {"step": s, "error": str(e), "time": time.time()})
-                continue
-            return out
-        raise CheckpointCorruptedError(self.directory, "every checkpoint is damaged:\n  "
-                                       + "\n  ".join(errors))
+        skipped: set[int] = set()
+        for _ in range(3):  # a writer's retention may delete steps while we read: look again
+            steps = sorted(self.all_steps(read=True), reverse=True)
+            if not steps:
+                raise CheckpointNotFoundError(f"no checkpoint to restore in {self.directory}")
+            errors: list[str] = []
+            vanished = False
+            for s in steps:
+                try:
+                    out = self._restore_step(s, target, partial, verify, sharding)
+                except (CheckpointCorruptedError, CheckpointTooLargeError, OSError) as e:
+                    if isinstance(e, CheckpointNotFoundError):
+                        vanished = True
+                        break
+                    if not fallback:
+                        raise
+                    errors.append(f"step {s}: {e}")
+                    if s not in skipped:
+                        skipped.add(s)
+                        why = ("too large for this machine"
+                               if isinstance(e, CheckpointTooLargeError) else "damaged")
+                        msg = f"minickpt: skipping {why} checkpoint step {s}: {e}"
+                        log.error(msg)
+                        warnings.warn(msg, stacklevel=2)
+                        self._emit("skip", {"step": s, "error": str(e), "time": time.time()})
+                    continue
+                return out
+            if not vanished:
+                raise CheckpointCorruptedError(self.directory, "no checkpoint can be restored "
+                                               "(damaged, or too large):\n  "
+                                               + "\n  ".join(errors))
+        raise CheckpointNotFoundError(f"the checkpoints in {self.directory} kept being deleted "
+                                      "while they were read; is another process deleting them?")
 
     def _restore_collective(self, step: int | None, target: Mapping[str, Any] | None,
                             partial: bool, verify: bool, sharding: Any,
@@ -698,7 +854,8 @@ class CheckpointManager:
                 if mh.primary_only:
                     out = Restored(multihost.restore_broadcast(
                         self._checkpointer, sync, f"{op}/b{n}", self.step_path(s), target,
-                        partial=partial, verify=verify, sharding=sharding, options=mh))
+                        partial=partial, verify=verify, sharding=sharding, options=mh,
+                        step=s))
                     out.step = s
                 else:
                     out = self._restore_step(self._resolve(s), target, partial, verify,
@@ -728,8 +885,15 @@ class CheckpointManager:
         t0 = time.perf_counter()
         path = self.step_path(step)
         try:
-            items = self._checkpointer.restore(path, target, partial=partial, verify=verify,
-                                               sharding=sharding)
+            try:
+                items = self._checkpointer.restore(path, target, partial=partial, verify=verify,
+                                                   sharding=sharding, step=step)
+            except (CheckpointCorruptedError, OSError) as e:
+                if isinstance(e, CheckpointNotFoundError) or self.fs.exists(path):
+                    raise
+                raise CheckpointNotFoundError(
+                    f"step {step} was deleted while it was being restored (by another "
+                    f"process?): {path}") from e
         except Exception as e:
             self._emit("restore", {"step": step, "ok": False, "error": f"{type(e).__name__}: "
                                    f"{e}", "total_s": time.perf_counter() - t0,

@@ -77,7 +77,7 @@ from typing import Any
 import jax
 import numpy as np
 
-from .checkpointer import Checkpointer, SaveStats, metadata_bytes
+from .checkpointer import Checkpointer, SaveStats, _renamed, metadata_bytes, save_error
 from .commit import METADATA_FILE, TMP_MARK, abort, commit
 from .errors import (
     CheckpointCorruptedError,
@@ -108,6 +108,7 @@ from .format import (
     write_item_manifest,
     write_shards,
 )
+from .fs import SyncBatch
 from .tree import (
     HostKey,
     Names,
@@ -783,7 +784,11 @@ def remote_failure(statuses: Mapping[int, Mapping[str, Any]], what: str, *,
         return StepAlreadyExistsError(first.get("message"))
     if reading and all(st.get("damage") for st in statuses.values()):
         return CheckpointCorruptedError(f"process {min(statuses)}", msg)
-    return MultiHostError(msg)
+    err = MultiHostError(msg)
+    # the errno of the first process that failed with one (ENOSPC on a peer's disk, say)
+    err.errno = next((st["errno"] for _, st in sorted(statuses.items())
+                      if isinstance(st.get("errno"), int)), None)
+    return err
 
 
 def raise_failures(statuses: Sequence[Any] | Mapping[int, Any], me: int,
@@ -874,7 +879,7 @@ class CollectiveSave:
                     fs.mkdir(os.path.join(tmp, item))
             _fault(sync, "after_create")
         except Exception as e:
-            local = e
+            local = self._save_error(e)
         try:
             statuses = self._exchange("created", failure_status(local),
                                       "waiting for every process to start writing (the "
@@ -889,23 +894,29 @@ class CollectiveSave:
         written: dict[str, Any] = {}
         primary_data: dict[str, ItemData] = {}
         try:
+            # this process's files and directories, fsynced together (one group commit)
+            # before it reports them written
+            batch = SyncBatch(fs)
             try:
                 for item, plan in self.plans.items():
                     item_dir = os.path.join(tmp, item)
                     if plan.primary is not None:
-                        primary_data[item] = d = write_item_data(fs, item_dir, plan.primary)
+                        primary_data[item] = d = write_item_data(fs, item_dir, plan.primary,
+                                                                 sync=batch)
                         self.stats.write_s += d.write_s
-                        self.stats.fsync_s += d.fsync_s
-                        self.stats.bytes += d.data_bytes
-                    sf = write_shards(fs, item_dir, me, plan.shards)
+                        self.stats.bytes += d.data_bytes  # its directory: by commit()
+                    sf = write_shards(fs, item_dir, me, plan.shards, sync=batch)
                     written[item] = None if sf is None else sf.record()
                     if sf is not None:
                         self.stats.write_s += sf.write_s
-                        self.stats.fsync_s += sf.fsync_s
                         self.stats.bytes += sf.data_bytes
+                batch.flush()
+                self.stats.fsync_s += batch.flush_s
                 _fault(sync, "after_write")
             except Exception as e:
-                local = e
+                local = self._save_error(e)
+            finally:
+                _close_quietly(batch)
             statuses = self._exchange("written", failure_status(local, files=written),
                                       "waiting for every process to write its shards")
         except BaseException:
@@ -920,22 +931,30 @@ class CollectiveSave:
             try:
                 _fault(sync, "before_commit")
                 t = time.perf_counter()
-                records = self._write_manifests(tmp, primary_data, statuses)
-                sharded = any(p.num_sharded for p in self.plans.values())
-                raw = metadata_bytes(self.step, records, metrics=self.metrics,
-                                     custom_metadata=self.custom_metadata, init_ns=self.init_ns,
-                                     format_version=SHARDED_FORMAT_VERSION if sharded
-                                     else FORMAT_VERSION)
-                fs.write_file(os.path.join(tmp, METADATA_FILE), [raw])
-                commit(fs, tmp, self.directory, subdirs=list(self.plans))
+                # the manifests, the metadata and every directory of the tree: fsynced
+                # together by commit(), before its rename
+                batch = SyncBatch(fs)
+                try:
+                    records = self._write_manifests(tmp, primary_data, statuses, batch)
+                    sharded = any(p.num_sharded for p in self.plans.values())
+                    raw = metadata_bytes(self.step, records, metrics=self.metrics,
+                                         custom_metadata=self.custom_metadata,
+                                         init_ns=self.init_ns,
+                                         format_version=SHARDED_FORMAT_VERSION if sharded
+                                         else FORMAT_VERSION)
+                    fs.write_file(os.path.join(tmp, METADATA_FILE), [raw], batch=batch)
+                    commit(fs, tmp, self.directory, subdirs=list(self.plans), sync=batch)
+                finally:
+                    _close_quietly(batch)
                 committed = True
-                self.stats.commit_s = time.perf_counter() - t
+                self.stats.fsync_s += batch.flush_s
+                self.stats.commit_s = time.perf_counter() - t - batch.flush_s
                 _fault(sync, "after_commit")
                 info = dict(self.on_commit(self.stats)) if self.on_commit else {}
             except Exception as e:
                 if not committed:
                     abort(fs, tmp)
-                local = e
+                local = self._save_error(e)
         # 4. nobody returns before the commit is durable (or known to have failed)
         try:
             statuses = self._exchange("committed", failure_status(local, **info)
@@ -968,8 +987,19 @@ class CollectiveSave:
             log.warning("minickpt: %s", e)
         raise_failures(statuses, self.sync.process_index, local, what)
 
+    def _save_error(self, e: Exception) -> Exception:
+        """A file-system error as the error a failed save raises (same errno, saying which
+        checkpoint and that nothing was committed), unless the rename already happened."""
+        if (isinstance(e, OSError) and not isinstance(e, MiniCkptError)
+                and not _renamed(self.checkpointer.fs, os.path.abspath(self.directory))):
+            err = save_error(e, self.directory)
+            err.__cause__ = e
+            return err
+        return e
+
     def _write_manifests(self, tmp: str, primary_data: Mapping[str, ItemData],
-                         statuses: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
+                         statuses: Sequence[Mapping[str, Any]], batch: SyncBatch
+                         ) -> dict[str, Any]:
         fs = self.checkpointer.fs
         records = {}
         for item, plan in self.plans.items():
@@ -980,8 +1010,7 @@ class CollectiveSave:
                 extra = {"format_version": SHARDED_FORMAT_VERSION,
                          "process_count": self.sync.process_count, "shard_files": files}
             res = write_item_manifest(fs, os.path.join(tmp, item), plan.primary,
-                                      primary_data[item], extra=extra)
-            self.stats.fsync_s += res.fsync_s - primary_data[item].fsync_s
+                                      primary_data[item], extra=extra, sync=batch)
             self.stats.num_leaves += res.num_leaves
             shard_bytes = sum(f["data_bytes"] for f in files)
             records[item] = {"manifest_crc32": res.manifest_crc32, "data_bytes": res.data_bytes,
@@ -989,6 +1018,14 @@ class CollectiveSave:
             if plan.num_sharded:
                 records[item]["shard_bytes"] = shard_bytes
         return records
+
+
+def _close_quietly(batch: SyncBatch) -> None:
+    """Close what a failed write left in its batch; the write's own error matters more."""
+    try:
+        batch.close()
+    except OSError:
+        pass
 
 
 def prepare_save(checkpointer: Checkpointer, sync: Sync, directory: str,
@@ -1113,8 +1150,11 @@ def _unpack(payload: np.ndarray) -> tuple[list[Any], Any]:
 
 def restore_broadcast(checkpointer: Checkpointer, sync: Sync, key: str, path: str,
                       target: Mapping[str, Any] | None, *, partial: bool, verify: bool,
-                      sharding: Any, options: MultiHostOptions) -> dict[str, Any]:
+                      sharding: Any, options: MultiHostOptions,
+                      step: int | None = None) -> dict[str, Any]:
     """Restore on the primary, broadcast to all: the other processes never read the disk.
+
+    ``step``: the step ``path``'s name stands for, checked against its metadata.
 
     Every process then places the values as its own target asks (its shardings). The
     primary's success or failure is exchanged (with a time-out) before the broadcast, so a
@@ -1129,7 +1169,9 @@ def restore_broadcast(checkpointer: Checkpointer, sync: Sync, key: str, path: st
     sizes: dict[str, int] = {}
     if me == src:
         try:
-            meta = checkpointer.metadata(path)
+            meta = checkpointer.metadata(path, step=step)
+            if verify:
+                checkpointer.check_listed(path, meta)
             names = list(meta.items) if names is None else names
             missing = [n for n in names if n not in meta.items]
             if missing:

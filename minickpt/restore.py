@@ -187,6 +187,28 @@ def put(arr: np.ndarray, sharding: Any = None) -> jax.Array:
     return jax.make_array_from_callback(arr.shape, sharding, lambda idx: arr[idx])
 
 
+def put_many(arrays: Sequence[np.ndarray], shardings: Sequence[Any]) -> list[jax.Array]:
+    """:func:`put` for many arrays: those that go whole to addressable devices travel in one
+    batched ``device_put`` (one dispatch instead of one per leaf — most of the cost of
+    restoring many small leaves); the others go one by one through :func:`put`.
+
+    On a CPU backend an array whose buffer is 64-byte aligned (as :func:`read_leaves` makes
+    them) becomes a jax.Array without being copied.
+    """
+    out: list[Any] = [None] * len(arrays)
+    groups: dict[Any, list[int]] = {}  # one device_put per distinct sharding (usually one)
+    for i, s in enumerate(shardings):
+        if s is None or isinstance(s, jax.Device) or s.is_fully_addressable:
+            groups.setdefault(s, []).append(i)
+        else:
+            out[i] = put(arrays[i], s)
+    for s, idx in groups.items():
+        placed = jax.device_put([arrays[i] for i in idx], s)
+        for i, a in zip(idx, placed, strict=True):
+            out[i] = a
+    return out
+
+
 def read_item_values(fs: FileSystem, manifest: Manifest, target: Any = None, *,
                      item: str = "", partial: bool = False, verify: bool = True) -> list[Any]:
     """The host values of an item: every leaf without a target, else the target's leaves in
@@ -207,9 +229,26 @@ def finish_item(values: Sequence[Any], skel: Any, target: Any = None,
                       if isinstance(v, (np.ndarray, HostKey)) else v for v in values]
         return from_skeleton(skel, list(values))
     flat, treedef = jax.tree_util.tree_flatten(target)
-    outs = [to_output(v, expect_of(leaf), sharding)
-            for v, leaf in zip(values, flat, strict=True)]
-    return jax.tree_util.tree_unflatten(treedef, outs)
+    return jax.tree_util.tree_unflatten(treedef, _outputs(values, flat, sharding))
+
+
+def _outputs(values: Sequence[Any], leaves: Sequence[Any], sharding: Any) -> list[Any]:
+    """Each host value as its target leaf asks; plain arrays bound for devices are placed
+    together (:func:`put_many`)."""
+    outs: list[Any] = [None] * len(leaves)
+    to_device: list[int] = []
+    for k, (v, leaf) in enumerate(zip(values, leaves, strict=True)):
+        want = expect_of(leaf)
+        if want.kind == "array" and want.out == "jax" and isinstance(v, np.ndarray):
+            to_device.append(k)
+            outs[k] = want.sharding if want.sharding is not None else sharding
+        else:
+            outs[k] = to_output(v, want, sharding)
+    if to_device:
+        placed = put_many([values[k] for k in to_device], [outs[k] for k in to_device])
+        for k, arr in zip(to_device, placed, strict=True):
+            outs[k] = arr
+    return outs
 
 
 def restore_item(fs: FileSystem, manifest: Manifest, target: Any = None, *, item: str = "",
@@ -235,10 +274,11 @@ def restore_item(fs: FileSystem, manifest: Manifest, target: Any = None, *, item
         if _by_region(manifest.entries[i], want, where):
             outs[names] = restore_by_region(fs, manifest, i, want, where, verify=verify)
         else:
-            rest.append((names, i, want))
+            rest.append((names, i, leaf))
     values = read_leaves(fs, manifest, [i for _, i, _ in rest], verify=verify)
-    for (names, _, want), v in zip(rest, values, strict=True):
-        outs[names] = to_output(v, want, sharding)
+    placed = _outputs(values, [leaf for _, _, leaf in rest], sharding)
+    for (names, _, _), out in zip(rest, placed, strict=True):
+        outs[names] = out
     return unflatten_like(target, outs)
 
 

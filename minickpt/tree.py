@@ -100,24 +100,34 @@ def nest(named: Iterable[tuple[Names, Any]]) -> Any:
 # ---------------------------------------------------------------------------------------
 # skeletons: the container structure, for restoring without a target
 # ---------------------------------------------------------------------------------------
-def _is_leaf_node(node: Any) -> bool:
-    leaves = jax.tree_util.tree_leaves(node)
-    return len(leaves) == 1 and leaves[0] is node
+def _children_or_leaf(node: Any) -> list[tuple[str, Any]] | None:
+    """The direct children of ``node``, or None if it is a leaf — one flatten, one level.
 
-
-def _children(node: Any) -> list[tuple[str, Any]]:
-    """The direct children of a pytree node, with their key names."""
+    (Asking "is it a leaf?" by flattening the whole subtree at every node made the walk
+    quadratic in the depth of the tree.)
+    """
     flat, _ = jax.tree_util.tree_flatten_with_path(node, is_leaf=lambda y: y is not node)
+    if len(flat) == 1 and not flat[0][0] and flat[0][1] is node:
+        return None
     return [(key_name(p[0]), child) for p, child in flat]
 
 
-def skeleton(tree: Any) -> tuple[dict[str, Any], list[tuple[Names, Any]]]:
+# leaves that need no pytree look-up (a jax.Array is checked separately)
+_PLAIN_LEAVES = (np.ndarray, np.generic, bool, int, float, complex, str)
+
+
+def skeleton(tree: Any, *, fast: bool = True) -> tuple[dict[str, Any], list[tuple[Names, Any]]]:
     """The JSON-able container structure of ``tree``, and its named leaves in tree order
     (exactly what :func:`flatten_with_names` returns, which this calls).
 
     Containers become ``{"t": "dict" | "list" | "tuple" | "namedtuple" | "node", ...}`` and
     each leaf ``{"t": "leaf", "i": index}``. Class names are recorded for people to read, never
     imported back (a checkpoint must not choose which code runs).
+
+    Plain dicts, lists, tuples and array leaves are walked directly, as JAX itself orders
+    them (dict keys sorted); every other node goes through JAX's own flattening.
+    ``fast=False`` sends every node through JAX — the reference the fast path is tested
+    against.
     """
     leaves = flatten_with_names(tree)
     index = {names: i for i, (names, _leaf) in enumerate(leaves)}
@@ -126,20 +136,39 @@ def skeleton(tree: Any) -> tuple[dict[str, Any], list[tuple[Names, Any]]]:
                          "unique")
     visited = 0
 
-    def walk(node: Any, names: Names) -> dict[str, Any]:
+    def leaf(node: Any, names: Names) -> dict[str, Any]:
         nonlocal visited
+        i = index.get(names)
+        if i is None or leaves[i][1] is not node:
+            raise ValueError(f"flatten_with_names gave no leaf {path_str(names)!r} for this "
+                             "leaf of the tree: leaves must be named by their key paths")
+        visited += 1
+        return {"t": "leaf", "i": i}
+
+    def walk(node: Any, names: Names) -> dict[str, Any]:
         if len(names) > MAX_DEPTH:
             raise ValueError(f"tree is nested deeper than {MAX_DEPTH} levels at {path_str(names)}")
         if node is None:
             return {"t": "none"}
-        if _is_leaf_node(node):
-            i = index.get(names)
-            if i is None or leaves[i][1] is not node:
-                raise ValueError(f"flatten_with_names gave no leaf {path_str(names)!r} for this "
-                                 "leaf of the tree: leaves must be named by their key paths")
-            visited += 1
-            return {"t": "leaf", "i": i}
-        kids = _children(node)
+        if fast:
+            t = type(node)
+            if isinstance(node, (jax.Array, *_PLAIN_LEAVES)):
+                return leaf(node, names)
+            if t is dict:
+                try:
+                    keys = sorted(node)  # JAX orders a dict's children by sorted key
+                except TypeError:
+                    keys = None  # unorderable keys: let JAX decide (and explain)
+                if keys is not None:
+                    return {"t": "dict", "type": "dict",
+                            "c": [[_json_key(k), walk(node[k], (*names, str(k)))]
+                                  for k in keys]}
+            elif t is list or t is tuple:
+                return {"t": "list" if t is list else "tuple",
+                        "c": [walk(child, (*names, str(i))) for i, child in enumerate(node)]}
+        kids = _children_or_leaf(node)
+        if kids is None:
+            return leaf(node, names)
         if isinstance(node, Mapping) and not _is_namedtuple(node):
             keys = [_json_key(k) for k in _dict_keys(node, kids)]
             return {"t": "dict", "type": type(node).__name__,
@@ -230,7 +259,9 @@ SCALAR_TYPES = (bool, int, float, complex, str)
 
 def is_prng_key(x: Any) -> bool:
     dtype = getattr(x, "dtype", None)
-    return dtype is not None and jax.dtypes.issubdtype(dtype, jax.dtypes.prng_key)
+    if dtype is None or isinstance(dtype, np.dtype):  # key dtypes are never numpy dtypes
+        return False
+    return jax.dtypes.issubdtype(dtype, jax.dtypes.prng_key)
 
 
 # Platforms whose device memory reaches the host only through a transfer into a new buffer.

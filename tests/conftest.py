@@ -84,3 +84,14 @@ def compile_cache(tmp_path_factory):
     """A JAX compilation cache shared by the training subprocesses of the tests: each
     restart loads the programs the first run compiled (as a production restart should)."""
     return str(tmp_path_factory.mktemp("jax-compile-cache"))
+
+
+def pytest_terminal_summary(terminalreporter):
+    """The crash-safety figures of this run (crash points, states, kills, cases)."""
+    import sys
+
+    harness = sys.modules.get("crash_harness")
+    if harness is not None and harness.FIGURES:
+        terminalreporter.section("crash safety figures")
+        for name, value in harness.FIGURES.items():
+            terminalreporter.write_line(f"{name:<40} {value}")

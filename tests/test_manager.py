@@ -48,7 +48,7 @@ def test_save_interval_and_save_on_steps(tmp_path):
 
 def test_force_saves_off_interval_but_never_replaces(tmp_path):
     with CheckpointManager(tmp_path, opts(save_interval_steps=10)) as m:
-        assert m.save(0, {"s": state()})
+        assert m.save(0, {"s": state()})  # the first save always happens (Orbax's rule)
         assert not m.save(3, {"s": state()})
         assert m.save(3, {"s": state()}, force=True)
         with pytest.raises(StepAlreadyExistsError, match="step 3"):
@@ -239,3 +239,27 @@ def test_save_stats_are_recorded(tmp_path):
         assert st.ok and st.bytes == 8000 and st.total_s > 0 and st.fsync_s > 0
         m.restore()
     assert [e for e, _ in events] == ["save", "restore"]
+
+
+def test_a_directory_another_process_creates_meanwhile_is_used(tmp_path):
+    """Every process of a job opens the same run directory; one may create it between this
+    process's two looks at it. That is a directory, not "a file in the way"."""
+    from minickpt.fs import FileSystem
+
+    run = tmp_path / "run"
+
+    class OtherProcessMakesIt(FileSystem):
+        first = True
+
+        def lstat(self, path):
+            if self.first and path == str(run):
+                self.first = False
+                os.mkdir(run)  # the other process, just after this one looked
+                raise FileNotFoundError(path)
+            return super().lstat(path)
+
+    with CheckpointManager(run, fs=OtherProcessMakesIt()) as m:
+        assert m.save(1, {"s": state()})
+    (tmp_path / "file").write_text("x")
+    with pytest.raises(NotADirectoryError):
+        CheckpointManager(tmp_path / "file")

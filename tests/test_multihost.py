@@ -33,6 +33,7 @@ from jax.sharding import PartitionSpec as P
 
 import minickpt as mc
 from minickpt import multihost as mh
+from minickpt.checkpointer import encode_metadata
 from minickpt.cli import main as cli
 from minickpt.commit import METADATA_FILE, TMP_MARK
 from minickpt.errors import (
@@ -646,7 +647,8 @@ def _rewrite(path, fn):
     meta = item.parent / METADATA_FILE
     m = json.loads(meta.read_text())
     m["items"][item.name]["manifest_crc32"] = zlib.crc32(raw)
-    meta.write_text(json.dumps(m))
+    m.pop("metadata_crc32")
+    meta.write_bytes(encode_metadata(m))  # sealed with its own checksum, as minickpt would
 
 
 def test_a_missing_shard_is_damage_not_a_silent_hole(tmp_path):
@@ -660,12 +662,25 @@ def test_a_missing_shard_is_damage_not_a_silent_hole(tmp_path):
 
 def test_an_overlapping_shard_is_damage(tmp_path):
     ckpt = _sharded_checkpoint(tmp_path)
+    theirs = json.loads((ckpt / "params" / "manifest.p1.json").read_text())["shards"]
+    taken = next(e["index"] for e in theirs if e["path"] == ["w"])
+
+    def steal(o):  # process 2 claims process 1's part of w (same size, its own bytes)
+        next(e for e in o["shards"] if e["path"] == ["w"])["index"] = taken
+    _rewrite(ckpt / "params" / "manifest.p2.json", steal)
+    with pytest.raises(CheckpointCorruptedError, match="more than one shard"):
+        mc.Checkpointer().restore(ckpt)
+
+
+def test_a_shard_listed_twice_is_damage(tmp_path):
+    ckpt = _sharded_checkpoint(tmp_path)
 
     def dup(o):
         o["shards"].append(dict(o["shards"][0]))
     _rewrite(ckpt / "params" / "manifest.p2.json", dup)
-    with pytest.raises(CheckpointCorruptedError, match="more than one shard"):
+    with pytest.raises(CheckpointCorruptedError, match="shards never overlap") as e:
         mc.Checkpointer().restore(ckpt)
+    assert "manifest.p2.json" in str(e.value)
 
 
 def test_tampered_or_missing_shard_files_are_named(tmp_path):

@@ -1,0 +1,293 @@
+"""The contenders: minickpt, Orbax, and the machine's own limits, as timed operations.
+
+Each class holds what one contender needs across repetitions (a checkpointer, a manager, a
+buffer) and hands out :class:`~benchmarks.core.Op` objects. A save always goes to a fresh
+directory (removed, untimed, after the repetition); a restore always reads the same
+checkpoint, written once up front, into an abstract target (shapes, dtypes, shardings —
+what a resuming job has), and waits until the arrays are ready.
+
+The limits are measured with plain ``os`` calls on plain files: ``write_fsync`` is what
+``dd conv=fsync`` does (write the bytes, fsync the file), ``read`` reads them back into a
+preallocated buffer, ``memcpy`` copies them from one host buffer to another.
+"""
+
+from __future__ import annotations
+
+import itertools
+import os
+import shutil
+from typing import Any
+
+import jax
+import numpy as np
+
+from . import states
+from .core import Op
+from .machine import PageCache
+
+ITEM = "state"
+_counter = itertools.count()
+
+
+def fresh(workdir: str, stem: str) -> str:
+    return os.path.join(workdir, f"{stem}-{os.getpid()}-{next(_counter)}")
+
+
+def remove(path: str) -> None:
+    """Delete, then fsync the parent: the journal commit that frees the blocks (and, on a
+    file system mounted with ``discard``, trims them) is paid here, untimed, instead of by
+    whichever contender happens to fsync next."""
+    if os.path.isdir(path):
+        shutil.rmtree(path, ignore_errors=True)
+    elif os.path.lexists(path):
+        os.unlink(path)
+    else:
+        return
+    try:
+        fd = os.open(os.path.dirname(os.path.abspath(path)), os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def orbax_available() -> bool:
+    try:
+        import orbax.checkpoint  # noqa: F401
+    except Exception:
+        return False
+    return True
+
+
+def _ready(tree: Any) -> Any:
+    return jax.block_until_ready(tree)
+
+
+# ---------------------------------------------------------------------------------------
+# the machine's limits
+# ---------------------------------------------------------------------------------------
+class Limits:
+    """Sequential write + fsync, read back, and host copy of ``nbytes`` bytes."""
+
+    def __init__(self, workdir: str, nbytes: int):
+        self.workdir = workdir
+        self.nbytes = max(int(nbytes), 1)
+        rng = np.random.default_rng(3)
+        self.src = rng.integers(0, 256, size=self.nbytes, dtype=np.uint8)
+        self.dst = np.empty_like(self.src)
+        self.dst.fill(0)  # touch every page now, not inside a timed copy
+        self._path = ""
+        self.read_path = fresh(workdir, "limit-read")
+        self._write(self.read_path)
+
+    def _write(self, path: str) -> None:
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+        try:
+            mv = memoryview(self.src)
+            off = 0
+            while off < len(mv):
+                off += os.write(fd, mv[off: off + (1 << 30)])
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+
+    def write_fsync(self) -> Op:
+        def prepare() -> None:
+            self._path = fresh(self.workdir, "limit-write")
+
+        return Op("limit", lambda: self._write(self._path), prepare,
+                  lambda: remove(self._path))
+
+    def read(self, cache: PageCache | None = None) -> Op:
+        def run() -> None:
+            fd = os.open(self.read_path, os.O_RDONLY)
+            try:
+                mv, off = memoryview(self.dst), 0
+                while off < len(mv):
+                    n = os.preadv(fd, [mv[off: off + (1 << 30)]], off)
+                    if n <= 0:
+                        raise EOFError(self.read_path)
+                    off += n
+            finally:
+                os.close(fd)
+
+        prepare = (lambda: cache.evict(self.read_path)) if cache is not None else None
+        return Op("limit", run, prepare)
+
+    def memcpy(self) -> Op:
+        return Op("limit", lambda: np.copyto(self.dst, self.src))
+
+    def close(self) -> None:
+        remove(self.read_path)
+
+
+# ---------------------------------------------------------------------------------------
+# minickpt
+# ---------------------------------------------------------------------------------------
+class MinickptCheckpointer:
+    """``minickpt.Checkpointer``: one checkpoint directory, saved and restored whole."""
+
+    label = "minickpt"
+
+    def __init__(self, workdir: str, tree: Any):
+        import minickpt
+
+        self.ck = minickpt.Checkpointer()
+        self.workdir, self.tree, self.target = workdir, tree, states.abstract(tree)
+        self._path = ""
+        self.saved = fresh(workdir, "mc-restore")
+        self.ck.save(self.saved, {ITEM: tree})
+
+    def save(self) -> Op:
+        def prepare() -> None:
+            self._path = fresh(self.workdir, "mc-save")
+
+        return Op(self.label, lambda: self.ck.save(self._path, {ITEM: self.tree}), prepare,
+                  lambda: remove(self._path))
+
+    def restore(self, cache: PageCache | None = None) -> Op:
+        def run() -> None:
+            _ready(self.ck.restore(self.saved, {ITEM: self.target}))
+
+        prepare = (lambda: cache.evict(self.saved)) if cache is not None else None
+        return Op(self.label, run, prepare)
+
+    def close(self) -> None:
+        remove(self.saved)
+
+
+class MinickptManager:
+    """``minickpt.CheckpointManager`` keeping 2 steps, so every save also deletes one."""
+
+    label = "minickpt"
+
+    def __init__(self, workdir: str, tree: Any, *, async_: bool = False, max_to_keep: int = 2,
+                 background_delete: bool = False):
+        import minickpt
+
+        self.dir = fresh(workdir, "mc-mngr")
+        opts = minickpt.CheckpointManagerOptions(max_to_keep=max_to_keep,
+                                                 enable_async_checkpointing=async_,
+                                                 enable_background_delete=background_delete)
+        self.mngr = minickpt.CheckpointManager(self.dir, opts)
+        self.async_ = async_
+        self.tree, self.target = tree, states.abstract(tree)
+        self.step = 0
+        for _ in range(max_to_keep):  # steady state: from now on every save deletes one
+            self.save_now(tree)
+        self.mngr.wait_until_finished()
+
+    def save_now(self, tree: Any) -> None:
+        self.mngr.save(self.step, {ITEM: tree}, force=True)
+        self.step += 1
+
+    def wait(self) -> None:
+        self.mngr.wait_until_finished()
+
+    def save(self) -> Op:
+        """A whole save: for an async manager until it is committed; a background delete
+        is not waited for (that is the point of the option), only before the next one."""
+        if self.async_:
+            return Op(self.label, lambda: (self.save_now(self.tree), self.wait()))
+        return Op(self.label, lambda: self.save_now(self.tree), after=self.wait)
+
+    def restore(self) -> Op:
+        def run() -> None:
+            step = self.mngr.latest_step()
+            _ready(self.mngr.restore(step, target={ITEM: self.target}))
+
+        return Op(self.label, run)
+
+    def close(self) -> None:
+        self.mngr.close()
+        remove(self.dir)
+
+
+# ---------------------------------------------------------------------------------------
+# Orbax
+# ---------------------------------------------------------------------------------------
+class OrbaxCheckpointer:
+    """``orbax.checkpoint.StandardCheckpointer``: save, then wait until it is finished."""
+
+    label = "orbax"
+
+    def __init__(self, workdir: str, tree: Any):
+        import orbax.checkpoint as ocp
+
+        self.ck = ocp.StandardCheckpointer()
+        self.workdir, self.tree, self.target = workdir, tree, states.abstract(tree)
+        self._path = ""
+        self.saved = fresh(workdir, "ox-restore")
+        self.ck.save(self.saved, tree)
+        self.ck.wait_until_finished()
+
+    def save(self) -> Op:
+        def prepare() -> None:
+            self._path = fresh(self.workdir, "ox-save")
+
+        def run() -> None:
+            self.ck.save(self._path, self.tree)
+            self.ck.wait_until_finished()
+
+        return Op(self.label, run, prepare, lambda: remove(self._path))
+
+    def restore(self, cache: PageCache | None = None) -> Op:
+        def run() -> None:
+            _ready(self.ck.restore(self.saved, self.target))
+
+        prepare = (lambda: cache.evict(self.saved)) if cache is not None else None
+        return Op(self.label, run, prepare)
+
+    def close(self) -> None:
+        self.ck.close()
+        remove(self.saved)
+
+
+class OrbaxManager:
+    """``orbax.checkpoint.CheckpointManager`` with the same options as minickpt's."""
+
+    label = "orbax"
+
+    def __init__(self, workdir: str, tree: Any, *, async_: bool = False, max_to_keep: int = 2,
+                 background_delete: bool = False):
+        import orbax.checkpoint as ocp
+
+        self.ocp = ocp
+        self.dir = fresh(workdir, "ox-mngr")
+        opts = ocp.CheckpointManagerOptions(max_to_keep=max_to_keep,
+                                            enable_async_checkpointing=async_,
+                                            enable_background_delete=background_delete)
+        self.mngr = ocp.CheckpointManager(self.dir, options=opts)
+        self.async_ = async_
+        self.tree, self.target = tree, states.abstract(tree)
+        self.step = 0
+        for _ in range(max_to_keep):
+            self.save_now(tree)
+        self.mngr.wait_until_finished()
+
+    def save_now(self, tree: Any) -> None:
+        self.mngr.save(self.step, args=self.ocp.args.StandardSave(tree), force=True)
+        self.step += 1
+
+    def wait(self) -> None:
+        self.mngr.wait_until_finished()
+
+    def save(self) -> Op:
+        """A whole save: for an async manager until it is committed; a background delete
+        is not waited for (that is the point of the option), only before the next one."""
+        if self.async_:
+            return Op(self.label, lambda: (self.save_now(self.tree), self.wait()))
+        return Op(self.label, lambda: self.save_now(self.tree), after=self.wait)
+
+    def restore(self) -> Op:
+        def run() -> None:
+            step = self.mngr.latest_step()
+            _ready(self.mngr.restore(step, args=self.ocp.args.StandardRestore(self.target)))
+
+        return Op(self.label, run)
+
+    def close(self) -> None:
+        self.mngr.close()
+        remove(self.dir)

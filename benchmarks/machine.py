@@ -1,0 +1,230 @@
+"""The machine a run measures: what it is, and the page cache's state.
+
+A benchmark number without its machine is not a number. This module describes the CPU, the
+memory, the file system the checkpoints land on and the library versions, and controls the
+page cache: a *warm* read comes from memory, a *cold* one from the disk. Files are evicted one
+by one with ``posix_fadvise(POSIX_FADV_DONTNEED)`` (unprivileged, touches nobody else's
+data) and the eviction is checked with ``mincore``; the global ``drop_caches`` is used only
+when asked for and only as root, because it empties the cache of every user of the machine.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import ctypes.util
+import mmap
+import os
+import platform
+import subprocess
+import sys
+import time
+from importlib import metadata as _md
+from typing import Any
+
+
+def _read(path: str) -> str:
+    try:
+        with open(path) as f:
+            return f.read()
+    except OSError:
+        return ""
+
+
+def cpu_model() -> str:
+    for line in _read("/proc/cpuinfo").splitlines():
+        if line.startswith("model name"):
+            return line.split(":", 1)[1].strip()
+    return platform.processor() or platform.machine()
+
+
+def mem_total_bytes() -> int | None:
+    for line in _read("/proc/meminfo").splitlines():
+        if line.startswith("MemTotal:"):
+            return int(line.split()[1]) * 1024
+    return None
+
+
+def mount_of(path: str) -> dict[str, str]:
+    """The mount (device, file system type, options) holding ``path``."""
+    path = os.path.realpath(path)
+    best: dict[str, str] = {}
+    for line in _read("/proc/mounts").splitlines():
+        parts = line.split()
+        if len(parts) < 4:
+            continue
+        dev, mnt, fstype, opts = parts[:4]
+        mnt = mnt.replace("\\040", " ")
+        if (path == mnt or path.startswith(mnt.rstrip("/") + "/")) and len(mnt) >= len(
+                best.get("mount", "")):
+            best = {"device": dev, "mount": mnt, "fstype": fstype, "options": opts}
+    if best.get("device", "").startswith("/dev/"):
+        name = os.path.basename(os.path.realpath(best["device"]))
+        rot = _read(f"/sys/class/block/{name}/queue/rotational").strip()
+        if not rot:  # a partition: ask its disk
+            rot = _read(f"/sys/class/block/{name}/../queue/rotational").strip()
+        if rot:
+            best["rotational"] = rot
+    return best
+
+
+def _version(dist: str) -> str | None:
+    try:
+        return _md.version(dist)
+    except _md.PackageNotFoundError:
+        return None
+
+
+def describe(bench_dir: str) -> dict[str, Any]:
+    """Everything a reader needs to judge the numbers of this run."""
+    import jax
+
+    import minickpt.format
+
+    devices = jax.devices()
+    info: dict[str, Any] = {
+        "time": time.strftime("%Y-%m-%d %H:%M:%S %z"),
+        "host": platform.node(),
+        "os": f"{platform.system()} {platform.release()}",
+        "cpu": cpu_model(),
+        "cpu_count": os.cpu_count(),
+        "cpu_affinity": len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else None,
+        "mem_total_bytes": mem_total_bytes(),
+        "python": platform.python_version(),
+        "jax_backend": jax.default_backend(),
+        "jax_devices": f"{len(devices)} × {devices[0].device_kind}",
+        "bench_dir": bench_dir,
+        "filesystem": mount_of(bench_dir),
+        "load_avg_start": os.getloadavg() if hasattr(os, "getloadavg") else None,
+        "minickpt_crc32": getattr(minickpt.format, "CRC_IMPL", "zlib"),
+        "versions": {d: _version(d) for d in ("minickpt", "jax", "jaxlib", "numpy", "flax",
+                                               "optax", "orbax-checkpoint", "tensorstore",
+                                               "isal")},
+    }
+    try:
+        rev = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
+                             text=True, timeout=10, cwd=os.path.dirname(__file__))
+        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"],
+                               capture_output=True, text=True, timeout=10,
+                               cwd=os.path.dirname(__file__))
+        if rev.returncode == 0:
+            info["git"] = rev.stdout.strip() + ("+dirty" if dirty.stdout.strip() else "")
+    except (OSError, subprocess.SubprocessError):
+        pass
+    return info
+
+
+def one_line(info: dict[str, Any]) -> str:
+    """The machine in one line, for the table's caption."""
+    fs = info.get("filesystem", {})
+    mem = info.get("mem_total_bytes") or 0
+    v = info["versions"]
+    return (f"{info['cpu']} ({info['cpu_affinity'] or info['cpu_count']} cores), "
+            f"{mem / 2**30:.0f} GiB RAM, {fs.get('fstype', '?')} on {fs.get('device', '?')} "
+            f"(mounted {fs.get('options', '?')}), {info['os']}; Python {info['python']}, jax "
+            f"{v.get('jax')} on {info['jax_devices']}, orbax-checkpoint "
+            f"{v.get('orbax-checkpoint')}")
+
+
+# ---------------------------------------------------------------------------------------
+# the page cache
+# ---------------------------------------------------------------------------------------
+_LIBC = ctypes.CDLL(ctypes.util.find_library("c") or None, use_errno=True)
+
+
+def resident_fraction(path: str) -> float | None:
+    """The fraction of ``path``'s pages in the page cache (``mincore``), or None if unknown."""
+    size = os.path.getsize(path)
+    if size == 0:
+        return 0.0
+    if not hasattr(_LIBC, "mincore"):
+        return None
+    with open(path, "rb") as f:
+        try:
+            mm = mmap.mmap(f.fileno(), size, access=mmap.ACCESS_COPY)
+        except (OSError, ValueError):
+            return None
+        try:
+            buf = ctypes.c_char.from_buffer(mm)  # no page is touched by taking the address
+            page = mmap.PAGESIZE
+            npages = (size + page - 1) // page
+            vec = (ctypes.c_ubyte * npages)()
+            rc = _LIBC.mincore(ctypes.c_void_p(ctypes.addressof(buf)), ctypes.c_size_t(size),
+                               vec)
+            del buf
+            if rc != 0:
+                return None
+            return sum(v & 1 for v in vec) / npages
+        finally:
+            mm.close()
+
+
+def _files(path: str) -> list[str]:
+    if os.path.isfile(path):
+        return [path]
+    out = []
+    for root, _dirs, names in os.walk(path):
+        out += [os.path.join(root, n) for n in names]
+    return out
+
+
+class PageCache:
+    """Evicts files from the page cache so that the next read comes from the disk."""
+
+    def __init__(self, method: str = "fadvise"):
+        if method not in ("fadvise", "drop_caches"):
+            raise ValueError(f"unknown eviction method {method!r}")
+        if method == "drop_caches" and not (os.geteuid() == 0 and os.access(
+                "/proc/sys/vm/drop_caches", os.W_OK)):
+            raise PermissionError("drop_caches needs root and a writable "
+                                  "/proc/sys/vm/drop_caches; use the fadvise method")
+        self.method = method
+        self.evictions = 0
+        self.checked: list[float] = []  # resident fraction after each eviction we checked
+
+    @property
+    def available(self) -> bool:
+        return hasattr(os, "posix_fadvise")
+
+    def evict(self, path: str) -> None:
+        """Write back and evict every file under ``path`` (dirty pages cannot be dropped)."""
+        files = _files(path)
+        self.evictions += 1
+        if self.method == "drop_caches":
+            os.sync()
+            with open("/proc/sys/vm/drop_caches", "w") as f:
+                f.write("3\n")
+        else:
+            for name in files:
+                fd = os.open(name, os.O_RDONLY)
+                try:
+                    os.fdatasync(fd)
+                    os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+                finally:
+                    os.close(fd)
+        big = max(files, key=os.path.getsize, default=None)
+        if big is not None and len(self.checked) < 50:
+            frac = resident_fraction(big)
+            if frac is not None:
+                self.checked.append(frac)
+
+    def statement(self) -> str:
+        if not self.evictions:
+            return "no cold-cache figure in this run"
+        how = ("posix_fadvise(DONTNEED) on each file read, before each cold repetition"
+               if self.method == "fadvise" else
+               "sync + echo 3 > /proc/sys/vm/drop_caches before each cold repetition (global)")
+        if self.checked:
+            worst = max(self.checked)
+            how += (f"; mincore after eviction: at most {worst:.1%} of the largest file still "
+                    "cached")
+        else:
+            how += "; eviction not verified (mincore unavailable)"
+        return how
+
+
+def drop_caches_possible() -> bool:
+    return os.geteuid() == 0 and os.access("/proc/sys/vm/drop_caches", os.W_OK)
+
+
+def python_exe() -> str:
+    return sys.executable

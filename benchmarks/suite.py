@@ -1,0 +1,457 @@
+"""The suite: which figures, at which sizes, how many repetitions — and the run itself."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+import warnings
+from collections.abc import Callable, Sequence
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+import jax
+
+from . import async_figs, machine, multihost, states
+from .contenders import (
+    Limits,
+    MinickptCheckpointer,
+    MinickptManager,
+    OrbaxCheckpointer,
+    OrbaxManager,
+    orbax_available,
+)
+from .core import Goal, Op, Row, fmt_bytes, interleaved, markdown_table, median, text_table
+from .plot import plot_scaling
+
+MB = 10**6
+
+
+@dataclass
+class Config:
+    """What to run. :meth:`full` is the real run; :meth:`smoke` checks the harness fast."""
+
+    mode: str = "full"
+    reps_small: int = 60
+    warmup_small: int = 3
+    reps_medium: int = 21
+    reps_large: int = 9
+    large_bytes: int = 400 * MB
+    large_leaves: int = 50
+    wide: tuple[int, int] | None = (1024, 4)  # hidden, layers of the wider TrainState
+    scaling_sizes: Sequence[int] = (4_000, 64_000, 1 * MB, 16 * MB, 128 * MB)
+    scaling_reps: int = 5
+    memory_bytes: int = 400 * MB
+    async_bytes: int = 400 * MB
+    multihost_bytes: int = 64 * MB
+    multihost_procs: Sequence[int] = (1, 2, 4)
+    orbax: bool = True
+    cold: bool = True
+    evict: str = "fadvise"
+    run_async: str = "auto"  # auto: when minickpt has AsyncCheckpointer; on; off
+    run_multihost: str = "auto"
+    managers: bool = True
+    only: Sequence[str] = ()
+    workdir: str = ""
+    out: str = "bench-out"
+
+    @classmethod
+    def full(cls, **kw: Any) -> Config:
+        return cls(**kw)
+
+    @classmethod
+    def smoke(cls, **kw: Any) -> Config:
+        base = dict(mode="smoke", reps_small=2, warmup_small=1, reps_medium=2, reps_large=2,
+                    large_bytes=2 * MB, wide=None, scaling_sizes=(4_000, 256_000),
+                    scaling_reps=2, async_bytes=1 * MB,
+                    # 16 MB in 50 leaves: 320 KB each, above malloc's mmap threshold, so a
+                    # restore's arrays are fresh pages (with 4 MB they reused freed heap
+                    # and the peak looked like 0.5-0.7× the state)
+                    memory_bytes=16 * MB,
+                    multihost_bytes=1 * MB, multihost_procs=(1, 2))
+        base.update(kw)
+        return cls(**base)
+
+    def wants(self, name: str) -> bool:
+        return not self.only or name in self.only
+
+
+@dataclass
+class Results:
+    machine: dict[str, Any]
+    config: dict[str, Any]
+    rows: list[Row] = field(default_factory=list)
+    scaling: list[dict[str, Any]] = field(default_factory=list)
+    limits: list[dict[str, Any]] = field(default_factory=list)
+    memory: list[dict[str, Any]] = field(default_factory=list)
+    extra: dict[str, Any] = field(default_factory=dict)
+    page_cache: dict[str, str] = field(default_factory=dict)
+    skipped: list[str] = field(default_factory=list)
+    seconds: float = 0.0
+
+    def as_dict(self) -> dict[str, Any]:
+        return {"machine": self.machine, "config": self.config,
+                "rows": [r.as_dict() for r in self.rows], "scaling": self.scaling,
+                "limits": self.limits, "memory": self.memory, "extra": self.extra,
+                "page_cache": self.page_cache, "skipped": self.skipped,
+                "seconds": self.seconds}
+
+
+def log(msg: str) -> None:
+    sys.stderr.write(f"[bench] {msg}\n")
+    sys.stderr.flush()
+
+
+# ---------------------------------------------------------------------------------------
+# save / restore figures
+# ---------------------------------------------------------------------------------------
+def save_restore_rows(cfg: Config, key: str, label: str, tree: Any, *, reps: int, warmup: int,
+                      goals_save: Sequence[Goal] = (), goals_restore: Sequence[Goal] = (),
+                      managers: bool = True, cold: Any = None,
+                      background_delete: bool = False) -> list[Row]:
+    """Checkpointer vs StandardCheckpointer (save, restore warm, restore cold) and
+    CheckpointManager vs CheckpointManager (save with retention, restore) — plus, with
+    ``background_delete``, both managers' save with that option on."""
+    wd = cfg.workdir
+    size = states.nbytes(tree)
+    label = f"{label} ({states.num_leaves(tree)} leaves, {fmt_bytes(size)})"
+    limits = Limits(wd, size)
+    mc = MinickptCheckpointer(wd, tree)
+    ox = OrbaxCheckpointer(wd, tree) if cfg.orbax else None
+    out = []
+
+    def row(kind: str, title: str, ops: list[Op], limit_name: str,
+            goals: Sequence[Goal]) -> Row:
+        t0 = time.perf_counter()
+        samples = interleaved(ops, reps, warmup)
+        log(f"  {key}.{kind}: {time.perf_counter() - t0:.1f} s")
+        return Row.from_samples(f"{key}.{kind}", f"{label} {title}", samples, nbytes=size,
+                                limit_name=limit_name, goals=list(goals))
+
+    try:
+        ops = [mc.save()] + ([ox.save()] if ox else []) + [limits.write_fsync()]
+        out.append(row("save", "save", ops, "write+fsync", goals_save))
+        ops = [mc.restore()] + ([ox.restore()] if ox else []) + [limits.read()]
+        out.append(row("restore", "restore", ops, "read", goals_restore))
+        if cold is not None:
+            ops = [mc.restore(cold)] + ([ox.restore(cold)] if ox else []) + [limits.read(cold)]
+            out.append(row("restore_cold", "restore, cold cache", ops, "cold read",
+                           goals_restore))
+    finally:
+        mc.close()
+        if ox:
+            ox.close()
+    variants = [(False, "manager save")] if managers else []
+    if managers and background_delete:
+        variants.append((True, "manager save, background delete"))
+    for bg, title in variants:
+        mm = MinickptManager(wd, tree, background_delete=bg)
+        om = OrbaxManager(wd, tree, background_delete=bg) if cfg.orbax else None
+        try:
+            ops = [mm.save()] + ([om.save()] if om else []) + [limits.write_fsync()]
+            out.append(row("manager_save" + ("_bg" if bg else ""), title, ops, "write+fsync",
+                           goals_save))
+            if not bg:
+                ops = [mm.restore()] + ([om.restore()] if om else []) + [limits.read()]
+                out.append(row("manager_restore", "manager restore", ops, "read",
+                               goals_restore))
+        finally:
+            mm.close()
+            if om:
+                om.close()
+    limits.close()
+    return out
+
+
+def scaling(cfg: Config, cache: Any) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+    """Save/restore time and the machine's limits over state sizes (50 leaves each)."""
+    points, lims = [], []
+    for size in cfg.scaling_sizes:
+        log(f"scaling: {fmt_bytes(size)}")
+        tree = jax.block_until_ready(states.uniform(size, 50, seed=5))
+        n = states.nbytes(tree)
+        limits = Limits(cfg.workdir, n)
+        mc = MinickptCheckpointer(cfg.workdir, tree)
+        ox = OrbaxCheckpointer(cfg.workdir, tree) if cfg.orbax else None
+        try:
+            save = interleaved([mc.save()] + ([ox.save()] if ox else [])
+                               + [limits.write_fsync()], cfg.scaling_reps, 1)
+            restore = interleaved([mc.restore()] + ([ox.restore()] if ox else [])
+                                  + [limits.read()], cfg.scaling_reps, 1)
+            lim = interleaved([limits.memcpy()], cfg.scaling_reps, 1)
+            entry: dict[str, Any] = {"nbytes": n}
+            if cache is not None:
+                cold = interleaved([limits.read(cache)], cfg.scaling_reps, 0)
+                entry["cold_read"] = median(cold["limit"])
+        finally:
+            mc.close()
+            if ox:
+                ox.close()
+            limits.close()
+        points.append({"nbytes": n,
+                       "save": {k: median(v) for k, v in save.items()},
+                       "restore": {k: median(v) for k, v in restore.items()},
+                       "memcpy": median(lim["limit"]),
+                       "samples": {"save": save, "restore": restore}})
+        entry.update(write_fsync=median(save["limit"]), read=median(restore["limit"]),
+                     memcpy=median(lim["limit"]))
+        lims.append(entry)
+    return points, lims
+
+
+# ---------------------------------------------------------------------------------------
+# peak memory (fresh subprocesses)
+# ---------------------------------------------------------------------------------------
+def memory_rows(cfg: Config) -> tuple[list[Row], list[dict[str, Any]]]:
+    """One fresh process per library, run side by side (a resident set is per process, so
+    they do not disturb each other's figures)."""
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    procs = {}
+    for lib in ("minickpt", "orbax") if cfg.orbax else ("minickpt",):
+        cmd = [sys.executable, "-m", "benchmarks.memory", "--lib", lib, "--bytes",
+               str(cfg.memory_bytes), "--leaves", "50", "--dir", cfg.workdir]
+        procs[lib] = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                      text=True, cwd=root)
+    reports = []
+    try:
+        for lib, proc in procs.items():
+            out, err = proc.communicate(timeout=900)
+            line = next((ln for ln in out.splitlines() if ln.startswith("MEMORY ")), None)
+            if proc.returncode != 0 or line is None:
+                raise RuntimeError(f"memory measurement of {lib} failed (exit "
+                                   f"{proc.returncode}):\n{err[-3000:]}")
+            reports.append(json.loads(line[len("MEMORY "):]))
+    finally:
+        for proc in procs.values():
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait(timeout=30)
+    size = reports[0]["state_bytes"]
+    rows = []
+    for phase in ("save", "restore"):
+        samples = {r["lib"]: [r[f"{phase}_s"]] for r in reports}
+        rows.append(Row.from_samples(f"fresh.{phase}", f"first {phase} in a fresh process "
+                                     f"(50 leaves, {fmt_bytes(size)})", samples, nbytes=size,
+                                     section="memory"))
+    for phase in ("save", "restore"):
+        values = {r["lib"]: r[f"{phase}_ratio"] for r in reports}
+        row = Row(f"memory.{phase}", f"peak memory of a {phase} (50 leaves, "
+                  f"{fmt_bytes(size)})", nbytes=size, unit="x",
+                  values={"minickpt": values.get("minickpt"), "orbax": values.get("orbax"),
+                          "limit": None},
+                  goals=[Goal("max", 1.2)], section="memory")
+        rows.append(row)
+    return rows, reports
+
+
+# ---------------------------------------------------------------------------------------
+# the run
+# ---------------------------------------------------------------------------------------
+def run(cfg: Config) -> Results:
+    t_start = time.perf_counter()
+    os.makedirs(cfg.out, exist_ok=True)
+    own_workdir = not cfg.workdir
+    if own_workdir:
+        cfg.workdir = tempfile.mkdtemp(prefix="work-", dir=os.path.abspath(cfg.out))
+    os.makedirs(cfg.workdir, exist_ok=True)
+    if cfg.orbax and not orbax_available():
+        log("orbax-checkpoint is not installed: Orbax columns will be empty")
+        cfg.orbax = False
+    res = Results(machine.describe(cfg.workdir), asdict(cfg))
+    cache = None
+    if cfg.cold:
+        try:
+            cache = machine.PageCache(cfg.evict)
+        except PermissionError as e:
+            log(f"cold-cache figures skipped: {e}")
+            res.skipped.append(f"cold cache: {e}")
+    warnings.filterwarnings("ignore", message=".*donated buffers were not usable.*")
+    try:
+        _run_figures(cfg, res, cache)
+    finally:
+        if own_workdir:
+            shutil.rmtree(cfg.workdir, ignore_errors=True)
+    res.page_cache = {
+        "warm": "restores read a checkpoint written just before (its pages in the page cache)",
+        "cold": cache.statement() if cache is not None else "not measured",
+        "drop_caches_possible": str(machine.drop_caches_possible()),
+    }
+    res.machine["load_avg_end"] = os.getloadavg() if hasattr(os, "getloadavg") else None
+    res.seconds = time.perf_counter() - t_start
+    return res
+
+
+def _run_figures(cfg: Config, res: Results, cache: Any) -> None:
+    x20 = [Goal("x_orbax", 20)]
+    small = dict(reps=cfg.reps_small, warmup=cfg.warmup_small, managers=cfg.managers)
+    if cfg.wants("tiny"):
+        log("tiny tree")
+        res.rows += save_restore_rows(cfg, "tiny", "tiny", states.tiny(), goals_save=x20,
+                                      goals_restore=x20, background_delete=True, **small)
+    if cfg.wants("leaves200"):
+        log("200-leaf tree")
+        res.rows += save_restore_rows(cfg, "leaves200", "200-leaf", states.leaves200(),
+                                      goals_save=x20, goals_restore=x20, background_delete=True,
+                                      **small)
+    if cfg.wants("trainstate"):
+        log("TrainState")
+        res.rows += save_restore_rows(cfg, "trainstate", "TrainState, demo MLP",
+                                      states.train_state(), **small)
+        if cfg.wide is not None:
+            hidden, layers = cfg.wide
+            log("wide TrainState")
+            res.rows += save_restore_rows(
+                cfg, "trainstate_wide", f"TrainState, {layers}×{hidden} MLP",
+                states.train_state(hidden, layers), reps=cfg.reps_medium, warmup=1,
+                managers=cfg.managers)
+    if cfg.wants("large"):
+        log(f"large state ({fmt_bytes(cfg.large_bytes)})")
+        tree = jax.block_until_ready(states.uniform(cfg.large_bytes, cfg.large_leaves))
+        res.rows += save_restore_rows(
+            cfg, "large", "large", tree, reps=cfg.reps_large, warmup=1,
+            goals_save=[Goal("of_limit", 0.9), Goal("x_orbax", 3)],
+            goals_restore=[Goal("of_limit", 0.8), Goal("x_orbax", 2)], managers=cfg.managers,
+            cold=cache)
+        del tree
+    if cfg.wants("memory"):
+        log(f"peak memory ({fmt_bytes(cfg.memory_bytes)})")
+        rows, reports = memory_rows(cfg)
+        res.rows += rows
+        res.memory = reports
+    if cfg.wants("scaling"):
+        res.scaling, res.limits = scaling(cfg, cache)
+        title = machine.one_line(res.machine)
+        res.extra["plot"] = plot_scaling(res.scaling, os.path.join(cfg.out, "scaling.png"),
+                                         title)
+    if cfg.wants("async"):
+        _async(cfg, res)
+    if cfg.wants("multihost"):
+        _multihost(cfg, res)
+
+
+def _async(cfg: Config, res: Results) -> None:
+    have = async_figs.minickpt_available()
+    if cfg.run_async == "off" or (cfg.run_async == "auto" and not have):
+        res.skipped.append("async: minickpt has no AsyncCheckpointer yet (branch 'async'); "
+                           "the figures run as soon as it has")
+        return
+    log(f"async ({fmt_bytes(cfg.async_bytes)})")
+    tree = jax.block_until_ready(states.uniform(cfg.async_bytes, cfg.large_leaves, seed=7))
+    factories: dict[str, Callable[[], Any]] = {
+        "minickpt": lambda: MinickptManager(cfg.workdir, tree, async_=have)}
+    if cfg.orbax:
+        factories["orbax"] = lambda: OrbaxManager(cfg.workdir, tree, async_=True)
+    rows, detail = async_figs.rows(tree, factories, reps=cfg.reps_large,
+                                   label=f"{fmt_bytes(states.nbytes(tree))} state",
+                                   nbytes=states.nbytes(tree),
+                                   max_every=1000 if cfg.mode == "full" else 20)
+    if not have:
+        for r in rows:
+            r.note = "; ".join(x for x in ("minickpt has no async checkpointer yet: its "
+                                           "figure is a blocking save", r.note) if x)
+    res.rows += rows
+    res.extra["async"] = detail
+
+
+def _multihost(cfg: Config, res: Results) -> None:
+    have = multihost.minickpt_available()
+    if cfg.run_multihost == "off" or (cfg.run_multihost == "auto" and not have):
+        res.skipped.append("multi-host: minickpt.multihost does not exist yet (branch "
+                           "'multihost'); the figures run as soon as it does")
+        return
+    log(f"multi-host ({fmt_bytes(cfg.multihost_bytes)})")
+    rows, raw = multihost.rows(cfg.multihost_bytes, cfg.workdir, procs=cfg.multihost_procs,
+                               reps=3 if cfg.mode == "full" else cfg.reps_large,
+                               orbax=cfg.orbax,
+                               minickpt=have)
+    res.rows += rows
+    res.extra["multihost"] = raw
+
+
+# ---------------------------------------------------------------------------------------
+# output
+# ---------------------------------------------------------------------------------------
+def scaling_table(res: Results) -> str:
+    if not res.scaling:
+        return ""
+    head = "| state | minickpt save | Orbax save | write+fsync | minickpt restore | " \
+           "Orbax restore | read (warm) | read (cold) | memcpy |"
+    lines = [head, "|" + "---|" * 9]
+    cold = {e["nbytes"]: e.get("cold_read") for e in res.limits}
+    for p in res.scaling:
+        def t(v: float | None) -> str:
+            from .core import fmt_time
+
+            return "—" if v is None else fmt_time(v)
+
+        lines.append(f"| {fmt_bytes(p['nbytes'])} | {t(p['save'].get('minickpt'))} | "
+                     f"{t(p['save'].get('orbax'))} | {t(p['save'].get('limit'))} | "
+                     f"{t(p['restore'].get('minickpt'))} | {t(p['restore'].get('orbax'))} | "
+                     f"{t(p['restore'].get('limit'))} | {t(cold.get(p['nbytes']))} | "
+                     f"{t(p.get('memcpy'))} |")
+    return "\n".join(lines)
+
+
+def report_markdown(res: Results, *, scaling: bool = True) -> str:
+    m = res.machine
+    parts = [f"Machine: {machine.one_line(m)}. minickpt's CRC-32 via {m['minickpt_crc32']}. "
+             f"Load average {fmt_load(m.get('load_avg_start'))} at the start, "
+             f"{fmt_load(m.get('load_avg_end'))} at the end (the machine is shared). "
+             f"{m.get('time')}, git {m.get('git', '?')}, mode {res.config['mode']}, "
+             f"{res.seconds:.0f} s.",
+             "",
+             "Page cache — warm rows: " + res.page_cache.get("warm", "") + "; cold rows: "
+             + res.page_cache.get("cold", "") + ".",
+             "",
+             markdown_table(res.rows)]
+    notes = [f"- {r.figure}: {r.note}" for r in res.rows if r.note]
+    if notes:
+        parts += ["", *notes]
+    if res.skipped:
+        parts += ["", *[f"- not run: {s}" for s in res.skipped]]
+    st = scaling_table(res) if scaling else ""
+    if st:
+        parts += ["", "Scaling (medians; 50 float32 leaves):", "", st]
+    return "\n".join(parts) + "\n"
+
+
+def fmt_load(v: Any) -> str:
+    return "?" if not v else "/".join(f"{x:.1f}" for x in v)
+
+
+def write_outputs(res: Results, out: str) -> dict[str, str]:
+    os.makedirs(out, exist_ok=True)
+    paths = {"json": os.path.join(out, "results.json"),
+             "markdown": os.path.join(out, "table.md"),
+             "readme": os.path.join(out, "readme-section.md")}
+    with open(paths["json"], "w") as f:
+        json.dump(res.as_dict(), f, indent=1, default=str)
+    with open(paths["markdown"], "w") as f:
+        f.write(report_markdown(res))
+    with open(paths["readme"], "w") as f:
+        f.write(report_markdown(res, scaling=False))
+    if "plot" in res.extra:
+        paths["plot"] = res.extra["plot"]
+    return paths
+
+
+def print_report(res: Results) -> None:
+    print(f"\nminickpt benchmarks — {machine.one_line(res.machine)}")
+    print(f"page cache: warm = {res.page_cache.get('warm')}; cold = {res.page_cache.get('cold')}")
+    print()
+    print(text_table(res.rows))
+    for r in res.rows:
+        if r.note:
+            print(f"  note — {r.figure}: {r.note}")
+    for s in res.skipped:
+        print(f"  not run — {s}")
+    missed = [r for r in res.rows if r.all_met() is False]
+    met = [r for r in res.rows if r.all_met()]
+    print(f"\ngoals: {len(met)} rows met, {len(missed)} missed")
+    st = scaling_table(res)
+    if st:
+        print("\nscaling (medians):\n" + st)

@@ -1,0 +1,186 @@
+"""The benchmark harness itself — not minickpt's speed: a smoke run at tiny sizes produces a
+table, a JSON of every sample and a plot, all sane; goals are judged right; the page cache
+really is evicted; the async and multi-process machinery runs."""
+
+import json
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+
+from benchmarks import async_figs, machine, multihost, states  # noqa: E402
+from benchmarks.__main__ import README_END, README_START, update_readme  # noqa: E402
+from benchmarks.contenders import MinickptManager, orbax_available  # noqa: E402
+from benchmarks.core import Goal, Op, Row, interleaved, markdown_table  # noqa: E402
+
+SMOKE_REPS = 2
+
+
+@pytest.fixture(scope="module")
+def smoke(tmp_path_factory):
+    out = tmp_path_factory.mktemp("bench")
+    env = {**os.environ, "JAX_PLATFORMS": "cpu"}
+    proc = subprocess.run([sys.executable, "-m", "benchmarks", "--smoke", "--out", str(out)],
+                          cwd=ROOT, capture_output=True, text=True, timeout=240, env=env)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    return proc.stdout, out, json.loads((out / "results.json").read_text())
+
+
+def test_smoke_run_measures_every_figure(smoke):
+    _, _, res = smoke
+    rows = {r["key"]: r for r in res["rows"]}
+    for fig in ("tiny", "leaves200", "trainstate", "large"):
+        for kind in ("save", "restore", "manager_save", "manager_restore"):
+            assert f"{fig}.{kind}" in rows, f"{fig}.{kind} missing"
+    assert {"large.restore_cold", "tiny.manager_save_bg", "memory.save", "memory.restore",
+            "fresh.save", "fresh.restore"} <= set(rows)
+    contenders = ("minickpt", "orbax", "limit") if orbax_available() else ("minickpt", "limit")
+    for r in res["rows"]:
+        if r["key"].startswith("fresh."):  # one first save/restore per fresh process
+            assert all(r["values"][w] > 0 and len(r["samples"][w]) == 1 for w in contenders
+                       if w != "limit"), r
+            continue
+        if r["unit"] != "s":
+            continue
+        for who in contenders:
+            if who == "limit" and r["section"] == "multihost":
+                continue  # processes against processes: no machine limit of its own
+            v = r["values"][who]
+            assert v is not None and 0 < v < 60, (r["key"], who, v)
+            assert len(r["samples"][who]) == SMOKE_REPS
+            assert r["values"][who] == pytest.approx(float(np.median(r["samples"][who])))
+        for g in r["goals"]:
+            assert isinstance(g["met"], bool) and g["value"] > 0, (r["key"], g)
+    # the goals of the issue are attached where the issue sets them
+    assert [g["text"] for g in rows["tiny.save"]["goals"]] == ["≥ 20× Orbax"]
+    assert {g["text"] for g in rows["large.save"]["goals"]} == {"≥ 0.9 of limit", "≥ 3× Orbax"}
+    assert {g["text"] for g in rows["large.restore"]["goals"]} == {"≥ 0.8 of limit",
+                                                                   "≥ 2× Orbax"}
+
+
+def test_smoke_run_reports_memory_scaling_machine_and_cache(smoke):
+    _, _, res = smoke
+    mem = {r["lib"]: r for r in res["memory"]}
+    mc = mem["minickpt"]
+    if mc["restore_ratio"] is not None:  # the restored state itself is new memory
+        assert 0.5 < mc["restore_ratio"] < 5 and 0 <= mc["save_ratio"] < 5
+    sizes = [p["nbytes"] for p in res["scaling"]]
+    assert len(sizes) == 2 and sizes[0] < sizes[1]
+    for p in res["scaling"]:
+        for phase in ("save", "restore"):
+            assert p[phase]["minickpt"] > 0 and p[phase]["limit"] > 0
+        assert p["memcpy"] > 0
+    m = res["machine"]
+    assert m["cpu"] and m["filesystem"].get("fstype") and m["versions"]["jax"]
+    assert m["minickpt_crc32"] in ("isal", "zlib")
+    assert "page cache" in res["page_cache"]["warm"]
+    assert "fadvise" in res["page_cache"]["cold"] or "drop_caches" in res["page_cache"]["cold"]
+    skipped = " ".join(res["skipped"])
+    keys = {r["key"] for r in res["rows"]}
+    if async_figs.minickpt_available():  # blocking vs a host copy; throughput vs no saves
+        assert {"async.blocking", "async.throughput"} <= keys and "async" not in skipped
+        rows = {r["key"]: r for r in res["rows"]}
+        assert rows["async.blocking"]["values"]["limit"] > 0
+        assert 0 < rows["async.throughput"]["values"]["minickpt"] < 2
+    else:
+        assert "async" in skipped
+    if multihost.minickpt_available():  # the smoke run's process counts: 1 and 2
+        assert {"multihost.save.1", "multihost.save.2"} <= keys and "multi-host" not in skipped
+    else:
+        assert "multi-host" in skipped
+
+
+def test_smoke_run_writes_table_and_plot(smoke):
+    stdout, out, res = smoke
+    assert "figure" in stdout and "goals:" in stdout and "met?" in stdout
+    md = (out / "table.md").read_text()
+    assert "| figure | minickpt | Orbax | limit |" in md and "Machine:" in md
+    table_rows = [ln for ln in md.splitlines() if ln.startswith("| ") and "---" not in ln]
+    assert len(table_rows) - 1 - len(res["scaling"]) - 1 == len(res["rows"])
+    png = (out / "scaling.png").read_bytes()
+    assert png[:8] == b"\x89PNG\r\n\x1a\n" and len(png) > 5000
+
+
+# ---------------------------------------------------------------------------------------
+# pieces of the harness
+# ---------------------------------------------------------------------------------------
+def _row(m, o=None, lim=None, goals=()):
+    return Row("k", "fig", values={"minickpt": m, "orbax": o, "limit": lim}, goals=list(goals))
+
+
+def test_goals_say_met_or_by_how_much_they_are_missed():
+    g = Goal("x_orbax", 20)
+    assert g.met(_row(1.0, 25.0)) and g.verdict(_row(1.0, 25.0)) == "yes (25.0×)"
+    assert g.verdict(_row(1.0, 14.0)) == "NO: 14.0×, needs 1.43× faster"
+    lim = Goal("of_limit", 0.9)
+    assert lim.met(_row(1.0, lim=0.95)) and not lim.met(_row(1.0, lim=0.45))
+    assert lim.verdict(_row(1.0, lim=0.45)) == "NO: 0.45, needs 2.00× faster"
+    blocking = Goal("x_limit_max", 1.5)
+    assert blocking.met(_row(1.2, lim=1.0)) and not blocking.met(_row(3.0, lim=1.0))
+    assert blocking.verdict(_row(3.0, lim=1.0)) == "NO: 3.0×, needs 2.00× faster"
+    mem = Goal("max", 1.2)
+    assert mem.verdict(_row(1.5)) == "NO: 1.50, needs 1.25× less"
+    assert Goal("min", 0.97).verdict(_row(0.5)) == "NO: 0.50, needs 1.94× more"
+    assert g.met(_row(1.0)) is None and "not measured" in g.verdict(_row(1.0))
+    r = _row(0.002, 0.05, 0.001, [g])
+    r.unit, r.nbytes = "s", 100
+    assert "25.0× faster" in markdown_table([r]) and "0.50" in markdown_table([r])
+
+
+def test_interleaving_is_round_robin_with_untimed_setup():
+    calls = []
+    ops = [Op(n, lambda n=n: calls.append(("run", n)), prepare=lambda n=n: calls.append(
+        ("prep", n)), after=lambda n=n: calls.append(("after", n))) for n in "ab"]
+    samples = interleaved(ops, reps=2, warmup=1)
+    runs = [n for what, n in calls if what == "run"]
+    assert runs == ["a", "b"] * 3 and [len(v) for v in samples.values()] == [2, 2]
+    assert calls[:3] == [("prep", "a"), ("run", "a"), ("after", "a")]
+
+
+def test_readme_section_is_replaced_between_markers(tmp_path):
+    readme = tmp_path / "README.md"
+    readme.write_text(f"# x\n\n{README_START}\nold table\n{README_END}\n\nafter\n")
+    update_readme(str(readme), "| new | table |\n")
+    text = readme.read_text()
+    assert "old table" not in text and "| new | table |" in text and text.endswith("after\n")
+
+
+def test_page_cache_eviction_really_evicts(tmp_path):
+    path = tmp_path / "f.bin"
+    path.write_bytes(os.urandom(1 << 20))
+    with open(path, "rb") as f:
+        f.read()
+    before = machine.resident_fraction(str(path))
+    if before is None:
+        pytest.skip("mincore is not available here")
+    cache = machine.PageCache()
+    cache.evict(str(path))
+    assert cache.checked and cache.checked[-1] < 0.5 <= before
+    assert "fadvise" in cache.statement()
+
+
+@pytest.mark.parametrize("async_", [False, True], ids=["sync-manager", "async-manager"])
+def test_async_figures_run_with_any_manager(tmp_path, async_):
+    """The async figures' machinery, with minickpt's async manager and with the synchronous
+    one (whose blocking time is its whole save)."""
+    tree = states.uniform(200_000, 4)
+    rows, detail = async_figs.rows(tree, {"minickpt": lambda: MinickptManager(
+        str(tmp_path), tree, async_=async_)}, reps=2,
+        label="test", nbytes=states.nbytes(tree), intervals=2, max_every=5)
+    block, thr = rows
+    assert block.values["minickpt"] > 0 and block.values["limit"] > 0
+    assert 0 < thr.values["minickpt"] < 2 and detail["minickpt"]["every_n_steps"] <= 5
+    assert block.goals[0].met(block) in (True, False)
+
+
+def test_multiprocess_save_machinery_runs_one_process(tmp_path):
+    """One jax.distributed process through the worker the 2- and 4-process figures use."""
+    rep = multihost.run_once("minickpt", 1, 400_000, str(tmp_path), reps=1, leaves=4,
+                             timeout=120)
+    assert rep["nproc"] == 1 and rep["devices"] == multihost.DEVICES
+    assert len(rep["times"]) == 1 and rep["times"][0] > 0

@@ -1,0 +1,242 @@
+"""Each speed-up of the save and restore paths keeps exactly the behaviour of the plain code:
+the same checksums, the same tree skeletons, the same bytes on disk, the same errors."""
+
+import collections
+import os
+import zlib
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+import minickpt.format as fmt
+from minickpt import CheckpointCorruptedError, Checkpointer, UnsupportedLeafError
+from minickpt.fs import FaultyFileSystem
+from minickpt.restore import put_many
+from minickpt.tree import flatten_with_names, skeleton
+
+# ---------------------------------------------------------------------------------------
+# checksums: whichever library computes them, they are zlib's CRC-32
+# ---------------------------------------------------------------------------------------
+
+
+@given(st.binary(max_size=5000), st.integers(0, 64))
+def test_crc32_is_zlibs_crc32_for_any_bytes_and_view(data, cut):
+    assert fmt.crc32(data) == zlib.crc32(data)
+    arr = np.frombuffer(data, np.uint8)[cut:]
+    assert fmt.crc32(arr) == zlib.crc32(arr.tobytes())
+    assert fmt.crc32(memoryview(data)[cut:]) == zlib.crc32(data[cut:])
+
+
+def test_crc32_of_a_large_buffer_matches_zlib():
+    big = np.random.default_rng(0).integers(0, 256, (9 << 20) + 13, dtype=np.uint8)
+    assert fmt.crc32(big) == zlib.crc32(big)
+    assert fmt.CRC_IMPL in ("isal", "zlib")
+
+
+# ---------------------------------------------------------------------------------------
+# skeletons: the fast walk gives what JAX's own flattening gives
+# ---------------------------------------------------------------------------------------
+Pair = collections.namedtuple("Pair", "first second")
+
+leaves = st.one_of(
+    st.integers(-5, 5), st.floats(allow_nan=False), st.booleans(), st.text(max_size=3),
+    st.just(np.zeros(2, np.float32)), st.just(np.float64(1.5)), st.just(None),
+)
+
+
+def _trees(children):
+    keys = st.one_of(st.text("abcAB_", min_size=1, max_size=3), st.integers(0, 20))
+    return st.one_of(
+        st.dictionaries(st.text("abcAB_", min_size=1, max_size=3), children, max_size=4),
+        st.dictionaries(st.integers(0, 20), children, max_size=4),
+        st.lists(children, max_size=3),
+        st.lists(children, max_size=3).map(tuple),
+        st.tuples(children, children).map(lambda t: Pair(*t)),
+        st.dictionaries(keys, children, max_size=3).map(collections.OrderedDict),
+    )
+
+
+@given(st.recursive(leaves, _trees, max_leaves=25))
+def test_fast_skeleton_equals_the_jax_walk(tree):
+    try:
+        ref = skeleton(tree, fast=False)
+    except (TypeError, ValueError) as e:  # JAX refuses it: so must the fast walk
+        with pytest.raises(type(e)):
+            skeleton(tree)
+        return
+    fast = skeleton(tree)
+    assert fast[0] == ref[0]
+    assert [n for n, _ in fast[1]] == [n for n, _ in ref[1]]
+    assert all(a is b for (_, a), (_, b) in zip(fast[1], ref[1], strict=True))
+    assert [n for n, _ in fast[1]] == [n for n, _ in flatten_with_names(tree)]
+
+
+def test_fast_skeleton_on_a_real_train_state():
+    from minickpt.demo import make_state
+
+    state = {"state": make_state(), "rng": jax.random.key(0), "extra": {2: [1.0, None]}}
+    fast, ref = skeleton(state), skeleton(state, fast=False)
+    assert fast[0] == ref[0] and [n for n, _ in fast[1]] == [n for n, _ in ref[1]]
+
+
+# ---------------------------------------------------------------------------------------
+# dtype names are cached, checks are not weakened
+# ---------------------------------------------------------------------------------------
+def test_dtype_names_cached_and_still_checked():
+    for _ in range(2):
+        assert fmt.dtype_name(np.dtype("float32")) == "float32"
+        assert fmt.dtype_name(np.dtype(">f4")) == "float32"
+        assert fmt.dtype_name(jnp.bfloat16) == "bfloat16"
+        with pytest.raises(UnsupportedLeafError):
+            fmt.dtype_name(np.dtype(object))
+        with pytest.raises(UnsupportedLeafError):
+            fmt.dtype_name(np.dtype([("a", "f4")]))
+
+
+# ---------------------------------------------------------------------------------------
+# writing: one buffer for small items, early writeback for large ones — same bytes
+# ---------------------------------------------------------------------------------------
+@given(st.lists(st.integers(0, 3000), min_size=1, max_size=30), st.sampled_from([0, 1000, 4096]))
+def test_write_all_writes_every_byte_in_order(sizes, every):
+    import tempfile
+
+    rng = np.random.default_rng(sum(sizes))
+    bufs = [rng.integers(0, 256, n, dtype=np.uint8) for n in sizes]
+    fs = FaultyFileSystem(ops={"start_writeback"})
+    with tempfile.TemporaryDirectory() as d:
+        path = os.path.join(d, "f")
+        fd = fs.open(path, os.O_WRONLY | os.O_CREAT)
+        try:
+            n = fs.write_all(fd, bufs, writeback_every=every)
+        finally:
+            fs.close(fd)
+        with open(path, "rb") as f:
+            assert f.read() == b"".join(b.tobytes() for b in bufs)
+    assert n == sum(sizes)
+    hints = [args for op, args in fs.calls if op == "start_writeback"]
+    covered = 0
+    for _fd, off, length in hints:  # consecutive ranges of what was already written
+        assert off == covered and length >= every > 0
+        covered += length
+    assert covered <= n
+
+
+def test_large_save_starts_writeback_and_keeps_the_same_bytes(tmp_path):
+    tree = {f"l{i}": np.random.default_rng(i).standard_normal(3 << 20, dtype=np.float32)
+            for i in range(4)}  # 48 MiB: above the early-writeback size
+    fs = FaultyFileSystem(ops={"start_writeback"})
+    Checkpointer(fs).save(str(tmp_path / "a"), {"s": tree})
+    assert fs.count >= 1  # writeback was started before the final fsync
+    Checkpointer().save(str(tmp_path / "b"), {"s": tree})
+    for name in ("data.bin", "manifest.json"):
+        assert (tmp_path / "a" / "s" / name).read_bytes() == \
+            (tmp_path / "b" / "s" / name).read_bytes()
+
+
+def test_small_items_are_written_in_one_call(tmp_path):
+    tree = {f"l{i:03d}": np.full(17, i, np.float32) for i in range(200)}
+    fs = FaultyFileSystem(ops={"write", "writev"})
+    Checkpointer(fs).save(str(tmp_path / "c"), {"s": tree})
+    assert fs.count == 3  # data.bin, manifest.json, _CHECKPOINT_METADATA: one call each
+    r = Checkpointer().restore(str(tmp_path / "c"))["s"]
+    assert all(np.array_equal(r[k], v) for k, v in tree.items())
+
+
+# ---------------------------------------------------------------------------------------
+# restoring: aligned buffers, overlapped verification, batched device_put
+# ---------------------------------------------------------------------------------------
+def test_aligned_empty_is_aligned_and_shaped():
+    for shape, dtype in [((3, 1 << 14), np.float32), ((1 << 15,), jnp.bfloat16), ((0, 4), np.int8),
+                         ((), np.float64), ((5,), np.int64)]:
+        a = fmt.aligned_empty(shape, dtype)
+        assert a.shape == shape and a.dtype == np.dtype(dtype) and a.flags.c_contiguous
+        if a.nbytes >= 16 << 10:
+            assert a.ctypes.data % fmt.ALIGN == 0
+
+
+def _big_tree():
+    rng = np.random.default_rng(7)
+    return {f"leaf{i}": rng.standard_normal(1 << 20, dtype=np.float32) for i in range(6)}
+
+
+def test_large_restore_reads_verifies_and_is_exact(tmp_path):
+    tree = _big_tree()  # 24 MiB: read and verified in overlapping pieces
+    Checkpointer().save(str(tmp_path / "c"), {"s": tree})
+    target = {"s": {k: jax.ShapeDtypeStruct(v.shape, v.dtype) for k, v in tree.items()}}
+    out = Checkpointer().restore(str(tmp_path / "c"), target)["s"]
+    for k, v in tree.items():
+        assert isinstance(out[k], jax.Array) and np.array_equal(np.asarray(out[k]), v)
+
+
+def _flip(path, offset):
+    with open(path, "r+b") as f:
+        f.seek(offset)
+        b = f.read(1)
+        f.seek(offset)
+        f.write(bytes([b[0] ^ 0xFF]))
+
+
+def test_large_restore_names_the_first_damaged_leaf_in_file_order(tmp_path):
+    tree = _big_tree()
+    ck = Checkpointer()
+    ck.save(str(tmp_path / "c"), {"s": tree})
+    m = ck.manifest(str(tmp_path / "c"), "s")
+    by = {e["path"][-1]: e for e in m.entries}
+    data = str(tmp_path / "c" / "s" / "data.bin")
+    _flip(data, by["leaf4"]["offset"] + 100)
+    _flip(data, by["leaf2"]["offset"] + by["leaf2"]["nbytes"] - 1)
+    with pytest.raises(CheckpointCorruptedError) as info:
+        ck.restore(str(tmp_path / "c"))
+    assert info.value.leaf == "leaf2" and "checksum mismatch" in str(info.value)
+    assert not ck.verify(str(tmp_path / "c")).ok
+
+
+def test_large_restore_of_a_truncated_file_fails_clearly(tmp_path):
+    tree = _big_tree()
+    Checkpointer().save(str(tmp_path / "c"), {"s": tree})
+    data = tmp_path / "c" / "s" / "data.bin"
+    with open(data, "r+b") as f:
+        f.truncate(data.stat().st_size - 4096)
+    with pytest.raises(CheckpointCorruptedError):
+        Checkpointer().restore(str(tmp_path / "c"))
+
+
+def test_put_many_places_each_array_where_asked():
+    devs = jax.devices()
+    mesh = jax.make_mesh((len(devs),), ("x",))
+    named = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec("x"))
+    arrays = [np.arange(8, dtype=np.float32) + i for i in range(4)]
+    out = put_many(arrays, [None, devs[-1], named, jax.sharding.SingleDeviceSharding(devs[0])])
+    for a, o in zip(arrays, out, strict=True):
+        assert np.array_equal(np.asarray(o), a)
+    assert out[1].devices() == {devs[-1]}
+    assert out[2].sharding == named
+    assert out[3].devices() == {devs[0]}
+
+
+def test_peak_memory_of_save_and_restore_stays_near_the_state_size():
+    """A save adds (almost) nothing on top of the state; a restore into jax arrays adds the
+    restored state once — not a host copy *and* a device copy (measured in a fresh process
+    by the benchmark's own memory probe)."""
+    import json
+    import subprocess
+    import sys
+
+    if not os.path.exists("/proc/self/clear_refs"):
+        pytest.skip("needs Linux's resettable peak-RSS counter")
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = {**os.environ, "JAX_PLATFORMS": "cpu"}
+    proc = subprocess.run([sys.executable, "-m", "benchmarks.memory", "--lib", "minickpt",
+                           "--bytes", str(32 * 10**6)], capture_output=True, text=True,
+                          timeout=120, cwd=root, env=env)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    line = next(ln for ln in proc.stdout.splitlines() if ln.startswith("MEMORY "))
+    report = json.loads(line[len("MEMORY "):])
+    if report["save_ratio"] is None:
+        pytest.skip("peak RSS could not be reset here")
+    assert report["save_ratio"] < 0.2, report
+    assert report["restore_ratio"] < 1.2, report
