@@ -54,7 +54,7 @@ class Limits:
     processes: int = 256             # RLIMIT_NPROC of the slot's uid; threads count (JAX ~25)
     file_bytes: int = 256 << 20      # RLIMIT_FSIZE: the largest file it may write
     open_files: int = 1024           # RLIMIT_NOFILE
-    tmp_bytes: int = 512 << 20       # size of its /tmp and of its working folder (tmpfs)
+    tmp_bytes: int = 256 << 20       # size of its /tmp, /dev/shm and working folder (tmpfs: RAM)
 
     def as_dict(self) -> dict[str, int]:
         return dict(self.__dict__)
@@ -103,6 +103,14 @@ class Isolation:
 NO_SANDBOX_LOST = ("the kernel can read the solutions, the work folder and other students' work",
                    "it can write anywhere the grader can", "it has the network",
                    "no process limit")
+NO_PRLIMIT = "no limits on memory, CPU time, file size (prlimit is missing)"
+
+
+def _unsandboxed(detail: str) -> Isolation:
+    """No bubblewrap: still the rlimits, when prlimit is there."""
+    prlimit = shutil.which("prlimit") if sys.platform.startswith("linux") else None
+    lost = NO_SANDBOX_LOST + (() if prlimit else (NO_PRLIMIT,))
+    return Isolation("none", prlimit=prlimit, lost=lost, detail=detail)
 
 
 def probe(python: str = sys.executable) -> Isolation:
@@ -111,19 +119,18 @@ def probe(python: str = sys.executable) -> Isolation:
     Set ``MINICKPT_SANDBOX=off`` to grade without a sandbox on purpose (still marked).
     """
     if os.environ.get("MINICKPT_SANDBOX", "").lower() in ("off", "0", "no", "none"):
-        return Isolation("none", lost=NO_SANDBOX_LOST, detail="MINICKPT_SANDBOX=off")
+        return _unsandboxed("MINICKPT_SANDBOX=off")
     if not sys.platform.startswith("linux"):
-        return Isolation("none", lost=NO_SANDBOX_LOST, detail=f"not Linux ({sys.platform})")
+        return _unsandboxed(f"not Linux ({sys.platform})")
     bwrap, setpriv, prlimit = (shutil.which(t) for t in ("bwrap", "setpriv", "prlimit"))
     if bwrap is None:
-        return Isolation("none", lost=NO_SANDBOX_LOST, detail="bubblewrap (bwrap) is not installed")
+        return _unsandboxed("bubblewrap (bwrap) is not installed")
     root = os.geteuid() == 0
     lost: list[str] = []
     if root and setpriv is None:
-        return Isolation("none", lost=NO_SANDBOX_LOST,
-                         detail="setpriv (util-linux) is missing: cannot drop root inside bwrap")
+        return _unsandboxed("setpriv (util-linux) is missing: cannot drop root inside bwrap")
     if prlimit is None:
-        lost.append("no limits on memory, CPU time, file size (prlimit is missing)")
+        lost.append(NO_PRLIMIT)
     if not root:
         lost.append("no process limit (a dedicated uid needs root)")
     iso = Isolation("bwrap-root" if root else "bwrap-user", bwrap, setpriv, prlimit, tuple(lost))
@@ -143,7 +150,7 @@ def probe(python: str = sys.executable) -> Isolation:
             if proc is not None:
                 err = (proc.stderr or proc.stdout).strip().splitlines()[-1:] or [f"exit {proc.returncode}"]
                 err = err[0]
-            return Isolation("none", lost=NO_SANDBOX_LOST, detail=f"bubblewrap does not work here: {err}")
+            return _unsandboxed(f"bubblewrap does not work here: {err}")
     return iso
 
 
@@ -173,8 +180,12 @@ def kernel_command(iso: Isolation, argv: list[str], *, uid: int, cwd: str, ipc_d
                    extra_ro: dict[str, str] | None = None) -> list[str]:
     """``argv`` wrapped in the sandbox: bwrap (namespaces, mounts) → setpriv (as root) →
     prlimit. ``extra_ro`` binds single files (source → path inside) read-only."""
-    if not iso.sandboxed:
-        return list(argv)
+    if not iso.sandboxed:  # no namespaces; the rlimits at least (not the process limit: our uid)
+        if not iso.prlimit:
+            return list(argv)
+        return [iso.prlimit, f"--as={limits.memory_bytes}", f"--cpu={limits.cpu_seconds}",
+                f"--fsize={limits.file_bytes}", f"--nofile={limits.open_files}", "--core=0",
+                "--", *argv]
     a: list[str] = [iso.bwrap or "bwrap", "--die-with-parent", "--new-session",
                     "--unshare-net", "--unshare-pid", "--unshare-ipc", "--unshare-uts",
                     "--unshare-cgroup-try", "--hostname", "sandbox"]

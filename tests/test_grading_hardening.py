@@ -576,6 +576,22 @@ run("builtins in test", "t", 'check(isinstance(1, str) is False, "builtins are t
 '''
 
 
+def test_a_file_that_is_not_a_notebook_is_a_grade_not_a_crash(tmp_path):
+    """No kernel starts: status failed, 0 points, the reason, and a feedback page."""
+    for student, content in (("garbage", b"\x00\xffnot json"), ("listless", b'{"cells": 3}')):
+        d = tmp_path / "subs" / student / "lab01_basics"
+        d.mkdir(parents=True)
+        (d / "lab01_basics.ipynb").write_bytes(content)
+    proc = _grade(str(tmp_path / "subs"), "--out", str(tmp_path / "out"), "--work",
+                  str(tmp_path / "work"), timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    results = {r["student"]: r for r in json.loads((tmp_path / "out" / "results.json").read_text())}
+    for student in ("garbage", "listless"):
+        r = results[student]
+        assert (r["status"], r["total"]) == ("failed", 0) and "not a readable .ipynb" in r["reason"]
+        assert "not a readable .ipynb" in (tmp_path / "out" / r["feedback"]).read_text()
+
+
 def test_shards_partition_a_class_by_name():
     names = [f"student{k:03d}" for k in range(300)]
     for n in (1, 2, 7):
