@@ -61,7 +61,8 @@ class GradingClient(NotebookClient):
 
     def __init__(self, nb: NotebookNode, km: Any, *, timeout: int, setup_timeout: int,
                  keep_output_bytes: int, max_output_bytes: int, interrupt_grace: int,
-                 reap_uid: int | None, deadline: float | None = None) -> None:
+                 reap_uid: int | None, deadline: float | None = None,
+                 on_ready: Any = None, after_first_cell: Any = None) -> None:
         super().__init__(nb, km=km, timeout=timeout, allow_errors=True,
                          interrupt_on_timeout=True, raise_on_iopub_timeout=True,
                          iopub_timeout=interrupt_grace, shutdown_kernel="immediate",
@@ -76,6 +77,7 @@ class GradingClient(NotebookClient):
         self._current = -1
         self._interrupting: asyncio.Future[Any] | None = None
         self._deadline = deadline
+        self._on_ready, self._after_first = on_ready, after_first_cell
         self._kernel_pid: int | None = None
         self.report = RunReport()
         self._reset_cell()
@@ -160,6 +162,8 @@ class GradingClient(NotebookClient):
             if self._reap_uid is not None:
                 found = sandbox.processes_of(self._reap_uid)
                 self._kernel_pid = found[0][1] if found else None
+            if self._on_ready is not None:  # the kernel's sockets exist now
+                self._on_ready()
             count = 0
             for index, cell in enumerate(self.nb.cells):
                 if cell.cell_type != "code":
@@ -203,6 +207,8 @@ class GradingClient(NotebookClient):
                 else:
                     self._after_cell(cell)
                 self.report.seconds[index] = time.monotonic() - t0
+                if count == 1 and self._after_first is not None:
+                    self._after_first()
                 self._reap(cell)
         return self.report
 

@@ -293,14 +293,16 @@ WRITE_OTHERS = """
 import os
 
 _repo = os.path.dirname(os.path.dirname(os.path.abspath(mc.__file__)))
+_scratch = {"/tmp", "/dev/shm", os.path.abspath(os.getcwd())}
 _marked, _writable, _seen = [], [], 0
 for _top in [_repo, os.path.dirname(os.getcwd()), "/tmp", "/work", "/home", "/srv", "/var"]:
     for _dir, _subdirs, _files in os.walk(_top):
         _seen += 1
         if _seen > 5_000:
             break
-        if os.path.abspath(_dir) == os.path.abspath(os.getcwd()) or _dir.startswith("/tmp"):
-            continue  # its own scratch space is allowed
+        if os.path.abspath(_dir) in _scratch or (
+                os.stat(_dir).st_uid == os.getuid() and "minickpt-grade" not in _dir):
+            continue  # its own scratch space is allowed; the grader's socket folder is not
         try:
             with open(os.path.join(_dir, "PWNED-by-attack_write_others"), "x") as _f:
                 _f.write("was here")

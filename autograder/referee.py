@@ -4,8 +4,9 @@ code changed cannot make a test pass, and signs each test that ran to its end.
 The grader loads this file (by path, never through ``sys.modules``) in the first cell it runs,
 before any student code, and the student's notebook never imports it. Then:
 
-1. ``Referee(key_file, nonce)`` reads a per-submission secret key and deletes its file at once;
-   the key lives on only inside an OpenSSL HMAC context. It copies the pristine builtins.
+1. ``Referee(key_file, nonce)`` reads a per-submission secret key (the grader deletes its file
+   right after this first cell, before any student code runs); the key lives on only inside an
+   OpenSSL HMAC context. It copies the pristine builtins.
 2. ``seal(namespace)``, right after the lab's locked setup cell: takes a snapshot of every
    callable of the modules a test relies on (minickpt with its functions' code objects and its
    classes' attributes, labkit, numpy, jax, builtins, os, json, ...) and of the names the setup
@@ -106,7 +107,10 @@ class Referee:
     def __init__(self, key_file: str, nonce: str, shell: object = None) -> None:
         with open(key_file, "rb") as f:
             key = f.read()
-        os.unlink(key_file)
+        try:  # the grader deletes it after this cell in any case
+            os.unlink(key_file)
+        except OSError:
+            pass
         mac = hmac.new(key, digestmod="sha256")
         del key
         self._hmac = getattr(mac, "_hmac", None) or mac   # OpenSSL's context: C methods only

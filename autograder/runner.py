@@ -156,6 +156,21 @@ def _run(job: Job, cfg: dict[str, Any], lab: Lab, student: list[Any], iso: sandb
         os.chown(key_file, uid, uid)
     nb = _to_notebook(asm)
     reap = uid if iso.mode == "bwrap-root" else None
+
+    def lock_ipc() -> None:
+        """The kernel has bound its sockets: from now on it may not create files in the ipc
+        folder (a real folder of the grading machine, not a size-capped tmpfs)."""
+        if iso.mode == "bwrap-root":
+            os.chown(ipc, 0, 0)
+            os.chmod(ipc, 0o755)
+            conn = ipc / "connection.json"
+            if conn.exists():
+                os.chown(conn, 0, 0)
+
+    def drop_key() -> None:
+        """The referee has read its key in the first cell; no student code has run yet."""
+        Path(key_file).unlink(missing_ok=True)
+
     km = sandbox.make_kernel_manager(iso, uid=uid or 0, ipc_dir=str(ipc), cwd=cwd,
                                      limits=limits, extra_ro=extra_ro, kernel_args=KERNEL_ARGS,
                                      max_message_bytes=int(cfg["max_message"]))
@@ -164,7 +179,8 @@ def _run(job: Job, cfg: dict[str, Any], lab: Lab, student: list[Any], iso: sandb
                            keep_output_bytes=int(cfg["keep_output"]),
                            max_output_bytes=int(cfg["max_output"]),
                            interrupt_grace=int(cfg["grace"]), reap_uid=reap,
-                           deadline=t0 + int(cfg["wall"]))
+                           deadline=t0 + int(cfg["wall"]), on_ready=lock_ipc,
+                           after_first_cell=drop_key)
     env = None if iso.sandboxed else {**os.environ, "IPYTHONDIR": str(root / "scratch" / ".ipython"),
                                       "TMPDIR": str(root / "scratch" / "tmp")}
     started = False

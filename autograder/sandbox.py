@@ -7,7 +7,8 @@ sandbox's uid owns: TCP cannot cross the sandbox's own network namespace). Insid
 * sees ``/usr``, ``/etc``, the Python interpreter and its environment, and the ``minickpt``
   package, all read-only; never the repository's ``solutions/``, the grader's work folder
   (other students' notebooks, the graded notebooks with their hidden tests) or its output;
-* writes only to its own size-capped tmpfs folders (``/tmp`` and its working folder);
+* writes only to its own size-capped tmpfs folders (``/tmp``, ``/dev/shm`` and its working
+  folder); the folder of its sockets is closed to it once they exist;
 * has no network: its own network namespace holds only ``lo`` (localhost servers of the grading
   machine are out of reach too); its own pid, ipc and uts namespaces;
 * runs as a uid that only this slot uses (a run takes one per parallel slot, under a lock), with
@@ -204,9 +205,9 @@ def kernel_command(iso: Isolation, argv: list[str], *, uid: int, cwd: str, ipc_d
         a += ["--dev-bind", dev, dev]
     if gpus:
         a += ["--ro-bind", "/sys", "/sys"]
-    size = str(limits.tmp_bytes)
-    for scratch in ("/tmp", "/dev/shm"):
-        a += ["--perms", "1777", "--size", size, "--tmpfs", scratch]
+    size, small = str(limits.tmp_bytes), str(min(limits.tmp_bytes, 64 << 20))
+    a += ["--perms", "1777", "--size", size, "--tmpfs", "/tmp"]
+    a += ["--perms", "1777", "--size", small, "--tmpfs", "/dev/shm"]
     for empty in ("/root", "/home", "/run", "/var", "/mnt", "/media", "/srv", "/opt"):
         a += ["--perms", "0755", "--tmpfs", empty]
     made: set[str] = {"/", "/tmp", "/dev", "/root", "/home", "/run", "/var", "/mnt", "/media",
@@ -228,7 +229,7 @@ def kernel_command(iso: Isolation, argv: list[str], *, uid: int, cwd: str, ipc_d
         a += [how, src, dst]
     if cwd not in made:  # the working folder: an empty tmpfs, then the lab's data files
         parents(cwd)
-        a += ["--perms", "1777", "--size", size, "--tmpfs", cwd]
+        a += ["--perms", "1777", "--size", small, "--tmpfs", cwd]
         made.add(cwd)
     for src, dst, how in inside:
         parents(dst)
