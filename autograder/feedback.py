@@ -33,10 +33,12 @@ def _e(text: Any) -> str:
 
 
 def _markdown(text: str) -> str:
+    """The lab's own markdown (from the source, trusted: its HTML badge stays a badge). Student
+    markdown is never rendered."""
     try:
         import mistune
 
-        return str(mistune.create_markdown(escape=True)(text))
+        return str(mistune.create_markdown(escape=False)(text))
     except Exception:  # mistune missing or broken: plain text is fine
         return f"<pre>{_e(text)}</pre>"
 

@@ -165,8 +165,8 @@ def load_lab(path: Path) -> Lab:
             role = "locked"
         else:
             role = "open"
-        lab_cell = LabCell(kind if kind == "markdown" else ("code" if kind == "code" else "markdown"),
-                           source, role, gid, str(cell.get("id", "")), float(meta.get("points", 0)))
+        lab_cell = LabCell("code" if kind == "code" else "markdown", source, role, gid,
+                           str(cell.get("id", "")), float(meta.get("points", 0)))
         if role == "quiz":
             _, hidden = split_hidden(source)
             try:

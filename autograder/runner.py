@@ -206,7 +206,6 @@ def _run(job: Job, cfg: dict[str, Any], lab: Lab, student: list[Any], iso: sandb
     result["notes"] = asm.notes
     if report.fate:
         result["reason"] = f"{report.fate}: the cells after it were not run (0 points)"
-        result["notes"] = [*asm.notes, result["reason"]]
     result["ran_all_cells"] = not report.not_run and not report.fate
     mine = [(c.grade_id or f"your cell {k}", c.run) for k, c in enumerate(asm.cells)
             if c.role == "student" and c.run.strip()]
