@@ -208,6 +208,17 @@ def _finish_pending_saves() -> None:
         hard_exit(1)
 
 
+SNAPSHOT_ENV = "MINICKPT_ASYNC_SNAPSHOT"
+"""Set to ``copy`` to make every async snapshot a host copy (no pinned zero-copy views)."""
+
+
+def default_zero_copy() -> bool:
+    """Whether async snapshots may pin CPU arrays instead of copying them: yes, unless the
+    environment variable ``MINICKPT_ASYNC_SNAPSHOT`` is ``copy`` (to compare, or to rule the
+    pinning out when something looks wrong)."""
+    return os.environ.get(SNAPSHOT_ENV, "").strip().lower() != "copy"
+
+
 def default_snapshot_threads() -> int:
     """Threads that copy leaves during the snapshot: a quarter of the CPUs, 1 to 8.
 
@@ -231,10 +242,13 @@ class AsyncCheckpointer(Checkpointer):
 
     def __init__(self, fs: FileSystem | None = None, *,
                  wait_warning_s: float | None = None,
-                 snapshot_threads: int | None = None):
+                 snapshot_threads: int | None = None,
+                 zero_copy: bool | None = None):
         super().__init__(fs)
         self._writer = AsyncWriter(wait_warning_s=wait_warning_s)
         self._threads = snapshot_threads or default_snapshot_threads()
+        self.zero_copy = default_zero_copy() if zero_copy is None else zero_copy
+        """Pin CPU arrays instead of copying them in the snapshot (where JAX allows it)."""
         self._pool: ThreadPoolExecutor | None = None
         self._in_flight_path: str | None = None
         self._start_lock = threading.Lock()
@@ -302,7 +316,7 @@ class AsyncCheckpointer(Checkpointer):
         t_snap = time.perf_counter()
         if self._pool is None and self._threads > 1:
             self._pool = ThreadPoolExecutor(self._threads, thread_name_prefix="minickpt-snap")
-        plans = self.plan(items, copy=True, executor=self._pool)
+        plans = self.plan(items, copy=True, executor=self._pool, pin=self.zero_copy)
         stats = SaveStats(step, directory, start_time=wall0, async_=True, wait_s=wait_s)
         stats.snapshot_s = time.perf_counter() - t_snap
         what = directory if step is None else f"step {step} ({directory})"
@@ -310,11 +324,12 @@ class AsyncCheckpointer(Checkpointer):
         def write_phase() -> None:
             try:
                 self.write(directory, plans, step=step, metrics=metrics,
-                           custom_metadata=custom_metadata, stats=stats, init_ns=init_ns)
+                           custom_metadata=custom_metadata, stats=stats, init_ns=init_ns,
+                           release=True)
                 if on_commit is not None:
                     on_commit(stats)
             finally:
-                plans.clear()  # free the host copy as soon as it is written
+                plans.clear()  # free the copies, unpin the views: written now
 
         stats.blocking_s = time.perf_counter() - t0
         self.start_write(directory, write_phase, stats=stats, what=what, t0=t0,

@@ -308,12 +308,13 @@ class Checkpointer:
 
     # ---- saving ------------------------------------------------------------------------
     def plan(self, items: Mapping[str, Any], *, copy: bool = False,
-             executor: Executor | None = None) -> dict[str, ItemPlan]:
+             executor: Executor | None = None, pin: bool = False) -> dict[str, ItemPlan]:
         """The snapshot phase: every item brought to the host and laid out.
 
-        ``copy=True`` makes it a true copy that later mutation, deletion or donation of the
-        arrays cannot change (what an async save needs); ``executor`` copies large leaves in
-        parallel threads.
+        ``copy=True`` makes it a true snapshot that later mutation, deletion or donation of
+        the arrays cannot change (what an async save needs); ``executor`` copies large leaves
+        in parallel threads; ``pin=True`` lets CPU arrays be pinned zero-copy views instead
+        of copies, where JAX allows it (:func:`minickpt.tree.pinned_view`).
         """
         if not isinstance(items, Mapping) or not items:
             raise TypeError("items must be a non-empty mapping of item name to pytree, "
@@ -321,7 +322,8 @@ class Checkpointer:
         plans = {}
         for name, tree in items.items():
             try:
-                plans[check_name(str(name))] = plan_item(tree, copy=copy, executor=executor)
+                plans[check_name(str(name))] = plan_item(tree, copy=copy, executor=executor,
+                                                         pin=pin)
             except UnsupportedLeafError as e:
                 raise UnsupportedLeafError(f"item '{name}': {e}") from None
         return plans
@@ -351,12 +353,15 @@ class Checkpointer:
     def write(self, directory: str, plans: Mapping[str, ItemPlan], *, step: int | None,
               metrics: Mapping[str, Any] | None = None,
               custom_metadata: Mapping[str, Any] | None = None,
-              stats: SaveStats | None = None, init_ns: int | None = None) -> SaveStats:
+              stats: SaveStats | None = None, init_ns: int | None = None,
+              release: bool = False) -> SaveStats:
         """The write phase: items into a temporary directory, then the commit.
 
         Used by the synchronous save, by the background writer and by the primary process of
         a multi-host save. On any error the temporary directory is removed and nothing
-        changes under the final name.
+        changes under the final name. ``release=True`` drops each item's buffers once its
+        bytes are written (before the fsyncs): an async snapshot's copies are freed, and its
+        pinned views unpinned, as early as possible.
         """
         fs = self.fs
         stats = stats or SaveStats(step, directory, start_time=time.time())
@@ -376,6 +381,8 @@ class Checkpointer:
                 item_dir = os.path.join(tmp, name)
                 fs.mkdir(item_dir)
                 res = write_item(fs, item_dir, plan, sync=batch)
+                if release:
+                    plan.buffers[:] = [None] * len(plan.buffers)
                 stats.write_s += res.write_s
                 stats.bytes += res.data_bytes
                 stats.num_leaves += res.num_leaves

@@ -198,11 +198,14 @@ def plan_leaf(names: Names, host: Any) -> tuple[dict[str, Any], np.ndarray | Non
     return entry, buf
 
 
-def plan_item(tree: Any, *, copy: bool = False, executor: Executor | None = None) -> ItemPlan:
+def plan_item(tree: Any, *, copy: bool = False, executor: Executor | None = None,
+              pin: bool = False) -> ItemPlan:
     """Bring a tree to the host and lay it out: skeleton, entries, byte views and offsets.
 
     With an ``executor``, large leaves are brought over (and copied, with ``copy=True``) in its
     threads: numpy copies release the GIL, so an async save's snapshot uses several cores.
+    ``pin=True`` lets a pinned zero-copy view of a CPU array stand in for its copy
+    (:func:`minickpt.tree.pinned_view`).
     """
     skel, named = skeleton(tree)
     entries: list[dict[str, Any]] = []
@@ -222,14 +225,16 @@ def plan_item(tree: Any, *, copy: bool = False, executor: Executor | None = None
         try:
             for i, (names, leaf) in enumerate(named):
                 if getattr(leaf, "nbytes", 0) >= _HOST_IN_THREAD_BYTES:
-                    futures[i] = executor.submit(to_host, leaf, copy=copy, path=path_str(names))
+                    futures[i] = executor.submit(to_host, leaf, copy=copy, pin=pin,
+                                                 path=path_str(names))
         except RuntimeError:  # the executor is shut down (interpreter exit): do it here
             pass
     offset = 0
     for i, (names, leaf) in enumerate(named):
         was_np_scalar = isinstance(leaf, np.generic)
         fut = futures.get(i)
-        host = fut.result() if fut is not None else to_host(leaf, copy=copy, path=path_str(names))
+        host = (fut.result() if fut is not None
+                else to_host(leaf, copy=copy, pin=pin, path=path_str(names)))
         entry, buf = plan_leaf(names, host)
         if was_np_scalar:
             entry["scalar"] = True

@@ -11,6 +11,9 @@ Lab 1 rebuilds :func:`flatten_with_names`, :func:`unflatten_like` and :func:`to_
 
 from __future__ import annotations
 
+import logging
+import threading
+import warnings
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -21,6 +24,8 @@ import numpy as np
 from .errors import UnsupportedLeafError
 
 Names = tuple[str, ...]
+
+log = logging.getLogger("minickpt")
 
 
 # ---------------------------------------------------------------------------------------
@@ -286,13 +291,99 @@ def _transfer_made_a_copy(x: jax.Array) -> bool:
     return bool(platforms) and platforms <= _TRANSFER_PLATFORMS and kind in (None, "device")
 
 
-def to_host(x: Any, *, copy: bool = False, path: str = "<leaf>") -> Any:
+# ---- pinned zero-copy views (CPU) ------------------------------------------------------
+# On the CPU backend ``np.asarray(x)`` of a single-buffer jax.Array is a view of the array's
+# own buffer, and (in the JAX versions probed below) that view *pins* the buffer: while it is
+# alive, a jitted step that donates x does not get the buffer (XLA allocates a new output),
+# and ``x.delete()`` leaves the bytes alone. JAX never writes into an array's buffer
+# otherwise, so such a view is as good a snapshot as a copy, without the copy's time. That
+# guarantee is JAX behaviour, not API: it is checked once at run time, and without it every
+# snapshot is a copy again.
+
+_PIN_LOCK = threading.Lock()
+_pinning: bool | None = None  # the probe's verdict, once it has run
+
+
+def pinning_works() -> bool:
+    """Whether zero-copy views pin CPU buffers against donation and deletion (probed once)."""
+    global _pinning
+    with _PIN_LOCK:
+        if _pinning is None:
+            _pinning = _probe_pinning()
+            if not _pinning:
+                log.debug("minickpt: a numpy view does not pin a CPU jax.Array's buffer in "
+                          "jax %s: async snapshots copy every CPU array", jax.__version__)
+        return _pinning
+
+
+def _probe_pinning() -> bool:
+    """Take a view of a small CPU array, donate the array to a jitted step, delete it: the
+    view must still hold the original values, with no error and no warning on the way."""
+    try:
+        cpu = jax.devices("cpu")
+        expected = np.arange(1024, dtype=np.float32)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            donate = jax.jit(lambda a: a * 0 - 7, donate_argnums=0)
+            arrays = [jax.device_put(expected, cpu[0]) + 0]  # +0: a buffer XLA owns
+            if len(cpu) > 1:  # a replicated array: the view pins one of its buffers
+                from jax.sharding import NamedSharding, PartitionSpec
+                mesh = jax.sharding.Mesh(np.array(cpu[:2]), ("d",))
+                arrays.append(jax.device_put(arrays[0] + 0,
+                                             NamedSharding(mesh, PartitionSpec())))
+            for x in arrays:
+                view = pinned_view(x, probe=False)
+                if view is None:
+                    return False
+                y = donate(x)
+                y.block_until_ready()
+                if x.is_deleted() or not np.array_equal(view, expected) \
+                        or not np.all(np.asarray(y) == -7):
+                    return False
+                x.delete()
+                del y
+                if not np.array_equal(view, expected):
+                    return False
+        return not caught
+    except Exception as e:  # any surprise: copy, as before
+        log.debug("minickpt: the pinning probe failed: %s: %s", type(e).__name__, e)
+        return False
+
+
+def pinned_view(x: jax.Array, *, probe: bool = True) -> np.ndarray | None:
+    """A zero-copy numpy view that pins one buffer of a CPU ``jax.Array``, or None.
+
+    None when pinning cannot stand in for a copy: the array is not on the CPU, has several
+    distinct shards (``np.asarray`` would assemble them: a copy anyway), lives in a special
+    memory kind, is a PRNG key, or the probe (:func:`pinning_works`) said no.
+    """
+    try:
+        if is_prng_key(x) or not x.is_fully_addressable:
+            return None
+        sharding = x.sharding
+        if {d.platform for d in sharding.device_set} != {"cpu"} \
+                or sharding.memory_kind not in (None, "device", "unpinned_host"):
+            return None
+        if len(sharding.device_set) > 1 and not sharding.is_fully_replicated:
+            return None
+        if probe and not pinning_works():
+            return None
+        view = np.asarray(x)
+        ptrs = {s.data.unsafe_buffer_pointer() for s in x.addressable_shards}
+    except Exception:  # an unusual array type: not pinned, the caller copies
+        return None
+    return view if view.ctypes.data in ptrs and view.size == x.size else None
+
+
+def to_host(x: Any, *, copy: bool = False, path: str = "<leaf>", pin: bool = False) -> Any:
     """Task 1.2 — one leaf brought to host memory with its exact dtype.
 
     * ``jax.Array`` → ``numpy.ndarray`` of the same dtype (bfloat16 stays bfloat16). On CPU
       this is a zero-copy view unless ``copy=True``; an async save needs the copy, because
       the device buffer may be donated or overwritten after ``save()`` returns. (On GPU/TPU
       the transfer itself makes the copy, so ``copy=True`` does not copy a second time.)
+      With ``copy=True, pin=True`` a CPU array's view that pins its buffer
+      (:func:`pinned_view`) stands in for the copy: as safe, and free.
     * typed PRNG key (``jax.random.key``) → :class:`HostKey` (raw data + impl name).
     * numpy arrays and scalars stay numpy; Python scalars, strings and ``None`` stay as is.
     * anything else (object arrays, functions...) is refused: storing it would need pickle.
@@ -306,6 +397,10 @@ def to_host(x: Any, *, copy: bool = False, path: str = "<leaf>") -> Any:
             data = np.asarray(jax.random.key_data(x))
             return HostKey(np.array(data, copy=True) if copy else data,
                            str(jax.random.key_impl(x)))
+        if copy and pin:
+            view = pinned_view(x)
+            if view is not None:
+                return view
         arr = np.asarray(x)
         return np.array(arr, copy=True) if copy and not _transfer_made_a_copy(x) else arr
     if isinstance(x, np.ndarray):

@@ -22,8 +22,10 @@ import pytest
 from conftest import tree_equal
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 import minickpt.asynchronous as asy
+import minickpt.tree as mtree
 from minickpt import CheckpointManager, CheckpointManagerOptions
 from minickpt.asynchronous import AsyncCheckpointer, snapshot, timeline
 from minickpt.commit import TMP_MARK, is_temporary
@@ -78,18 +80,35 @@ def values(step):
             "n": np.full(5, step, np.int64), "k": jax.random.key(step), "step": step}
 
 
-# ---- the snapshot is a true copy ---------------------------------------------------------
+# ---- the snapshot is a true snapshot: a copy, or a pinned view --------------------------
+@pytest.fixture(params=["zero_copy", "copy"])
+def snapshot_mode(request, monkeypatch):
+    """Both ways an async save takes its snapshot of CPU arrays: pinned zero-copy views (the
+    default, where the probe says JAX pins) and host copies (``MINICKPT_ASYNC_SNAPSHOT=copy``)."""
+    if request.param == "copy":
+        monkeypatch.setenv(asy.SNAPSHOT_ENV, "copy")
+    else:
+        monkeypatch.delenv(asy.SNAPSHOT_ENV, raising=False)
+        if not mtree.pinning_works():
+            pytest.skip(f"jax {jax.__version__} does not pin CPU buffers: every snapshot copies")
+    return request.param
+
+
 @pytest.mark.task("5.1")
-def test_donation_after_save_never_changes_what_is_written(tmp_path):
+def test_donation_after_save_never_changes_what_is_written(tmp_path, snapshot_mode):
     """Donation hands the buffer to XLA, which writes the next state into it.
 
     On GPU/TPU this is how a training step avoids holding two copies of the state: the output
     is aliased to the donated input's device memory, the new values overwrite the old ones in
     place, and the old ``jax.Array`` is marked deleted. Older JAX ignored donation on CPU (with
-    a warning); this one implements it, and the test checks that it really happened (same
-    buffer, input deleted) — so the checkpoint holding the save-time values proves the copy.
-    The snapshot must also not pin the buffer: while a numpy view of it is alive, XLA silently
-    refuses the donation and copies instead (twice the memory on an accelerator)."""
+    a warning); this one implements it.
+
+    * ``copy``: the test checks that the donation really happened (same buffer, input
+      deleted) — so the checkpoint holding the save-time values proves the copy.
+    * ``zero_copy``: the snapshot is a view that pins the buffer, so XLA does *not* get it:
+      the step writes into a new buffer and the old values stay where the writer reads
+      them. Once the save is written the pin is gone, and the array can be donated again.
+    """
     fs = GatedFS()
     x = jnp.arange(1 << 16, dtype=jnp.float32)
     expected = np.arange(1 << 16, dtype=np.float32)
@@ -101,17 +120,25 @@ def test_donation_after_save_never_changes_what_is_written(tmp_path):
         assert fs.reached.wait(10)
         y = step_fn(x)  # the writer is held: it has not read anything yet
         y.block_until_ready()
-        assert x.is_deleted(), "the donation did not happen: something still holds the buffer"
-        assert y.unsafe_buffer_pointer() == ptr  # XLA wrote -7.0 where x was
+        if snapshot_mode == "copy":
+            assert x.is_deleted(), "the donation did not happen: something still holds the buffer"
+            assert y.unsafe_buffer_pointer() == ptr  # XLA wrote -7.0 where x was
+        else:
+            assert not x.is_deleted(), "the pinned buffer was donated: the snapshot is unsafe"
+            assert y.unsafe_buffer_pointer() != ptr
         fs.gate.set()
         m.wait_until_finished()
         saved = m.restore(1)["s"]["x"]
+        if snapshot_mode == "zero_copy":  # written: the view is released, x donatable again
+            z = step_fn(x)
+            z.block_until_ready()
+            assert x.is_deleted(), "the save still pins the buffer after it was written"
     np.testing.assert_array_equal(saved, expected)
     np.testing.assert_array_equal(np.asarray(y), np.full_like(expected, -7.0))
 
 
 @pytest.mark.task("5.1")
-def test_mutation_and_deletion_after_save_never_change_what_is_written(tmp_path):
+def test_mutation_and_deletion_after_save_never_change_what_is_written(tmp_path, snapshot_mode):
     fs = GatedFS()
     n = np.arange(100_000, dtype=np.float64)
     j = jnp.ones((300, 300), jnp.bfloat16)
@@ -132,6 +159,101 @@ def test_mutation_and_deletion_after_save_never_change_what_is_written(tmp_path)
     np.testing.assert_array_equal(r["k"].data, jax.random.key_data(jax.random.key(5)))
 
 
+def _sharded(x, spec):
+    mesh = Mesh(np.array(jax.devices()[:4]), ("d",))
+    return jax.device_put(x, NamedSharding(mesh, spec))
+
+
+def test_a_zero_copy_snapshot_pins_cpu_arrays_and_copies_the_rest(tmp_path):
+    """Which leaves the zero-copy snapshot shares with the state, and that every one of them,
+    donated or mutated after save(), is written with its values at save()."""
+    if not mtree.pinning_works():
+        pytest.skip(f"jax {jax.__version__} does not pin CPU buffers")
+    w = jnp.arange(4096, dtype=jnp.float32)
+    rep = _sharded(jnp.arange(64.0), PartitionSpec())  # replicated: one buffer is pinned
+    cut = _sharded(jnp.arange(64.0), PartitionSpec("d"))  # 4 shards: assembled, a copy
+    n = np.arange(10.0)
+    ck = AsyncCheckpointer(GatedFS(), zero_copy=True)
+    plan = ck.plan({"s": {"w": w, "rep": rep, "cut": cut, "n": n}}, copy=True, pin=True)["s"]
+    buf = {e["path"][0]: b for e, b in zip(plan.entries, plan.buffers, strict=True)}
+    assert buf["w"].ctypes.data == w.unsafe_buffer_pointer()
+    assert buf["rep"].ctypes.data in {s.data.unsafe_buffer_pointer()
+                                      for s in rep.addressable_shards}
+    assert not np.shares_memory(buf["n"], n)
+    assert all(buf["cut"].ctypes.data != s.data.unsafe_buffer_pointer()
+               for s in cut.addressable_shards)
+    del plan, buf
+    fs = GatedFS()
+    donate = jax.jit(lambda t: jax.tree.map(lambda a: a * 0 - 7, t), donate_argnums=0)
+    with AsyncCheckpointer(fs, zero_copy=True) as ck:
+        fs.shut()
+        state = {"w": w, "rep": rep, "cut": cut}
+        ck.save(tmp_path / "c", {"s": {**state, "n": n}})
+        assert fs.reached.wait(10)
+        after = jax.block_until_ready(donate(state))
+        n[:] = -1
+        fs.gate.set()
+        ck.wait_until_finished()
+        r = ck.restore(tmp_path / "c")["s"]
+    np.testing.assert_array_equal(r["w"], np.arange(4096, dtype=np.float32))
+    np.testing.assert_array_equal(r["rep"], np.arange(64.0))
+    np.testing.assert_array_equal(r["cut"], np.arange(64.0))
+    np.testing.assert_array_equal(r["n"], np.arange(10.0))
+    assert all(np.all(np.asarray(a) == -7) for a in after.values())
+
+
+def test_forced_copy_shares_no_memory_with_the_state(monkeypatch):
+    monkeypatch.setenv(asy.SNAPSHOT_ENV, "copy")
+    w = jnp.arange(4096, dtype=jnp.float32)
+    ck = AsyncCheckpointer()
+    assert not ck.zero_copy
+    assert AsyncCheckpointer(zero_copy=True).zero_copy  # the argument wins over the variable
+    plan = ck.plan({"s": {"w": w}}, copy=True, pin=ck.zero_copy)["s"]
+    assert not np.shares_memory(plan.buffers[0], np.asarray(w))
+
+
+def test_when_the_probe_says_jax_does_not_pin_the_snapshot_copies(tmp_path, monkeypatch,
+                                                                 caplog):
+    """Another JAX version may donate or free a buffer a view still points to: then the probe
+    fails, once, quietly (debug log), and every snapshot is a copy again."""
+    calls = []
+
+    def probe():
+        calls.append(1)
+        return False
+
+    monkeypatch.setattr(mtree, "_pinning", None)  # not probed yet in this test
+    monkeypatch.setattr(mtree, "_probe_pinning", probe)
+    fs = GatedFS()
+    x = jnp.arange(1 << 12, dtype=jnp.float32)
+    ptr = x.unsafe_buffer_pointer()
+    step_fn = jax.jit(lambda a: a * 0.0 - 7.0, donate_argnums=0)
+    with caplog.at_level(logging.DEBUG, logger="minickpt"), \
+            AsyncCheckpointer(fs, zero_copy=True) as ck:
+        plan = ck.plan({"s": {"x": x}}, copy=True, pin=True)["s"]
+        assert not np.shares_memory(plan.buffers[0], np.asarray(x))
+        del plan
+        fs.shut()
+        ck.save(tmp_path / "c", {"s": {"x": x}})
+        assert fs.reached.wait(10)
+        y = jax.block_until_ready(step_fn(x))
+        assert x.is_deleted() and y.unsafe_buffer_pointer() == ptr  # nothing pinned it
+        fs.gate.set()
+        ck.wait_until_finished()
+        saved = ck.restore(tmp_path / "c")["s"]["x"]
+    np.testing.assert_array_equal(saved, np.arange(1 << 12, dtype=np.float32))
+    assert calls == [1], "the probe must run once per process"
+    assert sum("does not pin" in r.getMessage() for r in caplog.records) == 1
+
+
+def test_the_probe_treats_any_error_as_no(monkeypatch):
+    def boom(*a, **k):
+        raise RuntimeError("no CPU backend in this build")
+
+    monkeypatch.setattr(mtree.jax, "devices", boom)
+    assert mtree._probe_pinning() is False
+
+
 @pytest.mark.task("5.1")
 def test_snapshot_owns_its_bytes():
     n, j = np.arange(6.0), jnp.arange(4 << 18, dtype=jnp.float32)  # j: 4 MB, copied in a thread
@@ -150,7 +272,7 @@ def test_the_gate_catches_a_snapshot_that_is_only_a_view(tmp_path):
     """The harness above can fail: a snapshot without the copy saves the mutated values."""
 
     class ViewSnapshot(AsyncCheckpointer):
-        def plan(self, items, *, copy=False, executor=None):
+        def plan(self, items, *, copy=False, executor=None, pin=False):
             return super().plan(items, copy=False)
 
     fs = GatedFS()
