@@ -44,7 +44,7 @@ from .errors import (
     UnsupportedLeafError,
 )
 from .fs import FileSystem, SyncBatch
-from .tree import MAX_DEPTH, HostKey, Names, path_str, skeleton, to_host
+from .tree import MAX_DEPTH, HostKey, Names, path_str, skeleton, snapshot_leaf, to_host
 
 FORMAT_NAME = "minickpt"
 FORMAT_VERSION = 1  # what an item without sharded leaves is written as (every single-host save)
@@ -225,16 +225,14 @@ def plan_item(tree: Any, *, copy: bool = False, executor: Executor | None = None
         try:
             for i, (names, leaf) in enumerate(named):
                 if getattr(leaf, "nbytes", 0) >= _HOST_IN_THREAD_BYTES:
-                    futures[i] = executor.submit(to_host, leaf, copy=copy, pin=pin,
-                                                 path=path_str(names))
+                    futures[i] = executor.submit(_host, leaf, copy, pin, path_str(names))
         except RuntimeError:  # the executor is shut down (interpreter exit): do it here
             pass
     offset = 0
     for i, (names, leaf) in enumerate(named):
         was_np_scalar = isinstance(leaf, np.generic)
         fut = futures.get(i)
-        host = (fut.result() if fut is not None
-                else to_host(leaf, copy=copy, pin=pin, path=path_str(names)))
+        host = fut.result() if fut is not None else _host(leaf, copy, pin, path_str(names))
         entry, buf = plan_leaf(names, host)
         if was_np_scalar:
             entry["scalar"] = True
@@ -245,6 +243,12 @@ def plan_item(tree: Any, *, copy: bool = False, executor: Executor | None = None
         entries.append(entry)
         buffers.append(buf)
     return ItemPlan(skel, entries, buffers, offset)
+
+
+def _host(leaf: Any, copy: bool, pin: bool, path: str) -> Any:
+    if copy and pin:
+        return snapshot_leaf(leaf, path=path, pin=True)
+    return to_host(leaf, copy=copy, path=path)
 
 
 def _on_accelerator(named: Sequence[tuple[Names, Any]]) -> bool:

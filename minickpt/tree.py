@@ -375,15 +375,13 @@ def pinned_view(x: jax.Array, *, probe: bool = True) -> np.ndarray | None:
     return view if view.ctypes.data in ptrs and view.size == x.size else None
 
 
-def to_host(x: Any, *, copy: bool = False, path: str = "<leaf>", pin: bool = False) -> Any:
+def to_host(x: Any, *, copy: bool = False, path: str = "<leaf>") -> Any:
     """Task 1.2 — one leaf brought to host memory with its exact dtype.
 
     * ``jax.Array`` → ``numpy.ndarray`` of the same dtype (bfloat16 stays bfloat16). On CPU
       this is a zero-copy view unless ``copy=True``; an async save needs the copy, because
       the device buffer may be donated or overwritten after ``save()`` returns. (On GPU/TPU
       the transfer itself makes the copy, so ``copy=True`` does not copy a second time.)
-      With ``copy=True, pin=True`` a CPU array's view that pins its buffer
-      (:func:`pinned_view`) stands in for the copy: as safe, and free.
     * typed PRNG key (``jax.random.key``) → :class:`HostKey` (raw data + impl name).
     * numpy arrays and scalars stay numpy; Python scalars, strings and ``None`` stay as is.
     * anything else (object arrays, functions...) is refused: storing it would need pickle.
@@ -397,10 +395,6 @@ def to_host(x: Any, *, copy: bool = False, path: str = "<leaf>", pin: bool = Fal
             data = np.asarray(jax.random.key_data(x))
             return HostKey(np.array(data, copy=True) if copy else data,
                            str(jax.random.key_impl(x)))
-        if copy and pin:
-            view = pinned_view(x)
-            if view is not None:
-                return view
         arr = np.asarray(x)
         return np.array(arr, copy=True) if copy and not _transfer_made_a_copy(x) else arr
     if isinstance(x, np.ndarray):
@@ -414,6 +408,17 @@ def to_host(x: Any, *, copy: bool = False, path: str = "<leaf>", pin: bool = Fal
         f"leaf {path} is a {type(x).__module__}.{type(x).__qualname__}: minickpt stores "
         "arrays, numbers, strings and None. If it is code (a function, an optimizer), keep "
         "it out of the saved tree; if it is data, convert it to an array first.")
+
+
+def snapshot_leaf(x: Any, *, path: str = "<leaf>", pin: bool = False) -> Any:
+    """One leaf as a host snapshot that later mutation, deletion or donation cannot change:
+    :func:`to_host` with ``copy=True`` — or, with ``pin=True``, a CPU array's view that pins
+    its buffer (:func:`pinned_view`), which is as safe and costs no copy."""
+    if pin and isinstance(x, jax.Array):
+        view = pinned_view(x)
+        if view is not None:
+            return view
+    return to_host(x, copy=True, path=path)
 
 
 def tree_to_host(tree: Any, *, copy: bool = False) -> list[tuple[Names, Any]]:
