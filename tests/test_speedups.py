@@ -248,6 +248,20 @@ def test_put_many_to_one_device_is_what_device_put_makes(device):
     assert (out[-1].unsafe_buffer_pointer() == big.ctypes.data) == alias
 
 
+def test_put_many_follows_x64_as_it_changes():
+    """A float64 array stays float64 with x64 on and becomes float32 with it off — also
+    after the first placement made (and remembered) an aval for that shape."""
+    sharding = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+    arrays = [np.ones(3), np.ones(3)]
+    with jax.enable_x64(True):
+        for a, o in zip(arrays, put_many(arrays, [sharding] * 2), strict=True):
+            _alike(o, jax.device_put(a, sharding))
+            assert o.dtype == np.float64
+    for a, o in zip(arrays, put_many(arrays, [sharding] * 2), strict=True):
+        _alike(o, jax.device_put(a, sharding))
+        assert o.dtype == np.float32
+
+
 def test_put_many_falls_back_to_device_put_when_the_fast_path_is_off(monkeypatch):
     import minickpt.restore as rs
 
