@@ -325,13 +325,15 @@ def finish_item(values: Sequence[Any], skel: Any, target: Any = None,
     return jax.tree_util.tree_unflatten(treedef, _outputs(values, flat, sharding))
 
 
-def _outputs(values: Sequence[Any], leaves: Sequence[Any], sharding: Any) -> list[Any]:
-    """Each host value as its target leaf asks; plain arrays bound for devices are placed
-    together (:func:`put_many`)."""
+def _outputs(values: Sequence[Any], leaves: Sequence[Any], sharding: Any,
+             wants: Sequence[Expect] | None = None) -> list[Any]:
+    """Each host value as its target leaf asks (``wants``: the leaves' :func:`expect_of`,
+    when the caller has them already); plain arrays bound for devices are placed together
+    (:func:`put_many`)."""
     outs: list[Any] = [None] * len(leaves)
     to_device: list[int] = []
     for k, (v, leaf) in enumerate(zip(values, leaves, strict=True)):
-        want = expect_of(leaf)
+        want = expect_of(leaf) if wants is None else wants[k]
         if want.kind == "array" and want.out == "jax" and isinstance(v, np.ndarray):
             to_device.append(k)
             outs[k] = want.sharding if want.sharding is not None else sharding
@@ -367,11 +369,11 @@ def restore_item(fs: FileSystem, manifest: Manifest, target: Any = None, *, item
         if _by_region(manifest.entries[i], want, where):
             outs[names] = restore_by_region(fs, manifest, i, want, where, verify=verify)
         else:
-            rest.append((names, i, leaf))
-    values = read_leaves(fs, manifest, [i for _, i, _ in rest], verify=verify)
-    placed = _outputs(values, [leaf for _, _, leaf in rest], sharding)
-    for (names, _, _), out in zip(rest, placed, strict=True):
-        outs[names] = out
+            rest.append((names, i, leaf, want))
+    values = read_leaves(fs, manifest, [r[1] for r in rest], verify=verify)
+    placed = _outputs(values, [r[2] for r in rest], sharding, [r[3] for r in rest])
+    for r, out in zip(rest, placed, strict=True):
+        outs[r[0]] = out
     return unflatten_like(target, outs)
 
 
