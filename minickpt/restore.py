@@ -264,6 +264,9 @@ def _put_single_device(arrays: Sequence[np.ndarray], sharding: Any) -> list[jax.
         (device,) = sharding.device_set
         if not sharding.is_fully_addressable:
             return None
+        kind = sharding.memory_kind  # another memory (pinned_host ...): JAX's own path
+        if kind is not None and kind != device.default_memory().kind:
+            return None
         avals = _AVALS
         if len(avals) > 4096:  # bounded: shapes seen by a long-lived process
             avals.clear()

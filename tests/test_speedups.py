@@ -248,6 +248,18 @@ def test_put_many_to_one_device_is_what_device_put_makes(device):
     assert (out[-1].unsafe_buffer_pointer() == big.ctypes.data) == alias
 
 
+def test_put_many_to_another_memory_kind_is_what_device_put_makes():
+    device = jax.devices()[0]
+    kinds = [m.kind for m in device.addressable_memories()]
+    if "pinned_host" not in kinds:
+        pytest.skip("this backend has no pinned_host memory")
+    sharding = jax.sharding.SingleDeviceSharding(device, memory_kind="pinned_host")
+    arrays = [np.arange(4, dtype=np.float32), np.arange(3, dtype=np.int32)]
+    for a, o in zip(arrays, put_many(arrays, [sharding] * 2), strict=True):
+        _alike(o, jax.device_put(a, sharding))
+        assert o.sharding.memory_kind == "pinned_host"
+
+
 def test_put_many_follows_x64_as_it_changes():
     """A float64 array stays float64 with x64 on and becomes float32 with it off — also
     after the first placement made (and remembered) an aval for that shape."""
