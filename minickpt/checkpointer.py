@@ -168,7 +168,7 @@ def metadata_bytes(step: int | None, items: Mapping[str, Any], *, metrics: Any =
         "commit_timestamp_nsecs": time.time_ns(),
         "items": dict(items),
         "metrics": _json_safe(metrics, "metrics") if metrics is not None else None,
-        "custom_metadata": _json_safe(custom_metadata or {}, "metadata"),
+        "custom_metadata": _json_safe(custom_metadata, "metadata") if custom_metadata else {},
         "writer": writer_info(),
     }
     return encode_metadata(meta)

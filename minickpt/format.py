@@ -802,11 +802,20 @@ def _finish_leaf(e: Mapping[str, Any], arr: np.ndarray) -> Any:
 
 
 def host_memory_bytes() -> int | None:
-    """Physical memory of this machine (None where the OS does not say)."""
-    try:
-        return os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
-    except (ValueError, OSError, AttributeError):
-        return None
+    """Physical memory of this machine (None where the OS does not say).
+
+    Asked once per process: on Linux it is a ``sysinfo`` system call on every restore
+    otherwise, for a number that does not change while the process runs.
+    """
+    if "bytes" not in _HOST_MEMORY:
+        try:
+            _HOST_MEMORY["bytes"] = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+        except (ValueError, OSError, AttributeError):
+            _HOST_MEMORY["bytes"] = None
+    return _HOST_MEMORY["bytes"]
+
+
+_HOST_MEMORY: dict[str, int | None] = {}
 
 
 _KEY_SHAPES: dict[str, tuple[int, ...] | None] = {}

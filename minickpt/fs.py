@@ -250,6 +250,11 @@ class FileSystem:
         """Open a regular file for reading, refusing a symlink (a checkpoint never contains
         one) and anything that is not a regular file: opening a FIFO would block forever
         (``O_NONBLOCK`` lets the open return so that ``fstat`` can refuse it)."""
+        return self._open_read(path)[0]
+
+    def _open_read(self, path: str) -> tuple[int, os.stat_result]:
+        """:meth:`open_read`, also returning the ``fstat`` it checked (whose size
+        :meth:`read_file` needs: one fstat per file, not two)."""
         from .errors import CheckpointCorruptedError, UnsafeCheckpointError
 
         try:
@@ -260,14 +265,14 @@ class FileSystem:
                 raise UnsafeCheckpointError(path, "is a symbolic link; refusing to follow it") from e
             raise
         try:
-            mode = self.fstat(fd).st_mode
+            st = self.fstat(fd)
         except BaseException:
             self.close(fd)
             raise
-        if not stat.S_ISREG(mode):
+        if not stat.S_ISREG(st.st_mode):
             self.close(fd)
             raise CheckpointCorruptedError(path, "is not a regular file")
-        return fd
+        return fd, st
 
     def read_into(self, fd: int, buf: memoryview, offset: int) -> None:
         """Fill ``buf`` from ``offset``; a short file is an error, not a silent zero fill."""
@@ -294,9 +299,9 @@ class FileSystem:
 
     def read_file(self, path: str, max_bytes: int = 64 << 20) -> bytes:
         """Read a whole (small) file, refusing files larger than ``max_bytes``."""
-        fd = self.open_read(path)
+        fd, st = self._open_read(path)
         try:
-            size = self.fstat(fd).st_size
+            size = st.st_size
             if size > max_bytes:
                 raise ValueError(f"{path} is {size} bytes, more than the {max_bytes} allowed")
             buf = bytearray(size)

@@ -218,6 +218,73 @@ def test_put_many_places_each_array_where_asked():
     assert out[3].devices() == {devs[0]}
 
 
+def _alike(fast, ref):
+    assert type(fast) is type(ref)
+    assert fast.aval == ref.aval and fast.dtype == ref.dtype and fast.weak_type == ref.weak_type
+    assert fast.sharding == ref.sharding and fast.committed == ref.committed
+    assert np.array_equal(np.asarray(fast), np.asarray(ref))
+
+
+@pytest.mark.parametrize("device", [0, -1])
+def test_put_many_to_one_device_is_what_device_put_makes(device):
+    """Many arrays bound for one device skip jax.device_put's per-array Python; what comes
+    out is the same: aval, dtype, sharding, commitment, values (float64 included, which JAX
+    converts when x64 is off), and a large aligned buffer is aliased exactly when
+    jax.device_put aliases it."""
+    import ml_dtypes
+
+    sharding = jax.sharding.SingleDeviceSharding(jax.devices()[device])
+    arrays = [np.arange(12, dtype=np.float32).reshape(3, 4), np.asarray(7, np.int32),
+              np.zeros((0, 3), np.int8), np.array([True, False]),
+              np.ones(5, ml_dtypes.bfloat16), np.ones((2, 2), np.float64),
+              np.asarray(1.5, np.float32)]
+    big = fmt.aligned_empty((1 << 18,), np.float32)
+    big[...] = 3.0
+    arrays.append(big)
+    out = put_many(arrays, [sharding] * len(arrays))
+    for a, o in zip(arrays, out, strict=True):
+        _alike(o, jax.device_put(a, sharding))
+    alias = jax.device_put(big, sharding).unsafe_buffer_pointer() == big.ctypes.data
+    assert (out[-1].unsafe_buffer_pointer() == big.ctypes.data) == alias
+
+
+def test_put_many_to_another_memory_kind_is_what_device_put_makes():
+    device = jax.devices()[0]
+    kinds = [m.kind for m in device.addressable_memories()]
+    if "pinned_host" not in kinds:
+        pytest.skip("this backend has no pinned_host memory")
+    sharding = jax.sharding.SingleDeviceSharding(device, memory_kind="pinned_host")
+    arrays = [np.arange(4, dtype=np.float32), np.arange(3, dtype=np.int32)]
+    for a, o in zip(arrays, put_many(arrays, [sharding] * 2), strict=True):
+        _alike(o, jax.device_put(a, sharding))
+        assert o.sharding.memory_kind == "pinned_host"
+
+
+def test_put_many_follows_x64_as_it_changes():
+    """A float64 array stays float64 with x64 on and becomes float32 with it off — also
+    after the first placement made (and remembered) an aval for that shape."""
+    sharding = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+    arrays = [np.ones(3), np.ones(3)]
+    with jax.enable_x64(True):
+        for a, o in zip(arrays, put_many(arrays, [sharding] * 2), strict=True):
+            _alike(o, jax.device_put(a, sharding))
+            assert o.dtype == np.float64
+    for a, o in zip(arrays, put_many(arrays, [sharding] * 2), strict=True):
+        _alike(o, jax.device_put(a, sharding))
+        assert o.dtype == np.float32
+
+
+def test_put_many_falls_back_to_device_put_when_the_fast_path_is_off(monkeypatch):
+    import minickpt.restore as rs
+
+    monkeypatch.setitem(rs._FAST_PUT, "ok", False)
+    sharding = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+    arrays = [np.arange(4, dtype=np.float32), np.arange(3, dtype=np.int32)]
+    out = put_many(arrays, [sharding, sharding])
+    for a, o in zip(arrays, out, strict=True):
+        _alike(o, jax.device_put(a, sharding))
+
+
 def test_peak_memory_of_save_and_restore_stays_near_the_state_size():
     """A save adds (almost) nothing on top of the state; a restore into jax arrays adds the
     restored state once — not a host copy *and* a device copy (measured in a fresh process
