@@ -179,6 +179,7 @@ def scenario_restore(directory: str, replicated_dir: str) -> int:
     state = {"params": {"w": global_array("w", rep), "rep": global_array("rep", rep)},
              "step": 3, "host": np.arange(5, dtype=np.uint8), "rng": jax.random.key(42)}
     o = opts(primary_only=True)
+    mh.default_sync().KV_CHUNK_BYTES = 100  # the broadcast in many chunks
     with mc.CheckpointManager(replicated_dir, o) as mngr:
         assert mngr.save(3, state)
         files = sorted(os.listdir(os.path.join(replicated_dir, "step_3", "params")))
@@ -238,6 +239,26 @@ def scenario_kill(directory: str) -> int:
                steps=mngr.all_steps(read=True))
         mh.hard_exit(3)  # a normal exit would wait in jax.distributed.shutdown()
     result(saved=True)
+    return 0
+
+
+def scenario_broadcast_kill(directory: str) -> int:
+    """A primary_only restore; a peer dies right before the broadcast (MINICKPT_FAULT): the
+    survivor must name it within the time-out, not hang in a collective."""
+    m, _ = meshes(jax.local_device_count())
+    rep = NamedSharding(m, P())
+    state = {"params": {"w": global_array("w", rep)}, "step": 3}
+    mngr = mc.CheckpointManager(directory, opts(timeout_s=float(os.environ["MH_TIMEOUT"]),
+                                                primary_only=True))
+    assert mngr.save(3, state)
+    mh.default_sync().exchange("ready", None, 60)  # start together: the time-out is the restore's
+    t = time.perf_counter()
+    try:
+        mngr.restore(3)
+    except PeerTimeoutError as e:
+        result(missing=e.missing, after_s=time.perf_counter() - t, error=str(e))
+        mh.hard_exit(3)
+    result(restored=True)
     return 0
 
 
@@ -329,5 +350,6 @@ def scenario_async_exit(directory: str) -> int:
 if __name__ == "__main__":
     scenario, *args = sys.argv[1:]
     sys.exit({"save": scenario_save, "restore": scenario_restore, "kill": scenario_kill,
+              "broadcast_kill": scenario_broadcast_kill,
               "async": scenario_async, "resume": scenario_resume,
               "async_exit": scenario_async_exit}[scenario](*args))
