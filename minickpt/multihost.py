@@ -389,6 +389,10 @@ class Sync:
     def process_of(self, device: Any) -> int:
         return int(device.process_index)
 
+    def forget(self, key: str) -> None:
+        """Drop the values of a finished exchange that every process has read (those of
+        :meth:`new_op` keys are collected automatically)."""
+
 
 class SingleProcessSync(Sync):
     """One process: every exchange is with oneself."""
@@ -428,6 +432,13 @@ class DistributedSync(Sync):
                     except Exception as e:  # garbage collection must never fail a save
                         log.debug("minickpt: could not delete keys of %s: %s", old, e)
         return op
+
+    def forget(self, key: str) -> None:
+        if self.process_index == 0:
+            try:
+                self._coord.client.key_value_delete(f"{self.PREFIX}/{key}")
+            except Exception as e:  # garbage collection never fails the caller
+                log.debug("minickpt: could not delete keys of %s: %s", key, e)
 
     def exchange(self, key: str, value: Any, timeout_s: float, what: str = "") -> list[Any]:
         c = self._coord.client

@@ -262,6 +262,53 @@ def scenario_broadcast_kill(directory: str) -> int:
     return 0
 
 
+def _preempt_step(carry: np.ndarray, step: int) -> tuple[np.ndarray, dict]:
+    """A deterministic 'training step' (the same on every process), a little slow."""
+    time.sleep(0.05)
+    return carry * 0.5 + step, {"loss": float(step)}
+
+
+def scenario_preempt(directory: str) -> int:
+    """Only process 1 gets SIGTERM (at step 4); the decision is taken together at the next
+    check step (6, with sync_every_steps=3): both save step 6, stop, and exit 0."""
+    import signal
+
+    from minickpt.production.preemption import PreemptionHandler, train_until_preempted
+
+    mngr = mc.CheckpointManager(directory, opts(timeout_s=20, save_interval_steps=100))
+    handler = PreemptionHandler(sync_every_steps=3).attach(mngr)
+
+    def step_fn(carry, step):
+        if ME == 1 and step == 4:
+            os.kill(os.getpid(), signal.SIGTERM)  # delivered to this process only
+        return _preempt_step(carry, step)
+
+    res = train_until_preempted(mngr, np.zeros(4), step_fn, start=0, stop=30,
+                                items=lambda c: {"w": c})
+    steps = mngr.all_steps(read=True)
+    mngr.close()
+    result(step=res.step, preempted=res.preempted, steps=steps, safe_step=handler.safe_step,
+           signalled=handler.received == signal.SIGTERM)
+    return 0
+
+
+def scenario_preempt_resume(directory: str) -> int:
+    """The restarted job resumes at the saved step and ends as an uninterrupted one."""
+    from minickpt.production.preemption import PreemptionHandler, train_until_preempted
+
+    with mc.CheckpointManager(directory, opts(timeout_s=20, save_interval_steps=100)) as mngr:
+        PreemptionHandler(sync_every_steps=3).attach(mngr)
+        r = mngr.restore()
+        res = train_until_preempted(mngr, r["w"], _preempt_step, start=r.step, stop=10,
+                                    items=lambda c: {"w": c})
+    ref = np.zeros(4)
+    for s in range(1, 11):
+        ref, _ = _preempt_step(ref, s)
+    result(resumed_at=r.step, step=res.step, preempted=res.preempted,
+           same=bool(np.array_equal(res.carry, ref)))
+    return 0
+
+
 def scenario_async(directory: str) -> int:
     """Async + multi-host: save() returns after the snapshot; donating and mutating the state
     right after it changes nothing; a background failure on the last process is raised on
@@ -351,5 +398,6 @@ if __name__ == "__main__":
     scenario, *args = sys.argv[1:]
     sys.exit({"save": scenario_save, "restore": scenario_restore, "kill": scenario_kill,
               "broadcast_kill": scenario_broadcast_kill,
+              "preempt": scenario_preempt, "preempt_resume": scenario_preempt_resume,
               "async": scenario_async, "resume": scenario_resume,
               "async_exit": scenario_async_exit}[scenario](*args))
