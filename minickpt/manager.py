@@ -36,6 +36,7 @@ from .errors import (
     CheckpointNotFoundError,
     CheckpointTooLargeError,
     MiniCkptError,
+    PeerTimeoutError,
     StepAlreadyExistsError,
 )
 from .fs import DEFAULT_FS, FileSystem
@@ -860,6 +861,8 @@ class CheckpointManager:
                 else:
                     out = self._restore_step(self._resolve(s), target, partial, verify,
                                              sharding)
+            except PeerTimeoutError:
+                raise  # a process is missing (on every survivor alike): no exchange would do
             except Exception as e:
                 local = e
             statuses = sync.exchange(f"{op}/try{n}", multihost.failure_status(local),

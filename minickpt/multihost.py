@@ -25,7 +25,8 @@ hangs, the others raise :class:`~minickpt.errors.PeerTimeoutError` naming the mi
 processes; the primary removes the temporary directory, so no step is committed. Barriers
 go through the coordination service's key-value store and ``wait_at_barrier`` (the only
 JAX primitives with a time-out); XLA collectives (``multihost_utils``) have none and hang
-forever on a hung peer, so the protocol never uses them for decisions.
+on a dead or hung peer, so minickpt never uses them: even the bytes of a ``primary_only``
+restore travel through the key-value store (in chunks), bounded by the same time-out.
 
 What JAX itself does on failure, and what to do about it:
 
@@ -41,7 +42,9 @@ What JAX itself does on failure, and what to do about it:
 
 **Replicated state, the Flax way.** With ``MultiHostOptions(primary_only=True)`` the
 primary alone writes (every leaf must be replicated: data parallelism), and on restore the
-primary alone reads and *broadcasts* to the others. Use it when the state is replicated
+primary alone reads and *broadcasts* to the others (through the coordination service, in
+1 MiB chunks: the state passes through process 0's memory, and must be sent within
+``timeout_s``). Use it when the state is replicated
 and you want the other hosts to stay off the storage (one reader instead of N). Use the
 default, sharded protocol whenever the state is sharded (FSDP, tensor parallelism): each
 host then writes and reads only its part, and no host needs memory for the whole state.
@@ -59,6 +62,7 @@ that does lives in :class:`_Coordination`.
 
 from __future__ import annotations
 
+import base64
 import errno
 import itertools
 import json
@@ -314,7 +318,8 @@ def _fault(sync: Sync, point: str) -> None:
     ``MINICKPT_FAULT="after_write@2:kill"`` SIGKILLs process 2 once its shards are written;
     actions: ``kill``, ``exit`` (code 13), ``hang``, ``sleep=S``, ``raise`` (EIO). Points:
     ``after_agree``, ``after_create``, ``after_write``, ``before_commit``, ``after_commit``
-    (with async saves, the points after ``after_agree`` are reached in the background thread).
+    (with async saves, the points after ``after_agree`` are reached in the background thread);
+    ``before_broadcast`` in a ``primary_only`` restore, once the primary has read the step.
     """
     hook = sync.faults.get(point)
     if hook is not None:
@@ -375,13 +380,18 @@ class Sync:
         raise NotImplementedError
 
     def broadcast_bytes(self, key: str, data: np.ndarray | None, nbytes: int, src: int,
-                        timeout_s: float) -> np.ndarray:
+                        timeout_s: float, what: str = "") -> np.ndarray:
         """``data`` (uint8) from process ``src`` on every process. Only call it after an
-        :meth:`exchange` has told everyone ``nbytes`` and that ``src`` is ready."""
+        :meth:`exchange` has told everyone ``nbytes`` and that ``src`` is ready. Bounded by
+        ``timeout_s`` like an exchange: a missing process is named in a PeerTimeoutError."""
         raise NotImplementedError
 
     def process_of(self, device: Any) -> int:
         return int(device.process_index)
+
+    def forget(self, key: str) -> None:
+        """Drop the values of a finished exchange that every process has read (those of
+        :meth:`new_op` keys are collected automatically)."""
 
 
 class SingleProcessSync(Sync):
@@ -391,7 +401,7 @@ class SingleProcessSync(Sync):
         return [json.loads(json.dumps(value))]
 
     def broadcast_bytes(self, key: str, data: np.ndarray | None, nbytes: int, src: int,
-                        timeout_s: float) -> np.ndarray:
+                        timeout_s: float, what: str = "") -> np.ndarray:
         assert data is not None
         return data
 
@@ -422,6 +432,13 @@ class DistributedSync(Sync):
                     except Exception as e:  # garbage collection must never fail a save
                         log.debug("minickpt: could not delete keys of %s: %s", old, e)
         return op
+
+    def forget(self, key: str) -> None:
+        if self.process_index == 0:
+            try:
+                self._coord.client.key_value_delete(f"{self.PREFIX}/{key}")
+            except Exception as e:  # garbage collection never fails the caller
+                log.debug("minickpt: could not delete keys of %s: %s", key, e)
 
     def exchange(self, key: str, value: Any, timeout_s: float, what: str = "") -> list[Any]:
         c = self._coord.client
@@ -455,18 +472,71 @@ class DistributedSync(Sync):
         except Exception:  # pragma: no cover - the service is gone
             return set()
 
-    def broadcast_bytes(self, key: str, data: np.ndarray | None, nbytes: int, src: int,
-                        timeout_s: float) -> np.ndarray:
-        from jax.experimental import multihost_utils
+    # Coordination-service calls are gRPC messages (4 MiB at most by default): large
+    # payloads travel in chunks well below that.
+    KV_CHUNK_BYTES = 1 << 20
 
-        words = (nbytes + 3) // 4  # psum of uint32 words stays uint32 (uint8 would widen)
-        buf = np.zeros(words * 4, np.uint8)
-        if self.process_index == src:
+    def broadcast_bytes(self, key: str, data: np.ndarray | None, nbytes: int, src: int,
+                        timeout_s: float, what: str = "") -> np.ndarray:
+        """Through the key-value store, in chunks, not an XLA collective: an XLA broadcast
+        has no time-out, so a peer dying mid-restore would hang the others until JAX's
+        heartbeat aborts them, naming nobody. Here every wait is an :meth:`exchange`.
+
+        The payload passes through the coordination service (process 0's memory) and must be
+        uploaded within ``timeout_s``; ``primary_only`` restores are for replicated state
+        that fits comfortably in one host's memory anyway."""
+        c = self._coord.client
+        me, chunk = self.process_index, max(1, int(self.KV_CHUNK_BYTES))
+        data_key = f"{self.PREFIX}/{key}/data"
+        nchunks = -(-nbytes // chunk)
+        what = what or f"broadcast of {key} from process {src}"
+        if me == src:
             assert data is not None and data.nbytes == nbytes
-            buf[:nbytes] = data
-        out = multihost_utils.broadcast_one_to_all(buf.view(np.uint32),
-                                                   is_source=self.process_index == src)
-        return np.asarray(out, np.uint32).view(np.uint8)[:nbytes]
+            raw = memoryview(np.ascontiguousarray(data).reshape(-1).view(np.uint8))
+            for i in range(nchunks):
+                self._set_bytes(f"{data_key}/{i}", bytes(raw[i * chunk:(i + 1) * chunk]))
+        # every chunk is in the store once the source arrives here
+        self.exchange(f"{key}/sent", nchunks if me == src else None, timeout_s,
+                      f"{what}: waiting for the data")
+        if me == src:
+            out = np.asarray(data, np.uint8).reshape(-1)
+        else:
+            out = np.empty(nbytes, np.uint8)
+            deadline = time.monotonic() + timeout_s
+            for i in range(nchunks):
+                left_ms = max(1, int((deadline - time.monotonic()) * 1000))
+                try:
+                    got = self._get_bytes(f"{data_key}/{i}", left_ms)
+                except Exception as e:
+                    raise MultiHostError(f"{what}: chunk {i} of {nchunks} could not be read "
+                                         f"from the coordination service: {e}") from e
+                lo = i * chunk
+                if len(got) != min(chunk, nbytes - lo):
+                    raise MultiHostError(f"{what}: chunk {i} has {len(got)} bytes, expected "
+                                         f"{min(chunk, nbytes - lo)}")
+                out[lo:lo + len(got)] = np.frombuffer(got, np.uint8)
+        # everybody has it: the source frees the coordinator's memory
+        self.exchange(f"{key}/received", None, timeout_s, f"{what}: waiting for every "
+                      "process to receive it")
+        if me == src and nchunks:
+            try:
+                c.key_value_delete(data_key)
+            except Exception as e:  # garbage collection never fails a restore
+                log.debug("minickpt: could not delete %s: %s", data_key, e)
+        return out
+
+    def _set_bytes(self, key: str, value: bytes) -> None:
+        c = self._coord.client
+        if hasattr(c, "key_value_set_bytes"):
+            c.key_value_set_bytes(key, value, allow_overwrite=True)
+        else:  # pragma: no cover - older JAX: text values only
+            c.key_value_set(key, base64.b64encode(value).decode(), allow_overwrite=True)
+
+    def _get_bytes(self, key: str, timeout_ms: int) -> bytes:
+        c = self._coord.client
+        if hasattr(c, "blocking_key_value_get_bytes"):
+            return bytes(c.blocking_key_value_get_bytes(key, timeout_ms))
+        return base64.b64decode(c.blocking_key_value_get(key, timeout_ms))  # pragma: no cover
 
 
 class LocalGroup:
@@ -541,9 +611,9 @@ class LocalSync(Sync):
             return [got[p] for p in range(g.n)]
 
     def broadcast_bytes(self, key: str, data: np.ndarray | None, nbytes: int, src: int,
-                        timeout_s: float) -> np.ndarray:
+                        timeout_s: float, what: str = "") -> np.ndarray:
         box = self.exchange(key + "/bytes", data.tobytes().hex() if data is not None
-                            and self.process_index == src else None, timeout_s)[src]
+                            and self.process_index == src else None, timeout_s, what)[src]
         return np.frombuffer(bytes.fromhex(box), np.uint8).copy()
 
 
@@ -1192,9 +1262,12 @@ def restore_broadcast(checkpointer: Checkpointer, sync: Sync, key: str, path: st
     head = statuses[src]
     raise_failures({src: head}, me, local, f"restoring {path} on process {src}", reading=True)
     out = {}
+    _fault(sync, "before_broadcast")
     for name in head["names"]:
-        payload = sync.broadcast_bytes(f"{key}/{name}", payloads.get(name),
-                                       head["sizes"][name], src, options.timeout_s)
+        payload = sync.broadcast_bytes(f"{key}/item/{name}", payloads.get(name),
+                                       head["sizes"][name], src, options.timeout_s,
+                                       f"restore of {path}: broadcasting item '{name}' from "
+                                       f"process {src}")
         values, skel = _unpack(payload)
         t = None if target is None else target[name]
         out[name] = finish_item(values, skel, t, sharding)

@@ -179,6 +179,7 @@ def scenario_restore(directory: str, replicated_dir: str) -> int:
     state = {"params": {"w": global_array("w", rep), "rep": global_array("rep", rep)},
              "step": 3, "host": np.arange(5, dtype=np.uint8), "rng": jax.random.key(42)}
     o = opts(primary_only=True)
+    mh.default_sync().KV_CHUNK_BYTES = 100  # the broadcast in many chunks
     with mc.CheckpointManager(replicated_dir, o) as mngr:
         assert mngr.save(3, state)
         files = sorted(os.listdir(os.path.join(replicated_dir, "step_3", "params")))
@@ -238,6 +239,73 @@ def scenario_kill(directory: str) -> int:
                steps=mngr.all_steps(read=True))
         mh.hard_exit(3)  # a normal exit would wait in jax.distributed.shutdown()
     result(saved=True)
+    return 0
+
+
+def scenario_broadcast_kill(directory: str) -> int:
+    """A primary_only restore; a peer dies right before the broadcast (MINICKPT_FAULT): the
+    survivor must name it within the time-out, not hang in a collective."""
+    m, _ = meshes(jax.local_device_count())
+    rep = NamedSharding(m, P())
+    state = {"params": {"w": global_array("w", rep)}, "step": 3}
+    mngr = mc.CheckpointManager(directory, opts(timeout_s=float(os.environ["MH_TIMEOUT"]),
+                                                primary_only=True))
+    assert mngr.save(3, state)
+    mh.default_sync().exchange("ready", None, 60)  # start together: the time-out is the restore's
+    t = time.perf_counter()
+    try:
+        mngr.restore(3)
+    except PeerTimeoutError as e:
+        result(missing=e.missing, after_s=time.perf_counter() - t, error=str(e))
+        mh.hard_exit(3)
+    result(restored=True)
+    return 0
+
+
+def _preempt_step(carry: np.ndarray, step: int) -> tuple[np.ndarray, dict]:
+    """A deterministic 'training step' (the same on every process), a little slow."""
+    time.sleep(0.05)
+    return carry * 0.5 + step, {"loss": float(step)}
+
+
+def scenario_preempt(directory: str) -> int:
+    """Only process 1 gets SIGTERM (at step 4); the decision is taken together at the next
+    check step (6, with sync_every_steps=3): both save step 6, stop, and exit 0."""
+    import signal
+
+    from minickpt.production.preemption import PreemptionHandler, train_until_preempted
+
+    mngr = mc.CheckpointManager(directory, opts(timeout_s=20, save_interval_steps=100))
+    handler = PreemptionHandler(sync_every_steps=3).attach(mngr)
+
+    def step_fn(carry, step):
+        if ME == 1 and step == 4:
+            os.kill(os.getpid(), signal.SIGTERM)  # delivered to this process only
+        return _preempt_step(carry, step)
+
+    res = train_until_preempted(mngr, np.zeros(4), step_fn, start=0, stop=30,
+                                items=lambda c: {"w": c})
+    steps = mngr.all_steps(read=True)
+    mngr.close()
+    result(step=res.step, preempted=res.preempted, steps=steps, safe_step=handler.safe_step,
+           signalled=handler.received == signal.SIGTERM)
+    return 0
+
+
+def scenario_preempt_resume(directory: str) -> int:
+    """The restarted job resumes at the saved step and ends as an uninterrupted one."""
+    from minickpt.production.preemption import PreemptionHandler, train_until_preempted
+
+    with mc.CheckpointManager(directory, opts(timeout_s=20, save_interval_steps=100)) as mngr:
+        PreemptionHandler(sync_every_steps=3).attach(mngr)
+        r = mngr.restore()
+        res = train_until_preempted(mngr, r["w"], _preempt_step, start=r.step, stop=10,
+                                    items=lambda c: {"w": c})
+    ref = np.zeros(4)
+    for s in range(1, 11):
+        ref, _ = _preempt_step(ref, s)
+    result(resumed_at=r.step, step=res.step, preempted=res.preempted,
+           same=bool(np.array_equal(res.carry, ref)))
     return 0
 
 
@@ -329,5 +397,7 @@ def scenario_async_exit(directory: str) -> int:
 if __name__ == "__main__":
     scenario, *args = sys.argv[1:]
     sys.exit({"save": scenario_save, "restore": scenario_restore, "kill": scenario_kill,
+              "broadcast_kill": scenario_broadcast_kill,
+              "preempt": scenario_preempt, "preempt_resume": scenario_preempt_resume,
               "async": scenario_async, "resume": scenario_resume,
               "async_exit": scenario_async_exit}[scenario](*args))

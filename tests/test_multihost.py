@@ -861,6 +861,21 @@ def test_a_process_killed_mid_save_is_named_and_nothing_is_committed(tmp_path):
 
 
 @pytest.mark.multiprocess
+@pytest.mark.task("4.4")
+def test_a_peer_killed_before_a_primary_only_broadcast_is_named_within_the_time_out(tmp_path):
+    r, results = _run(["broadcast_kill", str(tmp_path)], 2, 1, timeout_s=120, grace_s=60,
+                      env={"MH_TIMEOUT": "3", mh.ENV_FAULT: "before_broadcast@1:kill"})
+    assert r.returncodes[1] == -9, r.output()
+    assert r.returncodes[0] == 3 and sorted(results) == [0], r.output()
+    res = results[0]
+    assert res["missing"] == [1]
+    assert "broadcasting item 'params' from process 0" in res["error"]
+    assert "process(es) 1 did not arrive within 3 s" in res["error"]
+    # within the time-out (plus slack), far from JAX's 100 s heartbeat abort
+    assert 2.5 < res["after_s"] < 20
+
+
+@pytest.mark.multiprocess
 @pytest.mark.task("4.3")
 def test_a_primary_killed_before_commit_leaves_a_temporary_the_next_primary_removes(tmp_path):
     r, _ = _run(["kill", str(tmp_path)], 2, 2, timeout_s=120, grace_s=30,

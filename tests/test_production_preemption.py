@@ -156,3 +156,102 @@ def test_sigterm_to_a_real_training_process(tmp_path, reference_fingerprint, com
     third = run(None, None)
     assert third.last("resumed from step") == 21
     assert third.last("final") == reference_fingerprint(total)
+
+
+# ---------------------------------------------------------------------------------------
+# several processes: one collective decision
+# ---------------------------------------------------------------------------------------
+def test_processes_signalled_at_different_steps_agree_on_one_safe_step():
+    """Threads playing 3 processes; process 1 is notified at step 4, process 2 at step 8:
+    every process decides at check step 6 (k = 3), and only there is anything exchanged."""
+    from minickpt import multihost as mh
+
+    exchanged: list[str] = []
+
+    def work(sync):
+        real = sync.exchange
+
+        def spy(key, value, timeout_s, what=""):
+            exchanged.append(key)
+            return real(key, value, timeout_s, what)
+
+        sync.exchange = spy
+        h = PreemptionHandler(install=False, sync=sync, sync_every_steps=3, timeout_s=20)
+        out = []
+        for step in range(1, 20):
+            if (sync.process_index, step) in ((1, 4), (2, 8)):
+                h.notify()
+            if h.reached(step) and h.reached(step):  # asked twice, as the manager does
+                out.append(step)
+                break
+        return out, h.safe_step, h.preempted
+
+    res = mh.LocalGroup(3).run(work, timeout_s=60)
+    assert res == [([6], 6, True)] * 3, res
+    assert sorted(set(exchanged)) == ["preemption/3", "preemption/6"]
+    assert len(exchanged) == 6  # once per process and check step: the repeat is cached
+
+
+def test_a_process_that_never_reaches_the_check_step_is_named(tmp_path):
+    from minickpt import multihost as mh
+    from minickpt.errors import PeerTimeoutError
+
+    def work(sync):
+        h = PreemptionHandler(install=False, sync=sync, sync_every_steps=2, timeout_s=1)
+        if sync.process_index == 1:
+            return None  # stopped asking: a bug in the loop, or dead
+        t = time.monotonic()
+        with pytest.raises(PeerTimeoutError) as e:
+            h.reached(2)
+        return e.value.missing, time.monotonic() - t
+
+    res = mh.LocalGroup(2).run(work, timeout_s=30)
+    assert res[0][0] == [1] and res[0][1] < 10
+
+
+def test_attach_takes_the_managers_sync_under_several_processes(tmp_path):
+    from minickpt import MultiHostOptions
+    from minickpt import multihost as mh
+
+    def work(sync):
+        opts = CheckpointManagerOptions(multihost=MultiHostOptions(timeout_s=7))
+        with CheckpointManager(tmp_path, opts, sync=sync) as m:
+            h = PreemptionHandler(install=False).attach(m)
+            return h.sync is sync, h.timeout_s
+
+    assert mh.LocalGroup(2).run(work, timeout_s=60) == [(True, 7)] * 2
+    with CheckpointManager(tmp_path / "one") as m:  # one process: no collective decision
+        assert PreemptionHandler(install=False).attach(m).sync is None
+
+
+@pytest.mark.multiprocess
+@pytest.mark.task("6.3")
+def test_sigterm_to_one_of_two_processes_saves_the_same_step_on_both(tmp_path):
+    """Launched processes; only process 1 gets SIGTERM (at step 4). Both save step 6 (the
+    next check step), exit 0, and the restarted job resumes there and ends as an
+    uninterrupted one."""
+    import json
+
+    from minickpt.launch import launch
+
+    here = os.path.dirname(os.path.abspath(__file__))
+
+    def run(scenario):
+        r = launch([os.path.join(here, "mh_worker.py"), scenario, str(tmp_path)], 2,
+                   timeout_s=120, cwd=here)
+        results = {p: json.loads(line[len("RESULT "):]) for p in range(2)
+                   for line in r.outputs[p] if line.startswith("RESULT ")}
+        assert r.ok and sorted(results) == [0, 1], r.output()
+        return results
+
+    first = run("preempt")
+    for res in first.values():
+        assert (res["step"], res["preempted"], res["safe_step"]) == (6, True, 6), res
+        assert res["steps"] == [1, 6] and res["signalled"]  # p0 acted on p1's notice
+    with CheckpointManager(tmp_path, CheckpointManagerOptions(read_only=True)) as m:
+        assert m.all_steps() == [1, 6] and m.verify(6).ok
+    assert not any(".minickpt-tmp-" in n for n in os.listdir(tmp_path))
+    second = run("preempt_resume")
+    for res in second.values():
+        assert res["resumed_at"] == 6 and res["step"] == 10 and not res["preempted"]
+        assert res["same"]

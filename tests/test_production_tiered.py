@@ -11,7 +11,8 @@ import pytest
 from conftest import tree_equal
 
 from minickpt import Checkpointer, CheckpointManager, CheckpointManagerOptions
-from minickpt.fs import FileSystem
+from minickpt.errors import CheckpointNotFoundError
+from minickpt.fs import FileSystem, SimulatedCrash
 from minickpt.production.monitoring import attach_monitor, load_metrics, summarize
 from minickpt.production.tiered import LocalStore, MirrorError, TieredCheckpointManager
 
@@ -202,3 +203,215 @@ def test_mirror_to_an_fsspec_url(tmp_path):
             assert m2.local.verify(2).ok
     finally:
         fs.rm(root.rsplit("/", 1)[0], recursive=True)
+
+
+# ---------------------------------------------------------------------------------------
+# an object-store mirror (no directory rename): crashes mid-upload and mid-delete
+# ---------------------------------------------------------------------------------------
+class CrashingFsspec:
+    """An fsspec file system that loses power at the ``at``-th file written (``on="write"``)
+    or removed (``on="rm"``): that call and every later one raise SimulatedCrash, so nothing
+    gets cleaned up. Recursive removals go file by file, the metadata last (an object store
+    deletes in no particular order), so a crash can fall between any two files."""
+
+    def __init__(self, fs, on, at):
+        self._fs, self.on, self.at, self.n, self.dead = fs, on, at, 0, False
+
+    def _check(self, op=None):
+        if self.dead:
+            raise SimulatedCrash("power lost")
+        if op == self.on:
+            self.n += 1
+            if self.n == self.at:
+                self.dead = True
+                raise SimulatedCrash(f"power lost at {op} #{self.n}")
+
+    def __getattr__(self, name):
+        self._check()
+        return getattr(self._fs, name)
+
+    def open(self, path, mode="rb", **kw):
+        self._check("write" if "w" in mode else None)
+        return self._fs.open(path, mode, **kw)
+
+    def rm_file(self, path):
+        self._check("rm")
+        self._fs.rm_file(path)
+
+    def rm(self, path, recursive=False, **kw):
+        for p in sorted(self._fs.find(path), reverse=True):
+            self.rm_file(p)
+        self._check()
+        if self._fs.exists(path):
+            self._fs.rm(path, recursive=True)
+
+
+def _memory_url():
+    return f"memory://minickpt-test-{uuid.uuid4().hex}/run1"
+
+
+def _object_store(url, crash=None):
+    from minickpt.production.tiered import FsspecStore
+
+    store = FsspecStore(url, atomic_rename=False)
+    if crash is not None:
+        store.fs = CrashingFsspec(store.fs, *crash)
+    return store
+
+
+def _restart(tmp_path, url):
+    """A new machine (empty local disk) on the same mirror."""
+    import shutil
+
+    shutil.rmtree(tmp_path / "local", ignore_errors=True)
+    return TieredCheckpointManager(tmp_path / "local", _object_store(url),
+                                   CheckpointManagerOptions(max_to_keep=None))
+
+
+def _mirror_files(url, step):
+    import fsspec
+
+    fs, root = fsspec.core.url_to_fs(url)
+    p = f"{root}/step_{step}"
+    return sorted(os.path.relpath(f, p) for f in fs.find(p)) if fs.exists(p) else None
+
+
+def test_memory_urls_take_the_object_store_path():
+    pytest.importorskip("fsspec")
+    from minickpt.production.tiered import FsspecStore
+
+    url = _memory_url()
+    assert not FsspecStore(url).atomic_rename  # fsspec's memory mv is a copy, then a delete
+    assert FsspecStore(url, atomic_rename=True).atomic_rename
+
+
+def test_an_upload_cut_short_is_never_restored(tmp_path):
+    pytest.importorskip("fsspec")
+    opts = CheckpointManagerOptions(max_to_keep=None)
+    url = _memory_url()
+    with TieredCheckpointManager(tmp_path / "local", _object_store(url), opts) as m:
+        m.save(0, _items(0))
+        m.wait_until_mirrored(timeout=60)
+    files = _mirror_files(url, 0)
+    assert files[-1] != "_CHECKPOINT_METADATA" and "_CHECKPOINT_METADATA" in files
+    for at in range(1, len(files) + 1):  # the power goes at each file of step 1's upload
+        store = _object_store(url, crash=("write", at))
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            m = TieredCheckpointManager(tmp_path / "local", store, opts, max_attempts=1)
+            m.save(1, _items(1))
+            m.wait_until_mirrored(timeout=60)
+            m.close()
+        left = _mirror_files(url, 1)
+        assert left is not None and "_CHECKPOINT_METADATA" not in left  # a half-written copy
+        with _restart(tmp_path, url) as m2:
+            assert m2.mirror_steps() == [0], at  # never listed, and cleaned up
+            r = m2.restore()
+            assert r.step == 0 and tree_equal(dict(r), _items(0))
+        assert _mirror_files(url, 1) is None
+    with _restart(tmp_path, url) as m2:  # no crash: the copy is complete, and taken
+        m2.save(1, _items(1))
+        m2.wait_until_mirrored(timeout=60)
+    with _restart(tmp_path, url) as m2:
+        assert m2.restore().step == 1
+
+
+def test_a_delete_cut_short_is_never_restored(tmp_path):
+    pytest.importorskip("fsspec")
+    url = _memory_url()
+    opts = CheckpointManagerOptions(max_to_keep=None)
+    with TieredCheckpointManager(tmp_path / "local", _object_store(url), opts) as m:
+        m.save(0, _items(0))
+    full = _mirror_files(url, 0)
+    for at in range(1, len(full) + 1):  # the power goes at each file of step 0's deletion
+        store = _object_store(url, crash=("rm", at))
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            m = TieredCheckpointManager(tmp_path / "local", store, opts)
+            with pytest.raises(SimulatedCrash):
+                store.delete("step_0")
+            m.local.close()  # the mirror thread is idle; the 'machine' is gone
+        left = _mirror_files(url, 0)
+        if at == 1:  # the power went as the metadata was removed: nothing is gone
+            assert left == full
+            with _restart(tmp_path, url) as m2:
+                r = m2.restore(0)
+                assert tree_equal(dict(r), _items(0))
+                m2.store.delete("step_0")
+            assert _mirror_files(url, 0) is None
+        else:  # half deleted: no longer a checkpoint
+            assert left and "_CHECKPOINT_METADATA" not in left, left
+            with _restart(tmp_path, url) as m2:
+                assert 0 not in m2.mirror_steps()
+                with pytest.raises(CheckpointNotFoundError):
+                    m2.restore(0)
+            assert _mirror_files(url, 0) is None  # cleaned up at the restart
+        with _restart(tmp_path, url) as m2:  # step 0 again, for the next crash point
+            m2.save(0, _items(0))
+            m2.wait_until_mirrored(timeout=60)
+
+
+def test_verify_re_reads_the_mirror_and_catches_a_flipped_byte(tmp_path):
+    fsspec = pytest.importorskip("fsspec")
+    url = _memory_url()
+    store = _object_store(url)
+    with TieredCheckpointManager(tmp_path / "local", store,
+                                 CheckpointManagerOptions(max_to_keep=None)) as m:
+        m.save(0, _items(0))
+        m.wait_until_mirrored(timeout=60)
+    assert store.verify("step_0") == []
+    fs, root = fsspec.core.url_to_fs(url)
+    path = f"{root}/step_0/params/data.bin"
+    data = bytearray(fs.cat_file(path))
+    data[len(data) // 2] ^= 0x01  # same size: only a checksum sees it
+    fs.pipe_file(path, bytes(data))
+    problems = store.verify("step_0")
+    assert problems and any("data.bin" in p or "checksum" in p.lower() for p in problems)
+
+
+class FlipOnce:
+    """An fsspec file system whose first upload of a data file flips one byte in transit."""
+
+    def __init__(self, fs):
+        self._fs, self.flipped = fs, 0
+
+    def __getattr__(self, name):
+        return getattr(self._fs, name)
+
+    def open(self, path, mode="rb", **kw):
+        f = self._fs.open(path, mode, **kw)
+        if "w" not in mode or not path.endswith("data.bin") or self.flipped:
+            return f
+        self.flipped += 1
+        write = f.write
+
+        def flip(b):
+            b = bytearray(b)
+            b[0] ^= 0xFF
+            return write(bytes(b))
+        f.write = flip
+        return f
+
+
+def test_a_copy_corrupted_in_transit_fails_verify_before_it_is_published(tmp_path):
+    pytest.importorskip("fsspec")
+    url = _memory_url()
+    store = _object_store(url)
+    store.fs = FlipOnce(store.fs)
+    events = []
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        with TieredCheckpointManager(tmp_path / "local", store,
+                                     CheckpointManagerOptions(max_to_keep=None),
+                                     backoff_s=0.01) as m:
+            m.listeners.append(lambda ev, rec: events.append(rec) if ev == "mirror" else None)
+            m.save(0, _items(0))
+            m.wait_until_mirrored(timeout=60)
+            assert m.mirror_steps() == [0]
+    fails = [e for e in events if not e["ok"]]
+    assert store.fs.flipped == 1 and len(fails) == 1 and fails[0]["will_retry"]
+    assert "does not verify" in fails[0]["error"]
+    assert events[-1]["ok"] and events[-1]["attempt"] == 2
+    with _restart(tmp_path, url) as m2:
+        r = m2.restore()
+        assert r.step == 0 and tree_equal(dict(r), _items(0))

@@ -12,6 +12,24 @@ first step the loop *asks about* after the signal, unless the loop already asked
 step before the signal (its save decision was already taken), in which case the next one.
 So ``manager.should_save(step)`` and ``manager.reached_preemption(step)`` always agree, however
 the signal falls between them.
+
+**Several processes.** Under ``jax.distributed`` the scheduler may signal one host, or all of
+them at slightly different steps; if each decided alone, one would start a collective save
+the others never join, and the job would end in a :class:`~minickpt.errors.PeerTimeoutError`
+instead of a clean save. So the decision is collective (the idea of JAX's preemption sync
+manager, done with minickpt's own time-outs): at every ``sync_every_steps``-th step (a
+*check step*, ``step % k == 0``) each process publishes whether it has received a notice,
+and all of them take the same decision from the same flags — the first check step at which
+any process was preempted is the step every process saves, and then stops.
+
+The trade-off is ``k``. A check is one small key-value write and one barrier with a time-out
+(``MultiHostOptions.timeout_s``): about a millisecond on a LAN, but it waits for the slowest
+process, so doing it every step would turn every step into a synchronisation point. Between
+check steps nothing is exchanged. The price is latency: the save comes up to ``k - 1``
+steps later than the notice, so choose ``k`` so that ``k`` steps and one save fit in the
+scheduler's grace period (30 s on GCE and Kubernetes by default). Every process must ask
+about every check step (a training loop that asks about every step does), and, as with
+any collective, ask about them in the same order.
 """
 
 from __future__ import annotations
@@ -44,8 +62,17 @@ class PreemptionHandler:
     """
 
     def __init__(self, signals: Iterable[int] = DEFAULT_SIGNALS, *,
-                 force_on_repeat: bool = True, install: bool = True):
+                 force_on_repeat: bool = True, install: bool = True,
+                 sync: Any = None, sync_every_steps: int = 10, timeout_s: float = 60.0):
+        if not isinstance(sync_every_steps, int) or sync_every_steps < 1:
+            raise ValueError(f"sync_every_steps must be an int >= 1, got {sync_every_steps!r}")
         self.signals = tuple(signals)
+        # Several processes: the decision is taken together at check steps (module docstring).
+        # attach() takes the manager's Sync and time-out when they are not given here.
+        self.sync = sync
+        self.sync_every_steps = sync_every_steps
+        self.timeout_s = timeout_s
+        self._last_check: int | None = None  # the last check step decided together
         self.force_on_repeat = force_on_repeat
         self.received: int | None = None  # the signal number, once one arrived
         self.received_at: float | None = None
@@ -120,8 +147,11 @@ class PreemptionHandler:
 
         False until a signal arrives. The first call after it fixes the safe step: ``step``
         itself, unless this step was already asked about before the signal (its save was
-        already decided), then ``step + 1``.
+        already decided), then ``step + 1``. Under several processes, a collective decision
+        at check steps instead (see the module docstring).
         """
+        if self.sync is not None and self.sync.process_count > 1:
+            return self._reached_together(step)
         with self._lock:
             if self.received is None:
                 if self._last_step is None or step > self._last_step:
@@ -134,10 +164,47 @@ class PreemptionHandler:
                             _signal_name(self.received), self.safe_step)
             return step >= self.safe_step
 
+    def _reached_together(self, step: int) -> bool:
+        """The multi-process decision: at the first ask about a check step, every process
+        publishes whether it was preempted; any one preempted makes it the safe step."""
+        with self._lock:
+            if self.safe_step is not None:
+                return step >= self.safe_step
+            k = self.sync_every_steps
+            if step % k or (self._last_check is not None and step <= self._last_check):
+                return False  # not a check step, or one already decided (no)
+            flags = self.sync.exchange(
+                f"preemption/{step}", self.received, self.timeout_s,
+                f"preemption check at step {step} (every process must ask about every "
+                f"{k}th step)")
+            previous, self._last_check = self._last_check, step
+            if previous is not None:  # everybody has read it: they all reached this one
+                self.sync.forget(f"preemption/{previous}")
+            who = [p for p, sig in enumerate(flags) if sig is not None]
+            if not who:
+                return False
+            self.safe_step = step
+            if self.received is None:  # not signalled here: act on the others' notice
+                self.received, self.received_at = flags[who[0]], time.time()
+            log.warning("minickpt: process(es) %s received %s; every process saves at step %d "
+                        "and stops", ", ".join(map(str, who)), _signal_name(flags[who[0]]),
+                        step)
+            return True
+
     # ---- manager integration -------------------------------------------------------------
     def attach(self, manager: Any) -> PreemptionHandler:
         """Make ``manager.should_save`` / ``manager.reached_preemption`` follow this handler;
-        ``manager.close()`` then closes it (restoring the previous signal handlers)."""
+        ``manager.close()`` then closes it (restoring the previous signal handlers).
+
+        Under several processes the handler takes the manager's :class:`~minickpt.multihost.Sync`
+        and ``MultiHostOptions.timeout_s`` for its collective decision (unless it has one)."""
+        if self.sync is None:
+            sync = getattr(manager, "_sync", None)
+            if sync is not None and sync.process_count > 1:
+                self.sync = sync
+                mh = getattr(getattr(manager, "options", None), "multihost", None)
+                if mh is not None:
+                    self.timeout_s = mh.timeout_s
         manager.preemption_handler = self
         return self
 
@@ -149,10 +216,10 @@ def _signal_name(signum: int) -> str:
         return f"signal {signum}"
 
 
-def handle_preemption(manager: Any, signals: Iterable[int] = DEFAULT_SIGNALS
-                      ) -> PreemptionHandler:
+def handle_preemption(manager: Any, signals: Iterable[int] = DEFAULT_SIGNALS, *,
+                      sync_every_steps: int = 10) -> PreemptionHandler:
     """Install a :class:`PreemptionHandler` for ``signals`` and attach it to ``manager``."""
-    return PreemptionHandler(signals).attach(manager)
+    return PreemptionHandler(signals, sync_every_steps=sync_every_steps).attach(manager)
 
 
 @dataclass

@@ -5,9 +5,10 @@ store survives it but is slow. :class:`TieredCheckpointManager` saves to the loc
 (the training loop waits only for that) and copies each committed checkpoint in a background
 thread to the mirror — another directory or an fsspec URL (``pip install minickpt[remote]``)
 — with its own atomic commit there: every file is written under a temporary name, fsynced
-where the store can, verified, then renamed into place. (Object stores cannot rename a
-directory atomically; there the metadata file, which makes a checkpoint valid, is written
-last.) Retention applies to both tiers; on the local one a checkpoint is deleted only once
+where the store can, verified (every leaf's checksum, re-read from the mirror), then renamed
+into place. (Object stores cannot rename a directory atomically; there every file but the
+metadata is uploaded and verified, then the metadata, which makes a checkpoint valid, is
+written last, and a delete removes it first: a copy or a delete cut short is never listed.) Retention applies to both tiers; on the local one a checkpoint is deleted only once
 its copy is done, so the local disk holds more than ``max_to_keep`` while the mirror lags.
 A copy that fails is reported to the manager's
 listeners (so the monitor records it), logged, warned about, retried with a bounded
@@ -20,15 +21,19 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import errno
+import io
+import itertools
 import json
 import logging
 import os
 import queue
 import secrets
+import stat
 import threading
 import time
 import warnings
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
 from .. import policy
@@ -120,12 +125,88 @@ class LocalStore:
         return cleanup_temporaries(self.fs, self.root)
 
 
-class FsspecStore:
-    """A mirror at an fsspec URL (``s3://``, ``gs://``, ``memory://`` ...). File systems that
-    can rename a directory (memory, local) get a temporary name and a rename; object stores
-    get the checkpoint's files under the final name, the metadata file last."""
+class _FsspecReader(FileSystem):
+    """minickpt's :class:`FileSystem`, read-only, over an fsspec file system: the library's own
+    verification (metadata, manifests, every leaf's CRC) then runs on a mirror copy where it
+    lies. ``overlay`` serves files not uploaded yet (the metadata, checked before it is
+    published) from memory."""
 
-    def __init__(self, url: str):
+    def __init__(self, fs: Any, overlay: Mapping[str, bytes] | None = None):
+        self.fs = fs
+        self.overlay = dict(overlay or {})
+        self._files: dict[int, tuple[Any, int]] = {}
+        self._fds = itertools.count(1 << 20)
+
+    @staticmethod
+    def _stat(mode: int, size: int) -> os.stat_result:
+        return os.stat_result((mode, 0, 0, 1, 0, 0, size, 0, 0, 0))
+
+    def open(self, path: str, flags: int, mode: int = 0o644) -> int:
+        if flags & (os.O_WRONLY | os.O_RDWR | os.O_CREAT | os.O_TRUNC):
+            raise PermissionError(errno.EROFS, "the mirror is only read here", path)
+        if path in self.overlay:
+            f: Any = io.BytesIO(self.overlay[path])
+            size = len(self.overlay[path])
+        else:
+            info = self.fs.info(path)  # FileNotFoundError as the OS would raise it
+            if info.get("type") != "file":
+                raise IsADirectoryError(errno.EISDIR, os.strerror(errno.EISDIR), path)
+            f, size = self.fs.open(path, "rb"), int(info.get("size") or 0)
+        fd = next(self._fds)
+        self._files[fd] = (f, size)
+        return fd
+
+    def preadv(self, fd: int, buffers: Sequence[memoryview], offset: int) -> int:
+        f, _ = self._files[fd]
+        f.seek(offset)
+        n = 0
+        for b in buffers:
+            got = f.read(len(b))
+            b[:len(got)] = got
+            n += len(got)
+            if len(got) < len(b):
+                break
+        return n
+
+    def fstat(self, fd: int) -> os.stat_result:
+        return self._stat(stat.S_IFREG | 0o444, self._files[fd][1])
+
+    def close(self, fd: int) -> None:
+        self._files.pop(fd)[0].close()
+
+    def lstat(self, path: str) -> os.stat_result:
+        if path in self.overlay:
+            return self._stat(stat.S_IFREG | 0o444, len(self.overlay[path]))
+        info = self.fs.info(path)
+        if info.get("type") == "directory":
+            return self._stat(stat.S_IFDIR | 0o555, 0)
+        return self._stat(stat.S_IFREG | 0o444, int(info.get("size") or 0))
+
+    def listdir(self, path: str) -> list[str]:
+        names = {os.path.basename(x.rstrip("/")) for x in self.fs.ls(path, detail=False)}
+        names |= {os.path.basename(p) for p in self.overlay if os.path.dirname(p) == path}
+        return sorted(names)
+
+    def _read_only(self, *args: Any, **kw: Any) -> Any:
+        raise PermissionError(errno.EROFS, "the mirror is only read here")
+
+    write = writev = fsync = ftruncate = mkdir = rename = unlink = rmdir = _read_only
+    flock = _read_only
+
+
+class FsspecStore:
+    """A mirror at an fsspec URL (``s3://``, ``gs://``, ``memory://`` ...).
+
+    ``atomic_rename`` (default: only for a local file system, whose directory rename is one
+    system call): copies are written under a temporary name and renamed. Elsewhere —
+    object stores, and fsspec's memory file system, whose ``mv`` is a copy then a delete —
+    a copy is written under its final name, every file but the metadata, verified (every
+    leaf's checksum, the metadata served from memory), and only then is the metadata, which
+    makes a checkpoint valid, written. A delete removes the metadata first. So a copy or a
+    delete cut short leaves a directory without metadata: never listed, never restored, and
+    removed by the next :meth:`cleanup`."""
+
+    def __init__(self, url: str, *, atomic_rename: bool | None = None):
         try:
             import fsspec
         except ImportError as e:  # pragma: no cover - depends on the environment
@@ -135,7 +216,8 @@ class FsspecStore:
         self.fs, self.root = fsspec.core.url_to_fs(url)
         protocols = self.fs.protocol if isinstance(self.fs.protocol, tuple) else (
             self.fs.protocol,)
-        self.atomic_rename = bool({"memory", "file", "local"} & set(protocols))
+        self.atomic_rename = bool({"file", "local"} & set(protocols)) \
+            if atomic_rename is None else atomic_rename
         self.fs.makedirs(self.root, exist_ok=True)
 
     def path(self, rel: str) -> str:
@@ -178,8 +260,12 @@ class FsspecStore:
     def size(self, rel: str) -> int:
         return int(self.fs.size(self.path(rel)))
 
-    def verify(self, rel: str) -> list[str]:
-        return []  # sizes are compared by the copier; checksums are checked on the way back
+    def verify(self, rel: str, metadata: bytes | None = None) -> list[str]:
+        """Re-read the copy and check it as a local checkpoint is checked (every leaf's CRC);
+        ``metadata``: its metadata file, when it is not uploaded yet."""
+        overlay = {} if metadata is None else {self.path(f"{rel}/{METADATA_FILE}"): metadata}
+        rep = Checkpointer(_FsspecReader(self.fs, overlay)).verify(self.path(rel), deep=True)
+        return [] if rep.ok else rep.problems
 
     def commit(self, tmp: str, final: str, subdirs: list[str]) -> None:
         if tmp == final:
@@ -189,16 +275,24 @@ class FsspecStore:
         self.fs.mv(self.path(tmp), self.path(final), recursive=True)
 
     def delete(self, rel: str) -> None:
+        """Crash-safe: the checkpoint stops being one (renamed away, or its metadata
+        removed) before any of its data goes."""
         if self.atomic_rename:  # out of the checkpoint namespace first, as on a local disk
             doomed = f"{rel}{DELETE_MARK}{secrets.token_hex(4)}"
             self.fs.mv(self.path(rel), self.path(doomed), recursive=True)
             rel = doomed
+        elif self.exists(f"{rel}/{METADATA_FILE}"):
+            self.fs.rm_file(self.path(f"{rel}/{METADATA_FILE}"))
         self.fs.rm(self.path(rel), recursive=True)
 
     def remove_temporary(self, rel: str) -> None:
         try:
-            if self.exists(rel):
+            if not self.exists(rel):
+                return
+            if self.atomic_rename:  # a temporary name: never a checkpoint
                 self.fs.rm(self.path(rel), recursive=True)
+            else:  # the final name: perhaps published already
+                self.delete(rel)
         except Exception:
             pass
 
@@ -433,28 +527,38 @@ class TieredCheckpointManager:
             tmp = f"{name}{TMP_MARK}{secrets.token_hex(4)}" if self.store.atomic_rename \
                 else name
             nbytes = 0
+            # Without a rename the metadata is the publication: every other file is
+            # uploaded and verified (the metadata served from memory) before it is written.
+            verify_first = not self.store.atomic_rename
             try:
                 self.store.makedirs(tmp)
                 for d in dirs:
                     self.store.makedirs(f"{tmp}/{d}")
                 for f in files:  # the metadata, which makes a checkpoint valid, goes last
+                    if f == METADATA_FILE and verify_first:
+                        self._check_copy(tmp, lfs.read_file(os.path.join(src, f)))
                     n = self.store.write_file(f"{tmp}/{f}", _read_chunks(lfs, os.path.join(src, f)))
                     want = lfs.lstat(os.path.join(src, f)).st_size
                     if n != want or self.store.size(f"{tmp}/{f}") != want:
                         raise OSError(f"{self.store.path(f'{tmp}/{f}')}: wrote {n} bytes of "
                                       f"{want}")
                     nbytes += n
-                problems = self.store.verify(tmp)
-                if problems:
-                    raise CheckpointCorruptedError(self.store.path(tmp),
-                                                   "the mirror copy does not verify: "
-                                                   + "; ".join(problems))
+                if not verify_first:
+                    self._check_copy(tmp, None)
                 self.store.commit(tmp, name, dirs)
             except BaseException:
                 self.store.remove_temporary(tmp)
                 raise
             self._remember(step, name)
             return nbytes
+
+    def _check_copy(self, rel: str, metadata: bytes | None) -> None:
+        """Re-read the mirror's copy and verify every checksum (CheckpointCorruptedError)."""
+        problems = self.store.verify(rel) if metadata is None else self.store.verify(
+            rel, metadata=metadata)
+        if problems:
+            raise CheckpointCorruptedError(self.store.path(rel), "the mirror copy does not "
+                                           "verify: " + "; ".join(problems))
 
     def _remember(self, step: int, name: str) -> None:
         metrics, t = None, 0.0
@@ -470,7 +574,9 @@ class TieredCheckpointManager:
         self._mirror_infos = {}
         for name in self.store.listdir(""):
             step = parse_step(name, self.options.step_prefix)
-            if step is not None and self.store.is_dir(name):
+            # no metadata: an upload or a delete cut short (object stores), not a checkpoint
+            if (step is not None and self.store.is_dir(name)
+                    and self.store.exists(f"{name}/{METADATA_FILE}")):
                 self._remember(step, name)
 
     def _catch_up(self) -> None:
