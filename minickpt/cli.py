@@ -8,6 +8,13 @@
 
 DIR is a run's checkpoint directory (holding ``step_*/``) or one checkpoint directory.
 Every command takes ``--json`` for scripts.
+
+Exit codes, the same for every command: 0 fine; 1 damage found (a checksum, size or metadata
+that does not hold up, whichever command read it; for ``diff``, also any difference); 2 usage
+error (DIR or STEP names nothing: a missing directory, a missing step, or — for ``inspect``,
+``verify`` and ``diff`` — a directory with no checkpoint in it, so a script's
+``minickpt verify DIR && deploy`` never passes on nothing). ``ls`` of an empty DIR is an
+empty listing and exits 0.
 """
 
 from __future__ import annotations
@@ -25,13 +32,15 @@ import numpy as np
 
 from .checkpointer import Checkpointer, human_bytes
 from .commit import METADATA_FILE, is_temporary
-from .errors import MiniCkptError
+from .errors import CheckpointCorruptedError, MiniCkptError
 from .format import read_leaves
 from .fs import DEFAULT_FS
 
 _STEP_RE = re.compile(r"^(?:(?P<prefix>.+)_)?(?P<step>[0-9]+)$")
 
 EXIT_OK, EXIT_DAMAGE, EXIT_USAGE = 0, 1, 2
+DIR_HELP = ("a run's checkpoint directory (holding step_<N>/ or <prefix>_<N>/ checkpoints), "
+            "or one checkpoint directory")
 
 
 class UsageError(Exception):
@@ -81,9 +90,9 @@ def resolve(path: str, step: int | None) -> list[tuple[int | None, str]]:
                      f"(steps: {[s for s, _ in steps] or 'none'})")
 
 
-def _err(msg: str) -> int:
+def _err(msg: str, code: int = EXIT_USAGE) -> int:
     print(f"minickpt: error: {msg}", file=sys.stderr)
-    return EXIT_USAGE
+    return code
 
 
 def _time(ns: int | None) -> str:
@@ -202,14 +211,14 @@ def cmd_inspect(args: argparse.Namespace) -> int:
 def cmd_verify(args: argparse.Namespace) -> int:
     ck = Checkpointer()
     targets = resolve(args.dir, args.step)
+    if not targets:  # nothing verified is not a pass
+        raise UsageError(f"no checkpoints in {os.path.abspath(args.dir)}: nothing to verify")
     reports = [ck.verify(path, deep=True, step=s) for s, path in targets]
     if args.json:
         print(json.dumps([{"step": s, "path": r.path, "ok": r.ok, "problems": r.problems,
                            "leaves": r.items, "bytes_checked": r.bytes_checked}
                           for (s, _), r in zip(targets, reports, strict=True)], indent=1))
     else:
-        if not targets:
-            print(f"no checkpoints in {args.dir}")
         for (s, _), r in zip(targets, reports, strict=True):
             label = f"step {s}" if s is not None else r.path
             if r.ok:
@@ -337,7 +346,9 @@ def build_parser() -> argparse.ArgumentParser:
         epilog="A checkpoint is a directory that became visible in one atomic rename, after every "
                "file in it was fsynced. 'ls' and 'verify' tell you whether each one is still "
                "intact; 'inspect' shows what a training state is made of.\n\n"
-               "Exit codes: 0 fine, 1 damage found (or, for diff, differences), 2 usage error.")
+               "Exit codes: 0 fine; 1 damage found by any command (for diff, also any "
+               "difference); 2 usage error: DIR or STEP names nothing (no such directory or "
+               "step, or no checkpoint in DIR for inspect, verify and diff).")
     sub = p.add_subparsers(dest="cmd", required=True, metavar="COMMAND")
 
     def add(name: str, help_: str, desc: str) -> argparse.ArgumentParser:
@@ -349,32 +360,39 @@ def build_parser() -> argparse.ArgumentParser:
              "List every checkpoint in DIR (and temporaries left by interrupted saves). Status "
              "'valid' means metadata, manifests and file sizes agree; --deep re-reads every "
              "byte and checks the CRC-32 of each leaf.")
-    sp.add_argument("dir", help="a run's checkpoint directory, or one checkpoint")
+    sp.add_argument("dir", metavar="DIR", help=DIR_HELP)
     sp.add_argument("--deep", action="store_true", help="also verify every checksum")
     sp.set_defaults(fn=cmd_ls)
 
     sp = add("inspect", "show the saved trees: paths, dtypes, shapes, bytes",
              "Show what one checkpoint holds: each item's leaves with their key paths, dtypes "
-             "and shapes, plus metrics and metadata. Without STEP, the latest.")
-    sp.add_argument("dir")
-    sp.add_argument("step", nargs="?", type=int)
+             "and shapes, plus metrics and metadata. Without STEP, the latest. Exits 1 if "
+             "what it reads is damaged, 2 if DIR holds no checkpoint.")
+    sp.add_argument("dir", metavar="DIR", help=DIR_HELP)
+    sp.add_argument("step", metavar="STEP", nargs="?", type=int,
+                    help="the step to show, a checkpoint in DIR (default: the latest)")
     sp.add_argument("--item", help="only this item (e.g. params)")
     sp.set_defaults(fn=cmd_inspect)
 
     sp = add("verify", "re-check checksums; exit 1 if anything is damaged",
              "Verify checkpoints without restoring them: metadata, manifests, sizes and the "
              "CRC-32 of every leaf. Without STEP, every checkpoint in DIR. Exits 1 and names the "
-             "damaged file and leaf if anything is wrong.")
-    sp.add_argument("dir")
-    sp.add_argument("step", nargs="?", type=int)
+             "damaged file and leaf if anything is wrong; exits 2 if DIR does not exist or "
+             "holds no checkpoint, since nothing verified is not a pass.")
+    sp.add_argument("dir", metavar="DIR", help=DIR_HELP)
+    sp.add_argument("step", metavar="STEP", nargs="?", type=int,
+                    help="verify only this step's checkpoint in DIR (default: every one)")
     sp.set_defaults(fn=cmd_verify)
 
     sp = add("diff", "leaf-by-leaf differences between two checkpoints",
              "Compare two checkpoints (each a checkpoint directory, or a run directory meaning "
              "its latest). Lists leaves only in one, with another type or shape, or with "
-             "different values (how many and the largest difference). Exits 1 if they differ.")
-    sp.add_argument("a")
-    sp.add_argument("b")
+             "different values (how many and the largest difference). Exits 1 if they differ "
+             "or either is damaged.")
+    sp.add_argument("a", metavar="A", help="the first checkpoint directory, or a run "
+                                            "directory meaning its latest checkpoint")
+    sp.add_argument("b", metavar="B", help="the second checkpoint directory, or a run "
+                                            "directory meaning its latest checkpoint")
     sp.add_argument("--all", action="store_true", help="also list identical leaves")
     sp.set_defaults(fn=cmd_diff)
 
@@ -382,7 +400,8 @@ def build_parser() -> argparse.ArgumentParser:
              "Summarise DIR/.minickpt-metrics.jsonl (written by "
              "minickpt.production.attach_monitor): number of saves and restores, success "
              "rate, median/p95/max save and restore time, bytes, disk use, the last error.")
-    sp.add_argument("dir", help="a run's checkpoint directory, or a metrics file")
+    sp.add_argument("dir", metavar="DIR",
+                    help="a run's checkpoint directory, or its metrics file")
     sp.set_defaults(fn=cmd_stats)
     return p
 
@@ -393,6 +412,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         return int(args.fn(args))
     except BrokenPipeError:  # `minickpt ls | head`
         return EXIT_OK
+    except CheckpointCorruptedError as e:  # damage met while reading: 1, as verify says it
+        return _err(str(e), EXIT_DAMAGE)
     except (UsageError, MiniCkptError, OSError, KeyError) as e:
         return _err(str(e))
 

@@ -14,8 +14,12 @@ class MiniCkptError(Exception):
     """Base class of every error minickpt raises on purpose."""
 
 
-class CheckpointNotFoundError(MiniCkptError, FileNotFoundError):
-    """The directory or the step asked for does not exist."""
+class CheckpointNotFoundError(MiniCkptError, FileNotFoundError, ValueError):
+    """The directory or the step asked for does not exist.
+
+    A ``FileNotFoundError`` (what Orbax raises) and also a ``ValueError`` (what Flax's legacy
+    ``restore_checkpoint`` raises for a missing step), so both ``except`` styles keep working.
+    """
 
 
 class StepAlreadyExistsError(MiniCkptError, FileExistsError):

@@ -103,19 +103,24 @@ def steps_to_delete(infos: Sequence[StepInfo], **options: Any) -> list[int]:
 
 def legacy_steps_to_keep(steps: Sequence[int], keep: int,
                          keep_every_n_steps: int | None = None) -> set[int]:
-    """Flax's legacy ``save_checkpoint(keep=, keep_every_n_steps=)`` rule.
+    """Flax's legacy ``save_checkpoint(keep=, keep_every_n_steps=)`` rule, exactly.
 
-    The ``keep`` newest survive; among the older ones, walking from the oldest, one is kept
-    each time at least ``keep_every_n_steps`` steps have passed since the last one kept.
+    The ``keep`` newest survive (``keep=0`` removes nothing, as in Flax). Among the older ones,
+    walking from the oldest, one is kept each time at least ``keep_every_n_steps`` steps have
+    passed since the last one kept *in this walk* (the first one always qualifies). Flax tests
+    the step for truth before the distance, so step 0 is never kept by the period rule; we
+    match that too, so a directory pruned by either library holds the same steps.
     """
     steps = sorted(steps)
-    if keep < 1:
-        raise ValueError(f"keep must be >= 1, got {keep}")
+    if keep < 0:
+        raise ValueError(f"keep must be >= 0, got {keep}")
+    if keep == 0 or len(steps) <= keep:
+        return set(steps)
     kept = set(steps[-keep:])
     if keep_every_n_steps:
-        last_kept = -math.inf
+        last_kept: float = -math.inf
         for s in steps[:-keep]:
-            if s - last_kept >= keep_every_n_steps:
+            if s != 0 and s - last_kept >= keep_every_n_steps:
                 kept.add(s)
                 last_kept = s
     return kept

@@ -87,8 +87,50 @@ def test_usage_errors_are_clear(capsys, tmp_path):
     assert rc == 2 and "no checkpoint for step 5" in err
 
 
+def test_verify_with_nothing_to_verify_fails_clearly(capsys, tmp_path):
+    (tmp_path / "empty").mkdir()
+    (tmp_path / "empty" / "step_3.minickpt-tmp-dead").mkdir()  # a temporary is no checkpoint
+    for args in (("verify", tmp_path / "empty"), ("verify", tmp_path / "empty", "--json")):
+        rc, out, err = cli(capsys, *args)
+        assert rc == 2 and "no checkpoints in" in err and "nothing to verify" in err
+        assert out == ""
+    rc, _, err = cli(capsys, "verify", tmp_path / "missing")
+    assert rc == 2 and "no such directory" in err
+    rc, _, err = cli(capsys, "ls", tmp_path / "empty")  # an empty listing is an answer
+    assert rc == 0
+
+
+def test_damage_found_by_inspect_and_diff_exits_1(capsys, run_dir):
+    data = run_dir / "step_20" / "params" / "data.bin"
+    raw = bytearray(data.read_bytes())
+    raw[0] ^= 1
+    data.write_bytes(bytes(raw))
+    rc, _, err = cli(capsys, "diff", run_dir / "step_10", run_dir / "step_20")
+    assert rc == 1 and "error" in err and "data.bin" in err
+    meta = run_dir / "step_10" / "_CHECKPOINT_METADATA"
+    meta.write_bytes(meta.read_bytes()[:-5])
+    rc, _, err = cli(capsys, "inspect", run_dir, 10)
+    assert rc == 1 and "_CHECKPOINT_METADATA" in err
+    rc, _, err = cli(capsys, "inspect", run_dir, 99)  # a step that is not there: usage
+    assert rc == 2
+
+
+@pytest.mark.parametrize("cmd", ["ls", "inspect", "verify", "diff", "stats"])
+def test_every_subcommand_describes_its_arguments(capsys, cmd):
+    with pytest.raises(SystemExit) as e:
+        main([cmd, "--help"])
+    assert e.value.code == 0
+    out = capsys.readouterr().out
+    for name in {"ls": ["DIR"], "inspect": ["DIR", "STEP"], "verify": ["DIR", "STEP"],
+                 "diff": ["A", "B"], "stats": ["DIR"]}[cmd]:
+        line = next(x for x in out.splitlines() if x.strip().startswith(name + " "))
+        assert len(line.split(None, 1)[1]) > 20, line  # a description, not just the name
+
+
 def test_console_script_help():
     out = subprocess.run([sys.executable, "-m", "minickpt.cli", "--help"], capture_output=True,
                          text=True, timeout=60)
     assert out.returncode == 0 and "inspect" in out.stdout and "atomic rename" in out.stdout
+    text = " ".join(out.stdout.split())
+    assert "1 damage found by any command" in text and "2 usage error" in text
     assert np

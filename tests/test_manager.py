@@ -110,6 +110,32 @@ def test_strict_restore_names_every_mismatch(tmp_path):
         assert len(e.value.mismatches) == 4
 
 
+def test_strict_restore_never_casts_a_scalar(tmp_path):
+    big = 2**53 + 1  # not a float64
+    saved = {"big": big, "flag": np.bool_(True), "u": np.uint8(7), "h": np.float16(0.5),
+             "i8": np.int8(3), "x": 1.5, "step": jnp.int32(4), "loss": jnp.float32(0.25),
+             "arr": np.int32(2)}
+    with CheckpointManager(tmp_path) as m:
+        m.save(1, {"s": saved})
+        target = {"big": 0.0, "flag": 0, "u": 0, "h": 0.0, "i8": 0, "x": 0, "step": 0,
+                  "loss": 0.0, "arr": np.int64(0)}
+        with pytest.raises(StructureMismatchError) as e:
+            m.restore(target={"s": target})
+        msg = str(e.value)
+        assert {x.path for x in e.value.mismatches} == {"big", "flag", "u", "h", "i8", "x",
+                                                         "arr"}, msg
+        for needle in ["big: type", "flag: dtype", "bool", "u: dtype", "uint8", "h: dtype",
+                       "float16", "arr: dtype", "int64"]:
+            assert needle in msg, msg
+        # the same kinds restore, exactly: a jitted int32 step into a Python int is no cast
+        same = {"big": 0, "flag": False, "u": np.uint8(0), "h": np.float16(0), "i8": np.int8(0),
+                "x": 0.0, "step": 0, "loss": 0.0, "arr": np.int32(0)}
+        r = m.restore(target={"s": same})["s"]
+        assert r["big"] == big and type(r["big"]) is int
+        assert r["flag"] is True and r["step"] == 4 and type(r["step"]) is int
+        assert r["loss"] == 0.25 and type(r["loss"]) is float
+
+
 def test_partial_restore_takes_a_subset_on_purpose(tmp_path):
     with CheckpointManager(tmp_path) as m:
         m.save(1, {"s": {"w": jnp.ones(2), "b": jnp.zeros(2)}})
