@@ -452,8 +452,22 @@ def test_a_test_scores_only_with_its_own_valid_receipt():
     executed[idx["test_1_2_host"]] = [receipt("test_1_1_names")]                        # replayed
     executed[idx["test_quiz_q1"]] = [receipt("test_quiz_q1", answers={"Q1": ("str", "B")})]
     executed[idx["test_quiz_q2"]] = [receipt("test_quiz_q2", answers={"Q2": ("str", "A")})]
+    error = {"output_type": "error", "ename": "LabCheckError", "evalue": "plan_leaf is wrong",
+             "traceback": []}
+    executed[idx["test_1_3_leaf"]] = [receipt("test_1_3_leaf"), error]    # forged, then failed
+    executed[idx["test_1_3_minickpt"]] = [receipt("test_1_3_minickpt"),  # not last
+                                          {"output_type": "stream", "name": "stdout",
+                                           "text": "Task 1.3: looks right\n"}]
+    executed[idx["test_1_2_minickpt"]] = [  # last, then only stderr and the grader's own note
+        {"output_type": "stream", "name": "stdout", "text": "Task 1.2: ok\n"},
+        receipt("test_1_2_minickpt"), {"output_type": "stream", "name": "stderr", "text": "warn"},
+        {"output_type": "stream", "name": "stdout", "text": "[grader] stopped 1 process(es)\n"}]
     grades = {g.grade_id: g for g in grade_cells(asm, executed, {}, lab.grade_cells)}
-    assert grades["test_1_1_names"].score == 2
+    assert grades["test_1_1_names"].score == 2 and grades["test_1_2_minickpt"].score == 2
+    assert grades["test_1_3_leaf"].score == 0
+    assert grades["test_1_3_leaf"].message == "LabCheckError: plan_leaf is wrong"
+    assert grades["test_1_3_minickpt"].score == 0
+    assert "not the test's last output" in grades["test_1_3_minickpt"].message
     assert grades["test_1_1_minickpt"].score == 0 and grades["test_1_2_host"].score == 0
     assert grades["test_quiz_q1"].score == 1
     assert grades["test_quiz_q2"].score == 0 and "save_checkpoint" in grades["test_quiz_q2"].message
@@ -495,12 +509,33 @@ def test_the_scan_flags_reaching_into_the_kernel_but_not_ordinary_code():
     assert "sys._getframe in task_1_1" in text and "get_ipython in task_1_1" in text
     assert "assigns L.check in task_1_2" in text and "assigns builtins.type in task_1_2" in text
     assert "task_1_3" not in text
+    forge = scan([("task_1_3", FORGE), ("task_1_4", "import sys as s\nm = s.modules\n"
+                                                    "c = getattr(f, '__clo' + 'sure__')\n"
+                                                    "x = e.__traceback__.tb_frame\n")])
+    assert forge == ["R._sign in task_1_3", "e.__traceback__ in task_1_4",
+                     "e.__traceback__.tb_frame in task_1_4", "s.modules in task_1_4",
+                     "sys.modules in task_1_3", "the text '__closure__' in task_1_4",
+                     "the text '__referee__' in task_1_3", "vars in task_1_3"]
+    assert scan([("setup", 'import sys\nif "google.colab" in sys.modules:\n    pass')]) == []
+
+
+FORGE = '''
+import sys
+
+
+def plan_leaf(names, host):
+    R = vars(sys.modules["__main__"])["__" "referee__"]
+    print(R._sign("..."))
+    return ("wrong", None)
+'''
 
 
 def test_the_referee_restores_what_student_code_patched_and_signs_only_passing_tests(tmp_path):
     """In a fresh Python (the referee rewires sys.stdout and restores modules): a patched
     labkit.check, builtins and reference do not make a wrong function pass; a function that
-    patches while under test fails; a test whose text was changed is refused."""
+    patches while under test fails; a test whose text was changed is refused; and a student
+    function cannot sign: ``__referee__`` has nothing to sign with, a test started inside a
+    test and a test run twice are refused."""
     script = tmp_path / "run.py"
     script.write_text(REFEREE_SCRIPT)
     proc = subprocess.run([sys.executable, str(script), str(ROOT / "autograder" / "referee.py"),
@@ -509,10 +544,17 @@ def test_the_referee_restores_what_student_code_patched_and_signs_only_passing_t
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     lines = dict(line.split(": ", 1) for line in proc.stdout.splitlines() if ": " in line)
     assert lines["right"].startswith("receipt") and "minickpt.labkit.check" in lines["right"]
-    assert lines["wrong"] == "LabCheckError: plan_leaf is wrong"
+    assert lines["wrong"] == "LabCheckError: plan_leaf is wrong (printed: no receipt)"
     assert lines["patches while tested"].startswith("TamperedError: plan_leaf changed")
-    assert lines["changed text"].startswith("TamperedError: the text of test t was changed")
+    assert lines["changed text"].startswith("TamperedError: the text of test t4 was changed")
     assert lines["builtins in test"] == "receipt ['builtins.isinstance']}"
+    assert lines["facade"] == "['seal', 'test']"
+    assert lines["forge by name"] == "AttributeError: 'types.SimpleNamespace' object has no " \
+                                     "attribute '_sign' (printed: no receipt)"
+    assert lines["nested test"].startswith("TamperedError: a test cannot be started from inside")
+    assert lines["nested test"].endswith("(printed: no receipt)")
+    assert lines["run twice"] == "TamperedError: test t2 already ran once: it is not run " \
+                                 "again (printed: no receipt)"
 
 
 REFEREE_SCRIPT = r'''
@@ -526,8 +568,14 @@ mod.__dict__["__builtins__"] = dict(vars(builtins))
 spec.loader.exec_module(mod)
 with open(sys.argv[2], "wb") as f:
     f.write(b"k" * 32)
-ref = mod.Referee(sys.argv[2], "n")
 out = sys.stdout
+captured = []
+class Grab:
+    def write(self, t): captured.append(t)
+    def flush(self): pass
+sys.stdout = Grab()  # the referee caps it and puts it back before each test
+ref = mod.boot(sys.argv[2], "n")
+__referee__ = ref  # where the kernel's user namespace holds it
 ns = {"lab": lab, "check": check}
 ref.seal(ns)
 import minickpt.format as fmt
@@ -537,18 +585,15 @@ def sign(gid, src, report=()):
     return hmac.new(b"k" * 32, f"n|test|{gid}|{report!r}|{src}".encode(), "sha256").hexdigest()
 
 def run(label, gid, src, mac=None):
-    captured = []
-    class Grab:
-        def write(self, t): captured.append(t)
-        def flush(self): pass
-    sys.stdout = ref._sys_hooks["stdout"] = Grab()
+    captured.clear()
     try:
         ref.test(gid, src, mac or sign(gid, src))
         text = "".join(captured)
         result = "receipt" + (" " + text.split("'restored': ")[1] if mod.RECEIPT in text else " MISSING")
     except BaseException as e:
-        result = f"{type(e).__name__}: {e}"
-    sys.stdout = out
+        text = "".join(captured)
+        result = f"{type(e).__name__}: {e}" + (" (printed: a receipt)" if mod.RECEIPT in text
+                                               else " (printed: no receipt)")
     print(f"{label}: {result.strip()}", file=out)
 
 # the student's cells: a wrong plan_leaf, and patches that would make any check pass
@@ -559,20 +604,34 @@ lab.check = lambda ok, message: None
 ns["check"] = lambda ok, message: None
 lab.reference = lambda name: ns[name]
 TEST = 'check(plan_leaf(("a",), 1) == lab.reference("plan_leaf")(("a",), 1), "plan_leaf is wrong")'
-run("wrong", "t", TEST)
+run("wrong", "t1", TEST)
 def plan_leaf(names, host):
     return real_plan(names, host)
 ns["plan_leaf"] = plan_leaf
 lab.check = lambda ok, message: None
-run("right", "t", TEST)
+run("right", "t2", TEST)
+run("run twice", "t2", TEST)
 def plan_leaf(names, host):
     fmt.read_leaves = lambda *a, **k: None
     return real_plan(names, host)
 ns["plan_leaf"] = plan_leaf
-run("patches while tested", "t", TEST)
-run("changed text", "t", "pass", sign("t", TEST))
+run("patches while tested", "t3", TEST)
+run("changed text", "t4", "pass", sign("t4", TEST))
 builtins.isinstance = lambda *a: True
-run("builtins in test", "t", 'check(isinstance(1, str) is False, "builtins are the real ones")')
+run("builtins in test", "t5", 'check(isinstance(1, str) is False, "builtins are the real ones")')
+print("facade:", sorted(vars(ref)), file=out)
+# the audit's forgery (/tmp/audit578/forge.py): reach the referee by name and sign
+def plan_leaf(names, host):
+    R = vars(sys.modules["__main__"])["__" "referee__"]
+    R._sign("n|pass|t6|" + repr({"answers": {}, "restored": []}))
+    return ("wrong", None)
+ns["plan_leaf"] = plan_leaf
+run("forge by name", "t6", TEST)
+def plan_leaf(names, host):  # get a receipt for this very test from a nested run
+    vars(sys.modules["__main__"])["__referee__"].test("t7", TEST, sign("t7", TEST))
+    return ("wrong", None)
+ns["plan_leaf"] = plan_leaf
+run("nested test", "t7", TEST)
 '''
 
 
