@@ -26,6 +26,7 @@ import subprocess
 import sys
 import threading
 import time
+import zipfile
 from pathlib import Path
 
 import pytest
@@ -53,8 +54,12 @@ LAB_NAMES = build.lab_names(SOLUTIONS)
 GRADE_SH = ROOT / "autograder" / "grade.sh"
 CI_TIMEOUT = 20  # seconds a cell may run in these runs: never_finishes & co cost this
 GRADING = pytest.mark.timeout(1500)
-SLICE = {"blank": 1, "cheat_os_exit": 1, "partial": 2, "cheat_kernel_lie": 2}
-"""The examples graded again sequentially, in two shards (their shard by name)."""
+SLICE = {"blank": 1, "cheat_os_exit": 1, "partial": 2, "cheat_kernel_lie": 2,
+         "never_finishes": 2, "cheat_kill_kernel": 2}
+if sandbox.probe().mode == "bwrap-root":  # its children are killed by the slot's uid
+    SLICE["attack_fork_bomb"] = 1
+"""The examples graded again one at a time, in two shards (their shard by name) run side by
+side: kernels that die, time out or fork, under other slots' uids than in the -j 2 run."""
 ISOLATION = sandbox.probe()
 REQUIRE = os.environ.get("MINICKPT_REQUIRE_SANDBOX") == "1"
 
@@ -168,11 +173,14 @@ def sliced(corpus, tmp_path_factory):
     subs = tmp / "subs"
     for student in SLICE:
         shutil.copytree(EXAMPLES_DIR / student, subs / student)
+    running = [subprocess.Popen(  # side by side: each run locks its own uid
+        ["bash", str(GRADE_SH), str(subs), "--shard", f"{i}/2", "-j", "1", "--timeout",
+         str(CI_TIMEOUT), "--out", str(tmp / f"out{i}"), "--work", str(tmp / f"work{i}")],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=_env()) for i in (1, 2)]
     procs = []
-    for i in (1, 2):
-        procs.append(_grade(str(subs), "--shard", f"{i}/2", "-j", "1", "--timeout",
-                            str(CI_TIMEOUT), "--out", str(tmp / f"out{i}"),
-                            "--work", str(tmp / f"work{i}")))
+    for p in running:
+        out, err = p.communicate(timeout=1200)
+        procs.append(subprocess.CompletedProcess(p.args, p.returncode, out, err))
     procs.append(_grade("merge", str(tmp / "out1"), str(tmp / "out2"), "--out",
                         str(tmp / "merged"), timeout=300))
     return {"procs": procs, "tmp": tmp}
@@ -339,6 +347,13 @@ def test_forged_receipts_and_peeking_earn_nothing_and_tampering_is_flagged(corpu
     assert "no sign from the referee" in _result(corpus, "cheat_kernel_lie")["messages"]["test_1_2_host"]
     assert any("get_ipython" in f for f in _result(corpus, "cheat_kernel_lie")["review"])
     assert any("builtins.type" in f for f in _result(corpus, "cheat_patch_builtins")["review"])
+    forged = _result(corpus, "cheat_forge_receipt")  # the audit's forgery: nothing to sign with
+    assert forged["groups"]["1.3"] == 0 and forged["total"] == 22, forged["messages"]
+    assert all(forged["messages"][g].startswith("LabCheckError")
+               for g in ("test_1_3_leaf", "test_1_3_minickpt")), forged["messages"]
+    assert {"sys.modules in task_1_3", "the text '__referee__' in task_1_3",
+            "vars in task_1_3"} <= set(forged["review"])
+    assert "nested run: TamperedError" in _graded_outputs(corpus, "cheat_forge_receipt")
     assert not _result(corpus, "perfect")["review"]
     notes = " ".join(_result(corpus, "cheat_reordered")["notes"])
     assert "lab's order" in notes
@@ -743,3 +758,40 @@ print("ro=" + attempt(lambda: open(os.path.join(os.path.dirname(os.__file__), "x
 sys.stdout.flush()
 os._exit(0)
 '''
+
+
+@pytest.mark.timeout(600)
+def test_a_zip_for_one_lab_without_sandbox_says_so_counts_and_fails_with_2(tmp_path):
+    """grade.sh on a .zip with --lab and MINICKPT_SANDBOX=off: only that lab's notebooks are
+    graded; the loud warning and the isolation column say there was no sandbox; the progress
+    lines count graded, failed and left; and a submission whose grading itself fails (a kernel
+    that cannot start under a 10 MiB memory limit: the grader's fault, not the student's)
+    makes the exit code 2 and is named. No kernel ever runs student code here."""
+    archive = tmp_path / "class.zip"
+    release = (LABS / "lab01_basics" / "lab01_basics.ipynb").read_bytes()
+    with zipfile.ZipFile(archive, "w") as zf:
+        zf.writestr("class/garbage/lab01_basics/lab01_basics.ipynb", b"\x00not json")
+        zf.writestr("class/listless/lab01_basics/lab01_basics.ipynb", b'{"cells": 3}')
+        zf.writestr("class/blank/lab01_basics/lab01_basics.ipynb", release)
+        zf.writestr("class/other/lab99_other/lab99_other.ipynb", release)
+    env = {**_env(), "MINICKPT_SANDBOX": "off"}
+    proc = subprocess.run(["bash", str(GRADE_SH), str(archive), "--lab", "lab01_basics",
+                           "--memory", "0.01", "--out", str(tmp_path / "out"),
+                           "--work", str(tmp_path / "work")],
+                          capture_output=True, text=True, timeout=500, env=env)
+    assert proc.returncode == 2, proc.stdout[-2000:] + proc.stderr[-2000:]
+    assert "STUDENT CODE IS NOT FULLY ISOLATED" in proc.stderr and "MINICKPT_SANDBOX=off" in proc.stderr
+    assert "grading itself failed for 1 submission(s): blank/lab01_basics" in proc.stderr
+    assert "3 submission(s) of lab01_basics" in proc.stdout and "lab99" not in proc.stdout
+    steps = re.findall(r"\[(\d)/3\] (\w+)/lab01_basics: 0 (\w+) .*· graded (\d), failed (\d), "
+                       r"left (\d)", proc.stdout)
+    assert [(n, left) for n, _, _, _, _, left in steps] == [("1", "2"), ("2", "1"), ("3", "0")]
+    assert {(s, status) for _, s, status, *_ in steps} == {
+        ("blank", "error"), ("garbage", "failed"), ("listless", "failed")}
+    assert steps[-1][3:5] == ("0", "3")  # nothing graded: two unreadable, one the grader's fault
+    with open(tmp_path / "out" / "grades-lab01_basics.csv") as f:
+        rows = {r["student"]: r for r in csv.DictReader(f)}
+    assert set(rows) == {"blank", "garbage", "listless"}
+    assert rows["blank"]["status"] == "error" and rows["garbage"]["status"] == "failed"
+    assert all(r["isolation"].startswith("NONE") for r in rows.values()), rows
+    assert "!! NOT FULLY ISOLATED: NONE" in (tmp_path / "out" / "summary.txt").read_text()
