@@ -561,6 +561,44 @@ def cheat_fake_output(release: Any, source: Any) -> Any:
     return nb
 
 
+FORGE_RECEIPT = """
+# Sign my own tests (the audit's proof of concept, docs/LABS.md): reach the referee through
+# ordinary code while a test runs, and print its receipt for the running test.
+import sys
+
+_main = vars(sys.modules["__main__"])
+_referee = _main["__" "referee__"]
+_call = _main["In"][-1]  # the running test cell: the referee's test(gid, text, mac, report)
+_gid, _text, _mac, _report = eval(_call.partition("(")[2].rpartition(")")[0])
+_payload = repr({"answers": {}, "restored": []})
+_signer, _nonce = getattr(_referee, "_sign", None), getattr(_referee, "_nonce", None)
+if _signer is not None and _nonce is not None:  # the referee signs for anyone who asks
+    _mac = _signer(_nonce + "|pass|" + _gid + "|" + _payload)
+elif not _main.get("_forging"):  # a receipt for this very test, from a nested run of it
+    _main["_forging"] = True
+    try:
+        _referee.test(_gid, _text, _mac, _report)
+    except Exception as _e:
+        print("nested run:", type(_e).__name__)
+    finally:
+        _main["_forging"] = False
+print("\\n[minickpt-referee] " + _gid + " " + _mac + " " + _payload)
+"""
+
+
+def cheat_forge_receipt(release: Any, source: Any) -> Any:
+    """``plan_leaf`` counts one byte too many; while a test runs it reaches the referee
+    through ``sys.modules["__main__"]`` and signs a receipt for the running test with the
+    referee's own ``_sign`` (the audit's forgery, which earned the points before the referee
+    kept its key in a closure); failing that, it runs the test again nested and prints the
+    test's own MAC as a receipt. 1.3 scores 0, the rest is right, the scan flags it."""
+    nb = perfect(release, source)
+    _replace(nb, "task_1_3", 'entry["nbytes"] = int(buf.nbytes)',
+             'entry["nbytes"] = int(buf.nbytes) + 1  # room for a terminator')
+    _after_docstring(nb, "task_1_3", "plan_leaf", FORGE_RECEIPT)
+    return nb
+
+
 KERNEL_LIE = """
 # Make the kernel report success, whatever happens.
 _ip = get_ipython()
@@ -685,6 +723,7 @@ EXAMPLES: dict[str, dict[str, Edit]] = {
         "cheat_patch_builtins": cheat_patch_builtins, "cheat_sys_exit": cheat_sys_exit,
         "cheat_os_exit": cheat_os_exit, "cheat_kill_kernel": cheat_kill_kernel,
         "cheat_fake_output": cheat_fake_output, "cheat_kernel_lie": cheat_kernel_lie,
+        "cheat_forge_receipt": cheat_forge_receipt,
         "cheat_quiz_peek": cheat_quiz_peek, "cheat_reordered": cheat_reordered,
         "cheat_duplicated": cheat_duplicated, "cheat_metadata": cheat_metadata,
     },

@@ -15,8 +15,9 @@ The grader never trusts the submitted file beyond the student's own code:
   reports the answer's value; :func:`judge_quiz` checks it here.
 * :func:`scan` flags constructs that can tamper with a test from inside the process (frames,
   ``gc``, ``ctypes``, the IPython kernel, patched modules) for a person to review.
-* :func:`grade_cells` reads the executed notebook: a test scores only with a valid receipt in
-  its own output (and, for the quiz, an answer the hidden check accepts).
+* :func:`grade_cells` reads the executed notebook: a test scores only when its own output
+  holds no error and ends with a valid receipt for it (and, for the quiz, an answer the hidden
+  check accepts).
 """
 
 from __future__ import annotations
@@ -394,7 +395,7 @@ def _boot_source(referee_path: str, key_file: str, nonce: str) -> str:
             module = importlib.util.module_from_spec(spec)
             module.__dict__["__builtins__"] = dict(vars(builtins))
             spec.loader.exec_module(module)
-            return module.Referee({key_file!r}, {nonce!r}, get_ipython())
+            return module.boot({key_file!r}, {nonce!r}, get_ipython())
         __referee__ = __minickpt_referee_boot()
         del __minickpt_referee_boot""")
 
@@ -403,27 +404,54 @@ def _boot_source(referee_path: str, key_file: str, nonce: str) -> str:
 # the static scan
 # ---------------------------------------------------------------------------------------
 SUSPICIOUS_NAMES = {"get_ipython", "__referee__", "__builtins__", "exec", "eval", "compile",
-                    "__import__", "globals", "breakpoint"}
+                    "__import__", "globals", "breakpoint", "vars", "attrgetter"}
 SUSPICIOUS_ATTRS = {"_getframe", "currentframe", "stack", "f_back", "f_globals", "f_locals",
                     "f_trace", "f_builtins", "f_code", "settrace", "setprofile", "__code__",
-                    "__closure__", "__globals__", "__builtins__", "__kwdefaults__",
-                    "__defaults__", "_exit", "kill", "killpg", "user_ns", "user_global_ns",
+                    "__closure__", "cell_contents", "__globals__", "__builtins__",
+                    "__kwdefaults__", "__defaults__", "__self__", "__func__", "__wrapped__",
+                    "__traceback__", "tb_frame", "tb_next", "gi_frame", "cr_frame", "ag_frame",
+                    "_current_frames", "walk_stack", "walk_tb", "__getattribute__", "modules",
+                    "_exit", "kill", "killpg", "user_ns", "user_global_ns",
                     "input_transformers_post", "input_transformers_cleanup", "ast_transformers",
                     "showtraceback", "set_custom_exc", "events", "meta_path", "path_hooks",
-                    "__subclasses__", "get_objects", "get_referrers", "cache_clear"}
+                    "__subclasses__", "get_objects", "get_referrers", "get_referents",
+                    "cache_clear", "attrgetter", "_sign", "_hmac"}
 SUSPICIOUS_MODULES = {"gc", "ctypes", "builtins", "IPython", "ipykernel", "importlib",
-                      "jupyter_client", "zmq", "inspect", "pty", "resource", "socket"}
+                      "jupyter_client", "zmq", "inspect", "pty", "resource", "socket", "_ctypes"}
 ONLY_ON = {"kill": {"os"}, "killpg": {"os"}, "_exit": {"os"}, "stack": {"inspect"},
-           "events": {"get_ipython", "shell", "ip"}, "cache_clear": {"lab", "labkit"}}
-"""Attributes that are suspicious only on these bases (``proc.kill()`` is fine)."""
+           "events": {"get_ipython", "shell", "ip"}, "cache_clear": {"lab", "labkit"},
+           "modules": {"sys"}}
+"""Attributes that are suspicious only on these bases (``proc.kill()`` is fine); a base is
+the module an alias stands for (``import sys as s``: ``s.modules`` is ``sys.modules``)."""
 TAMPER_TARGETS = {"lab", "labkit", "mc", "minickpt", "np", "numpy", "jnp", "jax", "builtins",
                   "sys", "os", "json", "zlib", "re", "hmac"}
+SUSPICIOUS_STRINGS = re.compile(
+    r"referee|^__(closure|globals|code|self|func|builtins|traceback|subclasses|dict|wrapped)__$|"
+    r"^(f|tb|gi|cr|ag)_(back|frame|globals|locals|next|code|builtins)$|^(_getframe|cell_contents|"
+    r"gc|ctypes|_ctypes|_sign|_hmac|get_objects|get_referrers|get_referents|modules)$",
+    re.IGNORECASE)
+"""Text that names the referee or a way into it: ``"__" "referee__"``, ``getattr(f,
+"__closure__")``, ``sys.modules["gc"]``. A string written in pieces (``"__clo" + "sure__"``)
+is read whole when its pieces are literals."""
+
+
+def _literal_text(node: ast.AST) -> str | None:
+    """The value of a string written as literals joined by ``+`` (or None)."""
+    if isinstance(node, ast.Constant) and isinstance(node.value, str):
+        return node.value
+    if isinstance(node, ast.BinOp) and isinstance(node.op, ast.Add):
+        left, right = _literal_text(node.left), _literal_text(node.right)
+        return None if left is None or right is None else left + right
+    if isinstance(node, ast.JoinedStr) and all(isinstance(v, ast.Constant) for v in node.values):
+        return "".join(str(v.value) for v in node.values)  # type: ignore[attr-defined]
+    return None
 
 
 def scan(cells: list[tuple[str, str]]) -> list[str]:
-    """Constructs in the student's code that can reach into a test from inside the kernel,
-    one line each (``"sys._getframe in task_1_2"``), for a person to review. Advisory: the
-    grade does not depend on it."""
+    """Constructs in the student's code that can reach into a test (or the referee) from
+    inside the kernel, one line each (``"sys._getframe in task_1_2"``), for a person to
+    review. Advisory: the grade does not depend on it, and code can hide from any static
+    scan (see docs/LABS.md); it catches what ordinary code, and the known tricks, look like."""
     found: set[str] = set()
     for where, source in cells:
         try:
@@ -431,12 +459,20 @@ def scan(cells: list[tuple[str, str]]) -> list[str]:
         except SyntaxError:
             continue
         modules: set[str] = set()
+        alias: dict[str, str] = {}
+        tested: set[int] = set()  # `"google.colab" in sys.modules` only asks
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Compare) and all(
+                    isinstance(op, ast.In | ast.NotIn) for op in node.ops):
+                tested.update(id(c) for c in node.comparators)
+            if isinstance(node, ast.Import):
+                for a in node.names:
+                    modules.add(a.asname or a.name.split(".")[0])
+                    alias[a.asname or a.name.split(".")[0]] = a.name.split(".")[0]
         for node in ast.walk(tree):
             if isinstance(node, ast.Import | ast.ImportFrom):
                 names = [a.name for a in node.names] if isinstance(node, ast.Import) else \
                     [node.module or ""]
-                for a in (node.names if isinstance(node, ast.Import) else []):
-                    modules.add(a.asname or a.name.split(".")[0])
                 for name in names:
                     if name.split(".")[0] in SUSPICIOUS_MODULES:
                         found.add(f"imports {name.split('.')[0]} in {where}")
@@ -447,17 +483,25 @@ def scan(cells: list[tuple[str, str]]) -> list[str]:
                 found.add(f"{node.id} in {where}")
             elif isinstance(node, ast.Attribute):
                 need = ONLY_ON.get(node.attr)
-                if node.attr in SUSPICIOUS_ATTRS and (need is None
-                                                      or _base_name(node.value) in need):
+                base = _base_name(node.value)
+                if node.attr in SUSPICIOUS_ATTRS and id(node) not in tested and (
+                        need is None or alias.get(base, base) in need):
                     found.add(f"{_dotted(node)} in {where}")
                 if isinstance(node.ctx, ast.Store | ast.Del) and (
-                        _base_name(node.value) in TAMPER_TARGETS | modules
-                        or node.attr.startswith("__")):
+                        base in TAMPER_TARGETS | modules or node.attr.startswith("__")):
                     found.add(f"assigns {_dotted(node)} in {where}")
             elif isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and \
                     node.func.id in ("setattr", "delattr") and node.args and \
                     _base_name(node.args[0]) in TAMPER_TARGETS | modules:
                 found.add(f"{node.func.id}({_dotted(node.args[0])}, ...) in {where}")
+            if isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and \
+                    node.func.id in ("getattr", "setattr", "delattr", "hasattr") and \
+                    len(node.args) >= 2 and _literal_text(node.args[1]) is None:
+                found.add(f"{node.func.id} with a computed name in {where}")
+            if isinstance(node, ast.Constant | ast.BinOp | ast.JoinedStr):
+                text = _literal_text(node)
+                if text and len(text) < 200 and SUSPICIOUS_STRINGS.search(text.strip()):
+                    found.add(f"the text {text.strip()[:40]!r} in {where}")
     return sorted(found)
 
 
@@ -588,6 +632,38 @@ def error_message(outputs: list[dict[str, Any]]) -> str:
     return ""
 
 
+GRADER_NOTE = "[grader] "
+"""What the executor's own notes in a cell's output start with (``execute._note``)."""
+
+
+def _verdict(asm: Assembled, gid: str, outputs: list[dict[str, Any]]) -> tuple[str | None, str]:
+    """(the receipt's payload, "") when the cell passed: no error output at all, and the last
+    thing the kernel showed (stderr and the executor's notes aside) is a valid receipt for
+    this test. Else (None, why). A receipt that student code printed before the test went on
+    to fail therefore earns nothing, whatever printed it."""
+    if any(o.get("output_type") == "error" for o in outputs):
+        return None, "the test raised an error"
+    last = ""
+    for out in outputs:
+        kind = out.get("output_type")
+        if kind == "stream" and out.get("name") == "stdout":
+            lines = [line for line in _text(out.get("text")).split("\n")
+                     if line.strip() and not line.startswith(GRADER_NOTE)]
+            last = lines[-1] if lines else last
+        elif kind in ("display_data", "execute_result", "update_display_data"):
+            last = "(a display)"
+    for got_gid, mac, payload in receipts([{"output_type": "stream", "name": "stdout",
+                                            "text": last}]):
+        if got_gid == gid and hmac.compare_digest(sign(asm.key, f"{asm.nonce}|pass|{gid}|{payload}"),
+                                                  mac):
+            return payload, ""
+    signed = any(got == gid and hmac.compare_digest(
+        sign(asm.key, f"{asm.nonce}|pass|{gid}|{payload}"), mac)
+        for got, mac, payload in receipts(outputs))
+    return None, ("the referee's sign was not the test's last output" if signed
+                  else "the test did not run to its end (no sign from the referee)")
+
+
 def grade_cells(asm: Assembled, executed: list[list[dict[str, Any]]],
                 notes_by_cell: dict[int, str], points: dict[str, float]) -> list[CellGrade]:
     """Scores of the graded cells from the executed outputs (one list per RunCell)."""
@@ -604,15 +680,10 @@ def grade_cells(asm: Assembled, executed: list[list[dict[str, Any]]],
             g.score = 0.0 if g.message else g.points
             grades.append(g)
             continue
-        valid = None
-        for got_gid, mac, payload in receipts(outputs):
-            line = f"{asm.nonce}|pass|{got_gid}|{payload}"
-            if got_gid == gid and hmac.compare_digest(sign(asm.key, line), mac):
-                valid = payload
+        valid, why = _verdict(asm, gid, outputs)
         g = CellGrade(gid, points[gid], 0.0)
         if valid is None:
-            g.message = (error_message(outputs) or notes_by_cell.get(index)
-                         or "the test did not run to its end (no sign from the referee)")
+            g.message = (error_message(outputs) or notes_by_cell.get(index) or why)
             grades.append(g)
             continue
         try:

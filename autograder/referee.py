@@ -4,9 +4,11 @@ code changed cannot make a test pass, and signs each test that ran to its end.
 The grader loads this file (by path, never through ``sys.modules``) in the first cell it runs,
 before any student code, and the student's notebook never imports it. Then:
 
-1. ``Referee(key_file, nonce)`` reads a per-submission secret key (the grader deletes its file
+1. ``boot(key_file, nonce)`` reads a per-submission secret key (the grader deletes its file
    right after this first cell, before any student code runs); the key lives on only inside an
-   OpenSSL HMAC context. It copies the pristine builtins.
+   OpenSSL HMAC context held in a closure. What the notebook gets (``__referee__``) is two
+   plain functions, ``seal`` and ``test``, with no attribute that signs or holds the key or
+   the nonce. A :class:`Referee` (no secret in it) copies the pristine builtins.
 2. ``seal(namespace)``, right after the lab's locked setup cell: takes a snapshot of every
    callable of the modules a test relies on (minickpt with its functions' code objects and its
    classes' attributes, labkit, numpy, jax, builtins, os, json, ...) and of the names the setup
@@ -24,10 +26,14 @@ before any student code, and the student's notebook never imports it. Then:
    * wraps each of the student's functions so that after every call it checks that the
      protected modules are unchanged (apart from ``plugged_in``'s own swaps) and that no trace
      function is installed; a function that tampers while under test fails that test;
-   * if the test ran to its end, prints a receipt: the HMAC of (nonce, grade id, payload). The
-     grader scores a test cell only with a valid receipt in *its own* output, so suppressing
-     errors (``sys.exit``, a patched ``showtraceback``, a kernel that lies about the reply
-     status) or printing "all tests passed" earns nothing.
+   * if the test ran to its end, prints a receipt, as the test cell's last output: the HMAC
+     of (nonce, grade id, payload). The grader scores a test cell only when its own output
+     ends with a valid receipt for it and holds no error, so suppressing errors
+     (``sys.exit``, a patched ``showtraceback``, a kernel that lies about the reply status),
+     printing "all tests passed", or a receipt printed before the test then failed earns
+     nothing;
+   * refuses to start inside another test (student code that calls ``__referee__.test``
+     while a test runs gets nothing) and runs each grade id once.
 
    For a quiz question the grader sends only the visible part (the answer's form) and names
    the answer variables in ``report``: their values go into the receipt as Python literals
@@ -35,8 +41,9 @@ before any student code, and the student's notebook never imports it. Then:
    student's process.
 
 What it cannot stop: code that digs into the referee itself (frames, ``gc``, closures,
-``ctypes``) shares its process and could forge anything; the grader flags such constructs for
-a person to review (``autograder/notebook.py``). See docs/LABS.md, "Grading untrusted code".
+``ctypes``) shares its process and can reach the HMAC context, so it could forge anything; the
+grader flags such constructs for a person to review (``autograder/notebook.py``). See
+docs/LABS.md, "Grading untrusted code".
 """
 
 from __future__ import annotations
@@ -103,19 +110,64 @@ class _Capped:
         return getattr(self._stream, name)
 
 
+def boot(key_file: str, nonce: str, shell: object = None) -> types.SimpleNamespace:
+    """The referee as the notebook holds it (``__referee__``): two plain functions, ``seal``
+    and ``test``, and no attribute that holds state. The key, the nonce and the signing live
+    only in this closure: student code that reaches ``__referee__`` by ordinary means (its
+    name, ``sys.modules["__main__"]``) finds nothing to sign with; getting further takes
+    ``__closure__``, frames, ``gc`` or ``ctypes``, which the grader's scan flags."""
+    with open(key_file, "rb") as f:
+        key = f.read()
+    try:  # the grader deletes it after this cell in any case
+        os.unlink(key_file)
+    except OSError:
+        pass
+    context = hmac.new(key, digestmod="sha256")
+    del key
+    context = getattr(context, "_hmac", None) or context   # OpenSSL's context: C methods only
+    compare, text_of, nonce = hmac.compare_digest, str, str(nonce)
+    referee = Referee(shell)
+    write = referee._builtins["print"]
+    ran: set[str] = set()
+    running = [False]
+
+    def sign(text: str) -> str:
+        mac = context.copy()
+        mac.update(text.encode("utf-8"))
+        return mac.hexdigest()
+
+    def test(grade_id: str, source: str, mac: str, report: tuple = ()) -> None:
+        """Run one test cell; print its receipt, last, if it ran to the end. Refused inside
+        another test (student code calling it gets nothing) and for a grade id that ran."""
+        if running[0]:
+            raise TamperedError("a test cannot be started from inside another test")
+        grade_id = text_of(grade_id)
+        if not compare(sign(f"{nonce}|test|{grade_id}|{report!r}|{source}"), text_of(mac)):
+            raise TamperedError(f"the text of test {grade_id} was changed before it ran "
+                                "(an input transformer or a hook?): the test is not run")
+        if grade_id in ran:
+            raise TamperedError(f"test {grade_id} already ran once: it is not run again")
+        ran.add(grade_id)
+        running[0] = True
+        try:
+            payload = referee.run(grade_id, source, report)
+        finally:
+            running[0] = False
+        write(f"\n{RECEIPT} {grade_id} {sign(f'{nonce}|pass|{grade_id}|{payload}')} {payload}",
+              flush=True)
+
+    def seal(namespace: dict) -> None:
+        """Snapshot the protected modules and the setup cell's names (once)."""
+        referee.seal(namespace)
+
+    return types.SimpleNamespace(seal=seal, test=test)
+
+
 class Referee:
-    def __init__(self, key_file: str, nonce: str, shell: object = None) -> None:
-        with open(key_file, "rb") as f:
-            key = f.read()
-        try:  # the grader deletes it after this cell in any case
-            os.unlink(key_file)
-        except OSError:
-            pass
-        mac = hmac.new(key, digestmod="sha256")
-        del key
-        self._hmac = getattr(mac, "_hmac", None) or mac   # OpenSSL's context: C methods only
-        self._compare = hmac.compare_digest
-        self._nonce = str(nonce)
+    """What restores and checks (see the module doc); it holds no secret: signing is
+    :func:`boot`'s."""
+
+    def __init__(self, shell: object = None) -> None:
         self._builtins = dict(vars(builtins))          # pristine: no student code ran yet
         self._sealed = False
         # what the referee itself calls, taken before any student code can replace it
@@ -284,19 +336,10 @@ class Referee:
     # -----------------------------------------------------------------------------------
     # one test
     # -----------------------------------------------------------------------------------
-    def _sign(self, text: str) -> str:
-        mac = self._hmac.copy()
-        mac.update(text.encode("utf-8"))
-        return mac.hexdigest()
-
-    def test(self, grade_id: str, source: str, mac: str, report: tuple = ()) -> None:
-        """Run one test cell; print its receipt if it ran to the end (see the module doc)."""
+    def run(self, grade_id: str, source: str, report: tuple = ()) -> str:
+        """Run one test (its text already checked by :func:`boot`); the payload to sign."""
         if not self._sealed:
             raise RuntimeError("the referee was not sealed: the setup cell did not run")
-        if not self._compare(self._sign(f"{self._nonce}|test|{grade_id}|{report!r}|{source}"),
-                                   str(mac)):
-            raise TamperedError(f"the text of test {grade_id} was changed before it ran "
-                                "(an input transformer or a hook?): the test is not run")
         restored = sorted(set(self._changes(fix=True)))
         self._reap_children()
         allowed: set[int] = set()
@@ -320,10 +363,7 @@ class Referee:
         answers = {}
         for name in report:
             answers[name] = _literal(ns.get(name, _MISSING))
-        payload = repr({"answers": answers, "restored": restored})
-        line = f"{self._nonce}|pass|{grade_id}|{payload}"
-        self._builtins["print"](f"\n{RECEIPT} {grade_id} {self._sign(line)} {payload}",
-                                flush=True)
+        return repr({"answers": answers, "restored": restored})
 
 
 def _in_order(now: list, snap: list) -> bool:

@@ -261,3 +261,42 @@ def test_grade_sh_never_empties_a_folder_it_did_not_write(tmp_path):
                           capture_output=True, text=True, timeout=300)
     assert proc.returncode != 0 and "not written by grade.sh" in proc.stderr
     assert (mine / "thesis.tex").read_text() == "precious"
+
+
+def _errors_in_a_plain_kernel(path: Path, cwd: Path) -> list[tuple[str, str, str]]:
+    """Run a lab notebook top to bottom in a plain ``python3`` kernel, as a student does in
+    Jupyter (no referee, no sandbox, errors allowed): (grade id, error name, message) of every
+    cell that raised."""
+    from nbclient import NotebookClient
+
+    nb = nbformat.read(path, as_version=4)
+    for extra in path.parent.iterdir():  # the lab's data files, beside it as in the release
+        if extra.is_file() and extra.suffix != ".ipynb":
+            (cwd / extra.name).write_bytes(extra.read_bytes())
+    client = NotebookClient(nb, timeout=240, kernel_name="python3", allow_errors=True,
+                            resources={"metadata": {"path": str(cwd)}})
+    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    env.setdefault("JAX_PLATFORMS", "cpu")
+    with client.setup_kernel(env=env):
+        for index, cell in enumerate(nb.cells):
+            if cell.cell_type == "code":
+                client.execute_cell(cell, index)
+    return [(c.metadata.get("nbgrader", {}).get("grade_id", f"cell {i}"), o.ename, o.evalue)
+            for i, c in enumerate(nb.cells) if c.cell_type == "code"
+            for o in c.outputs if o.output_type == "error"]
+
+
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("lab", LAB_NAMES)
+def test_labs_run_in_a_plain_kernel_as_students_run_them(lab, tmp_path):
+    """What a student sees in Jupyter, without the grader: the solution runs with no error;
+    the released lab fails only where a task is still to do (NotImplementedError naming it)
+    or a check says so (LabCheckError), never with a broken cell of the lab's own."""
+    (tmp_path / "solution").mkdir()
+    (tmp_path / "release").mkdir()
+    assert _errors_in_a_plain_kernel(SOLUTIONS / lab / f"{lab}.ipynb", tmp_path / "solution") == []
+    errors = _errors_in_a_plain_kernel(LABS / lab / f"{lab}.ipynb", tmp_path / "release")
+    assert errors, "the released lab passed its tests with nothing written"
+    odd = [e for e in errors if e[1] not in ("NotImplementedError", "LabCheckError")]
+    assert not odd, odd
+    assert all(gid.startswith("test_") for gid, _, _ in errors), errors

@@ -26,6 +26,7 @@ import subprocess
 import sys
 import threading
 import time
+import zipfile
 from pathlib import Path
 
 import pytest
@@ -53,8 +54,12 @@ LAB_NAMES = build.lab_names(SOLUTIONS)
 GRADE_SH = ROOT / "autograder" / "grade.sh"
 CI_TIMEOUT = 20  # seconds a cell may run in these runs: never_finishes & co cost this
 GRADING = pytest.mark.timeout(1500)
-SLICE = {"blank": 1, "cheat_os_exit": 1, "partial": 2, "cheat_kernel_lie": 2}
-"""The examples graded again sequentially, in two shards (their shard by name)."""
+SLICE = {"blank": 1, "cheat_os_exit": 1, "partial": 2, "cheat_kernel_lie": 2,
+         "never_finishes": 2, "cheat_kill_kernel": 2}
+if sandbox.probe().mode == "bwrap-root":  # its children are killed by the slot's uid
+    SLICE["attack_fork_bomb"] = 1
+"""The examples graded again one at a time, in two shards (their shard by name) run side by
+side: kernels that die, time out or fork, under other slots' uids than in the -j 2 run."""
 ISOLATION = sandbox.probe()
 REQUIRE = os.environ.get("MINICKPT_REQUIRE_SANDBOX") == "1"
 
@@ -168,11 +173,14 @@ def sliced(corpus, tmp_path_factory):
     subs = tmp / "subs"
     for student in SLICE:
         shutil.copytree(EXAMPLES_DIR / student, subs / student)
+    running = [subprocess.Popen(  # side by side: each run locks its own uid
+        ["bash", str(GRADE_SH), str(subs), "--shard", f"{i}/2", "-j", "1", "--timeout",
+         str(CI_TIMEOUT), "--out", str(tmp / f"out{i}"), "--work", str(tmp / f"work{i}")],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=_env()) for i in (1, 2)]
     procs = []
-    for i in (1, 2):
-        procs.append(_grade(str(subs), "--shard", f"{i}/2", "-j", "1", "--timeout",
-                            str(CI_TIMEOUT), "--out", str(tmp / f"out{i}"),
-                            "--work", str(tmp / f"work{i}")))
+    for p in running:
+        out, err = p.communicate(timeout=1200)
+        procs.append(subprocess.CompletedProcess(p.args, p.returncode, out, err))
     procs.append(_grade("merge", str(tmp / "out1"), str(tmp / "out2"), "--out",
                         str(tmp / "merged"), timeout=300))
     return {"procs": procs, "tmp": tmp}
@@ -339,6 +347,13 @@ def test_forged_receipts_and_peeking_earn_nothing_and_tampering_is_flagged(corpu
     assert "no sign from the referee" in _result(corpus, "cheat_kernel_lie")["messages"]["test_1_2_host"]
     assert any("get_ipython" in f for f in _result(corpus, "cheat_kernel_lie")["review"])
     assert any("builtins.type" in f for f in _result(corpus, "cheat_patch_builtins")["review"])
+    forged = _result(corpus, "cheat_forge_receipt")  # the audit's forgery: nothing to sign with
+    assert forged["groups"]["1.3"] == 0 and forged["total"] == 22, forged["messages"]
+    assert all(forged["messages"][g].startswith("LabCheckError")
+               for g in ("test_1_3_leaf", "test_1_3_minickpt")), forged["messages"]
+    assert {"sys.modules in task_1_3", "the text '__referee__' in task_1_3",
+            "vars in task_1_3"} <= set(forged["review"])
+    assert "nested run: TamperedError" in _graded_outputs(corpus, "cheat_forge_receipt")
     assert not _result(corpus, "perfect")["review"]
     notes = " ".join(_result(corpus, "cheat_reordered")["notes"])
     assert "lab's order" in notes
@@ -452,8 +467,22 @@ def test_a_test_scores_only_with_its_own_valid_receipt():
     executed[idx["test_1_2_host"]] = [receipt("test_1_1_names")]                        # replayed
     executed[idx["test_quiz_q1"]] = [receipt("test_quiz_q1", answers={"Q1": ("str", "B")})]
     executed[idx["test_quiz_q2"]] = [receipt("test_quiz_q2", answers={"Q2": ("str", "A")})]
+    error = {"output_type": "error", "ename": "LabCheckError", "evalue": "plan_leaf is wrong",
+             "traceback": []}
+    executed[idx["test_1_3_leaf"]] = [receipt("test_1_3_leaf"), error]    # forged, then failed
+    executed[idx["test_1_3_minickpt"]] = [receipt("test_1_3_minickpt"),  # not last
+                                          {"output_type": "stream", "name": "stdout",
+                                           "text": "Task 1.3: looks right\n"}]
+    executed[idx["test_1_2_minickpt"]] = [  # last, then only stderr and the grader's own note
+        {"output_type": "stream", "name": "stdout", "text": "Task 1.2: ok\n"},
+        receipt("test_1_2_minickpt"), {"output_type": "stream", "name": "stderr", "text": "warn"},
+        {"output_type": "stream", "name": "stdout", "text": "[grader] stopped 1 process(es)\n"}]
     grades = {g.grade_id: g for g in grade_cells(asm, executed, {}, lab.grade_cells)}
-    assert grades["test_1_1_names"].score == 2
+    assert grades["test_1_1_names"].score == 2 and grades["test_1_2_minickpt"].score == 2
+    assert grades["test_1_3_leaf"].score == 0
+    assert grades["test_1_3_leaf"].message == "LabCheckError: plan_leaf is wrong"
+    assert grades["test_1_3_minickpt"].score == 0
+    assert "not the test's last output" in grades["test_1_3_minickpt"].message
     assert grades["test_1_1_minickpt"].score == 0 and grades["test_1_2_host"].score == 0
     assert grades["test_quiz_q1"].score == 1
     assert grades["test_quiz_q2"].score == 0 and "save_checkpoint" in grades["test_quiz_q2"].message
@@ -495,12 +524,33 @@ def test_the_scan_flags_reaching_into_the_kernel_but_not_ordinary_code():
     assert "sys._getframe in task_1_1" in text and "get_ipython in task_1_1" in text
     assert "assigns L.check in task_1_2" in text and "assigns builtins.type in task_1_2" in text
     assert "task_1_3" not in text
+    forge = scan([("task_1_3", FORGE), ("task_1_4", "import sys as s\nm = s.modules\n"
+                                                    "c = getattr(f, '__clo' + 'sure__')\n"
+                                                    "x = e.__traceback__.tb_frame\n")])
+    assert forge == ["R._sign in task_1_3", "e.__traceback__ in task_1_4",
+                     "e.__traceback__.tb_frame in task_1_4", "s.modules in task_1_4",
+                     "sys.modules in task_1_3", "the text '__closure__' in task_1_4",
+                     "the text '__referee__' in task_1_3", "vars in task_1_3"]
+    assert scan([("setup", 'import sys\nif "google.colab" in sys.modules:\n    pass')]) == []
+
+
+FORGE = '''
+import sys
+
+
+def plan_leaf(names, host):
+    R = vars(sys.modules["__main__"])["__" "referee__"]
+    print(R._sign("..."))
+    return ("wrong", None)
+'''
 
 
 def test_the_referee_restores_what_student_code_patched_and_signs_only_passing_tests(tmp_path):
     """In a fresh Python (the referee rewires sys.stdout and restores modules): a patched
     labkit.check, builtins and reference do not make a wrong function pass; a function that
-    patches while under test fails; a test whose text was changed is refused."""
+    patches while under test fails; a test whose text was changed is refused; and a student
+    function cannot sign: ``__referee__`` has nothing to sign with, a test started inside a
+    test and a test run twice are refused."""
     script = tmp_path / "run.py"
     script.write_text(REFEREE_SCRIPT)
     proc = subprocess.run([sys.executable, str(script), str(ROOT / "autograder" / "referee.py"),
@@ -509,10 +559,17 @@ def test_the_referee_restores_what_student_code_patched_and_signs_only_passing_t
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     lines = dict(line.split(": ", 1) for line in proc.stdout.splitlines() if ": " in line)
     assert lines["right"].startswith("receipt") and "minickpt.labkit.check" in lines["right"]
-    assert lines["wrong"] == "LabCheckError: plan_leaf is wrong"
+    assert lines["wrong"] == "LabCheckError: plan_leaf is wrong (printed: no receipt)"
     assert lines["patches while tested"].startswith("TamperedError: plan_leaf changed")
-    assert lines["changed text"].startswith("TamperedError: the text of test t was changed")
+    assert lines["changed text"].startswith("TamperedError: the text of test t4 was changed")
     assert lines["builtins in test"] == "receipt ['builtins.isinstance']}"
+    assert lines["facade"] == "['seal', 'test']"
+    assert lines["forge by name"] == "AttributeError: 'types.SimpleNamespace' object has no " \
+                                     "attribute '_sign' (printed: no receipt)"
+    assert lines["nested test"].startswith("TamperedError: a test cannot be started from inside")
+    assert lines["nested test"].endswith("(printed: no receipt)")
+    assert lines["run twice"] == "TamperedError: test t2 already ran once: it is not run " \
+                                 "again (printed: no receipt)"
 
 
 REFEREE_SCRIPT = r'''
@@ -526,8 +583,14 @@ mod.__dict__["__builtins__"] = dict(vars(builtins))
 spec.loader.exec_module(mod)
 with open(sys.argv[2], "wb") as f:
     f.write(b"k" * 32)
-ref = mod.Referee(sys.argv[2], "n")
 out = sys.stdout
+captured = []
+class Grab:
+    def write(self, t): captured.append(t)
+    def flush(self): pass
+sys.stdout = Grab()  # the referee caps it and puts it back before each test
+ref = mod.boot(sys.argv[2], "n")
+__referee__ = ref  # where the kernel's user namespace holds it
 ns = {"lab": lab, "check": check}
 ref.seal(ns)
 import minickpt.format as fmt
@@ -537,18 +600,15 @@ def sign(gid, src, report=()):
     return hmac.new(b"k" * 32, f"n|test|{gid}|{report!r}|{src}".encode(), "sha256").hexdigest()
 
 def run(label, gid, src, mac=None):
-    captured = []
-    class Grab:
-        def write(self, t): captured.append(t)
-        def flush(self): pass
-    sys.stdout = ref._sys_hooks["stdout"] = Grab()
+    captured.clear()
     try:
         ref.test(gid, src, mac or sign(gid, src))
         text = "".join(captured)
         result = "receipt" + (" " + text.split("'restored': ")[1] if mod.RECEIPT in text else " MISSING")
     except BaseException as e:
-        result = f"{type(e).__name__}: {e}"
-    sys.stdout = out
+        text = "".join(captured)
+        result = f"{type(e).__name__}: {e}" + (" (printed: a receipt)" if mod.RECEIPT in text
+                                               else " (printed: no receipt)")
     print(f"{label}: {result.strip()}", file=out)
 
 # the student's cells: a wrong plan_leaf, and patches that would make any check pass
@@ -559,20 +619,34 @@ lab.check = lambda ok, message: None
 ns["check"] = lambda ok, message: None
 lab.reference = lambda name: ns[name]
 TEST = 'check(plan_leaf(("a",), 1) == lab.reference("plan_leaf")(("a",), 1), "plan_leaf is wrong")'
-run("wrong", "t", TEST)
+run("wrong", "t1", TEST)
 def plan_leaf(names, host):
     return real_plan(names, host)
 ns["plan_leaf"] = plan_leaf
 lab.check = lambda ok, message: None
-run("right", "t", TEST)
+run("right", "t2", TEST)
+run("run twice", "t2", TEST)
 def plan_leaf(names, host):
     fmt.read_leaves = lambda *a, **k: None
     return real_plan(names, host)
 ns["plan_leaf"] = plan_leaf
-run("patches while tested", "t", TEST)
-run("changed text", "t", "pass", sign("t", TEST))
+run("patches while tested", "t3", TEST)
+run("changed text", "t4", "pass", sign("t4", TEST))
 builtins.isinstance = lambda *a: True
-run("builtins in test", "t", 'check(isinstance(1, str) is False, "builtins are the real ones")')
+run("builtins in test", "t5", 'check(isinstance(1, str) is False, "builtins are the real ones")')
+print("facade:", sorted(vars(ref)), file=out)
+# the audit's forgery (/tmp/audit578/forge.py): reach the referee by name and sign
+def plan_leaf(names, host):
+    R = vars(sys.modules["__main__"])["__" "referee__"]
+    R._sign("n|pass|t6|" + repr({"answers": {}, "restored": []}))
+    return ("wrong", None)
+ns["plan_leaf"] = plan_leaf
+run("forge by name", "t6", TEST)
+def plan_leaf(names, host):  # get a receipt for this very test from a nested run
+    vars(sys.modules["__main__"])["__referee__"].test("t7", TEST, sign("t7", TEST))
+    return ("wrong", None)
+ns["plan_leaf"] = plan_leaf
+run("nested test", "t7", TEST)
 '''
 
 
@@ -684,3 +758,40 @@ print("ro=" + attempt(lambda: open(os.path.join(os.path.dirname(os.__file__), "x
 sys.stdout.flush()
 os._exit(0)
 '''
+
+
+@pytest.mark.timeout(600)
+def test_a_zip_for_one_lab_without_sandbox_says_so_counts_and_fails_with_2(tmp_path):
+    """grade.sh on a .zip with --lab and MINICKPT_SANDBOX=off: only that lab's notebooks are
+    graded; the loud warning and the isolation column say there was no sandbox; the progress
+    lines count graded, failed and left; and a submission whose grading itself fails (a kernel
+    that cannot start under a 10 MiB memory limit: the grader's fault, not the student's)
+    makes the exit code 2 and is named. No kernel ever runs student code here."""
+    archive = tmp_path / "class.zip"
+    release = (LABS / "lab01_basics" / "lab01_basics.ipynb").read_bytes()
+    with zipfile.ZipFile(archive, "w") as zf:
+        zf.writestr("class/garbage/lab01_basics/lab01_basics.ipynb", b"\x00not json")
+        zf.writestr("class/listless/lab01_basics/lab01_basics.ipynb", b'{"cells": 3}')
+        zf.writestr("class/blank/lab01_basics/lab01_basics.ipynb", release)
+        zf.writestr("class/other/lab99_other/lab99_other.ipynb", release)
+    env = {**_env(), "MINICKPT_SANDBOX": "off"}
+    proc = subprocess.run(["bash", str(GRADE_SH), str(archive), "--lab", "lab01_basics",
+                           "--memory", "0.01", "--out", str(tmp_path / "out"),
+                           "--work", str(tmp_path / "work")],
+                          capture_output=True, text=True, timeout=500, env=env)
+    assert proc.returncode == 2, proc.stdout[-2000:] + proc.stderr[-2000:]
+    assert "STUDENT CODE IS NOT FULLY ISOLATED" in proc.stderr and "MINICKPT_SANDBOX=off" in proc.stderr
+    assert "grading itself failed for 1 submission(s): blank/lab01_basics" in proc.stderr
+    assert "3 submission(s) of lab01_basics" in proc.stdout and "lab99" not in proc.stdout
+    steps = re.findall(r"\[(\d)/3\] (\w+)/lab01_basics: 0 (\w+) .*· graded (\d), failed (\d), "
+                       r"left (\d)", proc.stdout)
+    assert [(n, left) for n, _, _, _, _, left in steps] == [("1", "2"), ("2", "1"), ("3", "0")]
+    assert {(s, status) for _, s, status, *_ in steps} == {
+        ("blank", "error"), ("garbage", "failed"), ("listless", "failed")}
+    assert steps[-1][3:5] == ("0", "3")  # nothing graded: two unreadable, one the grader's fault
+    with open(tmp_path / "out" / "grades-lab01_basics.csv") as f:
+        rows = {r["student"]: r for r in csv.DictReader(f)}
+    assert set(rows) == {"blank", "garbage", "listless"}
+    assert rows["blank"]["status"] == "error" and rows["garbage"]["status"] == "failed"
+    assert all(r["isolation"].startswith("NONE") for r in rows.values()), rows
+    assert "!! NOT FULLY ISOLATED: NONE" in (tmp_path / "out" / "summary.txt").read_text()
