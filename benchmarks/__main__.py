@@ -78,8 +78,9 @@ def main(argv: list[str] | None = None) -> int:
 
         for key, name in (("json", "results.json"), ("markdown", "table.md"),
                           ("plot", "scaling.png")):
-            if key in paths:
-                shutil.copyfile(paths[key], os.path.join(latest, name))
+            dest = os.path.join(latest, name)
+            if key in paths and os.path.abspath(paths[key]) != os.path.abspath(dest):
+                shutil.copyfile(paths[key], dest)  # --out benchmarks/latest: already there
         print(f"updated the Performance section of {a.update_readme} and {latest}/")
     return 0
 
