@@ -86,13 +86,16 @@ def test_manager_should_save_follows_the_handler(tmp_path, restore_signals):
 
 
 def test_second_ctrl_c_falls_through_to_keyboard_interrupt(restore_signals):
+    # Python's own Ctrl-C handler first: a run started in the background (nohup, `cmd &`)
+    # inherits SIGINT ignored, and the handler rightly falls through to *that* instead
+    signal.signal(signal.SIGINT, signal.default_int_handler)
     with PreemptionHandler(signals=(signal.SIGINT,)) as h:
         os.kill(os.getpid(), signal.SIGINT)
         assert h.received == signal.SIGINT
         with pytest.raises(KeyboardInterrupt):
             os.kill(os.getpid(), signal.SIGINT)
             time.sleep(1)  # the signal is delivered at the next bytecode
-        assert signal.getsignal(signal.SIGINT) is restore_signals[signal.SIGINT]
+        assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
 
 
 def test_handler_needs_the_main_thread(restore_signals):
