@@ -135,8 +135,11 @@ def probe(python: str = sys.executable) -> Isolation:
     if not root:
         lost.append("no process limit (a dedicated uid needs root)")
     iso = Isolation("bwrap-root" if root else "bwrap-user", bwrap, setpriv, prlimit, tuple(lost))
-    with tempfile.TemporaryDirectory(prefix="minickpt-probe-") as tmp:
-        uid = UID_BASE + UID_RANGE - 1
+    # the probe's uid is locked like a slot's: two grade.sh started side by side (the shards
+    # of a job array on one machine) once probed with one fixed uid, and each one's clean-up
+    # killed the other's probe, which then graded without a sandbox
+    with SlotUids(1) as slot, tempfile.TemporaryDirectory(prefix="minickpt-probe-") as tmp:
+        uid = slot.uids[0]
         cmd = kernel_command(iso, [python, "-I", "-c", "import sys; print('ok')"], uid=uid,
                              cwd="/tmp", ipc_dir=tmp, read_only=python_paths(python),
                              limits=Limits(), env={})
@@ -145,8 +148,6 @@ def probe(python: str = sys.executable) -> Isolation:
         except (OSError, subprocess.TimeoutExpired) as e:
             proc = None
             err = f"{type(e).__name__}: {e}"
-        finally:
-            kill_uid(uid)
         if proc is None or proc.returncode != 0 or proc.stdout.strip() != "ok":
             if proc is not None:
                 err = (proc.stderr or proc.stdout).strip().splitlines()[-1:] or [f"exit {proc.returncode}"]

@@ -74,6 +74,17 @@ def need_sandbox() -> None:
     pytest.skip(why)
 
 
+def test_probes_run_side_by_side_all_find_the_sandbox():
+    """Shards of a job array start on one machine at once: each grade.sh probes the sandbox,
+    and one probe's clean-up must never kill another's (which then graded unsandboxed)."""
+    need_sandbox()
+    from concurrent.futures import ThreadPoolExecutor
+
+    with ThreadPoolExecutor(4) as pool:
+        modes = list(pool.map(lambda _: sandbox.probe().mode, range(8)))
+    assert modes == ["bwrap-root"] * 8
+
+
 def _env() -> dict[str, str]:
     env = {**os.environ, "JAX_PLATFORMS": os.environ.get("JAX_PLATFORMS", "cpu")}
     env.pop("XLA_FLAGS", None)  # the notebooks choose their devices themselves
