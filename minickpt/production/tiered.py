@@ -24,7 +24,6 @@ import dataclasses
 import errno
 import io
 import itertools
-import json
 import logging
 import os
 import queue
@@ -37,7 +36,7 @@ from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
 from .. import policy
-from ..checkpointer import Checkpointer
+from ..checkpointer import Checkpointer, CheckpointMetadata
 from ..commit import (
     DELETE_MARK,
     METADATA_FILE,
@@ -102,11 +101,11 @@ class LocalStore:
     def read_chunks(self, rel: str) -> Iterator[bytes]:
         return _read_chunks(self.fs, self.path(rel))
 
-    def read_small(self, rel: str) -> bytes:
-        return self.fs.read_file(self.path(rel))
-
     def size(self, rel: str) -> int:
         return self.fs.lstat(self.path(rel)).st_size
+
+    def metadata(self, rel: str) -> CheckpointMetadata:
+        return Checkpointer(self.fs).metadata(self.path(rel))
 
     def verify(self, rel: str) -> list[str]:
         rep = Checkpointer(self.fs).verify(self.path(rel), deep=True)
@@ -254,11 +253,11 @@ class FsspecStore:
                     return
                 yield c
 
-    def read_small(self, rel: str) -> bytes:
-        return bytes(self.fs.cat_file(self.path(rel)))
-
     def size(self, rel: str) -> int:
         return int(self.fs.size(self.path(rel)))
+
+    def metadata(self, rel: str) -> CheckpointMetadata:
+        return Checkpointer(_FsspecReader(self.fs)).metadata(self.path(rel))
 
     def verify(self, rel: str, metadata: bytes | None = None) -> list[str]:
         """Re-read the copy and check it as a local checkpoint is checked (every leaf's CRC);
@@ -561,14 +560,12 @@ class TieredCheckpointManager:
                                            "verify: " + "; ".join(problems))
 
     def _remember(self, step: int, name: str) -> None:
-        metrics, t = None, 0.0
         try:
-            meta = json.loads(self.store.read_small(f"{name}/{METADATA_FILE}"))
-            metrics = meta.get("metrics") if isinstance(meta.get("metrics"), dict) else None
-            t = (meta.get("commit_timestamp_nsecs") or 0) / 1e9
+            meta = self.store.metadata(name)
+            info = policy.StepInfo(step, meta.metrics, meta.time or 0.0)
         except Exception:  # unreadable metadata: kept like a checkpoint without metrics
-            pass
-        self._mirror_infos[step] = policy.StepInfo(step, metrics, t)
+            info = policy.StepInfo(step, None, 0.0)
+        self._mirror_infos[step] = info
 
     def _scan_mirror(self) -> None:
         self._mirror_infos = {}
