@@ -579,30 +579,18 @@ class TieredCheckpointManager:
     def _catch_up(self) -> None:
         """Queue the local checkpoints the mirror lacks and its retention would keep: a
         previous process may have died between a local commit and its copy."""
-        o = self.options
         missing = [s for s in self.local.all_steps() if s not in self._mirror_infos]
         infos = list(self._mirror_infos.values())
-        for s in missing:
-            try:
-                meta = self.local.metadata(s)
-                infos.append(policy.StepInfo(s, meta.metrics, meta.time or 0.0))
-            except (MiniCkptError, OSError):
-                continue  # damaged locally: nothing worth copying
-        keep = policy.steps_to_keep(
-            infos, max_to_keep=self.mirror_max_to_keep, keep_period=o.keep_period,
-            best_fn=o.best_fn, best_mode=o.best_mode,
-            keep_checkpoints_without_metrics=o.keep_checkpoints_without_metrics)
+        # a step damaged locally is left out: nothing worth copying
+        infos += [i for s in missing if (i := self._local_info(s)) is not None]
+        keep = self._keep(infos, self.mirror_max_to_keep)
         for s in missing:
             if s in keep:
                 self._enqueue(s)
 
     def _apply_mirror_retention(self) -> None:
-        o = self.options
         with self._store_lock:
-            keep = policy.steps_to_keep(
-                list(self._mirror_infos.values()), max_to_keep=self.mirror_max_to_keep,
-                keep_period=o.keep_period, best_fn=o.best_fn, best_mode=o.best_mode,
-                keep_checkpoints_without_metrics=o.keep_checkpoints_without_metrics)
+            keep = self._keep(list(self._mirror_infos.values()), self.mirror_max_to_keep)
             for step in sorted(set(self._mirror_infos) - keep):
                 name = self._name(step)
                 try:
@@ -616,18 +604,9 @@ class TieredCheckpointManager:
     def _apply_local_retention(self) -> None:
         """The options' retention on the local tier, sparing steps still waiting for their
         copy (a step whose copy failed every retry is no longer spared: it was reported)."""
-        o = self.options
-        infos = []
-        for s in self.local.all_steps():
-            try:
-                meta = self.local.metadata(s)
-                infos.append(policy.StepInfo(s, meta.metrics, meta.time or 0.0))
-            except (MiniCkptError, OSError):
-                infos.append(policy.StepInfo(s, None, 0.0))
-        keep = policy.steps_to_keep(
-            infos, max_to_keep=o.max_to_keep, keep_period=o.keep_period, best_fn=o.best_fn,
-            best_mode=o.best_mode,
-            keep_checkpoints_without_metrics=o.keep_checkpoints_without_metrics)
+        infos = [self._local_info(s) or policy.StepInfo(s, None, 0.0)
+                 for s in self.local.all_steps()]
+        keep = self._keep(infos, self.options.max_to_keep)
         with self._idle:
             spared = set(self._pending)
         for s in sorted({i.step for i in infos} - keep - spared):
@@ -638,6 +617,22 @@ class TieredCheckpointManager:
             except OSError as e:
                 log.error("minickpt: could not delete old local checkpoint %s: %s",
                           self.local.step_path(s), e)
+
+    def _local_info(self, step: int) -> policy.StepInfo | None:
+        """What retention needs of a local step, from its metadata; None when unreadable."""
+        try:
+            meta = self.local.metadata(step)
+        except (MiniCkptError, OSError):
+            return None
+        return policy.StepInfo(step, meta.metrics, meta.time or 0.0)
+
+    def _keep(self, infos: Sequence[policy.StepInfo], max_to_keep: int | None) -> set[int]:
+        """The options' retention rules (``max_to_keep`` differs between the tiers)."""
+        o = self.options
+        return policy.steps_to_keep(
+            infos, max_to_keep=max_to_keep, keep_period=o.keep_period, best_fn=o.best_fn,
+            best_mode=o.best_mode,
+            keep_checkpoints_without_metrics=o.keep_checkpoints_without_metrics)
 
     def _name(self, step: int) -> str:
         return step_dir_name(step, self.options.step_prefix,
