@@ -124,32 +124,30 @@ class Limits:
 
 
 # ---------------------------------------------------------------------------------------
-# minickpt
+# the two libraries, through one shape each: a checkpointer and a manager
 # ---------------------------------------------------------------------------------------
-class MinickptCheckpointer:
-    """``minickpt.Checkpointer``: one checkpoint directory, saved and restored whole."""
+class _Checkpointer:
+    """One checkpoint directory, saved and restored whole; a subclass says how, with
+    ``_save(path)`` and ``_restore(path)`` (the restored tree)."""
 
-    label = "minickpt"
+    label = stem = ""
 
     def __init__(self, workdir: str, tree: Any):
-        import minickpt
-
-        self.ck = minickpt.Checkpointer()
         self.workdir, self.tree, self.target = workdir, tree, states.abstract(tree)
         self._path = ""
-        self.saved = fresh(workdir, "mc-restore")
-        self.ck.save(self.saved, {ITEM: tree})
+        self.saved = fresh(workdir, f"{self.stem}-restore")
+        self._save(self.saved)
 
     def save(self) -> Op:
         def prepare() -> None:
-            self._path = fresh(self.workdir, "mc-save")
+            self._path = fresh(self.workdir, f"{self.stem}-save")
 
-        return Op(self.label, lambda: self.ck.save(self._path, {ITEM: self.tree}), prepare,
+        return Op(self.label, lambda: self._save(self._path), prepare,
                   lambda: remove(self._path))
 
     def restore(self, cache: PageCache | None = None) -> Op:
         def run() -> None:
-            _ready(self.ck.restore(self.saved, {ITEM: self.target}))
+            _ready(self._restore(self.saved))
 
         prepare = (lambda: cache.evict(self.saved)) if cache is not None else None
         return Op(self.label, run, prepare)
@@ -158,20 +156,19 @@ class MinickptCheckpointer:
         remove(self.saved)
 
 
-class MinickptManager:
-    """``minickpt.CheckpointManager`` keeping 2 steps, so every save also deletes one."""
+class _Manager:
+    """A manager keeping ``max_to_keep`` steps, so every save also deletes one; a subclass
+    opens it (``_open(directory, **options)``) and saves and restores one step
+    (``_save_step(step, tree)``, ``_restore_step(step)``)."""
 
-    label = "minickpt"
+    label = stem = ""
 
     def __init__(self, workdir: str, tree: Any, *, async_: bool = False, max_to_keep: int = 2,
                  background_delete: bool = False):
-        import minickpt
-
-        self.dir = fresh(workdir, "mc-mngr")
-        opts = minickpt.CheckpointManagerOptions(max_to_keep=max_to_keep,
-                                                 enable_async_checkpointing=async_,
-                                                 enable_background_delete=background_delete)
-        self.mngr = minickpt.CheckpointManager(self.dir, opts)
+        self.dir = fresh(workdir, f"{self.stem}-mngr")
+        self.mngr = self._open(self.dir, max_to_keep=max_to_keep,
+                               enable_async_checkpointing=async_,
+                               enable_background_delete=background_delete)
         self.async_ = async_
         self.tree, self.target = tree, states.abstract(tree)
         self.step = 0
@@ -180,7 +177,7 @@ class MinickptManager:
         self.mngr.wait_until_finished()
 
     def save_now(self, tree: Any) -> None:
-        self.mngr.save(self.step, {ITEM: tree}, force=True)
+        self._save_step(self.step, tree)
         self.step += 1
 
     def wait(self) -> None:
@@ -194,100 +191,91 @@ class MinickptManager:
         return Op(self.label, lambda: self.save_now(self.tree), after=self.wait)
 
     def restore(self) -> Op:
-        def run() -> None:
-            step = self.mngr.latest_step()
-            _ready(self.mngr.restore(step, target={ITEM: self.target}))
-
-        return Op(self.label, run)
+        return Op(self.label, lambda: _ready(self._restore_step(self.mngr.latest_step())))
 
     def close(self) -> None:
         self.mngr.close()
         remove(self.dir)
+
+
+# ---------------------------------------------------------------------------------------
+# minickpt
+# ---------------------------------------------------------------------------------------
+class MinickptCheckpointer(_Checkpointer):
+    """``minickpt.Checkpointer``: one checkpoint directory, saved and restored whole."""
+
+    label, stem = "minickpt", "mc"
+
+    def __init__(self, workdir: str, tree: Any):
+        import minickpt
+
+        self.ck = minickpt.Checkpointer()
+        super().__init__(workdir, tree)
+
+    def _save(self, path: str) -> None:
+        self.ck.save(path, {ITEM: self.tree})
+
+    def _restore(self, path: str) -> Any:
+        return self.ck.restore(path, {ITEM: self.target})
+
+
+class MinickptManager(_Manager):
+    """``minickpt.CheckpointManager`` keeping 2 steps, so every save also deletes one."""
+
+    label, stem = "minickpt", "mc"
+
+    def _open(self, directory: str, **options: Any) -> Any:
+        import minickpt
+
+        return minickpt.CheckpointManager(directory,
+                                          minickpt.CheckpointManagerOptions(**options))
+
+    def _save_step(self, step: int, tree: Any) -> None:
+        self.mngr.save(step, {ITEM: tree}, force=True)
+
+    def _restore_step(self, step: int) -> Any:
+        return self.mngr.restore(step, target={ITEM: self.target})
 
 
 # ---------------------------------------------------------------------------------------
 # Orbax
 # ---------------------------------------------------------------------------------------
-class OrbaxCheckpointer:
+class OrbaxCheckpointer(_Checkpointer):
     """``orbax.checkpoint.StandardCheckpointer``: save, then wait until it is finished."""
 
-    label = "orbax"
+    label, stem = "orbax", "ox"
 
     def __init__(self, workdir: str, tree: Any):
         import orbax.checkpoint as ocp
 
         self.ck = ocp.StandardCheckpointer()
-        self.workdir, self.tree, self.target = workdir, tree, states.abstract(tree)
-        self._path = ""
-        self.saved = fresh(workdir, "ox-restore")
-        self.ck.save(self.saved, tree)
+        super().__init__(workdir, tree)
+
+    def _save(self, path: str) -> None:
+        self.ck.save(path, self.tree)
         self.ck.wait_until_finished()
 
-    def save(self) -> Op:
-        def prepare() -> None:
-            self._path = fresh(self.workdir, "ox-save")
-
-        def run() -> None:
-            self.ck.save(self._path, self.tree)
-            self.ck.wait_until_finished()
-
-        return Op(self.label, run, prepare, lambda: remove(self._path))
-
-    def restore(self, cache: PageCache | None = None) -> Op:
-        def run() -> None:
-            _ready(self.ck.restore(self.saved, self.target))
-
-        prepare = (lambda: cache.evict(self.saved)) if cache is not None else None
-        return Op(self.label, run, prepare)
+    def _restore(self, path: str) -> Any:
+        return self.ck.restore(path, self.target)
 
     def close(self) -> None:
         self.ck.close()
-        remove(self.saved)
+        super().close()
 
 
-class OrbaxManager:
+class OrbaxManager(_Manager):
     """``orbax.checkpoint.CheckpointManager`` with the same options as minickpt's."""
 
-    label = "orbax"
+    label, stem = "orbax", "ox"
 
-    def __init__(self, workdir: str, tree: Any, *, async_: bool = False, max_to_keep: int = 2,
-                 background_delete: bool = False):
+    def _open(self, directory: str, **options: Any) -> Any:
         import orbax.checkpoint as ocp
 
         self.ocp = ocp
-        self.dir = fresh(workdir, "ox-mngr")
-        opts = ocp.CheckpointManagerOptions(max_to_keep=max_to_keep,
-                                            enable_async_checkpointing=async_,
-                                            enable_background_delete=background_delete)
-        self.mngr = ocp.CheckpointManager(self.dir, options=opts)
-        self.async_ = async_
-        self.tree, self.target = tree, states.abstract(tree)
-        self.step = 0
-        for _ in range(max_to_keep):
-            self.save_now(tree)
-        self.mngr.wait_until_finished()
+        return ocp.CheckpointManager(directory, options=ocp.CheckpointManagerOptions(**options))
 
-    def save_now(self, tree: Any) -> None:
-        self.mngr.save(self.step, args=self.ocp.args.StandardSave(tree), force=True)
-        self.step += 1
+    def _save_step(self, step: int, tree: Any) -> None:
+        self.mngr.save(step, args=self.ocp.args.StandardSave(tree), force=True)
 
-    def wait(self) -> None:
-        self.mngr.wait_until_finished()
-
-    def save(self) -> Op:
-        """A whole save: for an async manager until it is committed; a background delete
-        is not waited for (that is the point of the option), only before the next one."""
-        if self.async_:
-            return Op(self.label, lambda: (self.save_now(self.tree), self.wait()))
-        return Op(self.label, lambda: self.save_now(self.tree), after=self.wait)
-
-    def restore(self) -> Op:
-        def run() -> None:
-            step = self.mngr.latest_step()
-            _ready(self.mngr.restore(step, args=self.ocp.args.StandardRestore(self.target)))
-
-        return Op(self.label, run)
-
-    def close(self) -> None:
-        self.mngr.close()
-        remove(self.dir)
+    def _restore_step(self, step: int) -> Any:
+        return self.mngr.restore(step, args=self.ocp.args.StandardRestore(self.target))
