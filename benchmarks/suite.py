@@ -120,8 +120,7 @@ def save_restore_rows(cfg: Config, key: str, label: str, tree: Any, *, reps: int
     size = states.nbytes(tree)
     label = f"{label} ({states.num_leaves(tree)} leaves, {fmt_bytes(size)})"
     limits = Limits(wd, size)
-    mc = MinickptCheckpointer(wd, tree)
-    ox = OrbaxCheckpointer(wd, tree) if cfg.orbax else None
+    cks = [MinickptCheckpointer(wd, tree)] + ([OrbaxCheckpointer(wd, tree)] if cfg.orbax else [])
     out = []
 
     def row(kind: str, title: str, ops: list[Op], limit_name: str,
@@ -133,36 +132,34 @@ def save_restore_rows(cfg: Config, key: str, label: str, tree: Any, *, reps: int
                                 limit_name=limit_name, goals=list(goals))
 
     try:
-        ops = [mc.save()] + ([ox.save()] if ox else []) + [limits.write_fsync()]
+        ops = [c.save() for c in cks] + [limits.write_fsync()]
         out.append(row("save", "save", ops, "write+fsync", goals_save))
-        ops = [mc.restore()] + ([ox.restore()] if ox else []) + [limits.read()]
+        ops = [c.restore() for c in cks] + [limits.read()]
         out.append(row("restore", "restore", ops, "read", goals_restore))
         if cold is not None:
-            ops = [mc.restore(cold)] + ([ox.restore(cold)] if ox else []) + [limits.read(cold)]
+            ops = [c.restore(cold) for c in cks] + [limits.read(cold)]
             out.append(row("restore_cold", "restore, cold cache", ops, "cold read",
                            goals_restore))
     finally:
-        mc.close()
-        if ox:
-            ox.close()
+        for c in cks:
+            c.close()
     variants = [(False, "manager save")] if managers else []
     if managers and background_delete:
         variants.append((True, "manager save, background delete"))
     for bg, title in variants:
-        mm = MinickptManager(wd, tree, background_delete=bg)
-        om = OrbaxManager(wd, tree, background_delete=bg) if cfg.orbax else None
+        mms = [MinickptManager(wd, tree, background_delete=bg)] + (
+            [OrbaxManager(wd, tree, background_delete=bg)] if cfg.orbax else [])
         try:
-            ops = [mm.save()] + ([om.save()] if om else []) + [limits.write_fsync()]
+            ops = [m.save() for m in mms] + [limits.write_fsync()]
             out.append(row("manager_save" + ("_bg" if bg else ""), title, ops, "write+fsync",
                            goals_save))
             if not bg:
-                ops = [mm.restore()] + ([om.restore()] if om else []) + [limits.read()]
+                ops = [m.restore() for m in mms] + [limits.read()]
                 out.append(row("manager_restore", "manager restore", ops, "read",
                                goals_restore))
         finally:
-            mm.close()
-            if om:
-                om.close()
+            for m in mms:
+                m.close()
     limits.close()
     return out
 
@@ -175,22 +172,21 @@ def scaling(cfg: Config, cache: Any) -> tuple[list[dict[str, Any]], list[dict[st
         tree = jax.block_until_ready(states.uniform(size, 50, seed=5))
         n = states.nbytes(tree)
         limits = Limits(cfg.workdir, n)
-        mc = MinickptCheckpointer(cfg.workdir, tree)
-        ox = OrbaxCheckpointer(cfg.workdir, tree) if cfg.orbax else None
+        cks = [MinickptCheckpointer(cfg.workdir, tree)] + (
+            [OrbaxCheckpointer(cfg.workdir, tree)] if cfg.orbax else [])
         try:
-            save = interleaved([mc.save()] + ([ox.save()] if ox else [])
-                               + [limits.write_fsync()], cfg.scaling_reps, 1)
-            restore = interleaved([mc.restore()] + ([ox.restore()] if ox else [])
-                                  + [limits.read()], cfg.scaling_reps, 1)
+            save = interleaved([c.save() for c in cks] + [limits.write_fsync()],
+                               cfg.scaling_reps, 1)
+            restore = interleaved([c.restore() for c in cks] + [limits.read()],
+                                  cfg.scaling_reps, 1)
             lim = interleaved([limits.memcpy()], cfg.scaling_reps, 1)
             entry: dict[str, Any] = {"nbytes": n}
             if cache is not None:
                 cold = interleaved([limits.read(cache)], cfg.scaling_reps, 0)
                 entry["cold_read"] = median(cold["limit"])
         finally:
-            mc.close()
-            if ox:
-                ox.close()
+            for c in cks:
+                c.close()
             limits.close()
         points.append({"nbytes": n,
                        "save": {k: median(v) for k, v in save.items()},
