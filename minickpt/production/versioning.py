@@ -21,7 +21,7 @@ from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
 from ..checkpointer import Checkpointer, CheckpointMetadata
-from ..commit import parse_step
+from ..commit import METADATA_FILE, parse_step
 from ..errors import MiniCkptError
 from ..fs import DEFAULT_FS, FileSystem
 from ..restore import MigrationReport, Rename, migrate
@@ -248,7 +248,7 @@ def migrate_checkpoint(source: Any, target: Mapping[str, Any], *, step: int | No
         path = source.step_path(step if step is not None else source.latest_step())
     else:
         path = os.fspath(source)
-        if not ck.fs.exists(os.path.join(path, "_CHECKPOINT_METADATA")):
+        if not ck.fs.exists(os.path.join(path, METADATA_FILE)):
             metas = checkpoint_metadata(path, fs=ck.fs)
             if not metas:
                 raise MiniCkptError(f"no readable checkpoint in {path}")
