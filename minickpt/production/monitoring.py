@@ -124,16 +124,16 @@ class MetricsLog:
     malformed: int = 0
 
 
-def metrics_path(path: str | os.PathLike[str]) -> str:
+def metrics_path(path: str | os.PathLike[str], fs: FileSystem | None = None) -> str:
     """The metrics file of a checkpoint directory (or the file itself)."""
     path = os.fspath(path)
-    return os.path.join(path, METRICS_FILE) if DEFAULT_FS.is_dir(path) else path
+    return os.path.join(path, METRICS_FILE) if (fs or DEFAULT_FS).is_dir(path) else path
 
 
 def load_metrics(path: str | os.PathLike[str], fs: FileSystem | None = None) -> MetricsLog:
     """Read a metrics file, or the one in a checkpoint directory."""
     fs = fs or DEFAULT_FS
-    p = metrics_path(path)
+    p = metrics_path(path, fs)
     if not fs.exists(p):
         raise FileNotFoundError(f"no metrics in {path}: expected {p} (record them with "
                                 "minickpt.production.attach_monitor(manager))")
