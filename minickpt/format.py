@@ -44,7 +44,16 @@ from .errors import (
     UnsupportedLeafError,
 )
 from .fs import FileSystem, SyncBatch
-from .tree import MAX_DEPTH, HostKey, Names, path_str, skeleton, snapshot_leaf, to_host
+from .tree import (
+    MAX_DEPTH,
+    HostKey,
+    Names,
+    is_prng_key,
+    path_str,
+    skeleton,
+    snapshot_leaf,
+    to_host,
+)
 
 FORMAT_NAME = "minickpt"
 FORMAT_VERSION = 1  # what an item without sharded leaves is written as (every single-host save)
@@ -215,7 +224,7 @@ def plan_item(tree: Any, *, copy: bool = False, executor: Executor | None = None
     if _on_accelerator(named):
         for _, leaf in named:
             start = getattr(leaf, "copy_to_host_async", None)
-            if start is not None and not _is_key(leaf):
+            if start is not None and not is_prng_key(leaf):
                 try:
                     start()
                 except Exception:
@@ -259,12 +268,6 @@ def _on_accelerator(named: Sequence[tuple[Names, Any]]) -> bool:
     if not any(isinstance(leaf, jax.Array) for _, leaf in named):
         return False
     return jax.default_backend() != "cpu"
-
-
-def _is_key(x: Any) -> bool:
-    from .tree import is_prng_key
-
-    return is_prng_key(x)
 
 
 def _align(n: int) -> int:
