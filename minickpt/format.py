@@ -1164,10 +1164,7 @@ def _load_shards(fs: FileSystem, m: Manifest, path: str, records: Any,
         if got != crc:
             raise _corrupt(mpath, f"shard manifest checksum {got:#010x} differs from the one "
                                   f"recorded at commit ({crc:#010x}): it was changed or damaged")
-        try:
-            obj = json.loads(raw.decode("utf-8"))
-        except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as e:
-            raise _corrupt(mpath, f"shard manifest is not valid JSON ({e})") from e
+        obj = parse_json(raw, mpath, "shard manifest")
         if (not isinstance(obj, dict) or obj.get("format") != SHARD_MANIFEST_FORMAT
                 or obj.get("process") != p or obj.get("data_file") != df
                 or obj.get("data_bytes") != db or not isinstance(obj.get("shards"), list)
