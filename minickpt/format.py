@@ -731,13 +731,9 @@ def read_leaves(fs: FileSystem, manifest: Manifest, indices: Sequence[int] | Non
     :class:`CheckpointCorruptedError` naming the data file and the leaf.
     """
     idx = list(range(len(manifest.entries))) if indices is None else list(indices)
-    need = sum(manifest.entries[i].get("nbytes", 0) for i in idx)
-    limit = host_memory_bytes()
-    if limit is not None and need > limit:
-        raise CheckpointTooLargeError(
-            f"reading {need} bytes from {manifest.item_dir} would need more than the "
-            f"{limit} bytes of memory this machine has; refusing before allocating (restore "
-            "fewer leaves with a partial target, or use a bigger machine)")
+    _check_fits_in_memory(sum(manifest.entries[i].get("nbytes", 0) for i in idx),
+                          f"from {manifest.item_dir}", " (restore fewer leaves with a partial "
+                          "target, or use a bigger machine)")
     out: list[Any] = [None] * len(idx)
     arrays: list[tuple[int, dict[str, Any], np.ndarray]] = []
     for k, i in enumerate(idx):
@@ -819,6 +815,16 @@ def host_memory_bytes() -> int | None:
 
 
 _HOST_MEMORY: dict[str, int | None] = {}
+
+
+def _check_fits_in_memory(need: int, what: str, advice: str = "") -> None:
+    """Refuse, before allocating, to read ``need`` bytes (``what``: which ones) that exceed
+    this machine's memory."""
+    limit = host_memory_bytes()
+    if limit is not None and need > limit:
+        raise CheckpointTooLargeError(
+            f"reading {need} bytes {what} would need more than the {limit} bytes of memory "
+            f"this machine has; refusing before allocating{advice}")
 
 
 _KEY_SHAPES: dict[str, tuple[int, ...] | None] = {}
@@ -1252,13 +1258,8 @@ def read_region(fs: FileSystem, manifest: Manifest, i: int, box: Box, *, verify:
                                      in zip(box, shape, strict=False)):
         raise ValueError(f"region {box} lies outside leaf {path_str(e['path'])} of shape {shape}")
     cache = {} if cache is None else cache
-    need = math.prod(box_shape(box)) * dtype.itemsize
-    limit = host_memory_bytes()
-    if limit is not None and need > limit:
-        raise CheckpointTooLargeError(
-            f"reading {need} bytes of leaf {path_str(e['path'])} from {manifest.item_dir} "
-            f"would need more than the {limit} bytes of memory this machine has; refusing "
-            "before allocating")
+    _check_fits_in_memory(math.prod(box_shape(box)) * dtype.itemsize,
+                          f"of leaf {path_str(e['path'])} from {manifest.item_dir}")
     out = aligned_empty(box_shape(box), dtype)  # zero-copy into a CPU jax.Array
     if out.size == 0:
         return out
