@@ -321,13 +321,29 @@ def manifest_bytes(skel: Mapping[str, Any], entries: Sequence[Mapping[str, Any]]
     """The manifest as JSON, one leaf per line so that people (and diffs) can read it."""
     head = {"format": FORMAT_NAME, "format_version": FORMAT_VERSION, "checksum": "crc32",
             "data_file": data_file, "data_bytes": data_bytes, **(extra or {})}
-    lines = ["{"]
-    lines += [f"{json.dumps(k)}: {json.dumps(v)}," for k, v in head.items()]
-    lines.append(f'"tree": {_COMPACT.encode(skel)},')
-    lines.append('"leaves": [')
-    lines.append(",\n".join(map(_COMPACT.encode, entries)))
-    lines.append("]}")
+    return _json_doc(head, [f'"tree": {_COMPACT.encode(skel)},'], "leaves", entries)
+
+
+def _json_doc(head: Mapping[str, Any], middle: Sequence[str], key: str,
+              entries: Sequence[Mapping[str, Any]]) -> bytes:
+    """A manifest's text: one line per field of ``head``, the ``middle`` lines, then the list
+    ``key`` of ``entries``, one per line."""
+    lines = ["{", *(f"{json.dumps(k)}: {json.dumps(v)}," for k, v in head.items()), *middle,
+             f'"{key}": [', ",\n".join(map(_COMPACT.encode, entries)), "]}"]
     return ("\n".join(lines) + "\n").encode()
+
+
+def _write_manifest_file(fs: FileSystem, item_dir: str, name: str, raw: bytes, fsync: bool,
+                         sync: SyncBatch | None) -> float:
+    """Write a manifest, then fsync it and the directory (or hand both to ``sync``);
+    return the seconds it took (a tiny file: its cost is its fsyncs)."""
+    t = time.perf_counter()
+    fs.write_file(os.path.join(item_dir, name), [raw], fsync=fsync, batch=sync)
+    if sync is not None:
+        sync.add_dir(item_dir)
+    elif fsync:
+        fs.fsync_dir(item_dir)
+    return time.perf_counter() - t
 
 
 def write_item(fs: FileSystem, item_dir: str, plan: ItemPlan, *,
@@ -397,13 +413,7 @@ def write_item_manifest(fs: FileSystem, item_dir: str, plan: ItemPlan, data: Ite
     (or both handed to ``sync``)."""
     raw = manifest_bytes(plan.skeleton, data.entries, data_file=data.data_file,
                          data_bytes=data.data_bytes, extra=extra)
-    t1 = time.perf_counter()
-    fs.write_file(os.path.join(item_dir, manifest_file), [raw], fsync=fsync, batch=sync)
-    if sync is not None:
-        sync.add_dir(item_dir)
-    elif fsync:
-        fs.fsync_dir(item_dir)
-    fsync_s = data.fsync_s + time.perf_counter() - t1  # a tiny file: its cost is its fsyncs
+    fsync_s = data.fsync_s + _write_manifest_file(fs, item_dir, manifest_file, raw, fsync, sync)
     return ItemWriteResult(crc32(raw), data.data_bytes, plan.num_leaves,
                            write_s=data.write_s, fsync_s=fsync_s)
 
@@ -1122,19 +1132,11 @@ def write_shards(fs: FileSystem, item_dir: str, process: int, plan: ItemPlan, *,
     head = {"format": SHARD_MANIFEST_FORMAT, "format_version": SHARDED_FORMAT_VERSION,
             "checksum": "crc32", "process": process, "data_file": data.data_file,
             "data_bytes": data.data_bytes}
-    lines = ["{"] + [f"{json.dumps(k)}: {json.dumps(v)}," for k, v in head.items()]
-    lines += ['"shards": [', ",\n".join(map(_COMPACT.encode, data.entries)), "]}"]
-    raw = ("\n".join(lines) + "\n").encode()
+    raw = _json_doc(head, [], "shards", data.entries)
     name = shard_manifest_name(process)
-    t = time.perf_counter()
-    fs.write_file(os.path.join(item_dir, name), [raw], fsync=fsync, batch=sync)
-    if sync is not None:
-        sync.add_dir(item_dir)
-    elif fsync:
-        fs.fsync_dir(item_dir)
+    fsync_s = data.fsync_s + _write_manifest_file(fs, item_dir, name, raw, fsync, sync)
     return ShardFile(process, name, crc32(raw), data.data_file, data.data_bytes,
-                     len(data.entries), write_s=data.write_s,
-                     fsync_s=data.fsync_s + time.perf_counter() - t)
+                     len(data.entries), write_s=data.write_s, fsync_s=fsync_s)
 
 
 def _load_shards(fs: FileSystem, m: Manifest, path: str, records: Any,
