@@ -44,6 +44,7 @@ from .errors import (
 from .format import (
     FORMAT_NAME,
     FORMAT_VERSION,
+    MANIFEST_FILE,
     MAX_FORMAT_VERSION,
     ItemPlan,
     Manifest,
@@ -461,7 +462,7 @@ class Checkpointer:
             if name in meta.items or name == METADATA_FILE:
                 continue
             path = os.path.join(directory, name)
-            if self.fs.is_dir(path) and self.fs.exists(os.path.join(path, "manifest.json")):
+            if self.fs.is_dir(path) and self.fs.exists(os.path.join(path, MANIFEST_FILE)):
                 out.append(name)
         return out
 
@@ -558,7 +559,3 @@ def human_bytes(n: float) -> str:
     units = ["KiB", "MiB", "GiB", "TiB"]
     e = min(int(math.log(n, 1024)), len(units))
     return f"{n / 1024**e:.1f} {units[e - 1]}"
-
-
-def crc_of(data: bytes) -> int:
-    return zlib.crc32(data)
