@@ -466,9 +466,11 @@ class Checkpointer:
                 out.append(name)
         return out
 
-    def check_listed(self, directory: str, meta: CheckpointMetadata) -> None:
-        """Raise :class:`CheckpointCorruptedError` if an item directory is not in ``meta``."""
-        extra = self.unlisted_items(directory, meta)
+    def check_listed(self, directory: str, meta: CheckpointMetadata,
+                     unlisted: list[str] | None = None) -> None:
+        """Raise :class:`CheckpointCorruptedError` if an item directory is not in ``meta``
+        (``unlisted``: :meth:`unlisted_items`, when the caller has it already)."""
+        extra = self.unlisted_items(directory, meta) if unlisted is None else unlisted
         if extra:
             raise CheckpointCorruptedError(
                 os.path.join(directory, extra[0]),
@@ -525,13 +527,14 @@ class Checkpointer:
             except (MiniCkptError, OSError, KeyError) as e:
                 report.ok = False
                 report.problems.append(str(e))
+        unlisted = self.unlisted_items(directory, meta)
         try:
-            self.check_listed(directory, meta)
+            self.check_listed(directory, meta, unlisted)
         except CheckpointCorruptedError as e:
             report.ok = False
             report.problems.append(str(e))
         extra = (set(_listdir(self.fs, directory)) - set(meta.items) - {METADATA_FILE}
-                 - set(self.unlisted_items(directory, meta)))
+                 - set(unlisted))
         for name in sorted(extra):
             report.problems.append(f"{os.path.join(directory, name)}: not part of the "
                                    "checkpoint (ignored)")
