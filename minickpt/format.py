@@ -546,10 +546,7 @@ def validate_manifest(obj: Any, path: str, item_dir: str, crc: int = 0, *,
     if obj.get("checksum") not in ("crc32", None):
         raise _corrupt(path, f"unknown checksum algorithm {obj.get('checksum')!r}")
     data_file = obj.get("data_file")
-    if data_file is not None and (not isinstance(data_file, str)
-                                  or not _DATA_FILE_RE.match(data_file)):
-        raise UnsafeCheckpointError(path, f"data file name {data_file!r} is not a plain "
-                                          "'data*.bin' name inside the item directory")
+    _check_data_file_name(data_file, path)
     data_bytes = obj.get("data_bytes")
     if not _is_int(data_bytes) or data_bytes < 0:
         raise _corrupt(path, f"data_bytes is {data_bytes!r}")
@@ -708,9 +705,19 @@ def _check_entry(e: Any, i: int, where: str, data_file: str | None, data_bytes: 
     if not _is_int(offset) or offset < 0 or offset + nbytes > data_bytes:
         raise _corrupt(where, f"bytes [{offset}, {offset}+{nbytes}) lie outside the "
                               f"{data_bytes}-byte data file", leaf=leaf)
-    crc = e.get("crc32")
+    _check_crc_field(e.get("crc32"), where, leaf)
+
+
+def _check_crc_field(crc: Any, where: str, leaf: str) -> None:
     if crc is not None and (not _is_int(crc) or not 0 <= crc < 2**32):
         raise _corrupt(where, f"crc32 {crc!r} is not a 32-bit checksum", leaf=leaf)
+
+
+def _check_data_file_name(name: Any, where: str) -> None:
+    """A data file (None: no data) must be a plain ``data*.bin`` name in the item directory."""
+    if name is not None and (not isinstance(name, str) or not _DATA_FILE_RE.match(name)):
+        raise UnsafeCheckpointError(where, f"data file name {name!r} is not a plain "
+                                           "'data*.bin' name inside the item directory")
 
 
 def aligned_empty(shape: Sequence[int], dtype: np.dtype) -> np.ndarray:
@@ -1155,9 +1162,7 @@ def _load_shards(fs: FileSystem, m: Manifest, path: str, records: Any,
         if not _is_int(p) or p < 0 or p in seen or mt is None or int(mt.group(1)) != p:
             raise UnsafeCheckpointError(path, f"shard file record {rec!r} does not name a plain "
                                               "'manifest.p<process>.json' of a new process")
-        if df is not None and (not isinstance(df, str) or not _DATA_FILE_RE.match(df)):
-            raise UnsafeCheckpointError(path, f"data file name {df!r} is not a plain "
-                                              "'data*.bin' name inside the item directory")
+        _check_data_file_name(df, path)
         if not (_is_int(crc) and _is_int(db) and _is_int(n) and db >= 0 and n >= 0):
             raise _corrupt(path, f"shard file record {rec!r} is malformed")
         seen.add(p)
@@ -1235,8 +1240,7 @@ def _check_shard(se: Any, m: Manifest, where: str, p: int, df: str | None, db: i
     if not _is_int(off) or off < 0 or off + nb > db:
         raise _corrupt(where, f"shard bytes [{off}, {off}+{nb}) lie outside the {db}-byte data "
                               "file", leaf=name)
-    if crc is not None and (not _is_int(crc) or not 0 <= crc < 2**32):
-        raise _corrupt(where, f"crc32 {crc!r} is not a 32-bit checksum", leaf=name)
+    _check_crc_field(crc, where, name)
     assert df is not None
     return ShardRef(leaf, box, p, df, off, nb, crc)
 
