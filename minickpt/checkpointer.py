@@ -44,6 +44,7 @@ from .errors import (
 from .format import (
     FORMAT_NAME,
     FORMAT_VERSION,
+    MANIFEST_FILE,
     MAX_FORMAT_VERSION,
     ItemPlan,
     Manifest,
@@ -461,13 +462,15 @@ class Checkpointer:
             if name in meta.items or name == METADATA_FILE:
                 continue
             path = os.path.join(directory, name)
-            if self.fs.is_dir(path) and self.fs.exists(os.path.join(path, "manifest.json")):
+            if self.fs.is_dir(path) and self.fs.exists(os.path.join(path, MANIFEST_FILE)):
                 out.append(name)
         return out
 
-    def check_listed(self, directory: str, meta: CheckpointMetadata) -> None:
-        """Raise :class:`CheckpointCorruptedError` if an item directory is not in ``meta``."""
-        extra = self.unlisted_items(directory, meta)
+    def check_listed(self, directory: str, meta: CheckpointMetadata,
+                     unlisted: list[str] | None = None) -> None:
+        """Raise :class:`CheckpointCorruptedError` if an item directory is not in ``meta``
+        (``unlisted``: :meth:`unlisted_items`, when the caller has it already)."""
+        extra = self.unlisted_items(directory, meta) if unlisted is None else unlisted
         if extra:
             raise CheckpointCorruptedError(
                 os.path.join(directory, extra[0]),
@@ -524,13 +527,14 @@ class Checkpointer:
             except (MiniCkptError, OSError, KeyError) as e:
                 report.ok = False
                 report.problems.append(str(e))
+        unlisted = self.unlisted_items(directory, meta)
         try:
-            self.check_listed(directory, meta)
+            self.check_listed(directory, meta, unlisted)
         except CheckpointCorruptedError as e:
             report.ok = False
             report.problems.append(str(e))
         extra = (set(_listdir(self.fs, directory)) - set(meta.items) - {METADATA_FILE}
-                 - set(self.unlisted_items(directory, meta)))
+                 - set(unlisted))
         for name in sorted(extra):
             report.problems.append(f"{os.path.join(directory, name)}: not part of the "
                                    "checkpoint (ignored)")
@@ -558,7 +562,3 @@ def human_bytes(n: float) -> str:
     units = ["KiB", "MiB", "GiB", "TiB"]
     e = min(int(math.log(n, 1024)), len(units))
     return f"{n / 1024**e:.1f} {units[e - 1]}"
-
-
-def crc_of(data: bytes) -> int:
-    return zlib.crc32(data)

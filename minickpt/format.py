@@ -44,7 +44,16 @@ from .errors import (
     UnsupportedLeafError,
 )
 from .fs import FileSystem, SyncBatch
-from .tree import MAX_DEPTH, HostKey, Names, path_str, skeleton, snapshot_leaf, to_host
+from .tree import (
+    MAX_DEPTH,
+    HostKey,
+    Names,
+    is_prng_key,
+    path_str,
+    skeleton,
+    snapshot_leaf,
+    to_host,
+)
 
 FORMAT_NAME = "minickpt"
 FORMAT_VERSION = 1  # what an item without sharded leaves is written as (every single-host save)
@@ -215,7 +224,7 @@ def plan_item(tree: Any, *, copy: bool = False, executor: Executor | None = None
     if _on_accelerator(named):
         for _, leaf in named:
             start = getattr(leaf, "copy_to_host_async", None)
-            if start is not None and not _is_key(leaf):
+            if start is not None and not is_prng_key(leaf):
                 try:
                     start()
                 except Exception:
@@ -259,12 +268,6 @@ def _on_accelerator(named: Sequence[tuple[Names, Any]]) -> bool:
     if not any(isinstance(leaf, jax.Array) for _, leaf in named):
         return False
     return jax.default_backend() != "cpu"
-
-
-def _is_key(x: Any) -> bool:
-    from .tree import is_prng_key
-
-    return is_prng_key(x)
 
 
 def _align(n: int) -> int:
@@ -318,13 +321,29 @@ def manifest_bytes(skel: Mapping[str, Any], entries: Sequence[Mapping[str, Any]]
     """The manifest as JSON, one leaf per line so that people (and diffs) can read it."""
     head = {"format": FORMAT_NAME, "format_version": FORMAT_VERSION, "checksum": "crc32",
             "data_file": data_file, "data_bytes": data_bytes, **(extra or {})}
-    lines = ["{"]
-    lines += [f"{json.dumps(k)}: {json.dumps(v)}," for k, v in head.items()]
-    lines.append(f'"tree": {_COMPACT.encode(skel)},')
-    lines.append('"leaves": [')
-    lines.append(",\n".join(map(_COMPACT.encode, entries)))
-    lines.append("]}")
+    return _json_doc(head, [f'"tree": {_COMPACT.encode(skel)},'], "leaves", entries)
+
+
+def _json_doc(head: Mapping[str, Any], middle: Sequence[str], key: str,
+              entries: Sequence[Mapping[str, Any]]) -> bytes:
+    """A manifest's text: one line per field of ``head``, the ``middle`` lines, then the list
+    ``key`` of ``entries``, one per line."""
+    lines = ["{", *(f"{json.dumps(k)}: {json.dumps(v)}," for k, v in head.items()), *middle,
+             f'"{key}": [', ",\n".join(map(_COMPACT.encode, entries)), "]}"]
     return ("\n".join(lines) + "\n").encode()
+
+
+def _write_manifest_file(fs: FileSystem, item_dir: str, name: str, raw: bytes, fsync: bool,
+                         sync: SyncBatch | None) -> float:
+    """Write a manifest, then fsync it and the directory (or hand both to ``sync``);
+    return the seconds it took (a tiny file: its cost is its fsyncs)."""
+    t = time.perf_counter()
+    fs.write_file(os.path.join(item_dir, name), [raw], fsync=fsync, batch=sync)
+    if sync is not None:
+        sync.add_dir(item_dir)
+    elif fsync:
+        fs.fsync_dir(item_dir)
+    return time.perf_counter() - t
 
 
 def write_item(fs: FileSystem, item_dir: str, plan: ItemPlan, *,
@@ -394,13 +413,7 @@ def write_item_manifest(fs: FileSystem, item_dir: str, plan: ItemPlan, data: Ite
     (or both handed to ``sync``)."""
     raw = manifest_bytes(plan.skeleton, data.entries, data_file=data.data_file,
                          data_bytes=data.data_bytes, extra=extra)
-    t1 = time.perf_counter()
-    fs.write_file(os.path.join(item_dir, manifest_file), [raw], fsync=fsync, batch=sync)
-    if sync is not None:
-        sync.add_dir(item_dir)
-    elif fsync:
-        fs.fsync_dir(item_dir)
-    fsync_s = data.fsync_s + time.perf_counter() - t1  # a tiny file: its cost is its fsyncs
+    fsync_s = data.fsync_s + _write_manifest_file(fs, item_dir, manifest_file, raw, fsync, sync)
     return ItemWriteResult(crc32(raw), data.data_bytes, plan.num_leaves,
                            write_s=data.write_s, fsync_s=fsync_s)
 
@@ -533,10 +546,7 @@ def validate_manifest(obj: Any, path: str, item_dir: str, crc: int = 0, *,
     if obj.get("checksum") not in ("crc32", None):
         raise _corrupt(path, f"unknown checksum algorithm {obj.get('checksum')!r}")
     data_file = obj.get("data_file")
-    if data_file is not None and (not isinstance(data_file, str)
-                                  or not _DATA_FILE_RE.match(data_file)):
-        raise UnsafeCheckpointError(path, f"data file name {data_file!r} is not a plain "
-                                          "'data*.bin' name inside the item directory")
+    _check_data_file_name(data_file, path)
     data_bytes = obj.get("data_bytes")
     if not _is_int(data_bytes) or data_bytes < 0:
         raise _corrupt(path, f"data_bytes is {data_bytes!r}")
@@ -695,9 +705,19 @@ def _check_entry(e: Any, i: int, where: str, data_file: str | None, data_bytes: 
     if not _is_int(offset) or offset < 0 or offset + nbytes > data_bytes:
         raise _corrupt(where, f"bytes [{offset}, {offset}+{nbytes}) lie outside the "
                               f"{data_bytes}-byte data file", leaf=leaf)
-    crc = e.get("crc32")
+    _check_crc_field(e.get("crc32"), where, leaf)
+
+
+def _check_crc_field(crc: Any, where: str, leaf: str) -> None:
     if crc is not None and (not _is_int(crc) or not 0 <= crc < 2**32):
         raise _corrupt(where, f"crc32 {crc!r} is not a 32-bit checksum", leaf=leaf)
+
+
+def _check_data_file_name(name: Any, where: str) -> None:
+    """A data file (None: no data) must be a plain ``data*.bin`` name in the item directory."""
+    if name is not None and (not isinstance(name, str) or not _DATA_FILE_RE.match(name)):
+        raise UnsafeCheckpointError(where, f"data file name {name!r} is not a plain "
+                                           "'data*.bin' name inside the item directory")
 
 
 def aligned_empty(shape: Sequence[int], dtype: np.dtype) -> np.ndarray:
@@ -728,13 +748,9 @@ def read_leaves(fs: FileSystem, manifest: Manifest, indices: Sequence[int] | Non
     :class:`CheckpointCorruptedError` naming the data file and the leaf.
     """
     idx = list(range(len(manifest.entries))) if indices is None else list(indices)
-    need = sum(manifest.entries[i].get("nbytes", 0) for i in idx)
-    limit = host_memory_bytes()
-    if limit is not None and need > limit:
-        raise CheckpointTooLargeError(
-            f"reading {need} bytes from {manifest.item_dir} would need more than the "
-            f"{limit} bytes of memory this machine has; refusing before allocating (restore "
-            "fewer leaves with a partial target, or use a bigger machine)")
+    _check_fits_in_memory(sum(manifest.entries[i].get("nbytes", 0) for i in idx),
+                          f"from {manifest.item_dir}", " (restore fewer leaves with a partial "
+                          "target, or use a bigger machine)")
     out: list[Any] = [None] * len(idx)
     arrays: list[tuple[int, dict[str, Any], np.ndarray]] = []
     for k, i in enumerate(idx):
@@ -816,6 +832,16 @@ def host_memory_bytes() -> int | None:
 
 
 _HOST_MEMORY: dict[str, int | None] = {}
+
+
+def _check_fits_in_memory(need: int, what: str, advice: str = "") -> None:
+    """Refuse, before allocating, to read ``need`` bytes (``what``: which ones) that exceed
+    this machine's memory."""
+    limit = host_memory_bytes()
+    if limit is not None and need > limit:
+        raise CheckpointTooLargeError(
+            f"reading {need} bytes {what} would need more than the {limit} bytes of memory "
+            f"this machine has; refusing before allocating{advice}")
 
 
 _KEY_SHAPES: dict[str, tuple[int, ...] | None] = {}
@@ -1113,19 +1139,11 @@ def write_shards(fs: FileSystem, item_dir: str, process: int, plan: ItemPlan, *,
     head = {"format": SHARD_MANIFEST_FORMAT, "format_version": SHARDED_FORMAT_VERSION,
             "checksum": "crc32", "process": process, "data_file": data.data_file,
             "data_bytes": data.data_bytes}
-    lines = ["{"] + [f"{json.dumps(k)}: {json.dumps(v)}," for k, v in head.items()]
-    lines += ['"shards": [', ",\n".join(map(_COMPACT.encode, data.entries)), "]}"]
-    raw = ("\n".join(lines) + "\n").encode()
+    raw = _json_doc(head, [], "shards", data.entries)
     name = shard_manifest_name(process)
-    t = time.perf_counter()
-    fs.write_file(os.path.join(item_dir, name), [raw], fsync=fsync, batch=sync)
-    if sync is not None:
-        sync.add_dir(item_dir)
-    elif fsync:
-        fs.fsync_dir(item_dir)
+    fsync_s = data.fsync_s + _write_manifest_file(fs, item_dir, name, raw, fsync, sync)
     return ShardFile(process, name, crc32(raw), data.data_file, data.data_bytes,
-                     len(data.entries), write_s=data.write_s,
-                     fsync_s=data.fsync_s + time.perf_counter() - t)
+                     len(data.entries), write_s=data.write_s, fsync_s=fsync_s)
 
 
 def _load_shards(fs: FileSystem, m: Manifest, path: str, records: Any,
@@ -1144,9 +1162,7 @@ def _load_shards(fs: FileSystem, m: Manifest, path: str, records: Any,
         if not _is_int(p) or p < 0 or p in seen or mt is None or int(mt.group(1)) != p:
             raise UnsafeCheckpointError(path, f"shard file record {rec!r} does not name a plain "
                                               "'manifest.p<process>.json' of a new process")
-        if df is not None and (not isinstance(df, str) or not _DATA_FILE_RE.match(df)):
-            raise UnsafeCheckpointError(path, f"data file name {df!r} is not a plain "
-                                              "'data*.bin' name inside the item directory")
+        _check_data_file_name(df, path)
         if not (_is_int(crc) and _is_int(db) and _is_int(n) and db >= 0 and n >= 0):
             raise _corrupt(path, f"shard file record {rec!r} is malformed")
         seen.add(p)
@@ -1161,10 +1177,7 @@ def _load_shards(fs: FileSystem, m: Manifest, path: str, records: Any,
         if got != crc:
             raise _corrupt(mpath, f"shard manifest checksum {got:#010x} differs from the one "
                                   f"recorded at commit ({crc:#010x}): it was changed or damaged")
-        try:
-            obj = json.loads(raw.decode("utf-8"))
-        except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as e:
-            raise _corrupt(mpath, f"shard manifest is not valid JSON ({e})") from e
+        obj = parse_json(raw, mpath, "shard manifest")
         if (not isinstance(obj, dict) or obj.get("format") != SHARD_MANIFEST_FORMAT
                 or obj.get("process") != p or obj.get("data_file") != df
                 or obj.get("data_bytes") != db or not isinstance(obj.get("shards"), list)
@@ -1227,8 +1240,7 @@ def _check_shard(se: Any, m: Manifest, where: str, p: int, df: str | None, db: i
     if not _is_int(off) or off < 0 or off + nb > db:
         raise _corrupt(where, f"shard bytes [{off}, {off}+{nb}) lie outside the {db}-byte data "
                               "file", leaf=name)
-    if crc is not None and (not _is_int(crc) or not 0 <= crc < 2**32):
-        raise _corrupt(where, f"crc32 {crc!r} is not a 32-bit checksum", leaf=name)
+    _check_crc_field(crc, where, name)
     assert df is not None
     return ShardRef(leaf, box, p, df, off, nb, crc)
 
@@ -1252,13 +1264,8 @@ def read_region(fs: FileSystem, manifest: Manifest, i: int, box: Box, *, verify:
                                      in zip(box, shape, strict=False)):
         raise ValueError(f"region {box} lies outside leaf {path_str(e['path'])} of shape {shape}")
     cache = {} if cache is None else cache
-    need = math.prod(box_shape(box)) * dtype.itemsize
-    limit = host_memory_bytes()
-    if limit is not None and need > limit:
-        raise CheckpointTooLargeError(
-            f"reading {need} bytes of leaf {path_str(e['path'])} from {manifest.item_dir} "
-            f"would need more than the {limit} bytes of memory this machine has; refusing "
-            "before allocating")
+    _check_fits_in_memory(math.prod(box_shape(box)) * dtype.itemsize,
+                          f"of leaf {path_str(e['path'])} from {manifest.item_dir}")
     out = aligned_empty(box_shape(box), dtype)  # zero-copy into a CPU jax.Array
     if out.size == 0:
         return out

@@ -95,12 +95,6 @@ def steps_to_keep(infos: Sequence[StepInfo], *, max_to_keep: int | None = None,
     return keep
 
 
-def steps_to_delete(infos: Sequence[StepInfo], **options: Any) -> list[int]:
-    """The complement of :func:`steps_to_keep`, oldest first."""
-    keep = steps_to_keep(infos, **options)
-    return sorted(i.step for i in infos if i.step not in keep)
-
-
 def legacy_steps_to_keep(steps: Sequence[int], keep: int,
                          keep_every_n_steps: int | None = None) -> set[int]:
     """Flax's legacy ``save_checkpoint(keep=, keep_every_n_steps=)`` rule, exactly.
