@@ -91,9 +91,7 @@ def feedback_html(result: dict[str, Any], cells: list[dict[str, Any]],
     """One student's page for one lab. ``cells``: dicts with kind, role, grade_id, show,
     outputs (receipts already stripped)."""
     scores, messages, points = result["scores"], result["messages"], result["points"]
-    got = {g: 0.0 for g in groups}
-    for gid, s in scores.items():
-        got[result["group_of"][gid]] = got.get(result["group_of"][gid], 0.0) + s
+    got = result["groups"]
     rows = []
     for gid, pts in points.items():
         s = scores.get(gid, 0.0)
@@ -155,8 +153,8 @@ def class_summary(results: list[dict[str, Any]], cells: dict[str, float], groups
     n = len(graded)
     rows = []
     for g, pts in groups.items():
-        totals = [sum(s for gid, s in r["scores"].items() if group_of[gid] == g) for r in graded]
-        rows.append(_row("task" if g != "quiz" else "quiz", g, g, pts, totals, [], n))
+        rows.append(_row("task" if g != "quiz" else "quiz", g, g, pts,
+                         [r["groups"][g] for r in graded], [], n))
     for gid, pts in cells.items():
         got = [r["scores"].get(gid, 0.0) for r in graded]
         msgs = [normalize_message(r["messages"].get(gid, "")) for r in graded

@@ -42,11 +42,10 @@ from pathlib import Path
 from typing import Any
 
 from . import ROOT, tools_on_path
+from .notebook import load_lab, task_of, task_totals
 from .settings import CELL_TIMEOUT, SETUP_TIMEOUT
 
 STUDENT_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,99}$")
-TEST_RE = re.compile(r"^test_(\d+)_(\d+)_")
-QUIZ_RE = re.compile(r"^test_quiz_")
 MAX_ZIP_BYTES = 2 << 30
 MAX_ZIP_FILES = 100_000
 WALL_DEFAULT = 1200
@@ -130,22 +129,11 @@ class LabInfo:
     def max_score(self) -> float:
         return sum(self.cells.values())
 
-    @staticmethod
-    def group(grade_id: str) -> str:
-        """``test_1_3_leaf`` → ``1.3``; ``test_quiz_q2`` → ``quiz``; else the grade_id."""
-        if QUIZ_RE.match(grade_id):
-            return "quiz"
-        m = TEST_RE.match(grade_id)
-        return f"{m.group(1)}.{m.group(2)}" if m else grade_id
+    group = staticmethod(task_of)
 
     @property
     def groups(self) -> dict[str, float]:
-        out: dict[str, float] = {}
-        for gid, pts in self.cells.items():
-            out[self.group(gid)] = out.get(self.group(gid), 0.0) + pts
-        if "quiz" in out:  # the quiz last, after the tasks
-            out["quiz"] = out.pop("quiz")
-        return out
+        return task_totals(self.cells)
 
     def as_dict(self) -> dict[str, Any]:
         return {"name": self.name, "cells": self.cells, "fingerprint": self.fingerprint,
@@ -153,8 +141,6 @@ class LabInfo:
 
 
 def lab_info(notebook: Path, name: str) -> LabInfo:
-    from .notebook import load_lab
-
     info = load_lab(notebook).info()
     return LabInfo(name, info["cells"], info["fingerprint"], info["questions"])
 
@@ -209,12 +195,10 @@ def _normalize(result: dict[str, Any], info: LabInfo) -> dict[str, Any]:
     """A result with every field the reports read, in a fixed key order (results.json is
     compared across runs)."""
     scores = {gid: float(result.get("scores", {}).get(gid, 0.0) or 0.0) for gid in info.cells}
-    groups = {g: 0.0 for g in info.groups}
-    for gid, s in scores.items():
-        groups[info.group(gid)] += s
     keys = ("student", "lab", "status", "reason", "isolation", "ran_all_cells")
     out = {k: result.get(k, "" if k != "ran_all_cells" else False) for k in keys}
-    out.update(scores=scores, groups=groups, total=sum(scores.values()), max_score=info.max_score,
+    out.update(scores=scores, groups=task_totals(scores), total=sum(scores.values()),
+               max_score=info.max_score,
                messages={k: v for k, v in sorted(result.get("messages", {}).items())},
                notes=list(result.get("notes", [])), review=sorted(result.get("review", [])),
                feedback=f"feedback/{result['student']}/{result['lab']}.html")

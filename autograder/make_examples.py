@@ -23,9 +23,13 @@ from .build import BEGIN, END, write_notebook
 Edit = Callable[[Any, Any], Any]
 
 
+def _gid(cell: Any) -> str:
+    return cell.metadata.get("nbgrader", {}).get("grade_id", "")
+
+
 def _cell(nb: Any, grade_id: str) -> Any:
     for c in nb.cells:
-        if c.metadata.get("nbgrader", {}).get("grade_id") == grade_id:
+        if _gid(c) == grade_id:
             return c
     raise KeyError(f"no cell with grade_id {grade_id!r}")
 
@@ -129,17 +133,21 @@ def edited_test(release: Any, source: Any) -> Any:
     return nb
 
 
-def deleted_cell(release: Any, source: Any) -> Any:
-    """``unflatten_like`` returns the target unchanged, and both task 1.1 test cells and one
-    quiz test cell were deleted."""
-    nb = perfect(release, source)
+def _wrong_unflatten(nb: Any) -> None:
     cell = _cell(nb, "task_1_1")
     head, _, _ = cell.source.rpartition("def unflatten_like")
     cell.source = head + ('def unflatten_like(target, values):\n'
                           '    """Task 1.1 (back) — mine: the target already has the right shape."""\n'
                           '    return target')
+
+
+def deleted_cell(release: Any, source: Any) -> Any:
+    """``unflatten_like`` returns the target unchanged, and both task 1.1 test cells and one
+    quiz test cell were deleted."""
+    nb = perfect(release, source)
+    _wrong_unflatten(nb)
     gone = {"test_1_1_names", "test_1_1_minickpt", "test_quiz_q5"}
-    nb.cells = [c for c in nb.cells if c.metadata.get("nbgrader", {}).get("grade_id") not in gone]
+    nb.cells = [c for c in nb.cells if _gid(c) not in gone]
     return nb
 
 
@@ -368,12 +376,11 @@ while True:
 
 
 # -- cheating: every cheat_* has wrong code somewhere that the cheat tries to hide -----------
-def _wrong_unflatten(nb: Any) -> None:
-    cell = _cell(nb, "task_1_1")
-    head, _, _ = cell.source.rpartition("def unflatten_like")
-    cell.source = head + ('def unflatten_like(target, values):\n'
-                          '    """Task 1.1 (back) — mine: the target already has the right shape."""\n'
-                          '    return target')
+def _wrong_tasks_1_to_3(nb: Any) -> None:
+    """1.1 returns the target, 1.2 misses np.float64, 1.3 skips the checksum."""
+    _wrong_unflatten(nb)
+    _replace(nb, "task_1_2", NP_GENERIC_FIRST, NP_GENERIC_LAST)
+    _replace(nb, "task_1_3", CRC_CHECK, NO_CRC_CHECK)
 
 
 NOOP_CHECKS = """
@@ -404,9 +411,7 @@ def cheat_redefine_check(release: Any, source: Any) -> Any:
     """1.1, 1.2 and 1.3 wrong; ``check``, ``same`` and ``expect_raises`` redefined as no-ops
     in the notebook. 1.4 and the quiz are right."""
     nb = perfect(release, source)
-    _wrong_unflatten(nb)
-    _replace(nb, "task_1_2", NP_GENERIC_FIRST, NP_GENERIC_LAST)
-    _replace(nb, "task_1_3", CRC_CHECK, NO_CRC_CHECK)
+    _wrong_tasks_1_to_3(nb)
     _append(nb, "task_1_1", NOOP_CHECKS)
     return nb
 
@@ -442,9 +447,7 @@ def cheat_patch_labkit(release: Any, source: Any) -> Any:
     """1.1, 1.2 and 1.3 wrong; ``minickpt.labkit``'s checks replaced by no-ops (module
     attributes and the notebook's names). 1.4 and the quiz are right."""
     nb = perfect(release, source)
-    _wrong_unflatten(nb)
-    _replace(nb, "task_1_2", NP_GENERIC_FIRST, NP_GENERIC_LAST)
-    _replace(nb, "task_1_3", CRC_CHECK, NO_CRC_CHECK)
+    _wrong_tasks_1_to_3(nb)
     _append(nb, "task_1_1", PATCH_LABKIT)
     return nb
 
@@ -667,16 +670,12 @@ def cheat_reordered(release: Any, source: Any) -> Any:
     return nb
 
 
-def _gid(cell: Any) -> str:
-    return cell.metadata.get("nbgrader", {}).get("grade_id", "")
-
-
 def cheat_duplicated(release: Any, source: Any) -> Any:
     """1.3 skips the checksum; a copy of its test cell reduced to ``pass`` (with the test's
     metadata, worth 100) stands before the task, and a correct copy of the task cell comes
     after its tests."""
-    good_task = copy.deepcopy(_cell(perfect(release, source), "task_1_3"))
     nb = perfect(release, source)
+    good_task = copy.deepcopy(_cell(nb, "task_1_3"))
     _replace(nb, "task_1_3", CRC_CHECK, NO_CRC_CHECK)
     fake_test = copy.deepcopy(_cell(nb, "test_1_3_leaf"))
     fake_test.source = "pass"

@@ -76,6 +76,24 @@ def split_hidden(source: str) -> tuple[str, str]:
 # ---------------------------------------------------------------------------------------
 # the lab, from its source notebook
 # ---------------------------------------------------------------------------------------
+def task_of(grade_id: str) -> str:
+    """``test_1_3_leaf`` → ``1.3``; ``test_quiz_q2`` → ``quiz``; else the grade_id."""
+    if QUIZ_RE.match(grade_id):
+        return "quiz"
+    m = TEST_RE.match(grade_id)
+    return f"{m.group(1)}.{m.group(2)}" if m else grade_id
+
+
+def task_totals(per_cell: dict[str, float]) -> dict[str, float]:
+    """Points (or scores) per graded cell summed per task, in notebook order, the quiz last."""
+    out: dict[str, float] = {}
+    for gid, pts in per_cell.items():
+        out[task_of(gid)] = out.get(task_of(gid), 0.0) + pts
+    if "quiz" in out:  # the quiz last, after the tasks
+        out["quiz"] = out.pop("quiz")
+    return out
+
+
 @dataclass
 class LabCell:
     """One cell of the lab's source notebook and what it is for the grader."""
@@ -108,22 +126,9 @@ class Lab:
     def max_score(self) -> float:
         return sum(self.grade_cells.values())
 
-    @staticmethod
-    def group(grade_id: str) -> str:
-        """``test_1_3_leaf`` → ``1.3``; ``test_quiz_q2`` → ``quiz``; else the grade_id."""
-        if QUIZ_RE.match(grade_id):
-            return "quiz"
-        m = TEST_RE.match(grade_id)
-        return f"{m.group(1)}.{m.group(2)}" if m else grade_id
-
     @property
     def groups(self) -> dict[str, float]:
-        out: dict[str, float] = {}
-        for gid, pts in self.grade_cells.items():
-            out[self.group(gid)] = out.get(self.group(gid), 0.0) + pts
-        if "quiz" in out:  # the quiz last, after the tasks
-            out["quiz"] = out.pop("quiz")
-        return out
+        return task_totals(self.grade_cells)
 
     def info(self) -> dict[str, Any]:
         """What merge and the reports need, without the source (no hidden tests in it)."""

@@ -43,6 +43,8 @@ from .notebook import (
     read_submission,
     scan,
     strip_receipts,
+    task_of,
+    task_totals,
 )
 
 REFEREE_FILE = Path(__file__).resolve().parent / "referee.py"
@@ -220,11 +222,9 @@ def _finish(root: Path, result: dict[str, Any], lab: Lab, asm: Assembled | None,
     """Write the feedback page, the instructor's copy and the result."""
     from . import feedback
 
-    info = lab.info()
-    group_of = {gid: lab.group(gid) for gid in info["cells"]}
-    result["groups"] = {g: 0.0 for g in lab.groups}
-    for gid, s in result["scores"].items():
-        result["groups"][group_of[gid]] += s
+    points = lab.grade_cells
+    group_of = {gid: task_of(gid) for gid in points}
+    result["groups"] = task_totals(result["scores"])
     result["total"] = sum(result["scores"].values())
     result["max_score"] = lab.max_score
     cells: list[dict[str, Any]] = []
@@ -237,7 +237,7 @@ def _finish(root: Path, result: dict[str, Any], lab: Lab, asm: Assembled | None,
             cells.append({"kind": c.kind, "role": c.role, "grade_id": c.grade_id,
                           "show": c.show, "outputs": strip_receipts([dict(o) for o in outs])})
         _write_graded(root / "graded.ipynb", asm, executed)
-    page = feedback.feedback_html({**result, "points": info["cells"], "group_of": group_of},
+    page = feedback.feedback_html({**result, "points": points, "group_of": group_of},
                                   cells, lab.groups, secrets)
     (root / "feedback.html").write_text(page, encoding="utf-8")
     (root / "result.json").write_text(json.dumps(result, indent=1))

@@ -103,23 +103,22 @@ def main(argv: list[str] | None = None) -> int:
             row("restores while a writer saved and deleted (all exact)", out["restored"])
             row("  clean not-found (step deleted under the reader)", out["not found"])
 
+        def damage(cases: list[Any], template: str, tag: str, note: str = "") -> str:
+            det = 0
+            for i, case in enumerate(cases):
+                wrong = h.check_damage(case, template, os.path.join(tmp, f"{tag}{i}"))
+                det += not wrong
+                failures.extend(f"damage '{case.name}'{note}: {w}" for w in wrong)
+            return f"{det}/{len(cases)}"
+
         section("damage (verify, restore, fallback, CLI)")
         tpl = os.path.join(tmp, "template")
         h.build_run(tpl)
-        det = 0
-        for i, case in enumerate(h.DAMAGE):
-            wrong = h.check_damage(case, tpl, os.path.join(tmp, f"d{i}"))
-            det += not wrong
-            failures += [f"damage '{case.name}': {w}" for w in wrong]
-        row("damage cases detected and named", f"{det}/{len(h.DAMAGE)}")
+        row("damage cases detected and named", damage(h.DAMAGE, tpl, "d"))
         stpl = os.path.join(tmp, "template-sharded")
         h.build_sharded_run(stpl)
-        det = 0
-        for i, case in enumerate(h.SHARDED_DAMAGE):
-            wrong = h.check_damage(case, stpl, os.path.join(tmp, f"ds{i}"))
-            det += not wrong
-            failures += [f"damage '{case.name}' (multi-process): {w}" for w in wrong]
-        row("  to multi-process checkpoints (format 2)", f"{det}/{len(h.SHARDED_DAMAGE)}")
+        row("  to multi-process checkpoints (format 2)",
+            damage(h.SHARDED_DAMAGE, stpl, "ds", " (multi-process)"))
 
         section("hostile checkpoints (nothing runs, nothing outside read or written)")
         refused = ignored = skipped = 0
