@@ -153,7 +153,8 @@ def _files(d: Path) -> dict[str, bytes]:
 
 COMMITTED = {"solutions": ROOT / "solutions", "labs": ROOT / "labs",
              "examples": ROOT / "autograder" / "examples"}
-EXAMPLE_EXTRA = {"expected.csv", "README.md"}  # hand-written files beside the examples
+# hand-written files beside the examples: the README and each lab's expected grades
+EXAMPLE_EXTRA = frozenset({"README.md"} | {p.name for p in COMMITTED["examples"].glob("expected-*.csv")})
 
 
 def compare(built: dict[str, Path]) -> list[str]:

@@ -4,13 +4,19 @@ the build from the released lab, so that they follow the lab when it changes.
 Each example is the released notebook as a student would hand it in: ``perfect`` fills every
 task with the reference code and answers the quiz right; the others start from ``perfect`` (or
 from the blank release) and make one kind of mistake the grader must handle. Their expected
-scores, per task, are in ``autograder/examples/expected.csv`` (written by hand: the point is to
-check the grader against what a person expects; tests/test_grading_hardening.py compares).
+scores, per task, are in ``autograder/examples/expected-<lab>.csv`` (written by hand: the point
+is to check the grader against what a person expects; tests/test_grading_hardening.py compares).
+
+Lab 1's examples (and the hostile corpus) are here; every other lab's are in
+``autograder/lab_examples/<lab>.py``, a module with its own ``EXAMPLES: dict[str, Edit]`` that
+uses the helpers below (``perfect``, ``blank``, ``_cell``, ``_replace``, ``_append``, ...).
 """
 
 from __future__ import annotations
 
 import copy
+import importlib
+import pkgutil
 import shutil
 from collections.abc import Callable
 from pathlib import Path
@@ -727,6 +733,17 @@ EXAMPLES: dict[str, dict[str, Edit]] = {
         "cheat_duplicated": cheat_duplicated, "cheat_metadata": cheat_metadata,
     },
 }
+
+
+def _other_labs() -> None:
+    """Add the examples of every lab that has a module in ``autograder/lab_examples/``."""
+    from . import lab_examples
+
+    for info in sorted(pkgutil.iter_modules(lab_examples.__path__), key=lambda m: m.name):
+        EXAMPLES[info.name] = importlib.import_module(f"{lab_examples.__name__}.{info.name}").EXAMPLES
+
+
+_other_labs()
 
 
 def write_examples(labs: Path, solutions: Path, out: Path) -> None:

@@ -230,10 +230,14 @@ def test_grading_itself_succeeds(corpus):
 
 @GRADING
 def test_every_example_grades_as_expected(corpus):
-    """expected.csv, written by hand: per task, total, status. For the hostile examples: the
+    """expected-<lab>.csv, written by hand: per task, total, status. For the hostile examples: the
     hostile part gains nothing, the honest parts keep their points."""
-    with open(EXAMPLES_DIR / "expected.csv") as f:
-        expected = list(csv.DictReader(f))
+    expected = []
+    for path in sorted(EXAMPLES_DIR.glob("expected-*.csv")):  # one file per lab
+        with open(path) as f:
+            rows = list(csv.DictReader(f))
+        assert all(e["lab"] == path.stem.removeprefix("expected-") for e in rows), path
+        expected += rows
     assert {(e["lab"], e["student"]) for e in expected} == {
         (lab, s) for lab, exs in EXAMPLES.items() for s in exs}
     graded_attacks = ISOLATION.sandboxed
