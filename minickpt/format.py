@@ -93,4 +93,5 @@ from .shard_layout import (
 from .shard_read import (
     check_shards,
     read_region,
+    region_from_pieces,
 )

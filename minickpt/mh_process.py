@@ -177,7 +177,8 @@ def _fault(sync: Sync, point: str) -> None:
 
     ``MINICKPT_FAULT="after_write@2:kill"`` SIGKILLs process 2 once its shards are written;
     actions: ``kill``, ``exit`` (code 13), ``hang``, ``sleep=S``, ``raise`` (EIO). Points:
-    ``after_agree``, ``after_create``, ``after_write``, ``before_commit``, ``after_commit``
+    ``after_agree``, ``after_create``, ``before_write``, ``after_write``, ``before_commit``,
+    ``after_commit``
     (with async saves, the points after ``after_agree`` are reached in the background thread);
     ``before_broadcast`` in a ``primary_only`` restore, once the primary has read the step.
     """

@@ -9,7 +9,7 @@ import os
 import secrets
 import time
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from .checkpointer import Checkpointer, SaveStats, _renamed, metadata_bytes, save_error
@@ -117,6 +117,14 @@ def raise_failures(statuses: Sequence[Any] | Mapping[int, Any], me: int,
     raise remote_failure(bad, what, reading=reading)
 
 
+_WAITS = {  # the barriers of a collective save, and what a process waits for there
+    "created": "waiting for every process to start writing (the primary creates "
+               "the temporary directory)",
+    "written": "waiting for every process to write its shards",
+    "committed": "waiting for the commit",
+}
+
+
 @dataclass
 class CollectiveSave:
     """One collective save after its snapshot: :meth:`run` writes and commits it.
@@ -141,6 +149,8 @@ class CollectiveSave:
     init_ns: int | None = None
     on_commit: Callable[[SaveStats], Mapping[str, Any]] | None = None
     on_done: Callable[[Mapping[str, Any]], None] | None = None
+    committed: bool = field(default=False, init=False)  # renamed: the step is published
+    _primary_data: dict[str, ItemData] = field(default_factory=dict, init=False, repr=False)
 
     @property
     def primary(self) -> bool:
@@ -155,130 +165,145 @@ class CollectiveSave:
             self.stats.barrier_s += time.perf_counter() - t
 
     def run(self) -> SaveStats:
-        """Task 4.3 — the two-barrier commit: write this process's part, then commit.
-
-        The primary creates the temporary directory — barrier — every process writes and
-        fsyncs its shards — barrier — the primary writes the manifests and the metadata and
-        commits (fsync, rename, fsync of the parent) — barrier. Any failure anywhere is
-        reported to every process at the next barrier; the primary then removes the
-        temporary directory (one more barrier: nobody raises before it is gone), so the
-        step never appears.
-        """
+        """Write this process's part of the save and commit it: :func:`two_barrier_commit`
+        with this save's steps (:meth:`create`, :meth:`write`, :meth:`commit`,
+        :meth:`barrier`)."""
         t0 = time.perf_counter()
         stats = self.stats
         try:
-            self._run()
+            two_barrier_commit(self)
         except BaseException as e:
             stats.ok, stats.error = False, f"{type(e).__name__}: {e}"
+            if not isinstance(e, Exception) and self.primary and not self.committed:
+                abort(self.checkpointer.fs, self.tmp)  # interrupted: nothing is published
             raise
         finally:
             stats.total_s += time.perf_counter() - t0
         return stats
 
-    def _run(self) -> None:
-        fs, sync, me = self.checkpointer.fs, self.sync, self.sync.process_index
+    @property
+    def tmp(self) -> str:
+        """The temporary directory the save is written into (renamed by the commit)."""
         root, name = os.path.split(os.path.abspath(self.directory))
-        tmp = os.path.join(root, f"{name}{TMP_MARK}{self.token}")
-        # 1. the primary creates the temporary directory and one directory per item; a
-        #    process whose snapshot failed reports it here too (see prepare_save)
-        local: BaseException | None = None
+        return os.path.join(root, f"{name}{TMP_MARK}{self.token}")
+
+    def create(self) -> None:
+        """The primary's first step: the temporary directory and one directory per item."""
+        fs = self.checkpointer.fs
+        fs.mkdir(self.tmp)
+        for item in self.plans:
+            fs.mkdir(os.path.join(self.tmp, item))
+
+    def write(self) -> dict[str, Any]:
+        """Write this process's shards (the primary also the leaves only it writes) and fsync
+        them; returns, by item, the record of its shard files for the primary's manifest."""
+        _fault(self.sync, "before_write")
+        fs, me, tmp = self.checkpointer.fs, self.sync.process_index, self.tmp
+        written: dict[str, Any] = {}
+        # this process's files and directories, fsynced together (one group commit)
+        # before it reports them written
+        batch = SyncBatch(fs)
         try:
-            if self.primary:
-                fs.mkdir(tmp)
-                for item in self.plans:
-                    fs.mkdir(os.path.join(tmp, item))
-            _fault(sync, "after_create")
-        except Exception as e:
-            local = self._save_error(e)
+            for item, plan in self.plans.items():
+                item_dir = os.path.join(tmp, item)
+                if plan.primary is not None:
+                    self._primary_data[item] = d = write_item_data(fs, item_dir, plan.primary,
+                                                                   sync=batch)
+                    self.stats.write_s += d.write_s
+                    self.stats.bytes += d.data_bytes  # its directory: by commit()
+                sf = write_shards(fs, item_dir, me, plan.shards, sync=batch)
+                written[item] = None if sf is None else sf.record()
+                if sf is not None:
+                    self.stats.write_s += sf.write_s
+                    self.stats.bytes += sf.data_bytes
+            batch.flush()
+            self.stats.fsync_s += batch.flush_s
+            _fault(self.sync, "after_write")
+        finally:
+            _close_quietly(batch)
+        return written
+
+    def commit(self, files: Sequence[Mapping[str, Any] | None]) -> dict[str, Any]:
+        """The primary's last step: the manifests (listing ``files``, every process's shard
+        files as :meth:`write` returned them, by process), the metadata, and the commit
+        (fsync, rename, fsync of the parent). Returns what the other processes must learn.
+        On a failure before the rename the temporary directory is removed."""
+        fs, tmp = self.checkpointer.fs, self.tmp
         try:
-            statuses = self._exchange("created", failure_status(local),
-                                      "waiting for every process to start writing (the "
-                                      "primary creates the temporary directory)")
+            _fault(self.sync, "before_commit")
+            t = time.perf_counter()
+            # the manifests, the metadata and every directory of the tree: fsynced
+            # together by commit(), before its rename
+            batch = SyncBatch(fs)
+            try:
+                records = self._write_manifests(tmp, self._primary_data, files, batch)
+                sharded = any(p.num_sharded for p in self.plans.values())
+                raw = metadata_bytes(self.step, records, metrics=self.metrics,
+                                     custom_metadata=self.custom_metadata,
+                                     init_ns=self.init_ns,
+                                     format_version=SHARDED_FORMAT_VERSION if sharded
+                                     else FORMAT_VERSION)
+                fs.write_file(os.path.join(tmp, METADATA_FILE), [raw], batch=batch)
+                commit(fs, tmp, self.directory, subdirs=list(self.plans), sync=batch)
+            finally:
+                _close_quietly(batch)
+            self.committed = True
+            self.stats.fsync_s += batch.flush_s
+            self.stats.commit_s = time.perf_counter() - t - batch.flush_s
+            _fault(self.sync, "after_commit")
+            return dict(self.on_commit(self.stats)) if self.on_commit else {}
+        except Exception:
+            if not self.committed:
+                abort(fs, tmp)
+            raise
+
+    def barrier(self, phase: str, error: BaseException | None = None,
+                value: Any = None) -> list[Any] | None:
+        """Wait at barrier ``phase`` (``"created"``, ``"written"``, ``"committed"``) for every
+        process, telling them this process's ``error`` (None if its step succeeded) and
+        ``value``; returns every process's ``value``, by process.
+
+        If any process reports an error, every process raises it — after the primary has
+        removed the temporary directory — so that a failed save leaves nothing behind. A
+        process missing at the barrier is a :class:`PeerTimeoutError`, naming it. After
+        ``"committed"`` (where only the primary's outcome counts) nothing is returned.
+        """
+        if phase not in _WAITS:
+            raise ValueError(f"no barrier {phase!r} in a collective save (they are "
+                             f"{list(_WAITS)})")
+        fs, tmp, me = self.checkpointer.fs, self.tmp, self.sync.process_index
+        if phase == "created" and error is None:
+            try:
+                _fault(self.sync, "after_create")
+            except Exception as e:
+                error = e
+        local = self._save_error(error) if isinstance(error, Exception) else error
+        if phase == "committed":
+            status = failure_status(local, **(value or {})) if self.primary else None
+            try:
+                statuses = self._exchange(phase, status, _WAITS[phase])
+            except PeerTimeoutError as e:
+                if self.committed:
+                    e.add_note(f"step {self.step} was committed at {self.directory} before "
+                               "the time-out; the missing processes do not know it")
+                raise
+            result = statuses[self.options.primary_host]
+            raise_failures({self.options.primary_host: result}, me, local,
+                           f"committing step {self.step}")
+            if not self.primary and self.on_done is not None:
+                self.on_done(result)
+            return None
+        try:
+            statuses = self._exchange(phase, failure_status(local, value=value),
+                                      _WAITS[phase])
         except BaseException:
             if self.primary:
                 abort(fs, tmp)  # a missing process: nothing is published
             raise
-        self._raise_failures_after_cleanup(statuses, local, tmp,
-                                           f"starting to write step {self.step} ({tmp})")
-        # 2. every process writes its shards (the primary also the leaves only it writes)
-        written: dict[str, Any] = {}
-        primary_data: dict[str, ItemData] = {}
-        try:
-            # this process's files and directories, fsynced together (one group commit)
-            # before it reports them written
-            batch = SyncBatch(fs)
-            try:
-                for item, plan in self.plans.items():
-                    item_dir = os.path.join(tmp, item)
-                    if plan.primary is not None:
-                        primary_data[item] = d = write_item_data(fs, item_dir, plan.primary,
-                                                                 sync=batch)
-                        self.stats.write_s += d.write_s
-                        self.stats.bytes += d.data_bytes  # its directory: by commit()
-                    sf = write_shards(fs, item_dir, me, plan.shards, sync=batch)
-                    written[item] = None if sf is None else sf.record()
-                    if sf is not None:
-                        self.stats.write_s += sf.write_s
-                        self.stats.bytes += sf.data_bytes
-                batch.flush()
-                self.stats.fsync_s += batch.flush_s
-                _fault(sync, "after_write")
-            except Exception as e:
-                local = self._save_error(e)
-            finally:
-                _close_quietly(batch)
-            statuses = self._exchange("written", failure_status(local, files=written),
-                                      "waiting for every process to write its shards")
-        except BaseException:
-            if self.primary:
-                abort(fs, tmp)  # nothing was published: the step simply does not exist
-            raise
-        self._raise_failures_after_cleanup(statuses, local, tmp, f"writing step {self.step}")
-        # 3. the primary writes the manifests and the metadata, and commits
-        info: Mapping[str, Any] = {}
-        committed = False
-        if self.primary:
-            try:
-                _fault(sync, "before_commit")
-                t = time.perf_counter()
-                # the manifests, the metadata and every directory of the tree: fsynced
-                # together by commit(), before its rename
-                batch = SyncBatch(fs)
-                try:
-                    records = self._write_manifests(tmp, primary_data, statuses, batch)
-                    sharded = any(p.num_sharded for p in self.plans.values())
-                    raw = metadata_bytes(self.step, records, metrics=self.metrics,
-                                         custom_metadata=self.custom_metadata,
-                                         init_ns=self.init_ns,
-                                         format_version=SHARDED_FORMAT_VERSION if sharded
-                                         else FORMAT_VERSION)
-                    fs.write_file(os.path.join(tmp, METADATA_FILE), [raw], batch=batch)
-                    commit(fs, tmp, self.directory, subdirs=list(self.plans), sync=batch)
-                finally:
-                    _close_quietly(batch)
-                committed = True
-                self.stats.fsync_s += batch.flush_s
-                self.stats.commit_s = time.perf_counter() - t - batch.flush_s
-                _fault(sync, "after_commit")
-                info = dict(self.on_commit(self.stats)) if self.on_commit else {}
-            except Exception as e:
-                if not committed:
-                    abort(fs, tmp)
-                local = self._save_error(e)
-        # 4. nobody returns before the commit is durable (or known to have failed)
-        try:
-            statuses = self._exchange("committed", failure_status(local, **info)
-                                      if self.primary else None, "waiting for the commit")
-        except PeerTimeoutError as e:
-            if committed:
-                e.add_note(f"step {self.step} was committed at {self.directory} before the "
-                           "time-out; the missing processes do not know it")
-            raise
-        result = statuses[self.options.primary_host]
-        raise_failures({self.options.primary_host: result}, me, local,
-                        f"committing step {self.step}")
-        if not self.primary and self.on_done is not None:
-            self.on_done(result)
+        self._raise_failures_after_cleanup(
+            statuses, local, tmp, f"starting to write step {self.step} ({tmp})"
+            if phase == "created" else f"writing step {self.step}")
+        return [st.get("value") for st in statuses]
 
     def _raise_failures_after_cleanup(self, statuses: Sequence[Any],
                                       local: BaseException | None, tmp: str, what: str) -> None:
@@ -308,13 +333,13 @@ class CollectiveSave:
         return e
 
     def _write_manifests(self, tmp: str, primary_data: Mapping[str, ItemData],
-                         statuses: Sequence[Mapping[str, Any]], batch: SyncBatch
+                         by_process: Sequence[Mapping[str, Any] | None], batch: SyncBatch
                          ) -> dict[str, Any]:
         fs = self.checkpointer.fs
         records = {}
         for item, plan in self.plans.items():
             assert plan.primary is not None
-            files = [st["files"][item] for st in statuses if st["files"].get(item)]
+            files = [fp[item] for fp in by_process if fp and fp.get(item)]
             extra = None
             if plan.num_sharded:
                 extra = {"format_version": SHARDED_FORMAT_VERSION,
@@ -328,6 +353,42 @@ class CollectiveSave:
             if plan.num_sharded:
                 records[item]["shard_bytes"] = shard_bytes
         return records
+
+
+def two_barrier_commit(save: CollectiveSave) -> None:
+    """Task 4.3 — the two-barrier commit of one collective save, run by every process.
+
+    Every process writes its own shards into one temporary directory that only the primary
+    (``save.primary``) creates and only the primary publishes, by renaming it
+    (``save.commit``). The barriers make that safe: nobody writes before the directory
+    exists (``"created"``); the primary commits only once every process's shards are durable
+    (``"written"``, whose values are every process's files, which the manifest lists); and
+    nobody returns before the step is published (``"committed"``). A step that fails on one
+    process must fail on all, with nothing left behind: a process whose step raised still
+    goes to the next barrier and reports the error there (``save.barrier(phase, error)``
+    raises it everywhere and removes the temporary directory); raising at once would leave
+    the others waiting for the time-out.
+    """
+    error: Exception | None = None
+    if save.primary:
+        try:
+            save.create()
+        except Exception as e:
+            error = e
+    save.barrier("created", error)
+    files = None
+    try:
+        files = save.write()
+    except Exception as e:
+        error = e
+    written = save.barrier("written", error, files)
+    info: dict[str, Any] = {}
+    if save.primary:
+        try:
+            info = save.commit(written)
+        except Exception as e:
+            error = e
+    save.barrier("committed", error, info)
 
 
 def _close_quietly(batch: SyncBatch) -> None:

@@ -321,8 +321,18 @@ def agree(values: Sequence[Any], what: str) -> Any:
 def agree_on_step(steps: Sequence[int]) -> int:
     """Task 4.1 — the step every process wants to save (``steps[p]`` from process p).
 
-    Pure: the all-gather that collects ``steps`` is :meth:`Sync.exchange`. If two processes
-    disagree, saving would mix two training states in one checkpoint, so every process
-    raises :class:`ProcessDisagreementError` naming each process and its step.
+    Pure: the all-gather that collects ``steps`` is :meth:`Sync.exchange`, and every process
+    calls this with the same list, so every process reaches the same verdict: all go on
+    with one step, or all raise. Processes that disagree would mix two training states in
+    one checkpoint (each process's shards from its own step): raise
+    :class:`ProcessDisagreementError` naming each process and its step. A step is an int
+    >= 0 (not a bool); anything else is a ``ValueError`` naming the process that sent it.
     """
-    return int(agree(list(steps), "the step to save"))
+    if len(steps) == 0:
+        raise ValueError("no steps to agree on: every process reports the step it saves")
+    for p, s in enumerate(steps):
+        if not isinstance(s, int) or isinstance(s, bool) or s < 0:
+            raise ValueError(f"process {p} wants to save step {s!r}: a step is an int >= 0")
+    if any(s != steps[0] for s in steps):
+        raise ProcessDisagreementError("the step to save", list(steps))
+    return int(steps[0])

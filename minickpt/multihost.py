@@ -104,6 +104,7 @@ from .mh_save import (
     prepare_save,
     raise_failures,
     remote_failure,
+    two_barrier_commit,
 )
 from .mh_sync import (
     DistributedSync,

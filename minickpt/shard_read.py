@@ -6,6 +6,7 @@ from __future__ import annotations
 import itertools
 import math
 import os
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import numpy as np
@@ -14,7 +15,7 @@ from .format_spec import DTYPES, crc32
 from .fs import FileSystem
 from .host_buffers import _check_fits_in_memory, aligned_empty
 from .item_manifest import Manifest, _corrupt
-from .shard_layout import Box, ShardRef, box_shape, box_slices, intersect
+from .shard_layout import Box, ShardRef, box_shape, box_slices
 from .tree import (
     path_str,
 )
@@ -25,7 +26,7 @@ _SLAB_CHUNK_BYTES = 8 << 20  # otherwise whole rows are read in chunks this big 
 
 def read_region(fs: FileSystem, manifest: Manifest, i: int, box: Box, *, verify: bool = True,
                 cache: dict[Any, np.ndarray] | None = None) -> np.ndarray:
-    """Task 4.4 (read) — the elements ``box`` of array leaf ``i``, reading only what it needs.
+    """The elements ``box`` of array leaf ``i``, reading only what it needs.
 
     Works for every array leaf: one written whole by a single process, or one written in
     shards. Without ``verify`` only the bytes of the region are read. With ``verify`` every
@@ -44,40 +45,75 @@ def read_region(fs: FileSystem, manifest: Manifest, i: int, box: Box, *, verify:
     cache = {} if cache is None else cache
     _check_fits_in_memory(math.prod(box_shape(box)) * dtype.itemsize,
                           f"of leaf {path_str(e['path'])} from {manifest.item_dir}")
+    if math.prod(box_shape(box)) == 0:
+        return aligned_empty(box_shape(box), dtype)
+    if e.get("sharded"):
+        pieces = [(ref.box, _shard_reader(fs, manifest, e, ref, dtype, verify, cache))
+                  for ref in manifest.shards.get(i, [])]
+        return region_from_pieces(box, dtype, pieces)
     out = aligned_empty(box_shape(box), dtype)  # zero-copy into a CPU jax.Array
-    if out.size == 0:
-        return out
-    if not e.get("sharded"):
-        whole = tuple((0, n) for n in shape)
-        assert manifest.data_file is not None
-        dpath = os.path.join(manifest.item_dir, manifest.data_file)
-        if verify and "crc32" in e:
-            key = ("leaf", manifest.item_dir, i)
-            if key not in cache:
-                cache[key] = _read_piece(fs, dpath, e["offset"], shape, dtype, whole, e["crc32"],
-                                         path_str(e["path"]))
-            out[...] = cache[key][box_slices(box)]
-        else:
-            out[...] = _read_piece(fs, dpath, e["offset"], shape, dtype, box, None,
-                                   path_str(e["path"]))
-        return out
-    for ref in manifest.shards.get(i, []):
-        part = intersect(ref.box, box)
-        if part is None:
-            continue
-        dpath = os.path.join(manifest.item_dir, ref.data_file)
-        rshape = box_shape(ref.box)
+    whole = tuple((0, n) for n in shape)
+    assert manifest.data_file is not None
+    dpath = os.path.join(manifest.item_dir, manifest.data_file)
+    if verify and "crc32" in e:
+        key = ("leaf", manifest.item_dir, i)
+        if key not in cache:
+            cache[key] = _read_piece(fs, dpath, e["offset"], shape, dtype, whole, e["crc32"],
+                                     path_str(e["path"]))
+        out[...] = cache[key][box_slices(box)]
+    else:
+        out[...] = _read_piece(fs, dpath, e["offset"], shape, dtype, box, None,
+                               path_str(e["path"]))
+    return out
+
+
+def _shard_reader(fs: FileSystem, manifest: Manifest, e: Mapping[str, Any], ref: ShardRef,
+                  dtype: np.dtype, verify: bool, cache: dict[Any, np.ndarray]
+                  ) -> Callable[[Box], np.ndarray]:
+    """``read(part)`` for one saved shard: the elements ``part`` (global coordinates).
+
+    With ``verify`` the whole shard is read once (its checksum covers all of it) and kept in
+    ``cache``; without, only the bytes of ``part``.
+    """
+    dpath = os.path.join(manifest.item_dir, ref.data_file)
+    rshape = box_shape(ref.box)
+
+    def read(part: Box) -> np.ndarray:
         if verify and ref.crc32 is not None:
             key = ("shard", dpath, ref.offset)
             if key not in cache:
                 cache[key] = _read_piece(fs, dpath, ref.offset, rshape, dtype,
                                          tuple((0, n) for n in rshape), ref.crc32,
                                          path_str(e["path"]), ref)
-            out[box_slices(part, box)] = cache[key][box_slices(part, ref.box)]
-        else:
-            local = tuple((a - o, b - o) for (a, b), (o, _) in zip(part, ref.box, strict=True))
-            out[box_slices(part, box)] = _read_piece(fs, dpath, ref.offset, rshape, dtype,
-                                                     local, None, path_str(e["path"]), ref)
+            return cache[key][box_slices(part, ref.box)]
+        local = tuple((a - o, b - o) for (a, b), (o, _) in zip(part, ref.box, strict=True))
+        return _read_piece(fs, dpath, ref.offset, rshape, dtype, local, None,
+                           path_str(e["path"]), ref)
+
+    return read
+
+
+def region_from_pieces(box: Box, dtype: np.dtype,
+                       pieces: Sequence[tuple[Box, Callable[[Box], np.ndarray]]]) -> np.ndarray:
+    """Task 4.4 — the elements ``box`` of a saved array, put together from the saved pieces.
+
+    ``box`` is the region one device of the *restoring* mesh holds, ``((start, stop), ...)``
+    per axis in global coordinates. ``pieces`` are the shards as they were *saved* — by any
+    number of processes, on any mesh — each ``(piece_box, read)``, where ``read(part)``
+    returns the elements ``part`` (a box inside ``piece_box``, global coordinates) as an
+    array of ``box_shape(part)``. The two meshes need have nothing in common: a region may
+    take a corner of one piece and all of another. Ask each piece only for the part it
+    shares with the region, and nothing of a piece it does not touch (every host of a large
+    job restores at once; reading whole pieces would multiply the bytes read). The pieces
+    cover the array exactly once (checked when the manifest was read). Returns an array of
+    ``dtype`` and ``box_shape(box)``, from ``aligned_empty`` (a CPU restore then needs no copy).
+    """
+    out = aligned_empty(box_shape(box), dtype)
+    for piece_box, read in pieces:
+        part = tuple((max(a, c), min(b, d)) for (a, b), (c, d) in zip(piece_box, box, strict=True))
+        if any(lo >= hi for lo, hi in part):
+            continue  # this piece holds nothing of the region
+        out[box_slices(part, box)] = read(part)
     return out
 
 
