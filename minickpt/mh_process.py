@@ -143,6 +143,7 @@ def initialize(*, initialization_timeout_s: int | None = None,
     host, _, port = addr.rpartition(":")
     if host in ("127.0.0.1", "localhost"):  # never listen beyond this machine
         kw["coordinator_bind_address"] = f"127.0.0.1:{port}"
+        _gloo_on_loopback()
     import inspect
 
     accepted = inspect.signature(jax.distributed.initialize).parameters
@@ -156,6 +157,34 @@ def initialize(*, initialization_timeout_s: int | None = None,
         if got != token:
             raise MultiHostError(f"process {pid} joined another job's coordinator at {addr}")
     return True
+
+
+def _gloo_on_loopback() -> None:
+    """Have gloo's TCP transport (the CPU collectives) use 127.0.0.1, not this machine's
+    hostname: a job on one machine then listens on the loopback only, and needs no hostname
+    that resolves (a sandbox's does not: gloo fails with "device.cc:99 rv == 0. -3 vs 0").
+
+    JAX creates the collectives without arguments; this wraps its factory (private, like
+    :class:`_Coordination`) to give it the hostname.
+    """
+    try:
+        from jax._src.lib import _jax
+    except ImportError:  # pragma: no cover - depends on the JAX version
+        return
+    make = getattr(_jax, "make_gloo_tcp_collectives", None)
+    if make is None or getattr(make, "minickpt_loopback", False):
+        return
+
+    def on_loopback(*args: Any, **kwargs: Any) -> Any:
+        if len(args) < 2:
+            kwargs.setdefault("hostname", "127.0.0.1")
+        return make(*args, **kwargs)
+
+    on_loopback.minickpt_loopback = True  # type: ignore[attr-defined]
+    try:
+        _jax.make_gloo_tcp_collectives = on_loopback
+    except (AttributeError, TypeError):  # pragma: no cover - a read-only module
+        pass
 
 
 def hard_exit(code: int = 1) -> None:
