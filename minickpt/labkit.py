@@ -686,7 +686,7 @@ def ownership_message(shape: Sequence[int], devices_indices_map: Mapping[Any, Se
     first: dict[Any, Any] = {}
     for device, index in devices_indices_map.items():
         first.setdefault(box_of(index, tuple(shape)), device)
-    writers: dict[Any, list[int]] = {}
+    writers: dict[Any, list[tuple[int, Any]]] = {}
     for p, pairs in got.items():
         if type(pairs) is not list:
             return f"process {p}: owned_shards should return a list, got {type(pairs).__name__}"
@@ -702,11 +702,7 @@ def ownership_message(shape: Sequence[int], devices_indices_map: Mapping[Any, Se
                         f"as ((0, 4), (0, 8)); got {box!r} (box_of(index, shape) makes one)")
             if box not in first:
                 return f"process {p}: box {box} is not a piece of this sharding"
-            writers.setdefault(box, []).append(p)
-            if device != first[box]:
-                return (f"box {box}: process {p} says device {device.id} writes it, but the "
-                        f"first device holding it in the sharding's order is device "
-                        f"{first[box].id}")
+            writers.setdefault(box, []).append((p, device))
     for box, device in first.items():
         who = writers.get(box, [])
         want = process_of(device)
@@ -714,11 +710,115 @@ def ownership_message(shape: Sequence[int], devices_indices_map: Mapping[Any, Se
             return (f"box {box} is written by no process: process {want} should own it (its "
                     f"first holder, device {device.id}, is on process {want})")
         if len(who) > 1:
-            return (f"box {box} is written {len(who)} times (by processes {who}): one replica "
-                    f"only, that of its first holder, device {device.id} on process {want}")
-        if who[0] != want:
-            return (f"box {box} is written by process {who[0]}, but its first holder, device "
+            return (f"box {box} is written {len(who)} times (by processes "
+                    f"{[q for q, _ in who]}, devices {[d.id for _, d in who]}): one replica only, "
+                    f"that of its first holder, device {device.id} on process {want}")
+        (q, dev), = who
+        if q != want:
+            return (f"box {box} is written by process {q}, but its first holder, device "
                     f"{device.id}, is on process {want} (as process_of says)")
+        if dev != device:
+            return (f"box {box}: process {q} says device {dev.id} writes it, but the first "
+                    f"device holding it in the sharding's order is device {device.id}")
+    return None
+
+
+class RecordingSave:
+    """A stand-in for a ``CollectiveSave`` that records what a ``two_barrier_commit`` calls,
+    in order, to test the protocol alone: no processes, no files. ``fail`` names the step
+    (``"create"``, ``"write"``, ``"commit"``) that raises ``OSError`` here; a barrier given an
+    error raises, as the real one does on every process."""
+
+    def __init__(self, primary: bool, *, processes: int = 4, fail: str | None = None):
+        self.primary, self.processes, self.fail = primary, processes, fail
+        self.calls: list[tuple[Any, ...]] = []
+        self.files = {"params": {"process": "this one", "data_file": "data.p1.bin"}}
+
+    def _step(self, name: str, *args: Any) -> None:
+        self.calls.append((name, *args))
+        if self.fail == name:
+            raise OSError(5, f"Input/output error (injected in {name})")
+
+    def create(self) -> None:
+        self._step("create")
+
+    def write(self) -> dict[str, Any]:
+        self._step("write")
+        return self.files
+
+    def commit(self, files: Any) -> dict[str, Any]:
+        self._step("commit", "every process's files" if files == [self.files] * self.processes
+                   else f"files={files!r}")
+        return {"committed": True}
+
+    def barrier(self, phase: str, error: BaseException | None = None,
+                value: Any = None) -> list[Any] | None:
+        self.calls.append(("barrier", phase, None if error is None else type(error).__name__))
+        if error is not None:
+            from .errors import MultiHostError
+
+            raise MultiHostError(f"the save failed at barrier {phase!r}: {error}")
+        return None if phase == "committed" else [value] * self.processes
+
+
+def _expected_calls(primary: bool, fail: str | None) -> list[tuple[Any, ...]]:
+    seq: list[tuple[Any, ...]] = []
+    for phase, mine, who in (("created", "create", primary), ("written", "write", True),
+                             ("committed", "commit", primary)):
+        failed = None
+        if who:
+            seq.append(("commit", "every process's files") if mine == "commit" else (mine,))
+            failed = "OSError" if fail == mine else None
+        seq.append(("barrier", phase, failed))
+        if failed:
+            break
+    return seq
+
+
+def _said(call: tuple[Any, ...]) -> str:
+    if call[0] == "barrier":
+        return f"barrier({call[1]!r}" + (f", <{call[2]}>)" if call[2] else ")")
+    if call[0] == "commit":
+        return f"commit({call[1]})"
+    return f"{call[0]}()"
+
+
+def protocol_message(fn: Callable[[Any], Any], primary: bool,
+                     fail: str | None = None) -> str | None:
+    """None if ``fn`` (a ``two_barrier_commit``) makes the calls the protocol prescribes, in
+    order, on a primary or another process, when step ``fail`` fails there (or none); else
+    what it did instead."""
+    save = RecordingSave(primary, fail=fail)
+    raised: BaseException | None = None
+    try:
+        fn(save)
+    except Exception as e:
+        raised = e
+    want = _expected_calls(primary, fail)
+    who = "the primary" if primary else "a process that is not the primary"
+    when = f" when its {fail}() fails" if fail else ""
+    got = save.calls
+    for i, w in enumerate(want):
+        if i >= len(got):
+            hint = ""
+            if raised is not None and fail and w[0] == "barrier":
+                hint = (f" — it raised {type(raised).__name__} at once: a process whose step "
+                        "fails must still go to the next barrier, with the error, so that the "
+                        "others learn it instead of waiting for the time-out")
+            elif raised is not None:
+                hint = f" — it raised {type(raised).__name__}: {raised}"
+            return (f"on {who}{when}, call {i + 1} should be save.{_said(w)}, but "
+                    f"two_barrier_commit stopped after {[_said(c) for c in got]}{hint}")
+        if got[i] != w:
+            return (f"on {who}{when}, call {i + 1} should be save.{_said(w)}, got "
+                    f"save.{_said(got[i])} (the calls so far: {[_said(c) for c in got[:i + 1]]})")
+    if len(got) > len(want):
+        return (f"on {who}{when}, the protocol ends with save.{_said(want[-1])}, but "
+                f"two_barrier_commit went on with save.{_said(got[len(want)])}")
+    if fail and raised is None:
+        return f"on {who}{when}, two_barrier_commit returned: the save's failure must be raised"
+    if not fail and raised is not None:
+        return f"on {who}, two_barrier_commit raised {type(raised).__name__}: {raised}"
     return None
 
 
