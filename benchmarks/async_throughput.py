@@ -29,7 +29,8 @@ from typing import Any
 
 import jax
 
-import minickpt.format as fmt
+import minickpt.item_encode as item_encode
+import minickpt.item_read as item_read
 
 from . import async_figs, states
 from .contenders import MinickptManager
@@ -59,13 +60,16 @@ def make_adapter(workdir: str, tree: Any, variant: str) -> MinickptManager:
 @contextlib.contextmanager
 def setup(variant: str) -> Iterator[None]:
     """Process-wide settings of a variant, for the time it is measured."""
-    old = fmt._CRC_IN_THREAD_BYTES
+    mods = (item_encode, item_read)  # each reads the threshold from its own globals
+    old = [m._CRC_IN_THREAD_BYTES for m in mods]
     if variant.endswith("1thread"):
-        fmt._CRC_IN_THREAD_BYTES = 1 << 62
+        for m in mods:
+            m._CRC_IN_THREAD_BYTES = 1 << 62
     try:
         yield
     finally:
-        fmt._CRC_IN_THREAD_BYTES = old
+        for m, v in zip(mods, old, strict=True):
+            m._CRC_IN_THREAD_BYTES = v
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -398,11 +398,12 @@ def _by_region(entry: Mapping[str, Any], want: Expect, sharding: Any) -> bool:
 
 def restore_by_region(fs: FileSystem, manifest: Manifest, i: int, want: Expect, sharding: Any,
                       *, verify: bool = True) -> jax.Array:
-    """Task 4.4 — leaf ``i`` placed on ``sharding``, reading only the regions needed here.
+    """Leaf ``i`` placed on ``sharding``, reading only the regions needed here.
 
     ``jax.make_array_from_callback`` asks, for each device of this process, for the global
     region it holds; :func:`minickpt.format.read_region` cuts that region out of whatever
-    was saved — one whole array, or shards from any number of processes and any mesh.
+    was saved — one whole array, or shards from any number of processes and any mesh (Task
+    4.4, :func:`minickpt.shard_read.region_from_pieces`).
     """
     e = manifest.entries[i]
     shape = tuple(e["shape"])

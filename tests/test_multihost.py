@@ -935,3 +935,18 @@ def test_a_peer_lost_during_an_async_save_in_flight_at_exit_does_not_hang_the_ex
     assert "without jax.distributed.shutdown()" in out
     assert r.exit_times[0] < 60
     assert sorted(os.listdir(tmp_path)) == [".minickpt.lock"]  # nothing committed, no temporary
+
+
+def test_gloo_collectives_of_a_localhost_job_are_made_on_the_loopback(monkeypatch):
+    """A sandbox's hostname does not resolve; gloo then fails unless it is given 127.0.0.1."""
+    from jax._src.lib import _jax
+
+    from minickpt import mh_process
+
+    calls = []
+    monkeypatch.setattr(_jax, "make_gloo_tcp_collectives", lambda **kw: calls.append(kw),
+                        raising=False)
+    mh_process._gloo_on_loopback()
+    mh_process._gloo_on_loopback()  # once is enough: not wrapped twice
+    _jax.make_gloo_tcp_collectives(distributed_client=None)
+    assert calls == [{"distributed_client": None, "hostname": "127.0.0.1"}]

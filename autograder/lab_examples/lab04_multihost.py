@@ -1,0 +1,96 @@
+"""Lab 4's example submissions (multi-host): perfect, blank, partial, and one typical mistake
+per task. Each edits the reference code of ``perfect`` the way a student's first attempt would
+go wrong; the expected grades are in ``autograder/examples/expected-lab04_multihost.csv``."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from ..make_examples import Edit, _answers, _cell, _replace, blank, perfect
+
+# 4.1: the steps are compared, but their types never checked (True and 5.0 pass as steps)
+TYPE_CHECK = '''    for p, s in enumerate(steps):
+        if not isinstance(s, int) or isinstance(s, bool) or s < 0:
+            raise ValueError(f"process {p} wants to save step {s!r}: a step is an int >= 0")
+'''
+# 4.1: "the primary checks": only process 0 compares, the others trust it
+EVERYONE_COMPARES = "    if any(s != steps[0] for s in steps):\n"
+PRIMARY_COMPARES = "    if jax.process_index() == 0 and any(s != steps[0] for s in steps):\n"
+# 4.2: every device that holds a piece writes it (no replica is skipped)
+DEDUP = '''        if box in seen:
+            continue
+        seen.add(box)
+'''
+# 4.3: the primary commits as soon as its own shards are written, before the second barrier
+COMMIT_AFTER_BARRIER = '''    written = save.barrier("written", error, files)
+    info: dict[str, Any] = {}
+    if save.primary:
+        try:
+            info = save.commit(written)
+        except Exception as e:
+            error = e
+'''
+COMMIT_BEFORE_BARRIER = '''    info: dict[str, Any] = {}
+    if save.primary:
+        try:
+            info = save.commit([files])  # my shards are on disk: publish now
+        except Exception as e:
+            error = e
+    save.barrier("written", error, files)
+'''
+# 4.4: a restoring device's region is looked up among the saved pieces, as if the mesh were the same
+ASSUMES_SAVING_MESH = '''def region_from_pieces(box, dtype, pieces):
+    """Task 4.4 — mine: every device gets back the piece it saved."""
+    for piece_box, read in pieces:
+        if piece_box == box:
+            return read(box)
+    raise KeyError(f"no saved piece {box}")'''
+
+
+def partial(release: Any, source: Any) -> Any:
+    """4.1 without the type checks (2 of 4), 4.2 right, 4.3 left blank, 4.4 right; 5 of 7
+    quiz answers right."""
+    nb = perfect(release, source)
+    _replace(nb, "task_4_1", TYPE_CHECK, "")
+    _cell(nb, "task_4_3").source = _cell(release, "task_4_3").source
+    _answers(nb, Q3="2.0", Q6='{"A", "C"}')
+    return nb
+
+
+def primary_only_compares(release: Any, source: Any) -> Any:
+    """4.1: only process 0 compares the steps; the others go on and wait at the barrier."""
+    nb = perfect(release, source)
+    _replace(nb, "task_4_1", EVERYONE_COMPARES, PRIMARY_COMPARES)
+    return nb
+
+
+def every_replica_writes(release: Any, source: Any) -> Any:
+    """4.2: every device holding a piece writes it: replicated pieces are written twice or more."""
+    nb = perfect(release, source)
+    _replace(nb, "task_4_2", DEDUP, "")
+    return nb
+
+
+def commit_before_barrier(release: Any, source: Any) -> Any:
+    """4.3: the primary commits right after its own write, before the second barrier."""
+    nb = perfect(release, source)
+    _replace(nb, "task_4_3", COMMIT_AFTER_BARRIER, COMMIT_BEFORE_BARRIER)
+    return nb
+
+
+def assumes_saving_mesh(release: Any, source: Any) -> Any:
+    """4.4: a region is looked up as one saved piece: works only on the saving mesh."""
+    nb = perfect(release, source)
+    _cell(nb, "task_4_4").source = ASSUMES_SAVING_MESH
+    return nb
+
+
+EXAMPLES: dict[str, Edit] = {
+    "perfect": perfect,
+    "blank": blank,
+    "partial": partial,
+    "primary_only_compares": primary_only_compares,
+    "every_replica_writes": every_replica_writes,
+    "commit_before_barrier": commit_before_barrier,
+    "assumes_saving_mesh": assumes_saving_mesh,
+}

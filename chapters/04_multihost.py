@@ -1,0 +1,653 @@
+# ---
+# jupyter:
+#   jupytext:
+#     formats: ipynb,py:percent
+#     notebook_metadata_filter: -jupytext.text_representation.jupytext_version
+#     text_representation:
+#       extension: .py
+#       format_name: percent
+#       format_version: '1.3'
+#   kernelspec:
+#     display_name: Python 3 (ipykernel)
+#     language: python
+#     name: python3
+# ---
+
+# %% [markdown]
+# <a href="https://colab.research.google.com/github/minickpt-course/checkpointing-in-jax/blob/main/chapters/04_multihost.ipynb" target="_parent"><img src="https://colab.research.google.com/assets/colab-badge.svg" alt="Open In Colab"/></a>
+
+# %%
+# Course set-up, the same in every notebook (written by scripts/notebooks.py).
+# On Colab it installs the course package; everywhere it asks JAX for 4 CPU devices
+# (so that sharding works on a laptop) before JAX is imported. A GPU or TPU is used when present.
+import os
+import sys
+
+if "google.colab" in sys.modules:
+    import subprocess
+
+    package = "minickpt[colab] @ git+https://github.com/minickpt-course/checkpointing-in-jax"
+    subprocess.run([sys.executable, "-m", "pip", "install", "-q", package], check=True)
+if "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):
+    os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "")
+                               + " --xla_force_host_platform_device_count=4").strip()
+
+# %% [markdown]
+# # Chapter 4 — Multi-host: the convoy waits for everyone
+#
+# The moving company has grown: one load now travels in a convoy of four trucks, each carrying a
+# quarter of the furniture. At every depot the rule is strict. All four trucks must be in the
+# yard, the drivers compare their order numbers — same order, same day — and only then does each
+# one unload its own part. A truck that drives on alone, or unloads last week's order, leaves a
+# depot where the furniture can never be put back together.
+#
+# Training a large model is that convoy: the state is spread over many devices on many hosts, and
+# a checkpoint of it is a *collective* act. This chapter runs it for real on your machine —
+# several JAX processes joined by `jax.distributed` on localhost (CPU collectives through gloo),
+# several devices each — and answers, with measurements:
+#
+# 1. Who saves when every device holds the whole model (data parallelism), and who when each holds
+#    a part (sharded state)?
+# 2. What protocol makes a checkpoint written by several processes consistent, and what breaks
+#    without it?
+# 3. How long does a collective save take when one process is slow (the barrel effect)?
+# 4. Can a checkpoint saved by 4 processes be restored by 2, by 1, on another mesh?
+#
+# **This chapter takes up to about 90 s on a 2-core CPU**: every experiment starts a group of
+# fresh Python processes, and each imports JAX. It runs unchanged on Colab: the processes use the
+# CPU beside the notebook's GPU or TPU.
+
+# %%
+import json
+import os
+import shutil
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import matplotlib.pyplot as plt
+import numpy as np
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
+
+import minickpt as mc
+from minickpt.launch import launch
+
+WORK = Path("ch04-work").absolute()
+shutil.rmtree(WORK, ignore_errors=True)
+WORK.mkdir()
+print(f"this notebook: JAX {jax.__version__}, {jax.device_count()} {jax.devices()[0].platform.upper()} device(s)")
+
+# %% [markdown]
+# ## 0. How the experiments run
+#
+# Each experiment is a small Python script, shown in full, that `minickpt.launch` starts as `n`
+# processes of one job on this machine, each with `k` CPU devices. The first lines of every script
+# join the job (`minickpt.multihost.initialize()` reads the coordinator's address and the process
+# id the launcher gave it and calls `jax.distributed.initialize`); afterwards `jax.devices()`
+# lists the devices of **all** processes and `jax.local_devices()` this process's own. Each process
+# prints `RESULT {...}` lines; `run_job` collects them by process.
+
+# %%
+PRELUDE = '''
+import json, os, sys, time, zlib
+import minickpt.multihost as mh
+mh.initialize()                          # join the job: before any other JAX call
+import jax, jax.numpy as jnp, numpy as np
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+import minickpt as mc
+
+ME, N = jax.process_index(), jax.process_count()
+DIR = sys.argv[1]
+DONE_WAIT = 30.0                         # at the end, wait this long for the others (0: don't)
+
+def report(**values):                    # one JSON line the notebook reads
+    print("RESULT " + json.dumps(values, default=str), flush=True)
+
+def mesh(shape, axes):                   # all devices, process 0's first
+    devs = sorted(jax.devices(), key=lambda d: (d.process_index, d.id))
+    return Mesh(np.array(devs).reshape(shape), axes)
+
+def values(name, shape):                 # an array every process (and the notebook) can compute
+    base = sum(map(ord, name)) % 17
+    return ((np.arange(int(np.prod(shape))) * 3 + base) % 251).reshape(shape).astype(np.float32)
+
+def global_array(name, shape, sharding):
+    g = values(name, shape)
+    return jax.make_array_from_callback(shape, sharding, lambda index: g[index])
+'''
+
+
+EPILOGUE = '''
+if DONE_WAIT:  # process 0 hosts the coordination service: it leaves last
+    mh.default_sync().exchange("job-done", None, DONE_WAIT)
+time.sleep(0.5 if ME == 0 else 0.0)
+mh.hard_exit(0)                          # no jax.distributed.shutdown(): it would wait for the dead
+'''
+
+
+def values(name, shape):
+    """The same values as the scripts' ``values``: the notebook can check any restore."""
+    base = sum(map(ord, name)) % 17
+    return ((np.arange(int(np.prod(shape))) * 3 + base) % 251).reshape(shape).astype(np.float32)
+
+
+def run_job(name, script, n, k, timeout_s=120):
+    """Run ``script`` as ``n`` processes with ``k`` CPU devices each; return what each reported."""
+    path = WORK / f"{name}.py"
+    path.write_text(PRELUDE + textwrap.dedent(script) + EPILOGUE)
+    job_dir = WORK / name
+    job_dir.mkdir(exist_ok=True)
+    res = launch([str(path), str(job_dir)], n, devices_per_process=k, timeout_s=timeout_s,
+                 cwd=str(WORK))
+    results = [{} for _ in range(n)]
+    for p in range(n):
+        for line in res.outputs[p]:
+            if line.startswith("RESULT "):
+                results[p].update(json.loads(line[len("RESULT "):]))
+    if not all(results):
+        print(res.output()[-4000:])
+        raise RuntimeError(f"job {name}: {res.describe()}")
+    print(f"job {name}: {n} processes x {k} devices, {res.wall_s:.1f} s (most of it starting JAX)")
+    return results, job_dir
+
+
+# %% [markdown]
+# ## 1. Two ways to hold a model
+#
+# ### 1a. Data parallelism: every device holds the whole model
+#
+# With data parallelism each of the $N$ devices holds a full copy of the parameters $\theta$ and
+# computes the gradient $g^{(i)}$ of the loss on its own slice of the batch. An all-reduce averages
+# them,
+#
+# $$\bar g = \frac{1}{N}\sum_{i=1}^{N} g^{(i)}, \qquad \theta_{t+1} = \theta_t - \eta\,\bar g,$$
+#
+# and every device applies the *same* update to the *same* parameters. By induction the replicas
+# stay identical, step after step — so one copy is the checkpoint, and one process may write it.
+#
+# The job below trains a linear model on 4 processes: the batch is split over the processes
+# (`P("data")`), the parameters are replicated (`P()`), and `jax.jit` inserts the all-reduce (here
+# through gloo, over localhost). After 20 steps every process prints a checksum of *its own* copy.
+# Then it saves with `primary_only=True` — process 0 alone writes — and restores: process 0
+# reads, the others receive the bytes (a broadcast), and nobody else touches the disk.
+
+# %%
+DP = '''
+m = mesh((N,), ("data",))
+replicated, split = NamedSharding(m, P()), NamedSharding(m, P("data"))
+X = global_array("x", (64, 8), split) / 250.0                  # each process holds 16 rows
+y = X @ np.arange(1.0, 9.0, dtype=np.float32) + 0.5
+params = {"w": jax.device_put(np.zeros(8, np.float32), replicated),
+          "b": jax.device_put(np.zeros((), np.float32), replicated)}
+
+@jax.jit
+def step(params, X, y):
+    loss = lambda p: jnp.mean((X @ p["w"] + p["b"] - y) ** 2)   # a mean over the *global* batch
+    grads = jax.grad(loss)(params)                              # -> an all-reduce across processes
+    return jax.tree.map(lambda p, g: p - 0.05 * g, params, grads)
+
+for _ in range(20):
+    params = step(params, X, y)
+local = {k: np.asarray(v.addressable_data(0)) for k, v in params.items()}   # this process's copy
+report(crc=f"{zlib.crc32(local['w'].tobytes() + local['b'].tobytes()):08x}", w0=float(local["w"][0]))
+
+opts = mc.CheckpointManagerOptions(multihost=mc.MultiHostOptions(primary_only=True))
+with mc.CheckpointManager(os.path.join(DIR, "dp"), opts) as mngr:
+    mngr.save(20, {"params": params})
+    files = sorted(os.listdir(os.path.join(DIR, "dp", "step_20", "params")))
+    target = {"params": {k: jax.ShapeDtypeStruct(v.shape, v.dtype, sharding=replicated) for k, v in params.items()}}
+    back = mngr.restore(20, target=target)["params"]
+report(files=files, same=all(np.array_equal(np.asarray(back[k].addressable_data(0)), local[k]) for k in local))
+'''
+dp, _ = run_job("data_parallel", DP, n=4, k=1)
+for p, r in enumerate(dp):
+    print(f"process {p}: checksum of its parameters {r['crc']}   w[0] = {r['w0']:.6f}   "
+          f"restored == saved: {r['same']}")
+print("files of the checkpoint's params item:", dp[0]["files"])
+
+# %% [markdown]
+# Look at the four checksums: they are equal — the replicas are bit-identical after 20 steps,
+# which is what entitles one process to save for all. The item holds one `data.bin` and one
+# `manifest.json`, written by process 0 alone, and every process got its copy back. This is the
+# classic Flax recipe ("save if `jax.process_index() == 0`, broadcast on restore"); minickpt's
+# `primary_only=True` does it with a time-out on every wait.
+#
+# ### 1b. Sharded state: no process holds the whole model
+#
+# When the model is too big for one device, its arrays are *sharded*: a `jax.Array` with a
+# `NamedSharding` over a mesh that spans the processes. `sharding.devices_indices_map(shape)` says
+# which piece (a *box* of global indices) each device holds. A mesh axis the `PartitionSpec` does
+# not name replicates, so several devices may hold the same piece; it must still be written once.
+# The rule, which every process applies alone and identically: of the devices holding a piece,
+# the first in the sharding's device order (the one JAX marks `replica_id == 0`) owns it, and its
+# process writes it (lab 4, task 4.2).
+#
+# The next job (4 processes, 2 devices each) builds two arrays on a `(4, 2)` mesh with axes
+# `("p", "l")` — a row of the mesh per process — and prints who holds and who writes each piece.
+# It then runs the experiments of section 2 on the same arrays.
+
+# %%
+SHARDED = '''
+from minickpt.multihost import owned_shards, default_sync
+from minickpt.format import box_of
+from minickpt.labkit import plugged_in
+m = mesh((N, 2), ("p", "l"))
+layout = {"A": ((8, 4), P("p", "l")),      # split over processes and over the 2 devices of each
+          "B": ((8, 4), P(None, "l"))}     # split over the 2 devices, replicated over the 4 processes
+params = {k: global_array(k, s, NamedSharding(m, spec)) for k, (s, spec) in layout.items()}
+if ME == 0:
+    table = []
+    for k, x in params.items():
+        imap = x.sharding.devices_indices_map(x.shape)
+        writes = {d.id for p in range(N) for _, d in owned_shards(x.shape, imap, p)}
+        for d, index in imap.items():
+            table.append([k, d.id, d.process_index, [list(b) for b in box_of(index, x.shape)], d.id in writes])
+    report(table=table)
+
+opts = mc.CheckpointManagerOptions(multihost=mc.MultiHostOptions(timeout_s=20))
+with mc.CheckpointManager(os.path.join(DIR, "ckpt"), opts) as mngr:
+    mngr.save(1, {"params": params})                               # 2a: the collective save
+    if ME == 0:
+        report(layout=sorted(os.listdir(os.path.join(DIR, "ckpt", "step_1", "params"))),
+               stats={k: round(v, 4) for k, v in vars(mngr.last_save_stats).items() if k.endswith("_s")})
+'''
+# section 2's experiments, in the same job (they need no new processes)
+SHARDED += '''
+# 2b: "every process saves its own copy" into one directory, as a single-host program would
+naive = os.path.join(DIR, "naive")
+os.makedirs(naive, exist_ok=True)
+C = global_array("C", (8, 4), NamedSharding(m, P("p", None)))    # rows split over the processes
+mine = np.asarray(C.addressable_data(0))                           # this process's 2 rows of C
+np.save(os.path.join(naive, "C.npy"), mine)                        # the same file name everywhere
+mh.default_sync().exchange("naive-done", None, 20.0)               # (a barrier, to read it after all wrote)
+if ME == 0:
+    try:
+        got = np.load(os.path.join(naive, "C.npy"))
+        whole = values("C", (8, 4))
+        report(naive=f"an array of shape {got.shape}: rows "
+               f"{[r for r in range(8) if any(np.array_equal(g, whole[r]) for g in got)]} of the 8 rows of C")
+    except Exception as e:                                         # interleaved writes: not even readable
+        report(naive=f"unreadable ({type(e).__name__}: {e})")
+
+# 2c: a commit that does not wait for the slowest process (plugged in for this save only)
+def two_barrier_commit(save):
+    error = None
+    if save.primary:
+        save.create()
+    save.barrier("created")
+    try:
+        files = save.write()
+    except Exception as e:            # reported at the next barrier, as it should be
+        files, error = None, e
+    if save.primary and error is None:
+        save.commit([files])          # my shards are on disk: publish now (no second barrier!)
+    save.barrier("written", error, files)
+    save.barrier("committed")
+sync = default_sync()
+if ME == 3:
+    sync.faults["before_write"] = lambda: time.sleep(1.0)         # process 3 is a little slow
+with plugged_in(two_barrier_commit), mc.CheckpointManager(os.path.join(DIR, "ckpt"), opts) as mngr:
+    try:
+        mngr.save(2, {"params": params})
+        report(hasty="saved")
+    except Exception as e:
+        report(hasty=f"{type(e).__name__}: {str(e)[:160]}")
+sync.faults.clear()
+if ME == 0:
+    try:
+        mc.Checkpointer().restore(os.path.join(DIR, "ckpt", "step_2"))
+        report(hasty_restore="restored")
+    except Exception as e:
+        report(hasty_restore=f"{type(e).__name__}: {str(e)[:300]}")
+shutil = __import__("shutil")
+mh.default_sync().exchange("hasty-done", None, 20.0)
+if ME == 0:
+    shutil.rmtree(os.path.join(DIR, "ckpt", "step_2"), ignore_errors=True)
+mh.default_sync().exchange("hasty-cleaned", None, 20.0)
+
+# 2d: two processes that want different steps
+with mc.CheckpointManager(os.path.join(DIR, "ckpt"), opts) as mngr:
+    try:
+        mngr.save(3 if ME != 3 else 4, {"params": params})
+    except Exception as e:
+        report(disagree=f"{type(e).__name__}: {e}")
+
+# 2e: a process that stops answering (it hangs before writing) with a 3 s time-out
+hung = mc.CheckpointManagerOptions(multihost=mc.MultiHostOptions(timeout_s=3))
+if ME == 3:
+    def vanish():
+        time.sleep(4.5)
+        mh.hard_exit(0)                                           # gone, without a word
+    sync.faults["before_write"] = vanish
+t = time.perf_counter()
+with mc.CheckpointManager(os.path.join(DIR, "ckpt"), hung) as mngr:
+    try:
+        mngr.save(5, {"params": params})
+        report(dead="saved")
+    except Exception as e:
+        report(dead=f"{type(e).__name__}: {e}", dead_after_s=round(time.perf_counter() - t, 1),
+               left=sorted(n for n in os.listdir(os.path.join(DIR, "ckpt")) if not n.startswith(".")))
+DONE_WAIT = 0                                                      # process 3 is gone: don't wait for it
+'''
+sh, sh_dir = run_job("sharded", SHARDED, n=4, k=2)
+print(f"{'array':6s}{'device':>7s}{'process':>9s}   {'box (rows, cols)':22s}writes it")
+for k, dev, proc, box, writes in sh[0]["table"]:
+    print(f"{k:6s}{dev:>7d}{proc:>9d}   {str(box):22s}{'yes' if writes else '-'}")
+
+# %%
+fig, axes = plt.subplots(1, 2, figsize=(9, 3.4))
+colors = plt.cm.tab10.colors
+for ax, name in zip(axes, ["A", "B"]):
+    rows = [r for r in sh[0]["table"] if r[0] == name]
+    for _, dev, proc, ((r0, r1), (c0, c1)), writes in rows:
+        if writes:
+            ax.add_patch(plt.Rectangle((c0, r0), c1 - c0, r1 - r0, fc=colors[proc], ec="white",
+                                       lw=2, alpha=0.75))
+            ax.text((c0 + c1) / 2, (r0 + r1) / 2, f"p{proc}\n(dev {dev})", ha="center", va="center",
+                    fontsize=8)
+    held = {}
+    for _, dev, proc, (rb, cb), _w in rows:
+        held.setdefault((tuple(rb), tuple(cb)), []).append(proc)
+    ax.set_xlim(0, 4), ax.set_ylim(8, 0)
+    ax.set_xlabel("column index"), ax.set_ylabel("row index")
+    ax.set_title(f"{name}: {len(held)} pieces, each held by {len(next(iter(held.values())))} device(s)")
+fig.suptitle("Who writes which box of an (8, 4) array on a (4, 2) mesh (colour = writing process)")
+fig.tight_layout()
+plt.show()
+
+# %% [markdown]
+# *Each box is a piece of the array, coloured by the one process that writes it.* `A` has 8
+# pieces, one per device, so every process writes its two. `B` is split only along the mesh's `"l"`
+# axis, so each of its 2 pieces is held by 4 devices on 4 processes — and written once, by process
+# 0, the process of its first holder. No process writes anything twice, and together they write
+# every element exactly once.
+
+# %% [markdown]
+# ## 2. The collective protocol
+#
+# A collective save has to produce what a single process would: one checkpoint of one step,
+# complete, or nothing. minickpt's protocol (lab 4 builds its decisions) is, on every process:
+#
+# 1. **Agree** (task 4.1): publish the step (and the tree's structure); all-gather; every process
+#    checks that all are equal. A disagreement is an error on *every* process, naming who said
+#    what.
+# 2. The primary creates the temporary directory — **barrier `created`**.
+# 3. Every process writes and fsyncs the shards it owns (task 4.2) — **barrier `written`**.
+# 4. The primary writes the manifests (listing every process's shard files) and the metadata, and
+#    commits: fsync, rename, fsync of the parent (chapter 2) — **barrier `committed`**; only then
+#    does `save` return anywhere (task 4.3).
+#
+# Every barrier has a time-out: a process that never arrives is named, and nothing is committed.
+#
+# ### 2a. What a collective save writes
+
+# %%
+print("files of step_1/params:", sh[0]["layout"])
+print("where process 0's save time went (s):", sh[0]["stats"])
+
+# %% [markdown]
+# One `manifest.json` (the primary's: every leaf's global shape and dtype, and the list of shard
+# files with their checksums) and, per process `i`, `data.p<i>.bin` with the pieces it owns and
+# `manifest.p<i>.json` with their boxes, offsets and CRC-32s. `barrier_s` is the time spent waiting
+# for the others.
+#
+# ### 2b. The seed's misconception: "every process saves its own copy"
+#
+# A single-host program run on every process writes "its" checkpoint — the part of the state it
+# holds — under the same name, into the same directory. Here each of the 4 processes holds 2 of
+# the 8 rows of an array `C` (`P("p", None)`) and saves them as `C.npy`:
+
+# %%
+print("C.npy holds", sh[0]["naive"])
+
+# %% [markdown]
+# Four processes wrote `C.npy`; the file that remains is whichever write landed last: one
+# process's 2 rows of 8 (which rows depends on timing — look for a quarter of the array; if the
+# writes interleaved, the file is not even readable). The rest
+# of the model is gone, and nothing said so. Under data parallelism the same mistake is only
+# wasteful (four identical files written at once, racing); under sharding it loses the model.
+#
+# ### 2c. A commit that does not wait for the slowest process
+#
+# The job above also saved step 2 with a protocol that skips the second barrier: the primary
+# publishes the step as soon as its own shards are on disk. Process 3 was 1 s slow to write:
+
+# %%
+for p, r in enumerate(sh):
+    print(f"process {p}: {r['hasty']}")
+print("restoring step 2:", sh[0]["hasty_restore"])
+
+# %% [markdown]
+# The primary renamed the temporary directory while process 3 had not written yet, so process 3
+# had nowhere to write (its error names the vanished directory) — and `step_2` was *published
+# without process 3's shards*. The restore refuses it, naming the region no shard covers. Had the
+# job crashed at that moment, the newest checkpoint on disk would have been this incomplete one:
+# the barrier before the commit is what makes "published" mean "complete".
+#
+# ### 2d. Processes that want different steps
+
+# %%
+print(sh[0]["disagree"])
+
+# %% [markdown]
+# Every process raised the same `ProcessDisagreementError`, before anything was written: mixing
+# the shards of step 3 and step 4 in one checkpoint would restore a model that never existed.
+#
+# ### 2e. A process that dies during a save
+
+# %%
+for p in range(3):
+    print(f"process {p}: after {sh[p]['dead_after_s']} s: {sh[p]['dead']}")
+print("left in the checkpoint directory:", sh[0]["left"])
+
+# %% [markdown]
+# Process 3 stopped answering before writing. The others waited at the barrier for the time-out
+# (3 s here; 60 s by default: keep it above your slowest write and below JAX's heartbeat
+# time-out), then raised `PeerTimeoutError` naming process 3. The primary removed the temporary
+# directory: `step_5` does not exist, and `step_1` is still the newest checkpoint. (After such an
+# error, leave with `minickpt.multihost.hard_exit()`: a normal exit would wait for the dead process
+# at JAX's shutdown barrier.)
+
+# %% [markdown]
+# ## 3. The barrel effect
+#
+# A barrel holds water only up to its shortest stave; a collective save finishes only when its
+# slowest process has written. With $T^{(p)}_{\mathrm{write}}$ the write time of process $p$,
+#
+# $$T_{\mathrm{save}} \approx \max_p T^{(p)}_{\mathrm{write}} + T_{\mathrm{barriers}} + T_{\mathrm{commit}},$$
+#
+# *on every process*, however fast its own disk. The job below saves 4 × 4 MiB from 4 processes;
+# process 3 is slowed by $d$ seconds before it writes, for several $d$. Each process measures its
+# whole `save()` and its own write (from the start of its write to the end of its fsync). The same
+# job then saves the same state with Orbax, for section 5.
+
+# %%
+DELAYS = [0.0, 0.5, 1.0, 2.0]
+BARREL = f'''
+from minickpt.multihost import default_sync
+import orbax.checkpoint as ocp
+m = mesh((N, 2), ("p", "l"))
+noise = np.random.default_rng(0).standard_normal((1024, 4096), dtype=np.float32)  # incompressible
+params = {{"w": jax.make_array_from_callback(noise.shape, NamedSharding(m, P(("p", "l"))),
+                                             lambda index: noise[index])}}       # 16 MiB in all
+sync, marks = default_sync(), {{}}
+opts = mc.CheckpointManagerOptions(multihost=mc.MultiHostOptions(timeout_s=30))
+with mc.CheckpointManager(os.path.join(DIR, "barrel"), opts) as mngr:
+    mngr.save(0, {{"params": params}})                              # a warm-up save, not measured
+    for i, d in enumerate({DELAYS}):
+        def before(d=d):
+            marks["w0"] = time.perf_counter()
+            if ME == 3:
+                time.sleep(d)                                       # a slow disk on process 3
+        sync.faults["before_write"] = before
+        sync.faults["after_write"] = lambda: marks.update(w1=time.perf_counter())
+        t = time.perf_counter()
+        mngr.save(i + 1, {{"params": params}})
+        report(**{{f"save_{{i}}": time.perf_counter() - t, f"own_{{i}}": marks["w1"] - marks["w0"]}})
+    sync.faults.clear()
+ck = ocp.StandardCheckpointer()
+for i in range(2):                                                  # the first save warms Orbax up
+    t = time.perf_counter()
+    ck.save(os.path.join(DIR, "orbax", f"step_{{i}}"), {{"params": params}})
+    ck.wait_until_finished()
+    report(**{{f"orbax_{{i}}": time.perf_counter() - t}})
+ck.close()
+if ME == 0:
+    top = os.path.join(DIR, "orbax", "step_1")
+    report(orbax_layout=sorted(os.path.relpath(os.path.join(r, f), top) for r, _, fs in os.walk(top) for f in fs),
+           orbax_bytes=sum(os.path.getsize(os.path.join(r, f)) for r, _, fs in os.walk(top) for f in fs))
+'''
+barrel, barrel_dir = run_job("barrel", BARREL, n=4, k=2)
+save = np.array([[r[f"save_{i}"] for i in range(len(DELAYS))] for r in barrel])
+own = np.array([[r[f"own_{i}"] for i in range(len(DELAYS))] for r in barrel])
+print("delay of process 3 (s):      ", DELAYS)
+for p in range(4):
+    print(f"process {p}: save() took (s) ", np.round(save[p], 2), "  its own write (s)", np.round(own[p], 2))
+
+# %%
+fig, ax = plt.subplots(figsize=(6.5, 4))
+for p in range(4):
+    ax.plot(DELAYS, save[p], "o-", color=plt.cm.tab10.colors[p], label=f"process {p}: whole save()")
+ax.plot(DELAYS, own[:3].mean(axis=0), "s--", color="gray", label="processes 0-2: their own write")
+ax.plot(DELAYS, np.array(DELAYS) + own[:3].mean(axis=0), ":", color="black",
+        label="d + a fast process's write")
+ax.set_xlabel("delay d of process 3 before it writes (s)")
+ax.set_ylabel("time (s)")
+ax.set_title("The barrel effect: a collective save waits for its slowest process")
+ax.legend(fontsize=8)
+fig.tight_layout()
+plt.show()
+
+# %% [markdown]
+# *Every process's `save()` grows with the delay of process 3 alone, about one second per second,
+# while the fast processes' own writes stay short and flat.* The four solid lines lie on top of
+# each other and follow the dotted line $d + T_{\mathrm{write}}$: the three fast processes spend
+# the difference waiting at the `written` barrier. (The absolute times depend on your disk and on
+# how busy the machine is; what to look for is the slope of about 1 and the flat gray line.) The
+# cure is never to skip the barrier but to remove the slow stave: balanced shards, a fast local
+# disk for the write (chapter 6's tiered storage), and writing in the background (chapter 5).
+
+# %% [markdown]
+# ## 4. Restoring elsewhere
+#
+# A checkpoint stores *global* boxes, not devices. To restore, each process asks, for every device
+# it has, for the region that device will hold in the *target* sharding, and cuts it out of
+# whichever saved pieces overlap it (lab 4, task 4.4). So the checkpoint of section 1b — saved by
+# 4 processes on a `(4, 2)` mesh — restores on 2 processes with a `(2, 2)` mesh and other
+# `PartitionSpec`s:
+
+# %%
+RESTORE = f'''
+m = mesh((N, 2), ("a", "b"))
+shapes = {{"A": (8, 4), "B": (8, 4)}}
+specs = {{"A": P("b", "a"), "B": P(("a", "b"))}}
+target = {{"params": {{k: jax.ShapeDtypeStruct(s, np.float32, sharding=NamedSharding(m, specs[k])) for k, s in shapes.items()}}}}
+with mc.CheckpointManager({str(sh_dir / "ckpt")!r}) as mngr:
+    got = mngr.restore(1, target=target)["params"]
+report(identical={{k: all(np.array_equal(np.asarray(s.data), values(k, shapes[k])[s.index])
+                         for s in got[k].addressable_shards) for k in shapes}})
+'''
+rs, _ = run_job("restore_on_2", RESTORE, n=2, k=2)
+for p, r in enumerate(rs):
+    print(f"process {p} of 2: every local piece identical to the saved values: {r['identical']}")
+
+# %% [markdown]
+# And by this notebook alone — one process — onto its own devices (4 CPU devices locally, the GPU
+# or TPU on Colab), or into plain numpy arrays without a target:
+
+# %%
+here = Mesh(np.array(jax.devices()), ("x",))
+target = {"params": {k: jax.ShapeDtypeStruct((8, 4), np.float32,
+                                             sharding=NamedSharding(here, P(None, "x") if k == "A" else P("x")))
+                     for k in ("A", "B")}}
+with mc.CheckpointManager(sh_dir / "ckpt") as mngr:
+    one = mngr.restore(1, target=target)["params"]
+    plain = mngr.restore(1)["params"]
+for k in ("A", "B"):
+    print(f"{k}: restored by 1 process on {one[k].sharding.spec}: identical "
+          f"{np.array_equal(np.asarray(one[k]), values(k, (8, 4)))};  as numpy: identical "
+          f"{np.array_equal(plain[k], values(k, (8, 4)))}")
+
+# %% [markdown]
+# Identical values, from 4 processes to 2 and to 1, across three mesh shapes. Replicated state
+# restores the same way, or, as in section 1a, with `primary_only=True`: one reader, a broadcast.
+
+# %% [markdown]
+# ## 5. Orbax beside minickpt
+#
+# Orbax's `StandardCheckpointer` (and `CheckpointManager`) do the same collective job in a
+# `jax.distributed` program: every process calls `save`, each writes the shards it owns
+# (`replica_id == 0`), barriers separate the phases, and the primary process commits. The barrel
+# job above saved the same 16 MiB state with both:
+
+# %%
+ox = np.array([[r["orbax_0"], r["orbax_1"]] for r in barrel])
+print(f"16 MiB from 4 processes: minickpt save() {save[:, 0].mean():.2f} s (no delay), "
+      f"Orbax {ox[:, 1].mean():.2f} s (its second save; the first took {ox[:, 0].mean():.2f} s)")
+layout = barrel[0]["orbax_layout"]
+print(f"Orbax's checkpoint: {barrel[0]['orbax_bytes']:,} bytes in {len(layout)} files, such as")
+for f in layout[:12]:
+    print("   ", f)
+print("minickpt's checkpoint:",
+      sorted(str(p.relative_to(barrel_dir / "barrel" / "step_1")) for p in (barrel_dir / "barrel" / "step_1").rglob("*") if p.is_file()))
+
+# %% [markdown]
+# The layouts differ, the protocol is the same. Orbax gives each process its own OCDBT key-value
+# store (`ocdbt.process_<i>/`, TensorStore chunks under `d/`), which the primary's `manifest.ocdbt`
+# ties together, adds `array_metadatas/process_<i>` and the tree's `_METADATA`, and marks
+# completion with `commit_success.txt` and a rename; minickpt writes `data.p<i>.bin` and
+# `manifest.p<i>.json` per process and one `manifest.json` with every shard file's checksum. Both
+# restore onto any mesh. (Timings on a busy 2-core machine vary by tens of percent from run to
+# run; the benchmark in `benchmarks/multihost_save.py` measures properly.)
+
+# %% [markdown]
+# ## 6. Common misconceptions
+#
+# **"With 8 devices, let every device save its own checkpoint, to be safe."** (The seed's.) Under
+# data parallelism the replicas are identical (section 1a): one copy is the checkpoint, written by
+# the primary; eight writers into one directory only race. Under sharding, "its own checkpoint" is
+# a part of the model, and eight parts under one name leave one part (section 2b). Either way:
+# one checkpoint, written collectively.
+#
+# **"Each host can save when it reaches the step; they will all get there."** Not at the same
+# time, and perhaps not at the same step (section 2d). Without agreement and barriers, a crash
+# between two hosts' writes leaves a checkpoint stitched from two moments, or one published
+# without a slow host's shards (section 2c).
+#
+# **"Orbax uses file locks to stop processes from colliding."** It does not: it relies on the same
+# protocol as minickpt — one writer per shard, barriers between phases, one process that commits.
+# A lock file on shared storage would not order the writes of hundreds of hosts anyway.
+#
+# **"A barrier without a time-out is fine: the processes will come."** A dead process never comes.
+# minickpt bounds every barrier and names the missing process (section 2e); JAX's own collectives
+# have no time-out, which is why minickpt never waits on them.
+#
+# **"A checkpoint saved on 64 hosts needs 64 hosts to restore."** It needs the bytes, not the
+# hosts: every restoring device reads the region it needs from whatever pieces overlap it
+# (section 4).
+
+# %% [markdown]
+# ## Summary
+#
+# - Data parallelism keeps bit-identical replicas ($\bar g$ is the same everywhere), so the
+#   primary may save one copy and broadcast it on restore. Sharded state exists whole nowhere:
+#   each process writes the pieces it owns — one replica each, the first in the sharding's order.
+# - A collective save agrees on the step, then: create — barrier — every process writes its
+#   shards — barrier — the primary commits — barrier. Every barrier has a time-out that names the
+#   missing process; a failure anywhere fails the save everywhere and commits nothing.
+# - Without the agreement, steps mix; without the barrier before the commit, an incomplete
+#   checkpoint is published; "every process saves its own copy" loses a sharded model.
+# - The barrel effect: $T_{\mathrm{save}} \approx \max_p T^{(p)}_{\mathrm{write}} + \dots$ on every
+#   process; one slow process slows everyone, second for second.
+# - A checkpoint of global boxes restores onto any mesh and any number of processes, values
+#   identical. Orbax does the same with another layout.
+#
+# ## Lab 4
+#
+# In [lab 4](../labs/lab04_multihost/lab04_multihost.ipynb) you write the four decisions of this
+# protocol and run them inside real multi-process saves: the step agreement (task 4.1), shard
+# ownership (4.2), the two-barrier commit (4.3) and the restore onto another mesh (4.4).

@@ -1,0 +1,104 @@
+"""The format's names and numbers: versions, file names, alignment, limits, the
+checksum, the allowed dtypes and names (see :mod:`minickpt.format` for the layout)."""
+
+from __future__ import annotations
+
+import re
+import zlib
+from collections.abc import Callable
+
+import ml_dtypes
+import numpy as np
+
+from .errors import (
+    UnsupportedLeafError,
+)
+
+FORMAT_NAME = "minickpt"
+FORMAT_VERSION = 1  # what an item without sharded leaves is written as (every single-host save)
+SHARDED_FORMAT_VERSION = 2  # an item with leaves written in shards by several processes
+MAX_FORMAT_VERSION = SHARDED_FORMAT_VERSION  # the newest version this minickpt reads
+SHARD_MANIFEST_FORMAT = "minickpt-shards"
+MANIFEST_FILE = "manifest.json"
+DATA_FILE = "data.bin"
+ALIGN = 64
+MAX_MANIFEST_BYTES = 256 << 20
+MAX_NDIM = 64
+_CRC_IN_THREAD_BYTES = 8 << 20  # below this, threads cost more than they save
+_HOST_IN_THREAD_BYTES = 1 << 20
+
+try:  # ISA-L computes the very same CRC-32 as zlib, ~4× faster (carry-less multiply)
+    from isal.isal_zlib import crc32 as _isal_crc32
+except ImportError:  # pragma: no cover - isal is an optional extra ("minickpt[fast]")
+    _isal_crc32 = None
+
+crc32: Callable[..., int] = _isal_crc32 if _isal_crc32 is not None else zlib.crc32
+"""The manifest's checksum of a buffer: CRC-32 as zlib computes it (whichever library does)."""
+CRC_IMPL = "isal" if _isal_crc32 is not None else "zlib"
+
+_NAME_RE = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.\-]{0,199}$")
+_DATA_FILE_RE = re.compile(r"^data(\.[A-Za-z0-9_\-]{1,64})?\.bin$")
+_SHARD_MANIFEST_RE = re.compile(r"^manifest\.p(\d{1,7})\.json$")
+
+
+def _allowed_dtypes() -> dict[str, np.dtype]:
+    names = ["bool", "int8", "int16", "int32", "int64", "uint8", "uint16", "uint32", "uint64",
+             "float16", "float32", "float64", "complex64", "complex128"]
+    out = {n: np.dtype(n) for n in names}
+    for n in ["bfloat16", "float8_e4m3fn", "float8_e4m3fnuz", "float8_e4m3b11fnuz", "float8_e5m2",
+              "float8_e5m2fnuz", "float8_e4m3", "float8_e3m4", "float8_e8m0fnu", "float4_e2m1fn",
+              "float6_e2m3fn", "float6_e3m2fn", "int2", "int4", "uint2", "uint4"]:
+        if hasattr(ml_dtypes, n):
+            out[n] = np.dtype(getattr(ml_dtypes, n))
+    return out
+
+
+DTYPES = _allowed_dtypes()
+
+
+_NAME_OF: dict[np.dtype, str] = {}  # dtype -> checked name (numpy's dtype.name is slow)
+
+
+def dtype_name(dtype: np.dtype) -> str:
+    """The manifest's name for a dtype; refuses anything that is not plain numbers."""
+    dt = np.dtype(dtype)
+    name = _NAME_OF.get(dt)
+    if name is not None:
+        return name
+    name = dt.name
+    if name not in DTYPES or DTYPES[name] != dt.newbyteorder("="):
+        raise UnsupportedLeafError(f"dtype {dt} cannot be stored (supported: {sorted(DTYPES)})")
+    _NAME_OF[dt] = name
+    return name
+
+
+
+
+def check_name(name: str, what: str = "item name") -> str:
+    """Item and file names must be plain names: no separators, no '..', no hidden files."""
+    if not isinstance(name, str) or not _NAME_RE.match(name) or name in (".", ".."):
+        raise ValueError(f"{what} {name!r} is not allowed: use letters, digits, '_', '-' and '.', "
+                         "not starting with '.' or '-'")
+    return name
+
+
+_KEY_SHAPES: dict[str, tuple[int, ...] | None] = {}
+_IMPL_RE = re.compile(r"^[a-z0-9_]{1,64}$")
+
+
+def key_data_shape(impl: str) -> tuple[int, ...] | None:
+    """The trailing data shape of a PRNG key implementation JAX knows (None if unknown).
+
+    Only plain lower-case names reach JAX, and JAX only looks them up in its registry.
+    """
+    if not _IMPL_RE.match(impl):
+        return None
+    if impl not in _KEY_SHAPES:
+        import jax
+
+        try:
+            _KEY_SHAPES[impl] = tuple(jax.eval_shape(
+                lambda: jax.random.key_data(jax.random.key(0, impl=impl))).shape)
+        except (ValueError, TypeError, KeyError):
+            _KEY_SHAPES[impl] = None
+    return _KEY_SHAPES[impl]

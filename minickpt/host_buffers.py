@@ -1,0 +1,62 @@
+"""Host buffers for reading: allocations aligned for XLA (zero-copy restores on CPU) and the
+check, before allocating, that what is read fits in this machine's memory."""
+
+from __future__ import annotations
+
+import math
+import os
+from collections.abc import Sequence
+
+import numpy as np
+
+from .errors import (
+    CheckpointTooLargeError,
+)
+from .format_spec import ALIGN
+
+
+def aligned_empty(shape: Sequence[int], dtype: np.dtype) -> np.ndarray:
+    """An uninitialised array whose data starts on a 64-byte boundary.
+
+    numpy aligns large buffers to 16 bytes only; XLA's CPU client takes a host buffer
+    aligned to 64 *without copying it* (``jax.device_put`` then aliases it), so a restore
+    into jax arrays on a CPU backend costs one read, not a read and a copy — and needs the
+    state's size in memory once, not twice.
+    """
+    dt = np.dtype(dtype)
+    nbytes = math.prod(shape) * dt.itemsize
+    if nbytes < _ALIGN_FROM:
+        return np.empty(shape, dt)
+    raw = np.empty(nbytes + ALIGN, np.uint8)
+    start = -raw.ctypes.data % ALIGN
+    return raw[start: start + nbytes].view(dt).reshape(shape)
+
+
+_ALIGN_FROM = 16 << 10  # below this a copy costs less than the bookkeeping
+
+
+def host_memory_bytes() -> int | None:
+    """Physical memory of this machine (None where the OS does not say).
+
+    Asked once per process: on Linux it is a ``sysinfo`` system call on every restore
+    otherwise, for a number that does not change while the process runs.
+    """
+    if "bytes" not in _HOST_MEMORY:
+        try:
+            _HOST_MEMORY["bytes"] = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+        except (ValueError, OSError, AttributeError):
+            _HOST_MEMORY["bytes"] = None
+    return _HOST_MEMORY["bytes"]
+
+
+_HOST_MEMORY: dict[str, int | None] = {}
+
+
+def _check_fits_in_memory(need: int, what: str, advice: str = "") -> None:
+    """Refuse, before allocating, to read ``need`` bytes (``what``: which ones) that exceed
+    this machine's memory."""
+    limit = host_memory_bytes()
+    if limit is not None and need > limit:
+        raise CheckpointTooLargeError(
+            f"reading {need} bytes {what} would need more than the {limit} bytes of memory "
+            f"this machine has; refusing before allocating{advice}")

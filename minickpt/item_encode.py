@@ -1,0 +1,374 @@
+"""Encoding and writing one item: the tree brought to the host as manifest entries and byte views
+(:func:`plan_item`), then the data file and the manifest (:func:`write_item`).
+
+Planning and writing are separate so that the synchronous save, the background writer and
+the per-process shard writer share them."""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from collections.abc import Iterable, Mapping, Sequence
+from concurrent.futures import Executor, Future, ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from .errors import (
+    CheckpointCorruptedError,
+    UnsupportedLeafError,
+)
+from .format_spec import (
+    _CRC_IN_THREAD_BYTES,
+    _HOST_IN_THREAD_BYTES,
+    ALIGN,
+    DATA_FILE,
+    FORMAT_NAME,
+    FORMAT_VERSION,
+    MANIFEST_FILE,
+    crc32,
+    dtype_name,
+)
+from .fs import FileSystem, SyncBatch
+from .tree import (
+    HostKey,
+    Names,
+    is_prng_key,
+    path_str,
+    skeleton,
+    snapshot_leaf,
+    to_host,
+)
+
+
+# ---------------------------------------------------------------------------------------
+# planning: the tree, brought to the host, as manifest entries and byte views
+# ---------------------------------------------------------------------------------------
+@dataclass
+class ItemPlan:
+    """An item ready to be written: the skeleton, one manifest entry per leaf, and the bytes."""
+
+    skeleton: dict[str, Any]
+    entries: list[dict[str, Any]]
+    buffers: list[np.ndarray | None]  # 1-D uint8 views of each array leaf, None otherwise
+    nbytes: int = 0
+
+    @property
+    def num_leaves(self) -> int:
+        return len(self.entries)
+
+
+def _as_bytes(arr: np.ndarray) -> np.ndarray:
+    """A 1-D uint8 view of an array's little-endian C-order bytes (copies only if needed)."""
+    if arr.dtype.byteorder == ">":
+        arr = arr.astype(arr.dtype.newbyteorder("<"))
+    arr = np.ascontiguousarray(arr)
+    return arr.reshape(-1).view(np.uint8)
+
+
+def encode_value(value: Any, where: str) -> dict[str, Any]:
+    """A Python scalar or string as a JSON manifest entry (exact, including NaN and big ints)."""
+    if isinstance(value, bool):
+        return {"kind": "value", "type": "bool", "value": value}
+    if isinstance(value, int):
+        return {"kind": "value", "type": "int", "value": value}
+    if isinstance(value, float):
+        return {"kind": "value", "type": "float", "value": value.hex()}
+    if isinstance(value, complex):
+        return {"kind": "value", "type": "complex", "value": [value.real.hex(), value.imag.hex()]}
+    if isinstance(value, str):
+        return {"kind": "value", "type": "str", "value": value}
+    raise UnsupportedLeafError(f"leaf {where} of type {type(value).__name__} cannot be stored")
+
+
+def decode_value(entry: Mapping[str, Any], where: str) -> Any:
+    t, v = entry.get("type"), entry.get("value")
+    try:
+        if t == "bool" and isinstance(v, bool):
+            return v
+        if t == "int" and isinstance(v, int) and not isinstance(v, bool):
+            return v
+        if t == "float" and isinstance(v, str):
+            return float.fromhex(v)
+        if t == "complex" and isinstance(v, list) and len(v) == 2:
+            return complex(float.fromhex(v[0]), float.fromhex(v[1]))
+        if t == "str" and isinstance(v, str):
+            return v
+    except (TypeError, ValueError, OverflowError):  # 0x1p99999 overflows a float
+        pass
+    raise CheckpointCorruptedError(where, f"value leaf of type {t!r} holds {str(v)[:100]!r}")
+
+
+def plan_leaf(names: Names, host: Any) -> tuple[dict[str, Any], np.ndarray | None]:
+    """Task 1.3 (write) — one host leaf's manifest entry, and its bytes.
+
+    An array (or a :class:`HostKey`'s raw data) is described by its kind, dtype name, shape
+    and byte count, and its bytes come back as a 1-D ``uint8`` view in little-endian order;
+    a Python scalar or string is stored in the entry itself (no bytes: ``None``). Where the
+    bytes go (the offset) and their checksum are added by :func:`plan_item` and
+    :func:`write_item`.
+    """
+    where = path_str(names)
+    entry: dict[str, Any] = {"path": list(names)}
+    if isinstance(host, HostKey):
+        data = np.asarray(host.data)
+        entry.update(kind="prng_key", impl=host.impl, dtype=dtype_name(data.dtype),
+                     shape=list(data.shape))
+        buf = _as_bytes(data)
+    elif isinstance(host, np.ndarray):
+        entry.update(kind="array", dtype=dtype_name(host.dtype), shape=list(host.shape))
+        buf = _as_bytes(host)
+    else:
+        entry.update(encode_value(host, where))
+        return entry, None
+    entry["nbytes"] = int(buf.nbytes)
+    return entry, buf
+
+
+def plan_item(tree: Any, *, copy: bool = False, executor: Executor | None = None,
+              pin: bool = False) -> ItemPlan:
+    """Bring a tree to the host and lay it out: skeleton, entries, byte views and offsets.
+
+    With an ``executor``, large leaves are brought over (and copied, with ``copy=True``) in its
+    threads: numpy copies release the GIL, so an async save's snapshot uses several cores.
+    ``pin=True`` lets a pinned zero-copy view of a CPU array stand in for its copy
+    (:func:`minickpt.tree.pinned_view`).
+    """
+    skel, named = skeleton(tree)
+    entries: list[dict[str, Any]] = []
+    buffers: list[np.ndarray | None] = []
+    # start every device-to-host transfer before waiting on any of them (on a CPU backend
+    # the arrays already are host memory: nothing to start, and the calls cost ~4 µs each)
+    if _on_accelerator(named):
+        for _, leaf in named:
+            start = getattr(leaf, "copy_to_host_async", None)
+            if start is not None and not is_prng_key(leaf):
+                try:
+                    start()
+                except Exception:
+                    pass
+    futures: dict[int, Future[Any]] = {}
+    if executor is not None:
+        try:
+            for i, (names, leaf) in enumerate(named):
+                if getattr(leaf, "nbytes", 0) >= _HOST_IN_THREAD_BYTES:
+                    futures[i] = executor.submit(_host, leaf, copy, pin, path_str(names))
+        except RuntimeError:  # the executor is shut down (interpreter exit): do it here
+            pass
+    offset = 0
+    for i, (names, leaf) in enumerate(named):
+        was_np_scalar = isinstance(leaf, np.generic)
+        fut = futures.get(i)
+        host = fut.result() if fut is not None else _host(leaf, copy, pin, path_str(names))
+        entry, buf = plan_leaf(names, host)
+        if was_np_scalar:
+            entry["scalar"] = True
+        if buf is not None:
+            offset = _align(offset)
+            entry["offset"] = offset
+            offset += buf.nbytes
+        entries.append(entry)
+        buffers.append(buf)
+    return ItemPlan(skel, entries, buffers, offset)
+
+
+def _host(leaf: Any, copy: bool, pin: bool, path: str) -> Any:
+    if copy and pin:
+        return snapshot_leaf(leaf, path=path, pin=True)
+    return to_host(leaf, copy=copy, path=path)
+
+
+def _on_accelerator(named: Sequence[tuple[Names, Any]]) -> bool:
+    """Whether leaves may live off the host: some leaf is a jax.Array and JAX's default
+    backend is not the CPU (asked only then, so a numpy-only save never starts JAX)."""
+    import jax
+
+    if not any(isinstance(leaf, jax.Array) for _, leaf in named):
+        return False
+    return jax.default_backend() != "cpu"
+
+
+def _align(n: int) -> int:
+    return (n + ALIGN - 1) // ALIGN * ALIGN
+
+
+# ---------------------------------------------------------------------------------------
+# writing
+# ---------------------------------------------------------------------------------------
+@dataclass
+class ItemWriteResult:
+    """What writing one item produced, for the checkpoint metadata and for timings."""
+
+    manifest_crc32: int
+    data_bytes: int
+    num_leaves: int
+    write_s: float = 0.0
+    fsync_s: float = 0.0
+
+
+def _crc_all(buffers: Sequence[np.ndarray | None]) -> list[int | None]:
+    return [None if b is None else crc32(b) for b in buffers]
+
+
+_ZEROS = memoryview(bytes(ALIGN))  # padding between leaves is always < ALIGN bytes
+_JOIN_BELOW = 1 << 20  # items smaller than this go to disk in one write of one buffer
+_WRITEBACK_EVERY = 32 << 20  # start the disk on each 32 MiB written (measured: 400 MB
+# written and fsynced ~1.6× faster than write-then-fsync on an ext4 virtual disk)
+
+
+def _data_chunks(plan: ItemPlan) -> Iterable[memoryview | bytes]:
+    pos = 0
+    for entry, buf in zip(plan.entries, plan.buffers, strict=True):
+        if buf is None:
+            continue
+        pad = entry["offset"] - pos
+        if pad:
+            yield _ZEROS[:pad]
+        if buf.nbytes:
+            yield memoryview(buf)
+        pos = entry["offset"] + buf.nbytes
+
+
+_COMPACT = json.JSONEncoder(separators=(",", ":"))  # the same text as json.dumps(...), and
+# made once: json.dumps builds a new encoder on every call with non-default separators
+
+
+def manifest_bytes(skel: Mapping[str, Any], entries: Sequence[Mapping[str, Any]], *,
+                   data_file: str | None, data_bytes: int,
+                   extra: Mapping[str, Any] | None = None) -> bytes:
+    """The manifest as JSON, one leaf per line so that people (and diffs) can read it."""
+    head = {"format": FORMAT_NAME, "format_version": FORMAT_VERSION, "checksum": "crc32",
+            "data_file": data_file, "data_bytes": data_bytes, **(extra or {})}
+    return _json_doc(head, [f'"tree": {_COMPACT.encode(skel)},'], "leaves", entries)
+
+
+def _json_doc(head: Mapping[str, Any], middle: Sequence[str], key: str,
+              entries: Sequence[Mapping[str, Any]]) -> bytes:
+    """A manifest's text: one line per field of ``head``, the ``middle`` lines, then the list
+    ``key`` of ``entries``, one per line."""
+    lines = ["{", *(f"{json.dumps(k)}: {json.dumps(v)}," for k, v in head.items()), *middle,
+             f'"{key}": [', ",\n".join(map(_COMPACT.encode, entries)), "]}"]
+    return ("\n".join(lines) + "\n").encode()
+
+
+def _write_manifest_file(fs: FileSystem, item_dir: str, name: str, raw: bytes, fsync: bool,
+                         sync: SyncBatch | None) -> float:
+    """Write a manifest, then fsync it and the directory (or hand both to ``sync``);
+    return the seconds it took (a tiny file: its cost is its fsyncs)."""
+    t = time.perf_counter()
+    fs.write_file(os.path.join(item_dir, name), [raw], fsync=fsync, batch=sync)
+    if sync is not None:
+        sync.add_dir(item_dir)
+    elif fsync:
+        fs.fsync_dir(item_dir)
+    return time.perf_counter() - t
+
+
+def write_item(fs: FileSystem, item_dir: str, plan: ItemPlan, *,
+               data_file: str = DATA_FILE, manifest_file: str = MANIFEST_FILE,
+               fsync: bool = True, extra: Mapping[str, Any] | None = None,
+               sync: SyncBatch | None = None) -> ItemWriteResult:
+    """Write one item (data, then manifest) into the existing ``item_dir``.
+
+    Each file is fsynced before it is closed, and then the directory, so that once this
+    returns the item survives a power cut. With ``sync`` (a :class:`~minickpt.fs.SyncBatch`)
+    the two files and the directory are handed to the batch instead, which the caller
+    flushes — together with the rest of the checkpoint — before its commit. Checksums are
+    computed while the data is being written (the CRC releases the GIL), so for large items
+    they cost almost nothing.
+    """
+    data = write_item_data(fs, item_dir, plan, data_file=data_file, fsync=fsync, sync=sync)
+    return write_item_manifest(fs, item_dir, plan, data, manifest_file=manifest_file,
+                               fsync=fsync, extra=extra, sync=sync)
+
+
+@dataclass
+class ItemData:
+    """What :func:`write_item_data` wrote: the entries (with checksums) and its timings."""
+
+    entries: list[dict[str, Any]]
+    data_file: str | None
+    data_bytes: int
+    write_s: float = 0.0
+    fsync_s: float = 0.0
+
+
+def write_item_data(fs: FileSystem, item_dir: str, plan: ItemPlan, *,
+                    data_file: str = DATA_FILE, fsync: bool = True,
+                    sync: SyncBatch | None = None) -> ItemData:
+    """The first half of :func:`write_item`: the data file, fsynced (or handed to ``sync``),
+    and the leaf checksums.
+
+    A multi-host save writes its data before the barrier and its manifest after it (the
+    manifest then lists the other processes' shard files), hence two halves.
+    """
+    t0 = time.perf_counter()
+    fsync_s = 0.0
+    has_data = any(b is not None for b in plan.buffers)
+    dpath = os.path.join(item_dir, data_file)
+    crc_future = _crc_in_thread(plan) if plan.nbytes >= _CRC_IN_THREAD_BYTES else None
+    if crc_future is not None:
+        fsync_s += _write_data(fs, dpath, plan, fsync, sync)
+        crcs = crc_future.result()
+    else:
+        crcs = _crc_all(plan.buffers)
+        if plan.nbytes or has_data:
+            fsync_s += _write_data(fs, dpath, plan, fsync, sync)
+    entries = []
+    for entry, crc in zip(plan.entries, crcs, strict=True):
+        if crc is not None:
+            entry = {**entry, "crc32": crc}
+        entries.append(entry)
+    return ItemData(entries, data_file if has_data else None, plan.nbytes,
+                    write_s=time.perf_counter() - t0 - fsync_s, fsync_s=fsync_s)
+
+
+def write_item_manifest(fs: FileSystem, item_dir: str, plan: ItemPlan, data: ItemData, *,
+                        manifest_file: str = MANIFEST_FILE, fsync: bool = True,
+                        extra: Mapping[str, Any] | None = None,
+                        sync: SyncBatch | None = None) -> ItemWriteResult:
+    """The second half of :func:`write_item`: the manifest, fsynced, then the directory
+    (or both handed to ``sync``)."""
+    raw = manifest_bytes(plan.skeleton, data.entries, data_file=data.data_file,
+                         data_bytes=data.data_bytes, extra=extra)
+    fsync_s = data.fsync_s + _write_manifest_file(fs, item_dir, manifest_file, raw, fsync, sync)
+    return ItemWriteResult(crc32(raw), data.data_bytes, plan.num_leaves,
+                           write_s=data.write_s, fsync_s=fsync_s)
+
+
+def _crc_in_thread(plan: ItemPlan) -> Future[list[int | None]] | None:
+    """Start the checksums in a thread, or return None where no new work may be scheduled.
+
+    A background save still writing while the interpreter exits runs after
+    ``concurrent.futures`` has stopped accepting work; it then computes checksums inline.
+    """
+    pool = ThreadPoolExecutor(1, thread_name_prefix="minickpt-crc")
+    try:
+        return pool.submit(_crc_all, plan.buffers)
+    except RuntimeError:
+        return None
+    finally:
+        pool.shutdown(wait=False)  # the submitted task still runs to completion
+
+
+def _write_data(fs: FileSystem, path: str, plan: ItemPlan, fsync: bool,
+                sync: SyncBatch | None = None) -> float:
+    fd = fs.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL)
+    try:
+        if plan.nbytes < _JOIN_BELOW:  # many small leaves: one buffer, one write
+            fs.write_all(fd, [b"".join(_data_chunks(plan))])
+        else:  # large: let the disk start while the rest is still being copied
+            fs.write_all(fd, _data_chunks(plan),
+                         writeback_every=_WRITEBACK_EVERY if fsync or sync else 0)
+        t = time.perf_counter()
+        if sync is not None:
+            owned, fd = fd, -1  # the batch fsyncs and closes it
+            sync.add_file(owned)
+        elif fsync:
+            fs.fsync(fd)
+        return time.perf_counter() - t
+    finally:
+        if fd >= 0:
+            fs.close(fd)
