@@ -35,6 +35,7 @@ from .commit import METADATA_FILE, is_temporary
 from .errors import CheckpointCorruptedError, MiniCkptError
 from .format import read_leaves
 from .fs import DEFAULT_FS
+from .tree import path_str
 
 _STEP_RE = re.compile(r"^(?:(?P<prefix>.+)_)?(?P<step>[0-9]+)$")
 
@@ -172,7 +173,8 @@ def cmd_inspect(args: argparse.Namespace) -> int:
         m = ck.manifest(path, name, meta)
         leaves = []
         for e in m.entries:
-            rec = {"path": "/".join(e["path"]), "kind": e["kind"]}
+            rec = {"path": path_str(e["path"]) if e["path"] else "", "names": e["path"],
+                   "kind": e["kind"]}
             if e["kind"] == "value":
                 rec.update(dtype=e["type"], shape=None, bytes=0,
                            value=read_leaves(DEFAULT_FS, m, [m.entries.index(e)])[0])
@@ -231,8 +233,11 @@ def cmd_verify(args: argparse.Namespace) -> int:
     return EXIT_OK if all(r.ok for r in reports) else EXIT_DAMAGE
 
 
-def _flat(path: str) -> dict[str, tuple[str, Any]]:
-    """Every leaf of every item of a checkpoint: 'item/path' -> (description, value)."""
+def _flat(path: str) -> dict[tuple[str, ...], tuple[str, Any]]:
+    """Every leaf of every item of a checkpoint: (item, *names) -> (description, value).
+
+    Keyed by the name tuples, as save and restore key leaves: joined into one string, the
+    dict key ``"a/b"`` and the nested ``a`` → ``b`` would be one leaf."""
     ck = Checkpointer()
     meta = ck.metadata(path)
     out = {}
@@ -240,7 +245,7 @@ def _flat(path: str) -> dict[str, tuple[str, Any]]:
         m = ck.manifest(path, name, meta)
         values = read_leaves(DEFAULT_FS, m)
         for e, v in zip(m.entries, values, strict=True):
-            key = "/".join([name, *e["path"]])
+            key = (name, *e["path"])
             desc = e["type"] if e["kind"] == "value" else \
                 f"{e['dtype'] if e['kind'] == 'array' else 'key<' + e['impl'] + '>'}{e['shape']}"
             out[key] = (desc, v.data if hasattr(v, "impl") else v)
@@ -274,27 +279,28 @@ def cmd_diff(args: argparse.Namespace) -> int:
     a, b = _flat(a_path), _flat(b_path)
     rows: list[dict[str, Any]] = []
     for key in sorted(set(a) | set(b)):
+        at = {"path": path_str(key), "names": list(key)}
         if key not in b:
-            rows.append({"path": key, "change": "only in A", "a": a[key][0]})
+            rows.append({**at, "change": "only in A", "a": a[key][0]})
             continue
         if key not in a:
-            rows.append({"path": key, "change": "only in B", "b": b[key][0]})
+            rows.append({**at, "change": "only in B", "b": b[key][0]})
             continue
         (da, va), (db, vb) = a[key], b[key]
         if da != db:
-            rows.append({"path": key, "change": "type/shape", "a": da, "b": db})
+            rows.append({**at, "change": "type/shape", "a": da, "b": db})
             continue
         if isinstance(va, np.ndarray):
             neq, max_diff = _compare_arrays(va, vb)
             if neq:
-                rows.append({"path": key, "change": "values", "differing": neq,
+                rows.append({**at, "change": "values", "differing": neq,
                              "of": int(va.size), "max_abs_diff": max_diff})
             elif args.all:
-                rows.append({"path": key, "change": "same"})
+                rows.append({**at, "change": "same"})
         elif va != vb and not (isinstance(va, float) and va != va and vb != vb):
-            rows.append({"path": key, "change": "values", "a": repr(va), "b": repr(vb)})
+            rows.append({**at, "change": "values", "a": repr(va), "b": repr(vb)})
         elif args.all:
-            rows.append({"path": key, "change": "same"})
+            rows.append({**at, "change": "same"})
     differs = [r for r in rows if r["change"] != "same"]
     if args.json:
         print(json.dumps({"a": a_path, "b": b_path, "identical": not differs, "leaves": rows},

@@ -41,6 +41,7 @@ from .errors import (
 )
 from .fs import DEFAULT_FS, FileSystem
 from .multihost import MultiHostOptions, Sync
+from .tree import from_skeleton
 
 log = logging.getLogger("minickpt")
 LOCK_FILE = ".minickpt.lock"
@@ -361,15 +362,20 @@ class CheckpointManager:
         return self._checkpointer.metadata(self.step_path(step), step=step)
 
     def item_metadata(self, step: int | None = None) -> dict[str, Any]:
-        """Each item's tree of ``{path: (dtype, shape)}``, read from the manifests only."""
+        """Each item's tree, shaped as ``restore()`` without a target returns it (nested
+        dicts, lists, tuples), with ``(dtype, shape)`` at every leaf — read from the
+        manifests only, like Orbax's ``item_metadata``.
+
+        A leaf is found by its key path, so ``{"a/b": x, "a": {"b": y}}`` gives two leaves
+        (``md["a/b"]`` and ``md["a"]["b"]``)."""
         step = self._resolve(step)
         path = self.step_path(step)
         meta = self._checkpointer.metadata(path, step=step)
         out = {}
         for name in meta.items:
             m = self._checkpointer.manifest(path, name, meta)
-            out[name] = {"/".join(e["path"]): (e.get("dtype", e.get("type")), e.get("shape"))
-                         for e in m.entries}
+            out[name] = from_skeleton(m.skeleton, [(e.get("dtype", e.get("type")),
+                                                    e.get("shape")) for e in m.entries])
         return out
 
     def verify(self, step: int | None = None, *, deep: bool = True) -> VerifyReport:

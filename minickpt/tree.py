@@ -11,6 +11,7 @@ Lab 1 rebuilds :func:`flatten_with_names`, :func:`unflatten_like` and :func:`to_
 
 from __future__ import annotations
 
+import json
 import logging
 import threading
 import warnings
@@ -51,9 +52,22 @@ def path_names(path: Iterable[Any]) -> Names:
 
 
 def path_str(names: Iterable[str]) -> str:
-    """How a leaf is named to people: ``params/Dense_0/kernel`` (``<root>`` for a bare leaf)."""
+    """How a leaf is named to people: ``params/Dense_0/kernel`` (``<root>`` for a bare leaf).
+
+    One string per leaf, never the same for two: a name that holds a ``/`` (or a ``"``, or
+    is empty, or is ``<root>``) is shown JSON-quoted, so the dict key ``"a/b"`` reads
+    ``"a/b"`` and the nested ``a`` → ``b`` reads ``a/b``.
+    """
     names = tuple(names)
-    return "/".join(names) if names else "<root>"
+    if not names:
+        return "<root>"
+    return "/".join(_shown(n) for n in names)
+
+
+def _shown(name: str) -> str:
+    if not name or "/" in name or '"' in name or name == "<root>":
+        return json.dumps(name, ensure_ascii=False)
+    return name
 
 
 def flatten_with_names(tree: Any) -> list[tuple[Names, Any]]:

@@ -49,7 +49,7 @@ def test_inspect_shows_paths_dtypes_shapes(capsys, run_dir):
     rc, out, _ = cli(capsys, "inspect", run_dir, 10, "--json", "--item", "params")
     data = json.loads(out)
     assert data["step"] == 10 and list(data["items"]) == ["params"]
-    assert {"path": "w", "kind": "array", "dtype": "float32", "shape": [2, 3],
+    assert {"path": "w", "names": ["w"], "kind": "array", "dtype": "float32", "shape": [2, 3],
             "bytes": 24} in data["items"]["params"]["leaves"]
 
 
@@ -134,3 +134,31 @@ def test_console_script_help():
     text = " ".join(out.stdout.split())
     assert "1 damage found by any command" in text and "2 usage error" in text
     assert np
+
+
+def _slash_run(tmp_path, nested):
+    """A dict key holding '/' beside a nested dict whose path joins to the same string."""
+    d = tmp_path / f"slash-{nested}"
+    with CheckpointManager(d) as m:
+        m.save(1, {"s": {"a/b": np.ones(3, np.float32),
+                         "a": {"b": np.full(3, nested, np.float32)}}})
+    return d
+
+
+def test_a_key_holding_a_slash_is_its_own_leaf_in_diff_and_inspect(capsys, tmp_path):
+    a, b = _slash_run(tmp_path, 0.0), _slash_run(tmp_path, 1.0)
+    rc, out, _ = cli(capsys, "diff", a, b)
+    assert rc == 1 and "identical" not in out, \
+        f"'a/b' and a -> b are two leaves, and a -> b differs:\n{out}"
+    assert "s/a/b: 3 of 3 values differ" in out
+    rc, out, _ = cli(capsys, "diff", a, b, "--json")
+    d = json.loads(out)
+    assert not d["identical"] and [r["names"] for r in d["leaves"]] == [["s", "a", "b"]]
+    rc, out, _ = cli(capsys, "diff", a, a, "--json", "--all")
+    assert [r["names"] for r in json.loads(out)["leaves"]] == [["s", "a", "b"], ["s", "a/b"]]
+    rc, out, _ = cli(capsys, "inspect", a, "--json")
+    leaves = json.loads(out)["items"]["s"]["leaves"]
+    assert sorted(r["names"] for r in leaves) == [["a", "b"], ["a/b"]]
+    assert len({r["path"] for r in leaves}) == 2, "two leaves shown under one name"
+    rc, out, _ = cli(capsys, "inspect", a)
+    assert rc == 0 and '"a/b"' in out and "\na/b " in out

@@ -92,9 +92,20 @@ def test_metadata_without_loading_arrays(tmp_path):
         assert md.custom_metadata == {"version": "v2", "config": {"lr": 1e-3}}
         assert md.time is not None and md.bytes > 0
         assert m.item_metadata(10)["s"]["w"] == ("float32", [2, 3])
+        assert m.item_metadata(10)["s"]["step"] == ("int", None)
         with pytest.raises(TypeError, match="JSON"):
             m.save(11, {"s": state()}, metadata={"bad": object()})
         assert m.all_steps() == [10]
+
+
+def test_item_metadata_keeps_a_slash_key_apart_from_a_nested_path(tmp_path):
+    with CheckpointManager(tmp_path) as m:
+        m.save(1, {"s": {"a/b": np.ones(2, np.float32), "a": {"b": np.zeros(3, np.int8)},
+                         "l": [np.ones(1, np.float64)]}})
+        md = m.item_metadata(1)["s"]
+        assert md == {"a/b": ("float32", [2]), "a": {"b": ("int8", [3])},
+                      "l": [("float64", [1])]}, \
+            "item_metadata must be shaped like the restored tree, one entry per leaf"
 
 
 def test_strict_restore_names_every_mismatch(tmp_path):
