@@ -56,15 +56,22 @@ def expect_of(leaf: Any) -> Expect:
             return Expect("prng_key", tuple(leaf.shape), None, "jax", sharding, impl)
         return Expect("array", tuple(leaf.shape), np.dtype(leaf.dtype), "jax", sharding)
     if isinstance(leaf, np.ndarray):
-        return Expect("array", leaf.shape, leaf.dtype, "numpy")
+        return Expect("array", leaf.shape, _native(leaf.dtype), "numpy")
     if isinstance(leaf, np.generic):
-        return Expect("array", (), leaf.dtype, "numpy_scalar")
+        return Expect("array", (), _native(leaf.dtype), "numpy_scalar")
     if isinstance(leaf, (bool, int, float, complex, str)):
         return Expect("value", out=type(leaf).__name__)
     if isinstance(leaf, HostKey):
         return Expect("prng_key", leaf.shape, None, "numpy", None, leaf.impl)
     raise TypeError(f"cannot restore into a target leaf of type {type(leaf).__name__}; use an "
                     "array, a jax.ShapeDtypeStruct, a numpy array or a Python scalar")
+
+
+def _native(dtype: np.dtype) -> np.dtype:
+    """A dtype in this machine's byte order. Byte order is how numbers are laid out, not
+    which numbers they are: a checkpoint stores every leaf little-endian, and a ``>i4``
+    target takes an ``int32`` leaf and gets it back native (as Orbax restores it)."""
+    return dtype if dtype.isnative else dtype.newbyteorder("=")
 
 
 def _saved_desc(e: Mapping[str, Any]) -> tuple[str, tuple[int, ...] | None, str | None]:

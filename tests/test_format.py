@@ -18,6 +18,7 @@ from minickpt import Checkpointer
 from minickpt.errors import (
     CheckpointCorruptedError,
     FormatVersionError,
+    StructureMismatchError,
     UnsafeCheckpointError,
     UnsupportedLeafError,
 )
@@ -121,6 +122,21 @@ def test_restore_without_target_gives_nested_dicts_of_numpy(tmp_path):
     assert isinstance(kernel, np.ndarray) and kernel.dtype == np.float32
     assert isinstance(back["opt_state"], tuple)  # tuples stay tuples
     assert isinstance(back["opt_state"][0], dict)  # named tuples become dicts of fields
+
+
+def test_big_endian_leaves_restore_into_their_own_tree_as_native(tmp_path):
+    tree = {"i": np.arange(5, dtype=">i4"), "f": np.linspace(0, 1, 3).astype(">f8"),
+            "c": np.array([1 + 2j], dtype=">c8"), "s": np.array(7, dtype=">i2")[()],
+            "u8": np.arange(3, dtype=">u1")}
+    for back in (roundtrip(tmp_path, tree), roundtrip(tmp_path, tree, target=tree)):
+        for k, v in tree.items():
+            got = back[k]
+            assert got.dtype == v.dtype.newbyteorder("=") and got.dtype.isnative, \
+                f"{k}: restored as {got.dtype}; Orbax gives the native dtype {v.dtype.name}"
+            np.testing.assert_array_equal(got, v)
+    assert isinstance(roundtrip(tmp_path, tree, target=tree)["s"], np.generic)
+    with pytest.raises(StructureMismatchError, match="saved int32, target int64"):
+        roundtrip(tmp_path, tree, target={**tree, "i": np.arange(5, dtype=">i8")})
 
 
 def test_object_arrays_and_functions_are_refused(tmp_path):
