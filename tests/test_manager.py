@@ -300,3 +300,16 @@ def test_a_directory_another_process_creates_meanwhile_is_used(tmp_path):
     (tmp_path / "file").write_text("x")
     with pytest.raises(NotADirectoryError):
         CheckpointManager(tmp_path / "file")
+
+
+@pytest.mark.parametrize("name", ["_CHECKPOINT_METADATA", "_checkpoint_metadata"])
+def test_reserved_item_names_are_refused_before_anything_is_written(tmp_path, name):
+    from minickpt import Checkpointer
+
+    with pytest.raises(ValueError, match="reserved"):
+        Checkpointer().save(tmp_path / "ck", {name: {"w": np.ones(2)}})
+    assert not (tmp_path / "ck").exists() and os.listdir(tmp_path) == []
+    with CheckpointManager(tmp_path / "run") as m:
+        with pytest.raises(ValueError, match=f"item name '{name}' is reserved"):
+            m.save(1, {"params": {"w": np.ones(2)}, name: {"x": 1}})
+        assert m.all_steps() == [] and os.listdir(tmp_path / "run") == [".minickpt.lock"]
