@@ -7,7 +7,8 @@
     minickpt stats DIR           save/restore times, success rate, bytes, disk use, last error
 
 DIR is a run's checkpoint directory (holding ``step_*/``) or one checkpoint directory.
-Every command takes ``--json`` for scripts.
+Every command takes ``--json`` for scripts: strict JSON, in which a non-finite number (a NaN
+loss, an infinite difference) is the string ``"NaN"``, ``"Infinity"`` or ``"-Infinity"``.
 
 Exit codes, the same for every command: 0 fine; 1 damage found (a checksum, size or metadata
 that does not hold up, whichever command read it; for ``diff``, also any difference); 2 usage
@@ -50,6 +51,28 @@ class UsageError(Exception):
 
 def _is_checkpoint(path: str) -> bool:
     return DEFAULT_FS.exists(os.path.join(path, METADATA_FILE))
+
+
+def _strict(obj: Any) -> Any:
+    """``obj`` with every non-finite float as a string — ``"NaN"``, ``"Infinity"``,
+    ``"-Infinity"`` (what ``float()`` reads back) — so ``--json`` is strict JSON (RFC 8259)
+    that any parser takes, not Python's ``NaN`` extension."""
+    if isinstance(obj, (float, np.floating)):
+        obj = float(obj)
+        if obj != obj:
+            return "NaN"
+        if obj in (float("inf"), float("-inf")):
+            return "Infinity" if obj > 0 else "-Infinity"
+        return obj
+    if isinstance(obj, dict):
+        return {k: _strict(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [_strict(v) for v in obj]
+    return obj
+
+
+def _print_json(obj: Any) -> None:
+    print(json.dumps(_strict(obj), indent=1, allow_nan=False, default=str))
 
 
 def scan(root: str) -> tuple[list[tuple[int, str]], list[str]]:
@@ -141,7 +164,7 @@ def cmd_ls(args: argparse.Namespace) -> int:
                     "items": [], "problems": ["left by an interrupted save or delete; a "
                                               "CheckpointManager removes it when it opens"]})
     if args.json:
-        print(json.dumps(out, indent=1))
+        _print_json(out)
     else:
         rows = [[str(r["step"]) if r["step"] is not None else "-", r["status"],
                  human_bytes(r["bytes"]), _time(r["time"]), ",".join(r["items"]) or "-",
@@ -186,9 +209,8 @@ def cmd_inspect(args: argparse.Namespace) -> int:
         items[name] = {"tree_type": m.skeleton.get("type", m.skeleton["t"]), "leaves": leaves,
                        "bytes": m.stored_bytes}
     if args.json:
-        print(json.dumps({"step": step, "path": path, "metrics": meta.metrics,
-                          "metadata": meta.custom_metadata, "items": items}, indent=1,
-                         default=str))
+        _print_json({"step": step, "path": path, "metrics": meta.metrics,
+                     "metadata": meta.custom_metadata, "items": items})
         return EXIT_OK
     print(f"checkpoint {path}")
     print(f"  step {step}, committed {_time(meta.commit_timestamp_nsecs)}, "
@@ -217,9 +239,9 @@ def cmd_verify(args: argparse.Namespace) -> int:
         raise UsageError(f"no checkpoints in {os.path.abspath(args.dir)}: nothing to verify")
     reports = [ck.verify(path, deep=True, step=s) for s, path in targets]
     if args.json:
-        print(json.dumps([{"step": s, "path": r.path, "ok": r.ok, "problems": r.problems,
-                           "leaves": r.items, "bytes_checked": r.bytes_checked}
-                          for (s, _), r in zip(targets, reports, strict=True)], indent=1))
+        _print_json([{"step": s, "path": r.path, "ok": r.ok, "problems": r.problems,
+                      "leaves": r.items, "bytes_checked": r.bytes_checked}
+                     for (s, _), r in zip(targets, reports, strict=True)])
     else:
         for (s, _), r in zip(targets, reports, strict=True):
             label = f"step {s}" if s is not None else r.path
@@ -303,8 +325,7 @@ def cmd_diff(args: argparse.Namespace) -> int:
             rows.append({**at, "change": "same"})
     differs = [r for r in rows if r["change"] != "same"]
     if args.json:
-        print(json.dumps({"a": a_path, "b": b_path, "identical": not differs, "leaves": rows},
-                         indent=1))
+        _print_json({"a": a_path, "b": b_path, "identical": not differs, "leaves": rows})
     else:
         print(f"A = {a_path}\nB = {b_path}")
         if not differs:
@@ -337,7 +358,7 @@ def cmd_stats(args: argparse.Namespace) -> int:
     s = summarize(mlog)
     disk_now = DEFAULT_FS.dir_size(root) if DEFAULT_FS.is_dir(root) else None
     if args.json:
-        print(json.dumps({"path": mlog.path, "disk_bytes_now": disk_now, **s}, indent=1))
+        _print_json({"path": mlog.path, "disk_bytes_now": disk_now, **s})
     else:
         print(format_summary(s, path=mlog.path, disk_now=disk_now))
     return EXIT_OK
@@ -359,7 +380,9 @@ def build_parser() -> argparse.ArgumentParser:
 
     def add(name: str, help_: str, desc: str) -> argparse.ArgumentParser:
         sp = sub.add_parser(name, help=help_, description=desc)
-        sp.add_argument("--json", action="store_true", help="machine-readable output")
+        sp.add_argument("--json", action="store_true",
+                        help="machine-readable output: strict JSON, NaN and infinities as "
+                             'the strings "NaN", "Infinity", "-Infinity"')
         return sp
 
     sp = add("ls", "list checkpoints with status, size, time and metrics",

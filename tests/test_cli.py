@@ -162,3 +162,28 @@ def test_a_key_holding_a_slash_is_its_own_leaf_in_diff_and_inspect(capsys, tmp_p
     assert len({r["path"] for r in leaves}) == 2, "two leaves shown under one name"
     rc, out, _ = cli(capsys, "inspect", a)
     assert rc == 0 and '"a/b"' in out and "\na/b " in out
+
+
+def _strict_json(text):
+    def refuse(name):
+        raise AssertionError(f"--json printed {name}, which is not JSON (RFC 8259)")
+    return json.loads(text, parse_constant=refuse)
+
+
+def test_json_is_strict_with_non_finite_metrics_and_values(capsys, tmp_path):
+    with CheckpointManager(tmp_path / "run") as m:
+        m.save(1, {"s": {"w": np.ones(2), "lr": float("nan"), "big": float("-inf")}},
+               metrics={"loss": float("nan"), "grad": float("inf")}, metadata={"x": 1.5})
+    rc, out, _ = cli(capsys, "ls", tmp_path / "run", "--json")
+    assert rc == 0 and _strict_json(out)[0]["metrics"] == {"loss": "NaN", "grad": "Infinity"}
+    rc, out, _ = cli(capsys, "inspect", tmp_path / "run", "--json")
+    d = _strict_json(out)
+    assert d["metrics"] == {"loss": "NaN", "grad": "Infinity"}
+    values = {r["path"]: r.get("value") for r in d["items"]["s"]["leaves"]}
+    assert values["lr"] == "NaN" and values["big"] == "-Infinity"
+    for cmd in (["verify"], ["diff", tmp_path / "run"]):
+        rc, out, _ = cli(capsys, cmd[0], tmp_path / "run", *cmd[1:], "--json")
+        _strict_json(out)
+    rc, out, _ = cli(capsys, "ls", tmp_path / "run")  # people still read nan
+    assert "loss=nan" in out and "grad=inf" in out
+
