@@ -50,7 +50,10 @@ class UsageError(Exception):
 
 
 def _is_checkpoint(path: str) -> bool:
-    return DEFAULT_FS.exists(os.path.join(path, METADATA_FILE))
+    try:
+        return DEFAULT_FS.exists(os.path.join(path, METADATA_FILE))
+    except NotADirectoryError:  # a file: scan() says what was expected instead
+        return False
 
 
 def _strict(obj: Any) -> Any:
@@ -83,7 +86,7 @@ def scan(root: str) -> tuple[list[tuple[int, str]], list[str]]:
     except FileNotFoundError:
         raise UsageError(f"no such directory: {root}") from None
     except NotADirectoryError:
-        raise UsageError(f"not a directory: {root}") from None
+        raise UsageError(f"not a directory: {root} is a file; expected {DIR_HELP}") from None
     for name in names:
         path = os.path.join(root, name)
         if not DEFAULT_FS.is_dir(path):
@@ -355,6 +358,11 @@ def cmd_stats(args: argparse.Namespace) -> int:
         mlog = load_metrics(root)
     except FileNotFoundError as e:
         raise UsageError(str(e)) from None
+    if not mlog.records and mlog.malformed:
+        raise UsageError(f"{mlog.path} is not a metrics file: none of its {mlog.malformed} "
+                         "line(s) is a minickpt metrics record; expected a run's checkpoint "
+                         "directory or the .minickpt-metrics.jsonl that "
+                         "minickpt.production.attach_monitor writes there")
     s = summarize(mlog)
     disk_now = DEFAULT_FS.dir_size(root) if DEFAULT_FS.is_dir(root) else None
     if args.json:

@@ -187,3 +187,14 @@ def test_json_is_strict_with_non_finite_metrics_and_values(capsys, tmp_path):
     rc, out, _ = cli(capsys, "ls", tmp_path / "run")  # people still read nan
     assert "loss=nan" in out and "grad=inf" in out
 
+
+def test_a_file_where_a_directory_is_expected_says_so(capsys, tmp_path):
+    f = tmp_path / "notes.txt"
+    f.write_text("not a checkpoint\nnor metrics\n")
+    for cmd in ("ls", "inspect", "verify"):
+        rc, out, err = cli(capsys, cmd, f)
+        assert rc == 2 and "is a file" in err and "checkpoint directory" in err, (cmd, err)
+        assert "Errno" not in err and out == ""
+    rc, out, err = cli(capsys, "stats", f)
+    assert rc == 2 and "not a metrics file" in err and ".minickpt-metrics.jsonl" in err, err
+    assert out == ""
