@@ -313,3 +313,24 @@ def test_reserved_item_names_are_refused_before_anything_is_written(tmp_path, na
         with pytest.raises(ValueError, match=f"item name '{name}' is reserved"):
             m.save(1, {"params": {"w": np.ones(2)}, name: {"x": 1}})
         assert m.all_steps() == [] and os.listdir(tmp_path / "run") == [".minickpt.lock"]
+
+
+@pytest.mark.parametrize("kw", [{}, {"enable_async_checkpointing": True},
+                                {"enable_background_delete": True, "max_to_keep": 1}],
+                         ids=["sync", "async", "background-delete"])
+def test_no_minickpt_thread_outlives_close(tmp_path, kw):
+    import threading
+
+    def ours():
+        return {t for t in threading.enumerate() if t.name.startswith("minickpt")}
+
+    before = ours()
+    m = CheckpointManager(tmp_path, opts(**kw))
+    for s in range(3):  # two items: several files and directories to fsync together
+        m.save(s, {"a": {"w": jnp.ones(100), "b": np.ones(3)}, "b": {"x": np.ones(2)}})
+    m.restore(target={"a": {"w": jnp.ones(100), "b": np.ones(3)}, "b": {"x": np.ones(2)}})
+    m.verify()
+    m.close()
+    left = ours() - before
+    fsync = [t.name for t in threading.enumerate() if t.name.startswith("minickpt-fsync")]
+    assert not left and not fsync, f"threads left running after close(): {left or fsync}"
