@@ -237,8 +237,8 @@ def test_delete_reload_and_read_only(tmp_path):
 
 def test_two_writers_on_one_directory_are_refused(tmp_path):
     m = CheckpointManager(tmp_path)
-    with pytest.raises(MiniCkptError, match="another CheckpointManager"):
-        CheckpointManager(tmp_path)
+    with pytest.raises(MiniCkptError, match="this process already holds"):
+        CheckpointManager(tmp_path)  # another process: see test_crash_processes
     m.close()
     CheckpointManager(tmp_path).close()  # released on close
 
@@ -334,3 +334,22 @@ def test_no_minickpt_thread_outlives_close(tmp_path, kw):
     left = ours() - before
     fsync = [t.name for t in threading.enumerate() if t.name.startswith("minickpt-fsync")]
     assert not left and not fsync, f"threads left running after close(): {left or fsync}"
+
+
+def test_a_second_manager_in_this_process_is_told_plainly_or_takes_over(tmp_path):
+    first = CheckpointManager(tmp_path)
+    first.save(1, {"s": {"w": np.ones(2)}})
+    with pytest.raises(MiniCkptError, match="this process already holds") as e:
+        CheckpointManager(tmp_path)  # a notebook cell run again, the first still alive
+    assert "close()" in str(e.value) and "another CheckpointManager is writing" not in str(e.value)
+    with CheckpointManager(tmp_path, opts(read_only=True)) as reader:  # reading is fine
+        assert reader.all_steps() == [1]
+    first.close()
+    second = CheckpointManager(tmp_path)  # the first one closed: allowed, as in Orbax
+    assert second.all_steps() == [1]
+    second.me = second  # a cycle: only the collector frees it
+    del second
+    third = CheckpointManager(tmp_path)  # the second one is garbage: allowed too
+    third.save(2, {"s": {"w": np.ones(2)}})
+    assert third.all_steps() == [1, 2]
+    third.close()
