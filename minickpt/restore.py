@@ -365,7 +365,8 @@ def _outputs(values: Sequence[Any], leaves: Sequence[Any], sharding: Any,
 def restore_item(fs: FileSystem, manifest: Manifest, target: Any = None, *, item: str = "",
                  partial: bool = False, verify: bool = True, sharding: Any = None) -> Any:
     """Read one item: into ``target`` (strictly checked) or, without one, as nested dicts,
-    lists and numpy arrays (or jax arrays placed with ``sharding`` when it is given).
+    lists and numpy arrays, typed PRNG keys as :class:`~minickpt.tree.HostKey` (or jax
+    arrays and keys placed with ``sharding`` when it is given).
 
     A target leaf placed on a sharding that spans several processes, or a leaf saved in
     shards, is read region by region (:func:`restore_by_region`): each process reads only

@@ -256,10 +256,19 @@ def from_skeleton(skel: Mapping[str, Any], leaves: list[Any]) -> Any:
 # ---------------------------------------------------------------------------------------
 @dataclass(frozen=True)
 class HostKey:
-    """A typed PRNG key on the host: its raw ``uint32`` data plus the name of its impl."""
+    """A typed PRNG key on the host: its raw ``uint32`` data plus the name of its impl.
+
+    What a saved typed key (``jax.random.key``) restores as without a target: a restore
+    without a target puts nothing on a device, and numpy has no key dtype. :meth:`to_jax`
+    makes it a key again; a restore into a target key gets the key directly.
+    """
 
     data: np.ndarray
     impl: str
+
+    def to_jax(self, device: Any = None) -> jax.Array:
+        """The typed key array again (on ``device``, a device or sharding, if given)."""
+        return jax.random.wrap_key_data(jax.device_put(self.data, device), impl=self.impl)
 
     @property
     def shape(self) -> tuple[int, ...]:

@@ -91,6 +91,26 @@ def test_typed_and_legacy_keys(tmp_path):
     assert back["legacy"].dtype == jnp.uint32
 
 
+def test_typed_keys_without_a_target_are_public_host_keys_that_become_keys_again(tmp_path):
+    import minickpt as mc
+
+    tree = {"k": jax.random.key(7), "ks": jax.random.split(jax.random.key(1), 3),
+            "rbg": jax.random.key(2, impl="rbg"), "w": jnp.ones(2)}
+    back = roundtrip(tmp_path, tree)
+    assert isinstance(back["w"], np.ndarray)
+    for name in ("k", "ks", "rbg"):
+        got = back[name]
+        assert isinstance(got, mc.HostKey), f"{name}: {type(got).__name__}, not mc.HostKey"
+        assert isinstance(got.data, np.ndarray) and got.shape == tree[name].shape
+        key = got.to_jax()
+        assert jax.dtypes.issubdtype(key.dtype, jax.dtypes.prng_key)
+        assert str(jax.random.key_impl(key)) == str(jax.random.key_impl(tree[name]))
+        np.testing.assert_array_equal(jax.random.key_data(key),
+                                      jax.random.key_data(tree[name]))
+    assert float(jax.random.uniform(back["k"].to_jax(jax.devices()[0]))) == \
+        float(jax.random.uniform(tree["k"]))
+
+
 def test_python_leaves_roundtrip_exactly(tmp_path):
     tree = {"i": 2**70, "neg": -3, "f": 0.1, "nan": float("nan"), "inf": float("-inf"),
             "b": True, "c": complex(1.5, -2.0), "s": "héllo", "none": None,
