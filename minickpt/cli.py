@@ -36,7 +36,7 @@ from .commit import METADATA_FILE, is_temporary
 from .errors import CheckpointCorruptedError, MiniCkptError
 from .format import read_leaves
 from .fs import DEFAULT_FS
-from .tree import path_str
+from .tree import display_path
 
 _STEP_RE = re.compile(r"^(?:(?P<prefix>.+)_)?(?P<step>[0-9]+)$")
 
@@ -199,7 +199,7 @@ def cmd_inspect(args: argparse.Namespace) -> int:
         m = ck.manifest(path, name, meta)
         leaves = []
         for e in m.entries:
-            rec = {"path": path_str(e["path"]) if e["path"] else "", "names": e["path"],
+            rec = {"path": display_path(e["path"]) if e["path"] else "", "names": e["path"],
                    "kind": e["kind"]}
             if e["kind"] == "value":
                 rec.update(dtype=e["type"], shape=None, bytes=0,
@@ -304,7 +304,7 @@ def cmd_diff(args: argparse.Namespace) -> int:
     a, b = _flat(a_path), _flat(b_path)
     rows: list[dict[str, Any]] = []
     for key in sorted(set(a) | set(b)):
-        at = {"path": path_str(key), "names": list(key)}
+        at = {"path": display_path(key), "names": list(key)}
         if key not in b:
             rows.append({**at, "change": "only in A", "a": a[key][0]})
             continue

@@ -200,6 +200,20 @@ def put(arr: np.ndarray, sharding: Any = None) -> jax.Array:
     return jax.make_array_from_callback(arr.shape, sharding, lambda idx: arr[idx])
 
 
+class _Addressable:
+    """``sharding.is_fully_addressable``, asked once per sharding object: 100,000 leaves
+    usually share one or a few, and asking costs microseconds (a property, a hash)."""
+
+    def __init__(self) -> None:
+        self._seen: dict[int, tuple[Any, bool]] = {}  # id -> (the sharding, kept alive; answer)
+
+    def __call__(self, sharding: Any) -> bool:
+        hit = self._seen.get(id(sharding))
+        if hit is None or hit[0] is not sharding:
+            hit = self._seen[id(sharding)] = (sharding, bool(sharding.is_fully_addressable))
+        return hit[1]
+
+
 def put_many(arrays: Sequence[np.ndarray], shardings: Sequence[Any]) -> list[jax.Array]:
     """:func:`put` for many arrays: those that go whole to addressable devices travel in one
     batched ``device_put`` (one dispatch instead of one per leaf — most of the cost of
@@ -210,8 +224,9 @@ def put_many(arrays: Sequence[np.ndarray], shardings: Sequence[Any]) -> list[jax
     """
     out: list[Any] = [None] * len(arrays)
     groups: dict[Any, list[int]] = {}  # one device_put per distinct sharding (usually one)
+    local = _Addressable()
     for i, s in enumerate(shardings):
-        if s is None or isinstance(s, jax.Device) or s.is_fully_addressable:
+        if s is None or isinstance(s, jax.Device) or local(s):
             groups.setdefault(s, []).append(i)
         else:
             out[i] = put(arrays[i], s)
@@ -380,10 +395,11 @@ def restore_item(fs: FileSystem, manifest: Manifest, target: Any = None, *, item
     named = flatten_with_names(target)
     outs: dict[Names, Any] = {}
     rest = []
+    local = _Addressable()
     for (names, i), (_, leaf) in zip(pairs, named, strict=True):
         want = expect_of(leaf)
         where = want.sharding if want.sharding is not None else sharding
-        if _by_region(manifest.entries[i], want, where):
+        if _by_region(manifest.entries[i], want, where, local):
             outs[names] = restore_by_region(fs, manifest, i, want, where, verify=verify)
         else:
             rest.append((names, i, leaf, want))
@@ -394,14 +410,18 @@ def restore_item(fs: FileSystem, manifest: Manifest, target: Any = None, *, item
     return unflatten_like(target, outs)
 
 
-def _by_region(entry: Mapping[str, Any], want: Expect, sharding: Any) -> bool:
+def _by_region(entry: Mapping[str, Any], want: Expect, sharding: Any,
+               addressable: Callable[[Any], bool] | None = None) -> bool:
     if want.out != "jax" or want.kind not in ("array", "prng_key"):
         return False
     if not isinstance(sharding, jax.sharding.Sharding):
         return False
     if want.kind == "prng_key" and not isinstance(sharding, jax.sharding.NamedSharding):
         return False
-    return bool(entry.get("sharded")) or not sharding.is_fully_addressable
+    if entry.get("sharded"):
+        return True
+    return not (addressable(sharding) if addressable is not None
+                else sharding.is_fully_addressable)
 
 
 def restore_by_region(fs: FileSystem, manifest: Manifest, i: int, want: Expect, sharding: Any,

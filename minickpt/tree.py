@@ -34,6 +34,13 @@ log = logging.getLogger("minickpt")
 # ---------------------------------------------------------------------------------------
 def key_name(key: Any) -> str:
     """One step of a JAX key path as a string: dict key, index or attribute name."""
+    t = type(key)  # the exact key types first: one dict look-up instead of four isinstance
+    if t is _DICT_KEY:
+        k = key.key
+        return k if type(k) is str else str(k)
+    get = _KEY_PARTS.get(t)
+    if get is not None:
+        return str(get(key))
     tu = jax.tree_util
     if isinstance(key, tu.DictKey):
         return str(key.key)
@@ -46,6 +53,12 @@ def key_name(key: Any) -> str:
     return str(key)
 
 
+_DICT_KEY = jax.tree_util.DictKey
+_KEY_PARTS: dict[type, Any] = {jax.tree_util.SequenceKey: lambda k: k.idx,
+                               jax.tree_util.GetAttrKey: lambda k: k.name,
+                               jax.tree_util.FlattenedIndexKey: lambda k: k.key}
+
+
 def path_names(path: Iterable[Any]) -> Names:
     """A JAX key path as a tuple of strings."""
     return tuple(key_name(k) for k in path)
@@ -54,10 +67,17 @@ def path_names(path: Iterable[Any]) -> Names:
 def path_str(names: Iterable[str]) -> str:
     """How a leaf is named to people: ``params/Dense_0/kernel`` (``<root>`` for a bare leaf).
 
-    One string per leaf, never the same for two: a name that holds a ``/`` (or a ``"``, or
-    is empty, or is ``<root>``) is shown JSON-quoted, so the dict key ``"a/b"`` reads
-    ``"a/b"`` and the nested ``a`` → ``b`` reads ``a/b``.
+    Fast and plain, for messages; where two leaves must never read the same (a listing, a
+    diff), use :func:`display_path`.
     """
+    names = tuple(names)
+    return "/".join(names) if names else "<root>"
+
+
+def display_path(names: Iterable[str]) -> str:
+    """:func:`path_str`, but one string per leaf, never the same for two: a name that holds a
+    ``/`` (or a ``"``, or is empty, or is ``<root>``) is shown JSON-quoted, so the dict key
+    ``"a/b"`` reads ``"a/b"`` and the nested ``a`` → ``b`` reads ``a/b``."""
     names = tuple(names)
     if not names:
         return "<root>"
