@@ -35,7 +35,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--only", nargs="*", default=(), metavar="FIGURE",
                    choices=["tiny", "leaves200", "leaves100k", "trainstate", "large", "memory",
                             "scaling",
-                            "async", "multihost"], help="run only these figures")
+                            "async", "multihost"], help="run only these figures (leaves100k, 100,000 small leaves, runs only "
+                        "when named here: Orbax needs minutes a save there)")
     p.add_argument("--reps", type=int, default=None, help="repetitions of the small figures")
     p.add_argument("--large-mb", type=int, default=None, help="size of the large state in MB")
     p.add_argument("--many-leaves", type=int, default=None,
