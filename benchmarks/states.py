@@ -90,3 +90,18 @@ def train_state(hidden: int | None = None, layers: int = 1) -> Any:
     model = WideMLP()
     params = model.init(jax.random.key(0), jnp.ones((1, hidden)))
     return ts.TrainState.create(apply_fn=model.apply, params=params, tx=optax.adam(1e-3))
+
+
+
+def many_leaves(leaves: int = 100_000, per_group: int = 100) -> dict[str, Any]:
+    """``leaves`` tiny float32 arrays (4 values each), ``per_group`` to a sub-dict: a state
+    made of very many small parameters (per-channel scales, many optimizer states), where
+    a checkpoint's cost is per leaf, not per byte. Its data is 16 bytes a leaf; the state
+    itself, 100,000 jax.Arrays, takes far more host memory than that (see
+    ``benchmarks.memory``)."""
+    rng = np.random.default_rng(4)
+    data = rng.standard_normal((leaves, 4), dtype=np.float32)
+    flat = jax.device_put([row.copy() for row in data])  # one batched transfer
+    return {f"group_{g:04d}": {f"p_{j:03d}": flat[g * per_group + j]
+                               for j in range(min(per_group, leaves - g * per_group))}
+            for g in range((leaves + per_group - 1) // per_group)}

@@ -25,6 +25,7 @@ from .errors import (
 from .legacy import restore_checkpoint, save_checkpoint
 from .manager import CheckpointManager, CheckpointManagerOptions, Restored
 from .multihost import MultiHostOptions
+from .tree import HostKey
 
 __all__ = [
     "AsyncCheckpointer",
@@ -36,6 +37,7 @@ __all__ = [
     "CheckpointTooLargeError",
     "Checkpointer",
     "FormatVersionError",
+    "HostKey",
     "MiniCkptError",
     "MultiHostError",
     "MultiHostOptions",

@@ -483,8 +483,9 @@ class Checkpointer:
         """Restore items: all of them without a target, else those named in ``target``.
 
         ``target`` maps item names to target trees; a ``None`` value restores that item
-        without a target (numpy arrays in nested dicts). ``step``: the step the directory's
-        name stands for, checked against the metadata.
+        without a target (numpy arrays in nested dicts; a typed PRNG key as a
+        :class:`~minickpt.tree.HostKey`, which ``.to_jax()`` makes a key again). ``step``: the
+        step the directory's name stands for, checked against the metadata.
         """
         directory = os.fspath(directory)
         meta = self.metadata(directory, step=step)

@@ -7,7 +7,8 @@
     minickpt stats DIR           save/restore times, success rate, bytes, disk use, last error
 
 DIR is a run's checkpoint directory (holding ``step_*/``) or one checkpoint directory.
-Every command takes ``--json`` for scripts.
+Every command takes ``--json`` for scripts: strict JSON, in which a non-finite number (a NaN
+loss, an infinite difference) is the string ``"NaN"``, ``"Infinity"`` or ``"-Infinity"``.
 
 Exit codes, the same for every command: 0 fine; 1 damage found (a checksum, size or metadata
 that does not hold up, whichever command read it; for ``diff``, also any difference); 2 usage
@@ -35,6 +36,7 @@ from .commit import METADATA_FILE, is_temporary
 from .errors import CheckpointCorruptedError, MiniCkptError
 from .format import read_leaves
 from .fs import DEFAULT_FS
+from .tree import display_path
 
 _STEP_RE = re.compile(r"^(?:(?P<prefix>.+)_)?(?P<step>[0-9]+)$")
 
@@ -48,7 +50,32 @@ class UsageError(Exception):
 
 
 def _is_checkpoint(path: str) -> bool:
-    return DEFAULT_FS.exists(os.path.join(path, METADATA_FILE))
+    try:
+        return DEFAULT_FS.exists(os.path.join(path, METADATA_FILE))
+    except NotADirectoryError:  # a file: scan() says what was expected instead
+        return False
+
+
+def _strict(obj: Any) -> Any:
+    """``obj`` with every non-finite float as a string — ``"NaN"``, ``"Infinity"``,
+    ``"-Infinity"`` (what ``float()`` reads back) — so ``--json`` is strict JSON (RFC 8259)
+    that any parser takes, not Python's ``NaN`` extension."""
+    if isinstance(obj, (float, np.floating)):
+        obj = float(obj)
+        if obj != obj:
+            return "NaN"
+        if obj in (float("inf"), float("-inf")):
+            return "Infinity" if obj > 0 else "-Infinity"
+        return obj
+    if isinstance(obj, dict):
+        return {k: _strict(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [_strict(v) for v in obj]
+    return obj
+
+
+def _print_json(obj: Any) -> None:
+    print(json.dumps(_strict(obj), indent=1, allow_nan=False, default=str))
 
 
 def scan(root: str) -> tuple[list[tuple[int, str]], list[str]]:
@@ -59,7 +86,7 @@ def scan(root: str) -> tuple[list[tuple[int, str]], list[str]]:
     except FileNotFoundError:
         raise UsageError(f"no such directory: {root}") from None
     except NotADirectoryError:
-        raise UsageError(f"not a directory: {root}") from None
+        raise UsageError(f"not a directory: {root} is a file; expected {DIR_HELP}") from None
     for name in names:
         path = os.path.join(root, name)
         if not DEFAULT_FS.is_dir(path):
@@ -140,7 +167,7 @@ def cmd_ls(args: argparse.Namespace) -> int:
                     "items": [], "problems": ["left by an interrupted save or delete; a "
                                               "CheckpointManager removes it when it opens"]})
     if args.json:
-        print(json.dumps(out, indent=1))
+        _print_json(out)
     else:
         rows = [[str(r["step"]) if r["step"] is not None else "-", r["status"],
                  human_bytes(r["bytes"]), _time(r["time"]), ",".join(r["items"]) or "-",
@@ -172,7 +199,8 @@ def cmd_inspect(args: argparse.Namespace) -> int:
         m = ck.manifest(path, name, meta)
         leaves = []
         for e in m.entries:
-            rec = {"path": "/".join(e["path"]), "kind": e["kind"]}
+            rec = {"path": display_path(e["path"]) if e["path"] else "", "names": e["path"],
+                   "kind": e["kind"]}
             if e["kind"] == "value":
                 rec.update(dtype=e["type"], shape=None, bytes=0,
                            value=read_leaves(DEFAULT_FS, m, [m.entries.index(e)])[0])
@@ -184,9 +212,8 @@ def cmd_inspect(args: argparse.Namespace) -> int:
         items[name] = {"tree_type": m.skeleton.get("type", m.skeleton["t"]), "leaves": leaves,
                        "bytes": m.stored_bytes}
     if args.json:
-        print(json.dumps({"step": step, "path": path, "metrics": meta.metrics,
-                          "metadata": meta.custom_metadata, "items": items}, indent=1,
-                         default=str))
+        _print_json({"step": step, "path": path, "metrics": meta.metrics,
+                     "metadata": meta.custom_metadata, "items": items})
         return EXIT_OK
     print(f"checkpoint {path}")
     print(f"  step {step}, committed {_time(meta.commit_timestamp_nsecs)}, "
@@ -215,9 +242,9 @@ def cmd_verify(args: argparse.Namespace) -> int:
         raise UsageError(f"no checkpoints in {os.path.abspath(args.dir)}: nothing to verify")
     reports = [ck.verify(path, deep=True, step=s) for s, path in targets]
     if args.json:
-        print(json.dumps([{"step": s, "path": r.path, "ok": r.ok, "problems": r.problems,
-                           "leaves": r.items, "bytes_checked": r.bytes_checked}
-                          for (s, _), r in zip(targets, reports, strict=True)], indent=1))
+        _print_json([{"step": s, "path": r.path, "ok": r.ok, "problems": r.problems,
+                      "leaves": r.items, "bytes_checked": r.bytes_checked}
+                     for (s, _), r in zip(targets, reports, strict=True)])
     else:
         for (s, _), r in zip(targets, reports, strict=True):
             label = f"step {s}" if s is not None else r.path
@@ -231,8 +258,11 @@ def cmd_verify(args: argparse.Namespace) -> int:
     return EXIT_OK if all(r.ok for r in reports) else EXIT_DAMAGE
 
 
-def _flat(path: str) -> dict[str, tuple[str, Any]]:
-    """Every leaf of every item of a checkpoint: 'item/path' -> (description, value)."""
+def _flat(path: str) -> dict[tuple[str, ...], tuple[str, Any]]:
+    """Every leaf of every item of a checkpoint: (item, *names) -> (description, value).
+
+    Keyed by the name tuples, as save and restore key leaves: joined into one string, the
+    dict key ``"a/b"`` and the nested ``a`` → ``b`` would be one leaf."""
     ck = Checkpointer()
     meta = ck.metadata(path)
     out = {}
@@ -240,7 +270,7 @@ def _flat(path: str) -> dict[str, tuple[str, Any]]:
         m = ck.manifest(path, name, meta)
         values = read_leaves(DEFAULT_FS, m)
         for e, v in zip(m.entries, values, strict=True):
-            key = "/".join([name, *e["path"]])
+            key = (name, *e["path"])
             desc = e["type"] if e["kind"] == "value" else \
                 f"{e['dtype'] if e['kind'] == 'array' else 'key<' + e['impl'] + '>'}{e['shape']}"
             out[key] = (desc, v.data if hasattr(v, "impl") else v)
@@ -274,31 +304,31 @@ def cmd_diff(args: argparse.Namespace) -> int:
     a, b = _flat(a_path), _flat(b_path)
     rows: list[dict[str, Any]] = []
     for key in sorted(set(a) | set(b)):
+        at = {"path": display_path(key), "names": list(key)}
         if key not in b:
-            rows.append({"path": key, "change": "only in A", "a": a[key][0]})
+            rows.append({**at, "change": "only in A", "a": a[key][0]})
             continue
         if key not in a:
-            rows.append({"path": key, "change": "only in B", "b": b[key][0]})
+            rows.append({**at, "change": "only in B", "b": b[key][0]})
             continue
         (da, va), (db, vb) = a[key], b[key]
         if da != db:
-            rows.append({"path": key, "change": "type/shape", "a": da, "b": db})
+            rows.append({**at, "change": "type/shape", "a": da, "b": db})
             continue
         if isinstance(va, np.ndarray):
             neq, max_diff = _compare_arrays(va, vb)
             if neq:
-                rows.append({"path": key, "change": "values", "differing": neq,
+                rows.append({**at, "change": "values", "differing": neq,
                              "of": int(va.size), "max_abs_diff": max_diff})
             elif args.all:
-                rows.append({"path": key, "change": "same"})
+                rows.append({**at, "change": "same"})
         elif va != vb and not (isinstance(va, float) and va != va and vb != vb):
-            rows.append({"path": key, "change": "values", "a": repr(va), "b": repr(vb)})
+            rows.append({**at, "change": "values", "a": repr(va), "b": repr(vb)})
         elif args.all:
-            rows.append({"path": key, "change": "same"})
+            rows.append({**at, "change": "same"})
     differs = [r for r in rows if r["change"] != "same"]
     if args.json:
-        print(json.dumps({"a": a_path, "b": b_path, "identical": not differs, "leaves": rows},
-                         indent=1))
+        _print_json({"a": a_path, "b": b_path, "identical": not differs, "leaves": rows})
     else:
         print(f"A = {a_path}\nB = {b_path}")
         if not differs:
@@ -328,10 +358,15 @@ def cmd_stats(args: argparse.Namespace) -> int:
         mlog = load_metrics(root)
     except FileNotFoundError as e:
         raise UsageError(str(e)) from None
+    if not mlog.records and mlog.malformed:
+        raise UsageError(f"{mlog.path} is not a metrics file: none of its {mlog.malformed} "
+                         "line(s) is a minickpt metrics record; expected a run's checkpoint "
+                         "directory or the .minickpt-metrics.jsonl that "
+                         "minickpt.production.attach_monitor writes there")
     s = summarize(mlog)
     disk_now = DEFAULT_FS.dir_size(root) if DEFAULT_FS.is_dir(root) else None
     if args.json:
-        print(json.dumps({"path": mlog.path, "disk_bytes_now": disk_now, **s}, indent=1))
+        _print_json({"path": mlog.path, "disk_bytes_now": disk_now, **s})
     else:
         print(format_summary(s, path=mlog.path, disk_now=disk_now))
     return EXIT_OK
@@ -353,7 +388,9 @@ def build_parser() -> argparse.ArgumentParser:
 
     def add(name: str, help_: str, desc: str) -> argparse.ArgumentParser:
         sp = sub.add_parser(name, help=help_, description=desc)
-        sp.add_argument("--json", action="store_true", help="machine-readable output")
+        sp.add_argument("--json", action="store_true",
+                        help="machine-readable output: strict JSON, NaN and infinities as "
+                             'the strings "NaN", "Infinity", "-Infinity"')
         return sp
 
     sp = add("ls", "list checkpoints with status, size, time and metrics",

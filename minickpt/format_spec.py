@@ -74,11 +74,20 @@ def dtype_name(dtype: np.dtype) -> str:
 
 
 
+# names a checkpoint directory already uses for itself (compared case-insensitively: on
+# macOS and Windows "_checkpoint_metadata" is the same file)
+RESERVED_NAMES = frozenset({"_checkpoint_metadata"})
+
+
 def check_name(name: str, what: str = "item name") -> str:
-    """Item and file names must be plain names: no separators, no '..', no hidden files."""
+    """Item and file names must be plain names: no separators, no '..', no hidden files, and
+    none of the names the checkpoint itself uses (:data:`RESERVED_NAMES`)."""
     if not isinstance(name, str) or not _NAME_RE.match(name) or name in (".", ".."):
         raise ValueError(f"{what} {name!r} is not allowed: use letters, digits, '_', '-' and '.', "
                          "not starting with '.' or '-'")
+    if name.lower() in RESERVED_NAMES:
+        raise ValueError(f"{what} {name!r} is reserved: the checkpoint keeps its own metadata "
+                         "under that name; call the item something else")
     return name
 
 

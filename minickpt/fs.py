@@ -335,24 +335,7 @@ class FileSystem:
             for fn, arg in jobs:
                 fn(arg)
             return
-        pool = _sync_pool()
-        futures = []
-        for fn, arg in jobs[1:]:
-            try:
-                futures.append(pool.submit(fn, arg))
-            except RuntimeError:  # interpreter exit (a pending async save finishing from
-                futures.append(_run_now(fn, arg))  # atexit): no new threads, run it here
-        first: BaseException | None = None
-        try:
-            jobs[0][0](jobs[0][1])  # the caller's thread does one of them itself
-        except BaseException as e:
-            first = e
-        for fut in futures:
-            err = fut.exception()
-            if err is not None and first is None:
-                first = err
-        if first is not None:
-            raise first
+        _run_together(jobs)
 
     def rmtree(self, path: str) -> None:
         """Delete a tree without following symlinks (they are unlinked, never entered)."""
@@ -388,34 +371,47 @@ class FileSystem:
         return total
 
 
-_POOL: tuple[int, Any] | None = None
-_POOL_LOCK = threading.Lock()
 _SYNC_THREADS = 8  # fsyncs wait on the disk, not the CPU: more threads than cores is right
 
 
-def _sync_pool() -> Any:
-    """The process's fsync threads (made on first use, and again in a forked child)."""
-    global _POOL
-    with _POOL_LOCK:
-        if _POOL is None or _POOL[0] != os.getpid():
-            from concurrent.futures import ThreadPoolExecutor
+def _run_together(jobs: Sequence[tuple[Callable[..., None], Any]]) -> None:
+    """Run every ``fn(arg)`` at once: the caller's thread and up to ``_SYNC_THREADS - 1``
+    threads started for this call, which all end before it returns — no pool outlives a save,
+    so nothing of minickpt's is left running after ``close()``. (Starting a few threads costs
+    tens of microseconds; one fsync costs milliseconds.) Raises the first job's error, in job
+    order, once every job has finished."""
+    errors: list[BaseException | None] = [None] * len(jobs)
+    todo = iter(range(len(jobs)))
+    lock = threading.Lock()
 
-            _POOL = (os.getpid(), ThreadPoolExecutor(_SYNC_THREADS,
-                                                     thread_name_prefix="minickpt-fsync"))
-        return _POOL[1]
+    def work() -> None:
+        while True:
+            with lock:
+                i = next(todo, None)
+            if i is None:
+                return
+            fn, arg = jobs[i]
+            try:
+                fn(arg)
+            except BaseException as e:
+                errors[i] = e
 
-
-def _run_now(fn: Callable[..., None], arg: Any) -> Any:
-    """``fn(arg)`` run in this thread, as a finished future (for :meth:`fsync_all`)."""
-    from concurrent.futures import Future
-
-    fut: Future[None] = Future()
+    threads = []
+    for n in range(min(_SYNC_THREADS, len(jobs)) - 1):
+        t = threading.Thread(target=work, name=f"minickpt-fsync_{n}", daemon=True)
+        try:
+            t.start()
+        except RuntimeError:  # interpreter exit (a pending async save finishing from
+            break  # atexit): no new threads, the caller's thread does the rest
+        threads.append(t)
     try:
-        fn(arg)
-        fut.set_result(None)
-    except BaseException as e:
-        fut.set_exception(e)
-    return fut
+        work()
+    finally:
+        for t in threads:
+            t.join()
+    first = next((e for e in errors if e is not None), None)
+    if first is not None:
+        raise first
 
 
 class SyncBatch:

@@ -10,11 +10,13 @@ from __future__ import annotations
 
 import collections
 import errno
+import gc
 import logging
 import os
 import threading
 import time
 import warnings
+import weakref
 from collections.abc import Callable, Collection, Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -41,6 +43,7 @@ from .errors import (
 )
 from .fs import DEFAULT_FS, FileSystem
 from .multihost import MultiHostOptions, Sync
+from .tree import from_skeleton
 
 log = logging.getLogger("minickpt")
 LOCK_FILE = ".minickpt.lock"
@@ -90,6 +93,24 @@ class CheckpointManagerOptions:
         self.save_on_steps = frozenset(self.save_on_steps or ())
 
 
+# The directories this process's managers hold the lock of: real path -> (pid, manager); the
+# pid, because a forked child inherits the dict but not the managers' standing.
+_HELD: dict[str, tuple[int, weakref.ref[CheckpointManager]]] = {}
+_HELD_LOCK = threading.Lock()
+
+
+def _holder_note() -> str:
+    return f"pid {os.getpid()} on {os.uname().nodename}\n"
+
+
+def _held_here(key: str, lock_path: str) -> bool:
+    """Whether the lock on a directory is held by this process (one of its managers)."""
+    with _HELD_LOCK:
+        pid, ref = _HELD.get(key, (0, None))
+    return (pid == os.getpid() and ref is not None and ref() is not None) \
+        or _read_small(lock_path) == _holder_note().strip()
+
+
 class Restored(dict):
     """The items restored, by name; ``.step`` says which step they came from."""
 
@@ -129,6 +150,7 @@ class CheckpointManager:
         # time per process, in program order, as their barrier ids require.
         self._collective_lock = threading.RLock()
         self._lock_fd: int | None = None
+        self._lock_key = ""
         self._closed = False
         self._mutex = threading.RLock()
         self.last_save_stats: SaveStats | None = None
@@ -172,13 +194,31 @@ class CheckpointManager:
     # ---- housekeeping --------------------------------------------------------------------
     def _acquire_lock(self) -> None:
         path = os.path.join(self.directory, LOCK_FILE)
+        key = os.path.realpath(self.directory)
         fd = self.fs.open(path, os.O_RDWR | os.O_CREAT)
         try:
-            self.fs.flock(fd, exclusive=True, blocking=False)
+            try:
+                self.fs.flock(fd, exclusive=True, blocking=False)
+            except OSError as e:
+                if e.errno not in (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES) \
+                        or not _held_here(key, path):
+                    raise
+                # A manager of this very process holds it. If nothing refers to that one
+                # any more (a cycle the collector has not reached yet), collecting it
+                # releases the lock, as Orbax lets a new manager replace a dropped one.
+                gc.collect()
+                self.fs.flock(fd, exclusive=True, blocking=False)
         except OSError as e:
             self.fs.close(fd)
             if e.errno in (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES):
                 holder = _read_small(path)
+                if _held_here(key, path):
+                    raise MiniCkptError(
+                        f"this process already holds {self.directory}: a CheckpointManager "
+                        "opened on it here earlier is still open (running a notebook cell "
+                        "twice keeps the first one alive). Close that one first "
+                        "(mngr.close(), or open it as `with CheckpointManager(...) as mngr:`), "
+                        "or open this one with read_only=True to read.") from e
                 raise MiniCkptError(
                     f"another CheckpointManager is writing to {self.directory} ({holder}). Two "
                     "writers on one directory would interleave checkpoints; open this one with "
@@ -189,8 +229,11 @@ class CheckpointManager:
                 return
             raise
         self.fs.ftruncate(fd, 0)  # the lock file is a note for people, not checkpoint data
-        self.fs.write(fd, f"pid {os.getpid()} on {os.uname().nodename}\n".encode())
+        self.fs.write(fd, _holder_note().encode())
         self._lock_fd = fd
+        self._lock_key = key
+        with _HELD_LOCK:
+            _HELD[key] = (os.getpid(), weakref.ref(self))
 
     def _release_lock(self) -> None:
         if self._lock_fd is not None:
@@ -198,6 +241,10 @@ class CheckpointManager:
                 self.fs.close(self._lock_fd)
             finally:
                 self._lock_fd = None
+                with _HELD_LOCK:
+                    _pid, ref = _HELD.get(self._lock_key, (0, None))
+                    if ref is not None and ref() in (self, None):
+                        del _HELD[self._lock_key]
 
     def _emit(self, event: str, record: dict[str, Any]) -> None:
         for fn in list(self.listeners):
@@ -361,15 +408,20 @@ class CheckpointManager:
         return self._checkpointer.metadata(self.step_path(step), step=step)
 
     def item_metadata(self, step: int | None = None) -> dict[str, Any]:
-        """Each item's tree of ``{path: (dtype, shape)}``, read from the manifests only."""
+        """Each item's tree, shaped as ``restore()`` without a target returns it (nested
+        dicts, lists, tuples), with ``(dtype, shape)`` at every leaf — read from the
+        manifests only, like Orbax's ``item_metadata``.
+
+        A leaf is found by its key path, so ``{"a/b": x, "a": {"b": y}}`` gives two leaves
+        (``md["a/b"]`` and ``md["a"]["b"]``)."""
         step = self._resolve(step)
         path = self.step_path(step)
         meta = self._checkpointer.metadata(path, step=step)
         out = {}
         for name in meta.items:
             m = self._checkpointer.manifest(path, name, meta)
-            out[name] = {"/".join(e["path"]): (e.get("dtype", e.get("type")), e.get("shape"))
-                         for e in m.entries}
+            out[name] = from_skeleton(m.skeleton, [(e.get("dtype", e.get("type")),
+                                                    e.get("shape")) for e in m.entries])
         return out
 
     def verify(self, step: int | None = None, *, deep: bool = True) -> VerifyReport:

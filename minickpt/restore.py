@@ -56,15 +56,22 @@ def expect_of(leaf: Any) -> Expect:
             return Expect("prng_key", tuple(leaf.shape), None, "jax", sharding, impl)
         return Expect("array", tuple(leaf.shape), np.dtype(leaf.dtype), "jax", sharding)
     if isinstance(leaf, np.ndarray):
-        return Expect("array", leaf.shape, leaf.dtype, "numpy")
+        return Expect("array", leaf.shape, _native(leaf.dtype), "numpy")
     if isinstance(leaf, np.generic):
-        return Expect("array", (), leaf.dtype, "numpy_scalar")
+        return Expect("array", (), _native(leaf.dtype), "numpy_scalar")
     if isinstance(leaf, (bool, int, float, complex, str)):
         return Expect("value", out=type(leaf).__name__)
     if isinstance(leaf, HostKey):
         return Expect("prng_key", leaf.shape, None, "numpy", None, leaf.impl)
     raise TypeError(f"cannot restore into a target leaf of type {type(leaf).__name__}; use an "
                     "array, a jax.ShapeDtypeStruct, a numpy array or a Python scalar")
+
+
+def _native(dtype: np.dtype) -> np.dtype:
+    """A dtype in this machine's byte order. Byte order is how numbers are laid out, not
+    which numbers they are: a checkpoint stores every leaf little-endian, and a ``>i4``
+    target takes an ``int32`` leaf and gets it back native (as Orbax restores it)."""
+    return dtype if dtype.isnative else dtype.newbyteorder("=")
 
 
 def _saved_desc(e: Mapping[str, Any]) -> tuple[str, tuple[int, ...] | None, str | None]:
@@ -193,6 +200,20 @@ def put(arr: np.ndarray, sharding: Any = None) -> jax.Array:
     return jax.make_array_from_callback(arr.shape, sharding, lambda idx: arr[idx])
 
 
+class _Addressable:
+    """``sharding.is_fully_addressable``, asked once per sharding object: 100,000 leaves
+    usually share one or a few, and asking costs microseconds (a property, a hash)."""
+
+    def __init__(self) -> None:
+        self._seen: dict[int, tuple[Any, bool]] = {}  # id -> (the sharding, kept alive; answer)
+
+    def __call__(self, sharding: Any) -> bool:
+        hit = self._seen.get(id(sharding))
+        if hit is None or hit[0] is not sharding:
+            hit = self._seen[id(sharding)] = (sharding, bool(sharding.is_fully_addressable))
+        return hit[1]
+
+
 def put_many(arrays: Sequence[np.ndarray], shardings: Sequence[Any]) -> list[jax.Array]:
     """:func:`put` for many arrays: those that go whole to addressable devices travel in one
     batched ``device_put`` (one dispatch instead of one per leaf — most of the cost of
@@ -203,8 +224,9 @@ def put_many(arrays: Sequence[np.ndarray], shardings: Sequence[Any]) -> list[jax
     """
     out: list[Any] = [None] * len(arrays)
     groups: dict[Any, list[int]] = {}  # one device_put per distinct sharding (usually one)
+    local = _Addressable()
     for i, s in enumerate(shardings):
-        if s is None or isinstance(s, jax.Device) or s.is_fully_addressable:
+        if s is None or isinstance(s, jax.Device) or local(s):
             groups.setdefault(s, []).append(i)
         else:
             out[i] = put(arrays[i], s)
@@ -358,7 +380,8 @@ def _outputs(values: Sequence[Any], leaves: Sequence[Any], sharding: Any,
 def restore_item(fs: FileSystem, manifest: Manifest, target: Any = None, *, item: str = "",
                  partial: bool = False, verify: bool = True, sharding: Any = None) -> Any:
     """Read one item: into ``target`` (strictly checked) or, without one, as nested dicts,
-    lists and numpy arrays (or jax arrays placed with ``sharding`` when it is given).
+    lists and numpy arrays, typed PRNG keys as :class:`~minickpt.tree.HostKey` (or jax
+    arrays and keys placed with ``sharding`` when it is given).
 
     A target leaf placed on a sharding that spans several processes, or a leaf saved in
     shards, is read region by region (:func:`restore_by_region`): each process reads only
@@ -372,10 +395,11 @@ def restore_item(fs: FileSystem, manifest: Manifest, target: Any = None, *, item
     named = flatten_with_names(target)
     outs: dict[Names, Any] = {}
     rest = []
+    local = _Addressable()
     for (names, i), (_, leaf) in zip(pairs, named, strict=True):
         want = expect_of(leaf)
         where = want.sharding if want.sharding is not None else sharding
-        if _by_region(manifest.entries[i], want, where):
+        if _by_region(manifest.entries[i], want, where, local):
             outs[names] = restore_by_region(fs, manifest, i, want, where, verify=verify)
         else:
             rest.append((names, i, leaf, want))
@@ -386,14 +410,18 @@ def restore_item(fs: FileSystem, manifest: Manifest, target: Any = None, *, item
     return unflatten_like(target, outs)
 
 
-def _by_region(entry: Mapping[str, Any], want: Expect, sharding: Any) -> bool:
+def _by_region(entry: Mapping[str, Any], want: Expect, sharding: Any,
+               addressable: Callable[[Any], bool] | None = None) -> bool:
     if want.out != "jax" or want.kind not in ("array", "prng_key"):
         return False
     if not isinstance(sharding, jax.sharding.Sharding):
         return False
     if want.kind == "prng_key" and not isinstance(sharding, jax.sharding.NamedSharding):
         return False
-    return bool(entry.get("sharded")) or not sharding.is_fully_addressable
+    if entry.get("sharded"):
+        return True
+    return not (addressable(sharding) if addressable is not None
+                else sharding.is_fully_addressable)
 
 
 def restore_by_region(fs: FileSystem, manifest: Manifest, i: int, want: Expect, sharding: Any,

@@ -11,6 +11,7 @@ Lab 1 rebuilds :func:`flatten_with_names`, :func:`unflatten_like` and :func:`to_
 
 from __future__ import annotations
 
+import json
 import logging
 import threading
 import warnings
@@ -33,6 +34,13 @@ log = logging.getLogger("minickpt")
 # ---------------------------------------------------------------------------------------
 def key_name(key: Any) -> str:
     """One step of a JAX key path as a string: dict key, index or attribute name."""
+    t = type(key)  # the exact key types first: one dict look-up instead of four isinstance
+    if t is _DICT_KEY:
+        k = key.key
+        return k if type(k) is str else str(k)
+    get = _KEY_PARTS.get(t)
+    if get is not None:
+        return str(get(key))
     tu = jax.tree_util
     if isinstance(key, tu.DictKey):
         return str(key.key)
@@ -45,15 +53,41 @@ def key_name(key: Any) -> str:
     return str(key)
 
 
+_DICT_KEY = jax.tree_util.DictKey
+_KEY_PARTS: dict[type, Any] = {jax.tree_util.SequenceKey: lambda k: k.idx,
+                               jax.tree_util.GetAttrKey: lambda k: k.name,
+                               jax.tree_util.FlattenedIndexKey: lambda k: k.key}
+
+
 def path_names(path: Iterable[Any]) -> Names:
     """A JAX key path as a tuple of strings."""
     return tuple(key_name(k) for k in path)
 
 
 def path_str(names: Iterable[str]) -> str:
-    """How a leaf is named to people: ``params/Dense_0/kernel`` (``<root>`` for a bare leaf)."""
+    """How a leaf is named to people: ``params/Dense_0/kernel`` (``<root>`` for a bare leaf).
+
+    Fast and plain, for messages; where two leaves must never read the same (a listing, a
+    diff), use :func:`display_path`.
+    """
     names = tuple(names)
     return "/".join(names) if names else "<root>"
+
+
+def display_path(names: Iterable[str]) -> str:
+    """:func:`path_str`, but one string per leaf, never the same for two: a name that holds a
+    ``/`` (or a ``"``, or is empty, or is ``<root>``) is shown JSON-quoted, so the dict key
+    ``"a/b"`` reads ``"a/b"`` and the nested ``a`` → ``b`` reads ``a/b``."""
+    names = tuple(names)
+    if not names:
+        return "<root>"
+    return "/".join(_shown(n) for n in names)
+
+
+def _shown(name: str) -> str:
+    if not name or "/" in name or '"' in name or name == "<root>":
+        return json.dumps(name, ensure_ascii=False)
+    return name
 
 
 def flatten_with_names(tree: Any) -> list[tuple[Names, Any]]:
@@ -242,10 +276,19 @@ def from_skeleton(skel: Mapping[str, Any], leaves: list[Any]) -> Any:
 # ---------------------------------------------------------------------------------------
 @dataclass(frozen=True)
 class HostKey:
-    """A typed PRNG key on the host: its raw ``uint32`` data plus the name of its impl."""
+    """A typed PRNG key on the host: its raw ``uint32`` data plus the name of its impl.
+
+    What a saved typed key (``jax.random.key``) restores as without a target: a restore
+    without a target puts nothing on a device, and numpy has no key dtype. :meth:`to_jax`
+    makes it a key again; a restore into a target key gets the key directly.
+    """
 
     data: np.ndarray
     impl: str
+
+    def to_jax(self, device: Any = None) -> jax.Array:
+        """The typed key array again (on ``device``, a device or sharding, if given)."""
+        return jax.random.wrap_key_data(jax.device_put(self.data, device), impl=self.impl)
 
     @property
     def shape(self) -> tuple[int, ...]:

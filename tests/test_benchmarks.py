@@ -38,7 +38,11 @@ def test_smoke_run_measures_every_figure(smoke):
         for kind in ("save", "restore", "manager_save", "manager_restore"):
             assert f"{fig}.{kind}" in rows, f"{fig}.{kind} missing"
     assert {"large.restore_cold", "tiny.manager_save_bg", "memory.save", "memory.restore",
-            "fresh.save", "fresh.restore"} <= set(rows)
+            "fresh.save", "fresh.restore", "leaves100k.save", "leaves100k.restore",
+            "memory.leaves100k.save", "memory.leaves100k.restore"} <= set(rows)
+    # the many-small-leaves figure: beside Orbax, memory against the state's own footprint
+    assert [g["text"] for g in rows["leaves100k.restore"]["goals"]] == ["≥ 1× Orbax"]
+    assert {g["text"] for g in rows["memory.leaves100k.restore"]["goals"]} == {"≤ 1.2"}
     contenders = ("minickpt", "orbax", "limit") if orbax_available() else ("minickpt", "limit")
     for r in res["rows"]:
         if r["key"].startswith("fresh."):  # one first save/restore per fresh process

@@ -49,7 +49,7 @@ def test_inspect_shows_paths_dtypes_shapes(capsys, run_dir):
     rc, out, _ = cli(capsys, "inspect", run_dir, 10, "--json", "--item", "params")
     data = json.loads(out)
     assert data["step"] == 10 and list(data["items"]) == ["params"]
-    assert {"path": "w", "kind": "array", "dtype": "float32", "shape": [2, 3],
+    assert {"path": "w", "names": ["w"], "kind": "array", "dtype": "float32", "shape": [2, 3],
             "bytes": 24} in data["items"]["params"]["leaves"]
 
 
@@ -134,3 +134,67 @@ def test_console_script_help():
     text = " ".join(out.stdout.split())
     assert "1 damage found by any command" in text and "2 usage error" in text
     assert np
+
+
+def _slash_run(tmp_path, nested):
+    """A dict key holding '/' beside a nested dict whose path joins to the same string."""
+    d = tmp_path / f"slash-{nested}"
+    with CheckpointManager(d) as m:
+        m.save(1, {"s": {"a/b": np.ones(3, np.float32),
+                         "a": {"b": np.full(3, nested, np.float32)}}})
+    return d
+
+
+def test_a_key_holding_a_slash_is_its_own_leaf_in_diff_and_inspect(capsys, tmp_path):
+    a, b = _slash_run(tmp_path, 0.0), _slash_run(tmp_path, 1.0)
+    rc, out, _ = cli(capsys, "diff", a, b)
+    assert rc == 1 and "identical" not in out, \
+        f"'a/b' and a -> b are two leaves, and a -> b differs:\n{out}"
+    assert "s/a/b: 3 of 3 values differ" in out
+    rc, out, _ = cli(capsys, "diff", a, b, "--json")
+    d = json.loads(out)
+    assert not d["identical"] and [r["names"] for r in d["leaves"]] == [["s", "a", "b"]]
+    rc, out, _ = cli(capsys, "diff", a, a, "--json", "--all")
+    assert [r["names"] for r in json.loads(out)["leaves"]] == [["s", "a", "b"], ["s", "a/b"]]
+    rc, out, _ = cli(capsys, "inspect", a, "--json")
+    leaves = json.loads(out)["items"]["s"]["leaves"]
+    assert sorted(r["names"] for r in leaves) == [["a", "b"], ["a/b"]]
+    assert len({r["path"] for r in leaves}) == 2, "two leaves shown under one name"
+    rc, out, _ = cli(capsys, "inspect", a)
+    assert rc == 0 and '"a/b"' in out and "\na/b " in out
+
+
+def _strict_json(text):
+    def refuse(name):
+        raise AssertionError(f"--json printed {name}, which is not JSON (RFC 8259)")
+    return json.loads(text, parse_constant=refuse)
+
+
+def test_json_is_strict_with_non_finite_metrics_and_values(capsys, tmp_path):
+    with CheckpointManager(tmp_path / "run") as m:
+        m.save(1, {"s": {"w": np.ones(2), "lr": float("nan"), "big": float("-inf")}},
+               metrics={"loss": float("nan"), "grad": float("inf")}, metadata={"x": 1.5})
+    rc, out, _ = cli(capsys, "ls", tmp_path / "run", "--json")
+    assert rc == 0 and _strict_json(out)[0]["metrics"] == {"loss": "NaN", "grad": "Infinity"}
+    rc, out, _ = cli(capsys, "inspect", tmp_path / "run", "--json")
+    d = _strict_json(out)
+    assert d["metrics"] == {"loss": "NaN", "grad": "Infinity"}
+    values = {r["path"]: r.get("value") for r in d["items"]["s"]["leaves"]}
+    assert values["lr"] == "NaN" and values["big"] == "-Infinity"
+    for cmd in (["verify"], ["diff", tmp_path / "run"]):
+        rc, out, _ = cli(capsys, cmd[0], tmp_path / "run", *cmd[1:], "--json")
+        _strict_json(out)
+    rc, out, _ = cli(capsys, "ls", tmp_path / "run")  # people still read nan
+    assert "loss=nan" in out and "grad=inf" in out
+
+
+def test_a_file_where_a_directory_is_expected_says_so(capsys, tmp_path):
+    f = tmp_path / "notes.txt"
+    f.write_text("not a checkpoint\nnor metrics\n")
+    for cmd in ("ls", "inspect", "verify"):
+        rc, out, err = cli(capsys, cmd, f)
+        assert rc == 2 and "is a file" in err and "checkpoint directory" in err, (cmd, err)
+        assert "Errno" not in err and out == ""
+    rc, out, err = cli(capsys, "stats", f)
+    assert rc == 2 and "not a metrics file" in err and ".minickpt-metrics.jsonl" in err, err
+    assert out == ""

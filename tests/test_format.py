@@ -18,6 +18,7 @@ from minickpt import Checkpointer
 from minickpt.errors import (
     CheckpointCorruptedError,
     FormatVersionError,
+    StructureMismatchError,
     UnsafeCheckpointError,
     UnsupportedLeafError,
 )
@@ -90,6 +91,26 @@ def test_typed_and_legacy_keys(tmp_path):
     assert back["legacy"].dtype == jnp.uint32
 
 
+def test_typed_keys_without_a_target_are_public_host_keys_that_become_keys_again(tmp_path):
+    import minickpt as mc
+
+    tree = {"k": jax.random.key(7), "ks": jax.random.split(jax.random.key(1), 3),
+            "rbg": jax.random.key(2, impl="rbg"), "w": jnp.ones(2)}
+    back = roundtrip(tmp_path, tree)
+    assert isinstance(back["w"], np.ndarray)
+    for name in ("k", "ks", "rbg"):
+        got = back[name]
+        assert isinstance(got, mc.HostKey), f"{name}: {type(got).__name__}, not mc.HostKey"
+        assert isinstance(got.data, np.ndarray) and got.shape == tree[name].shape
+        key = got.to_jax()
+        assert jax.dtypes.issubdtype(key.dtype, jax.dtypes.prng_key)
+        assert str(jax.random.key_impl(key)) == str(jax.random.key_impl(tree[name]))
+        np.testing.assert_array_equal(jax.random.key_data(key),
+                                      jax.random.key_data(tree[name]))
+    assert float(jax.random.uniform(back["k"].to_jax(jax.devices()[0]))) == \
+        float(jax.random.uniform(tree["k"]))
+
+
 def test_python_leaves_roundtrip_exactly(tmp_path):
     tree = {"i": 2**70, "neg": -3, "f": 0.1, "nan": float("nan"), "inf": float("-inf"),
             "b": True, "c": complex(1.5, -2.0), "s": "héllo", "none": None,
@@ -121,6 +142,21 @@ def test_restore_without_target_gives_nested_dicts_of_numpy(tmp_path):
     assert isinstance(kernel, np.ndarray) and kernel.dtype == np.float32
     assert isinstance(back["opt_state"], tuple)  # tuples stay tuples
     assert isinstance(back["opt_state"][0], dict)  # named tuples become dicts of fields
+
+
+def test_big_endian_leaves_restore_into_their_own_tree_as_native(tmp_path):
+    tree = {"i": np.arange(5, dtype=">i4"), "f": np.linspace(0, 1, 3).astype(">f8"),
+            "c": np.array([1 + 2j], dtype=">c8"), "s": np.array(7, dtype=">i2")[()],
+            "u8": np.arange(3, dtype=">u1")}
+    for back in (roundtrip(tmp_path, tree), roundtrip(tmp_path, tree, target=tree)):
+        for k, v in tree.items():
+            got = back[k]
+            assert got.dtype == v.dtype.newbyteorder("=") and got.dtype.isnative, \
+                f"{k}: restored as {got.dtype}; Orbax gives the native dtype {v.dtype.name}"
+            np.testing.assert_array_equal(got, v)
+    assert isinstance(roundtrip(tmp_path, tree, target=tree)["s"], np.generic)
+    with pytest.raises(StructureMismatchError, match="saved int32, target int64"):
+        roundtrip(tmp_path, tree, target={**tree, "i": np.arange(5, dtype=">i8")})
 
 
 def test_object_arrays_and_functions_are_refused(tmp_path):

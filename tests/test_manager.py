@@ -92,9 +92,20 @@ def test_metadata_without_loading_arrays(tmp_path):
         assert md.custom_metadata == {"version": "v2", "config": {"lr": 1e-3}}
         assert md.time is not None and md.bytes > 0
         assert m.item_metadata(10)["s"]["w"] == ("float32", [2, 3])
+        assert m.item_metadata(10)["s"]["step"] == ("int", None)
         with pytest.raises(TypeError, match="JSON"):
             m.save(11, {"s": state()}, metadata={"bad": object()})
         assert m.all_steps() == [10]
+
+
+def test_item_metadata_keeps_a_slash_key_apart_from_a_nested_path(tmp_path):
+    with CheckpointManager(tmp_path) as m:
+        m.save(1, {"s": {"a/b": np.ones(2, np.float32), "a": {"b": np.zeros(3, np.int8)},
+                         "l": [np.ones(1, np.float64)]}})
+        md = m.item_metadata(1)["s"]
+        assert md == {"a/b": ("float32", [2]), "a": {"b": ("int8", [3])},
+                      "l": [("float64", [1])]}, \
+            "item_metadata must be shaped like the restored tree, one entry per leaf"
 
 
 def test_strict_restore_names_every_mismatch(tmp_path):
@@ -226,8 +237,8 @@ def test_delete_reload_and_read_only(tmp_path):
 
 def test_two_writers_on_one_directory_are_refused(tmp_path):
     m = CheckpointManager(tmp_path)
-    with pytest.raises(MiniCkptError, match="another CheckpointManager"):
-        CheckpointManager(tmp_path)
+    with pytest.raises(MiniCkptError, match="this process already holds"):
+        CheckpointManager(tmp_path)  # another process: see test_crash_processes
     m.close()
     CheckpointManager(tmp_path).close()  # released on close
 
@@ -289,3 +300,56 @@ def test_a_directory_another_process_creates_meanwhile_is_used(tmp_path):
     (tmp_path / "file").write_text("x")
     with pytest.raises(NotADirectoryError):
         CheckpointManager(tmp_path / "file")
+
+
+@pytest.mark.parametrize("name", ["_CHECKPOINT_METADATA", "_checkpoint_metadata"])
+def test_reserved_item_names_are_refused_before_anything_is_written(tmp_path, name):
+    from minickpt import Checkpointer
+
+    with pytest.raises(ValueError, match="reserved"):
+        Checkpointer().save(tmp_path / "ck", {name: {"w": np.ones(2)}})
+    assert not (tmp_path / "ck").exists() and os.listdir(tmp_path) == []
+    with CheckpointManager(tmp_path / "run") as m:
+        with pytest.raises(ValueError, match=f"item name '{name}' is reserved"):
+            m.save(1, {"params": {"w": np.ones(2)}, name: {"x": 1}})
+        assert m.all_steps() == [] and os.listdir(tmp_path / "run") == [".minickpt.lock"]
+
+
+@pytest.mark.parametrize("kw", [{}, {"enable_async_checkpointing": True},
+                                {"enable_background_delete": True, "max_to_keep": 1}],
+                         ids=["sync", "async", "background-delete"])
+def test_no_minickpt_thread_outlives_close(tmp_path, kw):
+    import threading
+
+    def ours():
+        return {t for t in threading.enumerate() if t.name.startswith("minickpt")}
+
+    before = ours()
+    m = CheckpointManager(tmp_path, opts(**kw))
+    for s in range(3):  # two items: several files and directories to fsync together
+        m.save(s, {"a": {"w": jnp.ones(100), "b": np.ones(3)}, "b": {"x": np.ones(2)}})
+    m.restore(target={"a": {"w": jnp.ones(100), "b": np.ones(3)}, "b": {"x": np.ones(2)}})
+    m.verify()
+    m.close()
+    left = ours() - before
+    fsync = [t.name for t in threading.enumerate() if t.name.startswith("minickpt-fsync")]
+    assert not left and not fsync, f"threads left running after close(): {left or fsync}"
+
+
+def test_a_second_manager_in_this_process_is_told_plainly_or_takes_over(tmp_path):
+    first = CheckpointManager(tmp_path)
+    first.save(1, {"s": {"w": np.ones(2)}})
+    with pytest.raises(MiniCkptError, match="this process already holds") as e:
+        CheckpointManager(tmp_path)  # a notebook cell run again, the first still alive
+    assert "close()" in str(e.value) and "another CheckpointManager is writing" not in str(e.value)
+    with CheckpointManager(tmp_path, opts(read_only=True)) as reader:  # reading is fine
+        assert reader.all_steps() == [1]
+    first.close()
+    second = CheckpointManager(tmp_path)  # the first one closed: allowed, as in Orbax
+    assert second.all_steps() == [1]
+    second.me = second  # a cycle: only the collector frees it
+    del second
+    third = CheckpointManager(tmp_path)  # the second one is garbage: allowed too
+    third.save(2, {"s": {"w": np.ones(2)}})
+    assert third.all_steps() == [1, 2]
+    third.close()
