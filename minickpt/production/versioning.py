@@ -28,7 +28,7 @@ from ..restore import MigrationReport, Rename, migrate
 log = logging.getLogger("minickpt")
 
 __all__ = ["_git_info_cached", "best_checkpoint", "checkpoint_metadata", "git_info",
-           "migrate_checkpoint", "select_best"]
+           "metadata_matches", "metric_value", "migrate_checkpoint", "select_best"]
 
 
 # ---------------------------------------------------------------------------------------
@@ -46,8 +46,12 @@ def _lookup(tree: Any, key: str) -> Any:
     return cur
 
 
-def _matches(meta: CheckpointMetadata,
-             where: Mapping[str, Any] | Callable[[CheckpointMetadata], bool] | None) -> bool:
+def metadata_matches(meta: CheckpointMetadata,
+                     where: Mapping[str, Any] | Callable[[CheckpointMetadata], bool] | None
+                     ) -> bool:
+    """Whether a checkpoint's metadata pass ``where``: None passes everything; a predicate is
+    called on the whole metadata; a mapping needs each key (dotted for nested values) in the
+    custom metadata with that value, or a value the given predicate accepts."""
     if where is None:
         return True
     if callable(where):
@@ -65,8 +69,11 @@ def _matches(meta: CheckpointMetadata,
     return True
 
 
-def _score(meta: CheckpointMetadata, metric: str | Callable[[Mapping[str, Any]], Any]
-           ) -> float | None:
+def metric_value(meta: CheckpointMetadata, metric: str | Callable[[Mapping[str, Any]], Any]
+                 ) -> float | None:
+    """The checkpoint's value of ``metric`` (a name, dotted for nested metrics, or a function
+    of the metrics) as a float; None when it has none that can be compared (no metrics, the
+    name missing, not a number, NaN)."""
     if meta.metrics is None:
         return None
     try:
@@ -77,37 +84,13 @@ def _score(meta: CheckpointMetadata, metric: str | Callable[[Mapping[str, Any]],
     return None if math.isnan(v) else v
 
 
-def select_best(candidates: Iterable[CheckpointMetadata],
-                metric: str | Callable[[Mapping[str, Any]], Any], *, mode: str = "min",
-                where: Mapping[str, Any] | Callable[[CheckpointMetadata], bool] | None = None
-                ) -> CheckpointMetadata | None:
-    """Task 6.5 — the best checkpoint by a metric, among those whose metadata match.
-
-    ``metric`` names a value in the metrics (``"loss"``, or ``"eval.acc"`` for nested ones)
-    or computes one from them. ``mode`` is ``"min"`` or ``"max"``. ``where`` keeps only the
-    checkpoints whose custom metadata has the given values (``{"version": "v2"}``; a value
-    may be a predicate), or is a predicate on the whole metadata. Checkpoints without a
-    usable value (missing, not a number, NaN) never win; on a tie the newer step does.
-    """
-    if mode not in ("min", "max"):
-        raise ValueError(f"mode must be 'min' or 'max', got {mode!r}")
-    best, best_key = None, None
-    for meta in candidates:
-        if not _matches(meta, where):
-            continue
-        v = _score(meta, metric)
-        if v is None:
-            continue
-        key = (v if mode == "max" else -v, meta.step if meta.step is not None else -1)
-        if best_key is None or key > best_key:
-            best, best_key = meta, key
-    return best
-
-
 def checkpoint_metadata(source: Any, *, fs: FileSystem | None = None
                         ) -> list[CheckpointMetadata]:
     """The metadata of every readable checkpoint of a manager or a run directory, ascending
-    by step (damaged ones are skipped with a log line). Reads no array."""
+    by step (damaged ones are skipped with a log line), or already-read metadata (a list of
+    :class:`~minickpt.CheckpointMetadata`, returned as it is). Reads no array."""
+    if isinstance(source, (list, tuple)):
+        return list(source)
     if hasattr(source, "all_steps") and hasattr(source, "metadata"):
         steps, read = source.all_steps(read=True), source.metadata
     else:
@@ -134,9 +117,37 @@ def best_checkpoint(source: Any, metric: str | Callable[[Mapping[str, Any]], Any
                     mode: str = "min",
                     where: Mapping[str, Any] | Callable[[CheckpointMetadata], bool] | None = None,
                     fs: FileSystem | None = None) -> CheckpointMetadata | None:
-    """:func:`select_best` over the checkpoints of a manager or a run directory; returns the
-    winner's metadata (``.step``, ``.metrics``, ``.custom_metadata``) or None."""
-    return select_best(checkpoint_metadata(source, fs=fs), metric, mode=mode, where=where)
+    """Task 6.5 — the metadata of the best checkpoint by a metric, among those whose
+    metadata match ``where``, read from the small metadata files only, never the arrays.
+
+    ``source`` is a manager, a run directory or a list of metadata (see
+    :func:`checkpoint_metadata`); ``metric`` and ``where`` as :func:`metric_value` and
+    :func:`metadata_matches` read them. ``mode`` is ``"min"`` (a loss) or ``"max"`` (an
+    accuracy); anything else is a ValueError. A checkpoint without a usable value never wins;
+    on a tie the newer step does; None when no checkpoint qualifies.
+    """
+    if mode not in ("min", "max"):
+        raise ValueError(f"mode must be 'min' or 'max', got {mode!r}")
+    best, best_key = None, None
+    for meta in checkpoint_metadata(source, fs=fs):
+        if not metadata_matches(meta, where):
+            continue
+        v = metric_value(meta, metric)
+        if v is None:
+            continue
+        key = (v if mode == "max" else -v, meta.step if meta.step is not None else -1)
+        if best_key is None or key > best_key:
+            best, best_key = meta, key
+    return best
+
+
+def select_best(candidates: Iterable[CheckpointMetadata],
+                metric: str | Callable[[Mapping[str, Any]], Any], *, mode: str = "min",
+                where: Mapping[str, Any] | Callable[[CheckpointMetadata], bool] | None = None
+                ) -> CheckpointMetadata | None:
+    """:func:`best_checkpoint` among metadata already read (``metric``, ``mode``, ``where``
+    as there)."""
+    return best_checkpoint(list(candidates), metric, mode=mode, where=where)
 
 
 # ---------------------------------------------------------------------------------------
