@@ -579,6 +579,9 @@ print(f"from metadata: {fast * 1e3:.1f} ms, {fast_bytes:,} bytes read; "
       f"({slow_bytes / max(fast_bytes, 1):,.0f}x the bytes)")
 
 # %% [markdown]
+# (`git` is `None` when the notebook's working directory is not inside a git working tree, as
+# under the course's tests; run from a clone, it names the commit and branch.)
+#
 # The ratio of bytes is the point — thousands of times here, and it grows with the model —
 # the ratio of times depends on this machine's page cache. **Orbax** stores the same things:
 # `mngr.save(step, args=ocp.args.StandardSave(state), metrics={...}, custom_metadata={...})`, read
