@@ -57,6 +57,7 @@ from .format import (
     write_item,
 )
 from .fs import DEFAULT_FS, FileSystem, SyncBatch
+from .gitinfo import git_info
 from .restore import restore_item
 
 MAX_METADATA_BYTES = 16 << 20
@@ -150,9 +151,7 @@ def writer_info() -> dict[str, Any]:
         info["process_count"] = jax.process_count()
     except Exception:  # distributed runtime not usable here; not fatal for metadata
         pass
-    from .production.versioning import git_info  # which code wrote this (never raises)
-
-    git = git_info()
+    git = git_info()  # which code wrote this (never raises)
     if git is not None:
         info["git"] = git
     return info

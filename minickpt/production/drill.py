@@ -357,8 +357,9 @@ def run_drill(directory: str | None = None, *, kills: int = 3, steps: int = 60, 
               reference: str | None = None, timeout_s: float = 300.0,
               env: dict[str, str] | None = None, compile_cache: str | None = None
               ) -> DrillReport:
-    """Task 6.4 — run a training process, SIGKILL it ``kills`` times, restart it each time,
-    and report time to recover, steps lost, and whether it ends bit-identical.
+    """Run a training process, SIGKILL it ``kills`` times, restart it each time, and report
+    time to recover, steps lost, and whether it ends bit-identical (each restart read by
+    :func:`measure_recovery`, lab 6's task 6.4).
 
     ``command`` defaults to :func:`demo_command` (``steps``, ``every``, ``sleep`` seconds per
     step, ``slow_fsync`` seconds per fsync so saves are long enough to be hit). Without
@@ -410,7 +411,7 @@ def run_drill(directory: str | None = None, *, kills: int = 3, steps: int = 60, 
         pending: tuple[KillRecord, float] | None = None
         for i, k in enumerate(plan, 1):
             if pending is not None:  # the previous kill's recovery is measured here
-                resumed_from = _measure_recovery(proc, *pending, deadline)
+                resumed_from = measure_recovery(proc, *pending, deadline)
             target = max(k.at, resumed_from + 1)
             if k.kind == "save":
                 ev = proc.wait_for("saving step", deadline, at_least=target)
@@ -439,7 +440,7 @@ def run_drill(directory: str | None = None, *, kills: int = 3, steps: int = 60, 
             pending = (rec, t_kill)
             proc = start(ckpt)
         if pending is not None:
-            _measure_recovery(proc, *pending, deadline)
+            measure_recovery(proc, *pending, deadline)
         rc = proc.finish(deadline)
         report.final_fingerprint = proc.last("final")
         if rc != 0 or report.final_fingerprint is None:
@@ -464,9 +465,19 @@ def run_drill(directory: str | None = None, *, kills: int = 3, steps: int = 60, 
     return report
 
 
-def _measure_recovery(proc: WorkerProcess, rec: KillRecord, t_kill: float,
-                      deadline: float) -> int:
-    """Fill in a kill's recovery from the restarted process: the restored step and times."""
+def measure_recovery(proc: WorkerProcess, rec: KillRecord, t_kill: float,
+                     deadline: float) -> int:
+    """Task 6.4 — read a kill's recovery from the restarted worker; returns the step it resumed
+    from.
+
+    ``proc`` is the process started after the SIGKILL at ``t_kill`` (``time.monotonic()``);
+    ``rec`` is that kill's record, filled in here: ``resumed_from`` (0 when no checkpoint
+    existed and it started from scratch), ``restore_s`` (kill to its "resumed from step N"
+    line; None from scratch), ``recover_s`` (kill to the first step it computed: only then is
+    the job training again), ``steps_lost`` (steps computed before the kill that must be
+    computed again). A restarted worker that ends before computing a step is a failed
+    recovery: :class:`DrillError`, with its stderr.
+    """
     ev = proc.wait_for(("resumed from step", "step"), deadline)
     if ev is None:
         raise DrillError(f"the restarted worker ended without computing a step:\n"

@@ -40,12 +40,15 @@ def optimal_interval(save_cost_s: float, mtbf_s: float, *, method: str = "daly")
     (Daly 2006, the higher-order estimate), which stays accurate when saves are not cheap
     compared with the MTBF. Both need the same time unit for C and M and return it.
     """
-    _check_cost(save_cost_s, mtbf_s)
+    if not save_cost_s >= 0:  # also False for NaN
+        raise ValueError(f"save cost must be >= 0, got {save_cost_s!r}")
+    if not mtbf_s > 0:
+        raise ValueError(f"MTBF must be > 0, got {mtbf_s!r}")
     c, m = float(save_cost_s), float(mtbf_s)
     if method == "young":
         return math.sqrt(2.0 * c * m)
     if method != "daly":
-        raise ValueError(f"method must be one of {METHODS}, got {method!r}")
+        raise ValueError(f"method must be 'young' or 'daly', got {method!r}")
     if c >= 2.0 * m:
         return m
     x = c / (2.0 * m)

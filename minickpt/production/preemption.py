@@ -240,9 +240,10 @@ def train_until_preempted(manager: Any, carry: Any,
     """Task 6.3 — a training loop that saves at the next step boundary after a preemption
     notice and stops cleanly.
 
-    Runs steps ``start+1 .. stop``: ``carry, metrics = step_fn(carry, step)``, then offers
-    ``items(carry)`` to ``manager.save`` (which saves on the interval, and at the preemption
-    step), then stops if ``manager.reached_preemption(step)``. Waits for pending (async)
+    Runs steps ``start+1 .. stop``: ``step_fn(carry, step)`` gives the new carry and the
+    step's metrics; then ``items(carry)`` is offered to ``manager.save`` (which saves on the
+    interval, and at the preemption step), and the loop stops if
+    ``manager.reached_preemption(step)``. Waits for pending (async)
     saves before returning, so the process can exit right after.
     """
     step = start

@@ -12,11 +12,9 @@ checkpoint onto a new model.
 
 from __future__ import annotations
 
-import functools
 import logging
 import math
 import os
-import re
 from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
@@ -24,98 +22,13 @@ from ..checkpointer import Checkpointer, CheckpointMetadata
 from ..commit import METADATA_FILE, parse_step
 from ..errors import MiniCkptError
 from ..fs import DEFAULT_FS, FileSystem
+from ..gitinfo import _git_info_cached, git_info
 from ..restore import MigrationReport, Rename, migrate
 
 log = logging.getLogger("minickpt")
 
-_SHA = re.compile(r"^[0-9a-f]{40}([0-9a-f]{24})?$")  # SHA-1, or SHA-256 repositories
-_MAX_GIT_FILE = 64 << 20
-
-
-# ---------------------------------------------------------------------------------------
-# the git commit of the working tree
-# ---------------------------------------------------------------------------------------
-def _read(path: str, limit: int = 4096) -> str | None:
-    try:
-        with open(path, encoding="utf-8", errors="replace") as f:
-            return f.read(limit)
-    except OSError:
-        return None
-
-
-def _find_git_dir(start: str) -> tuple[str, str, str] | None:
-    """(worktree root, git dir, common dir) for the repository containing ``start``."""
-    d = os.path.abspath(start)
-    while True:
-        dot = os.path.join(d, ".git")
-        if os.path.isdir(dot):
-            git_dir = dot
-        elif os.path.isfile(dot):  # a linked worktree or a submodule: "gitdir: <path>"
-            text = _read(dot) or ""
-            if not text.startswith("gitdir:"):
-                return None
-            git_dir = os.path.normpath(os.path.join(d, text[len("gitdir:"):].strip()))
-        else:
-            parent = os.path.dirname(d)
-            if parent == d:
-                return None
-            d = parent
-            continue
-        common = _read(os.path.join(git_dir, "commondir"))
-        common_dir = os.path.normpath(os.path.join(git_dir, common.strip())) if common \
-            else git_dir
-        return d, git_dir, common_dir
-
-
-def _resolve_ref(ref: str, git_dir: str, common_dir: str) -> str | None:
-    for base in (git_dir, common_dir):  # per-worktree refs first, then shared ones
-        text = _read(os.path.join(base, *ref.split("/")))
-        if text is not None and _SHA.match(text.strip()):
-            return text.strip()
-    try:
-        with open(os.path.join(common_dir, "packed-refs"), encoding="utf-8",
-                  errors="replace") as f:
-            for n, line in enumerate(f):
-                if n * 100 > _MAX_GIT_FILE:
-                    break
-                parts = line.split()
-                if len(parts) == 2 and parts[1] == ref and _SHA.match(parts[0]):
-                    return parts[0]
-    except OSError:
-        pass
-    return None
-
-
-@functools.lru_cache(maxsize=16)
-def _git_info_cached(start: str) -> dict[str, Any] | None:
-    found = _find_git_dir(start)
-    if found is None:
-        return None
-    root, git_dir, common_dir = found
-    head = (_read(os.path.join(git_dir, "HEAD")) or "").strip()
-    if head.startswith("ref:"):
-        ref = head[4:].strip()
-        branch = ref[len("refs/heads/"):] if ref.startswith("refs/heads/") else ref
-        commit = _resolve_ref(ref, git_dir, common_dir)  # None on a branch with no commit yet
-    elif _SHA.match(head):
-        branch, commit = None, head  # detached HEAD
-    else:
-        return None
-    return {"commit": commit, "branch": branch, "root": root}
-
-
-def git_info(path: str | os.PathLike[str] | None = None) -> dict[str, Any] | None:
-    """The commit and branch of the git working tree containing ``path`` (default: the
-    current directory), or None outside a repository. Read once per directory per process;
-    never raises."""
-    if os.environ.get("MINICKPT_GIT", "1").lower() in ("0", "false", "no", "off"):
-        return None
-    try:
-        start = os.fspath(path) if path is not None else os.getcwd()
-        info = _git_info_cached(os.path.abspath(start))
-        return dict(info) if info is not None else None
-    except Exception:  # metadata is a courtesy: it must never fail a save
-        return None
+__all__ = ["_git_info_cached", "best_checkpoint", "checkpoint_metadata", "git_info",
+           "metadata_matches", "metric_value", "migrate_checkpoint", "select_best"]
 
 
 # ---------------------------------------------------------------------------------------
@@ -133,8 +46,12 @@ def _lookup(tree: Any, key: str) -> Any:
     return cur
 
 
-def _matches(meta: CheckpointMetadata,
-             where: Mapping[str, Any] | Callable[[CheckpointMetadata], bool] | None) -> bool:
+def metadata_matches(meta: CheckpointMetadata,
+                     where: Mapping[str, Any] | Callable[[CheckpointMetadata], bool] | None
+                     ) -> bool:
+    """Whether a checkpoint's metadata pass ``where``: None passes everything; a predicate is
+    called on the whole metadata; a mapping needs each key (dotted for nested values) in the
+    custom metadata with that value, or a value the given predicate accepts."""
     if where is None:
         return True
     if callable(where):
@@ -152,8 +69,11 @@ def _matches(meta: CheckpointMetadata,
     return True
 
 
-def _score(meta: CheckpointMetadata, metric: str | Callable[[Mapping[str, Any]], Any]
-           ) -> float | None:
+def metric_value(meta: CheckpointMetadata, metric: str | Callable[[Mapping[str, Any]], Any]
+                 ) -> float | None:
+    """The checkpoint's value of ``metric`` (a name, dotted for nested metrics, or a function
+    of the metrics) as a float; None when it has none that can be compared (no metrics, the
+    name missing, not a number, NaN)."""
     if meta.metrics is None:
         return None
     try:
@@ -164,37 +84,13 @@ def _score(meta: CheckpointMetadata, metric: str | Callable[[Mapping[str, Any]],
     return None if math.isnan(v) else v
 
 
-def select_best(candidates: Iterable[CheckpointMetadata],
-                metric: str | Callable[[Mapping[str, Any]], Any], *, mode: str = "min",
-                where: Mapping[str, Any] | Callable[[CheckpointMetadata], bool] | None = None
-                ) -> CheckpointMetadata | None:
-    """Task 6.5 — the best checkpoint by a metric, among those whose metadata match.
-
-    ``metric`` names a value in the metrics (``"loss"``, or ``"eval.acc"`` for nested ones)
-    or computes one from them. ``mode`` is ``"min"`` or ``"max"``. ``where`` keeps only the
-    checkpoints whose custom metadata has the given values (``{"version": "v2"}``; a value
-    may be a predicate), or is a predicate on the whole metadata. Checkpoints without a
-    usable value (missing, not a number, NaN) never win; on a tie the newer step does.
-    """
-    if mode not in ("min", "max"):
-        raise ValueError(f"mode must be 'min' or 'max', got {mode!r}")
-    best, best_key = None, None
-    for meta in candidates:
-        if not _matches(meta, where):
-            continue
-        v = _score(meta, metric)
-        if v is None:
-            continue
-        key = (v if mode == "max" else -v, meta.step if meta.step is not None else -1)
-        if best_key is None or key > best_key:
-            best, best_key = meta, key
-    return best
-
-
 def checkpoint_metadata(source: Any, *, fs: FileSystem | None = None
                         ) -> list[CheckpointMetadata]:
     """The metadata of every readable checkpoint of a manager or a run directory, ascending
-    by step (damaged ones are skipped with a log line). Reads no array."""
+    by step (damaged ones are skipped with a log line), or already-read metadata (a list of
+    :class:`~minickpt.CheckpointMetadata`, returned as it is). Reads no array."""
+    if isinstance(source, (list, tuple)):
+        return list(source)
     if hasattr(source, "all_steps") and hasattr(source, "metadata"):
         steps, read = source.all_steps(read=True), source.metadata
     else:
@@ -221,9 +117,37 @@ def best_checkpoint(source: Any, metric: str | Callable[[Mapping[str, Any]], Any
                     mode: str = "min",
                     where: Mapping[str, Any] | Callable[[CheckpointMetadata], bool] | None = None,
                     fs: FileSystem | None = None) -> CheckpointMetadata | None:
-    """:func:`select_best` over the checkpoints of a manager or a run directory; returns the
-    winner's metadata (``.step``, ``.metrics``, ``.custom_metadata``) or None."""
-    return select_best(checkpoint_metadata(source, fs=fs), metric, mode=mode, where=where)
+    """Task 6.5 — the metadata of the best checkpoint by a metric, among those whose
+    metadata match ``where``, read from the small metadata files only, never the arrays.
+
+    ``source`` is a manager, a run directory or a list of metadata (see
+    :func:`checkpoint_metadata`); ``metric`` and ``where`` as :func:`metric_value` and
+    :func:`metadata_matches` read them. ``mode`` is ``"min"`` (a loss) or ``"max"`` (an
+    accuracy); anything else is a ValueError. A checkpoint without a usable value never wins;
+    on a tie the newer step does; None when no checkpoint qualifies.
+    """
+    if mode not in ("min", "max"):
+        raise ValueError(f"mode must be 'min' or 'max', got {mode!r}")
+    best, best_key = None, None
+    for meta in checkpoint_metadata(source, fs=fs):
+        if not metadata_matches(meta, where):
+            continue
+        v = metric_value(meta, metric)
+        if v is None:
+            continue
+        key = (v if mode == "max" else -v, meta.step if meta.step is not None else -1)
+        if best_key is None or key > best_key:
+            best, best_key = meta, key
+    return best
+
+
+def select_best(candidates: Iterable[CheckpointMetadata],
+                metric: str | Callable[[Mapping[str, Any]], Any], *, mode: str = "min",
+                where: Mapping[str, Any] | Callable[[CheckpointMetadata], bool] | None = None
+                ) -> CheckpointMetadata | None:
+    """:func:`best_checkpoint` among metadata already read (``metric``, ``mode``, ``where``
+    as there)."""
+    return best_checkpoint(list(candidates), metric, mode=mode, where=where)
 
 
 # ---------------------------------------------------------------------------------------
