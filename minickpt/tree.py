@@ -11,10 +11,11 @@ Lab 1 rebuilds :func:`flatten_with_names`, :func:`unflatten_like` and :func:`to_
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import threading
 import warnings
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -316,14 +317,54 @@ def pinning_works() -> bool:
         return _pinning
 
 
+@contextlib.contextmanager
+def own_thread_warnings() -> Iterator[list[warnings.WarningMessage]]:
+    """Collect the warnings the *calling thread* shows while the block runs; pass every other
+    thread's on, untouched, to wherever they were going.
+
+    ``warnings.catch_warnings(record=True)`` cannot do this: the warnings machinery is one per
+    process, so it records (and hides) every thread's warnings — a data loader's deprecation
+    warning during the pinning probe would turn pinning off for the whole run, and vanish.
+    Here only ``showwarning`` is wrapped: filters stay as the program set them (so this thread
+    sees what it would have seen), and the wrapper stops collecting when the block ends, even
+    if someone else's ``catch_warnings`` puts it back later.
+    """
+    me, caught, done = threading.get_ident(), [], threading.Event()
+    shown_before = warnings.showwarning
+
+    def show(message: Any, category: Any, filename: str, lineno: int,
+             file: Any = None, line: str | None = None) -> None:
+        if not done.is_set() and threading.get_ident() == me:
+            caught.append(warnings.WarningMessage(message, category, filename, lineno, file,
+                                                  line))
+        elif shown_before is getattr(warnings, "_showwarning_orig", None):
+            # the default display; a surrounding catch_warnings(record=True) swaps what it
+            # calls (_showwarnmsg_impl), so go through that, not straight to stderr
+            impl = getattr(warnings, "_showwarnmsg_impl", None)
+            msg = warnings.WarningMessage(message, category, filename, lineno, file, line)
+            impl(msg) if impl is not None else shown_before(message, category, filename,
+                                                             lineno, file, line)
+        else:
+            shown_before(message, category, filename, lineno, file, line)
+
+    warnings.showwarning = show
+    try:
+        yield caught
+    finally:
+        done.set()
+        if warnings.showwarning is show:
+            warnings.showwarning = shown_before
+
+
 def _probe_pinning() -> bool:
     """Take a view of a small CPU array, donate the array to a jitted step, delete it: the
-    view must still hold the original values, with no error and no warning on the way."""
+    view must still hold the original values, with no error and no warning on the way (from
+    this thread: other threads' warnings are none of the probe's business, and go on to
+    where they were going, :func:`own_thread_warnings`)."""
     try:
         cpu = jax.devices("cpu")
         expected = np.arange(1024, dtype=np.float32)
-        with warnings.catch_warnings(record=True) as caught:
-            warnings.simplefilter("always")
+        with own_thread_warnings() as caught:
             donate = jax.jit(lambda a: a * 0 - 7, donate_argnums=0)
             arrays = [jax.device_put(expected, cpu[0]) + 0]  # +0: a buffer XLA owns
             if len(cpu) > 1:  # a replicated array: the view pins one of its buffers
