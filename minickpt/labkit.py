@@ -584,8 +584,8 @@ def writer_threads() -> list[Any]:
     return [t for t in threading.enumerate() if t.name.startswith("minickpt-async-save")]
 
 
-def record_async_run(directory: str, *, steps: int = 12, every: int = 3,
-                     fsync_delay: float = 0.01, pause_s: float = 0.05
+def record_async_run(directory: str, *, steps: int = 12, every: int = 2,
+                     fsync_delay: float = 0.04, pause_s: float = 0.05
                      ) -> tuple[list[tuple[float, float]], list[tuple[float, float, float]],
                                 list[Any]]:
     """Run a real async training loop and return what Task 5.3 reads: each step's compute
