@@ -64,7 +64,7 @@ import os
 import threading
 import time
 import weakref
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
@@ -88,23 +88,81 @@ WAIT_WARNING_S = 1.0
 
 def snapshot(items: Mapping[str, Any], *, executor: ThreadPoolExecutor | None = None
              ) -> dict[str, ItemPlan]:
-    """Task 5.1 — the "photo": every item copied to host memory and laid out for writing.
+    """The "photo": every item copied to host memory and laid out for writing.
 
     The copy is what makes an async save safe: whatever happens to the arrays after this
     returns (in-place mutation of a numpy leaf, ``x.delete()``, donation to a jitted step)
-    cannot change what is written. Large leaves are copied in ``executor``'s threads.
+    cannot change what is written. Each leaf goes through :func:`~minickpt.tree.snapshot_leaf`
+    (the lab's Task 5.1). Large leaves are copied in ``executor``'s threads.
     (:class:`AsyncCheckpointer` goes one step further on the CPU: pinned views instead of
     copies where JAX allows it, see the module's docstring.)
     """
     return Checkpointer().plan(items, copy=True, executor=executor)
 
 
+def start_in_background(writer: AsyncWriter, fn: Callable[[], Any], what: str) -> None:
+    """Task 5.2 (start) — start the write phase ``fn`` in a thread of its own: the one save in flight.
+
+    Two saves in flight would write concurrently, commit out of order, and let retention delete
+    a checkpoint the other one still needs; so while ``writer._thread`` is alive this refuses,
+    with a :class:`MiniCkptError` naming both saves (the caller waits first). It refuses as
+    well while the last save's error (``writer._error``) has not been collected: starting
+    over it would hide that the previous checkpoint was never committed. The thread runs
+    ``run_in_background(writer, fn, what)``; it is *not* a daemon, so a normal exit of the
+    program waits for it and the pending save commits. ``writer._thread`` and
+    ``writer._what`` are set under ``writer._lock``, before the thread starts.
+    """
+    with writer._lock:
+        if writer._thread is not None and writer._thread.is_alive():
+            raise MiniCkptError(f"cannot start the background save of {what}: the save of "
+                                f"{writer._what} is still in flight (wait() first)")
+        if writer._error is not None:
+            raise MiniCkptError(f"cannot start the background save of {what}: the error "
+                                f"of the save of {writer._what} was not collected yet")
+        thread = threading.Thread(target=run_in_background, args=(writer, fn, what),
+                                  name=f"{writer.name}:{what}", daemon=False)
+        writer._thread, writer._what = thread, what
+    thread.start()
+
+
+def run_in_background(writer: AsyncWriter, fn: Callable[[], Any], what: str) -> None:
+    """Task 5.2 (run) — the body of the writer's thread: run ``fn()``, keep what it raised.
+
+    Nobody is there to catch an exception in a background thread: left alone it is printed
+    by ``threading.excepthook`` and the training loop goes on, believing its checkpoint
+    exists. So every exception — ``BaseException``, the original object with its errno and
+    traceback, not a summary — is kept in ``writer._error`` (under ``writer._lock``) for the
+    next call in the training loop to raise, with a note saying which save raised it.
+    """
+    try:
+        fn()
+    except BaseException as e:  # kept for the training loop, never swallowed
+        e.add_note(f"minickpt: raised in the background by the async save of {what}")
+        with writer._lock:
+            writer._error = e
+
+
+def collect_error(writer: AsyncWriter) -> None:
+    """Task 5.2 (collect) — raise the kept error of a finished write phase, once; never block.
+
+    Raised as it is (an ``OSError`` keeps its errno, say ``ENOSPC``, so the loop can react to
+    it), and forgotten in the same step, under ``writer._lock``, so the next save can start:
+    one failure is reported once, not at every call that follows.
+    """
+    with writer._lock:
+        err, writer._error = writer._error, None
+    if err is not None:
+        raise err
+
+
 class AsyncWriter:
-    """Task 5.2 — runs one write phase at a time in a background thread and keeps its error.
+    """Runs one write phase at a time in a background thread and keeps its error.
 
     ``start(fn)`` runs ``fn()`` in a new (non-daemon) thread; the caller must first
     :meth:`wait` for the previous one. An exception from ``fn`` is kept and raised, once, by
     :meth:`check_for_errors` (and so by :meth:`wait_until_finished` and :meth:`close`).
+    The three steps are the lab's Task 5.2: :func:`start_in_background`,
+    :func:`run_in_background`, :func:`collect_error`.
     """
 
     def __init__(self, *, name: str = "minickpt-async-save",
@@ -119,26 +177,7 @@ class AsyncWriter:
 
     def start(self, fn: Callable[[], Any], *, what: str) -> None:
         """Run the write phase ``fn`` in the background; ``what`` names it in messages."""
-        with self._lock:
-            if self._thread is not None and self._thread.is_alive():
-                raise MiniCkptError(f"cannot start the background save of {what}: the save of "
-                                    f"{self._what} is still in flight (wait() first)")
-            if self._error is not None:
-                raise MiniCkptError(f"cannot start the background save of {what}: the error "
-                                    f"of the save of {self._what} was not collected yet")
-            # Not a daemon: a normal interpreter exit waits for it, so a pending save commits.
-            thread = threading.Thread(target=self._run, args=(fn, what),
-                                      name=f"{self.name}:{what}", daemon=False)
-            self._thread, self._what = thread, what
-        thread.start()
-
-    def _run(self, fn: Callable[[], Any], what: str) -> None:
-        try:
-            fn()
-        except BaseException as e:  # kept for the training loop, never swallowed
-            e.add_note(f"minickpt: raised in the background by the async save of {what}")
-            with self._lock:
-                self._error = e
+        start_in_background(self, fn, what)
 
     def wait(self, *, reason: str | None = None) -> float:
         """Block until no write phase runs; return the seconds waited. Never raises its error.
@@ -164,10 +203,7 @@ class AsyncWriter:
 
     def check_for_errors(self) -> None:
         """Raise the error of a finished write phase — the original exception — once."""
-        with self._lock:
-            err, self._error = self._error, None
-        if err is not None:
-            raise err
+        collect_error(self)
 
     def wait_until_finished(self) -> None:
         """Block until the write phase in flight (if any) is done; raise its error."""
@@ -445,7 +481,7 @@ class AsyncCheckpointer(Checkpointer):
 
 
 def timeline(history: Iterable[SaveStats]) -> list[dict[str, Any]]:
-    """Task 5.3 — each save as intervals on one clock, for plotting and measuring overlap.
+    """Each save as intervals on one clock, for plotting and measuring overlap (:func:`overlap`).
 
     Times are seconds since the first save began: ``start`` → ``unblocked`` is the training
     loop's pause (the wait for the previous save, then the snapshot); ``unblocked`` → ``end``
@@ -465,3 +501,40 @@ def timeline(history: Iterable[SaveStats]) -> list[dict[str, Any]]:
                     "fsync_s": s.fsync_s, "commit_s": s.commit_s,
                     "hidden_s": max(0.0, s.total_s - s.blocking_s), "bytes": s.bytes})
     return out
+
+
+def save_intervals(history: Iterable[SaveStats]) -> list[tuple[float, float, float]]:
+    """Each save as ``(start, unblocked, end)`` on the wall clock (``time.time()``): called,
+    returned to the training loop, finished in the background. What :func:`overlap` reads."""
+    return [(s.start_time, s.start_time + s.blocking_s, s.start_time + s.total_s)
+            for s in sorted(history, key=lambda s: s.start_time)]
+
+
+def overlap(steps: Sequence[tuple[float, float]],
+            saves: Sequence[tuple[float, float, float]]) -> dict[str, float]:
+    """Task 5.3 — what the saves of a real run cost the training loop, from its timestamps.
+
+    ``steps``: each training step's compute as ``(start, end)``; ``saves``: each save as
+    ``(start, unblocked, end)`` — ``save()`` called, ``save()`` returned, background write
+    finished (:func:`save_intervals`); all on one clock, in seconds, in any order. Steps do
+    not overlap one another, nor do two saves' background writes (one save in flight).
+
+    Returns, in seconds: ``blocked_s``, the time spent inside ``save()`` (sum of
+    ``unblocked - start``); ``stall_s``, the part of it spent waiting for the *previous*
+    save's write to end (a save that arrives before the previous one finished); ``write_s``,
+    the background time (sum of ``end - unblocked``); ``hidden_s``, the part of ``write_s``
+    that ran while a training step computed — the intersection with the steps, not the wall
+    time after ``save()`` returned, which also counts evaluation, logging or the final
+    ``wait_until_finished()``. An empty run costs nothing: every value 0.0.
+    """
+    saves = sorted(saves)
+    blocked = stall = write = hidden = 0.0
+    prev_end = float("-inf")
+    for start, unblocked, end in saves:
+        blocked += unblocked - start
+        stall += max(0.0, min(unblocked, prev_end) - start)
+        write += end - unblocked
+        for s0, s1 in steps:
+            hidden += max(0.0, min(end, s1) - max(unblocked, s0))
+        prev_end = end
+    return {"blocked_s": blocked, "stall_s": stall, "write_s": write, "hidden_s": hidden}

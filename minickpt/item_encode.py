@@ -175,9 +175,9 @@ def plan_item(tree: Any, *, copy: bool = False, executor: Executor | None = None
 
 
 def _host(leaf: Any, copy: bool, pin: bool, path: str) -> Any:
-    if copy and pin:
-        return snapshot_leaf(leaf, path=path, pin=True)
-    return to_host(leaf, copy=copy, path=path)
+    if copy:  # the snapshot of an async save (Task 5.1), copied or pinned
+        return snapshot_leaf(leaf, path=path, pin=pin)
+    return to_host(leaf, path=path)
 
 
 def _on_accelerator(named: Sequence[tuple[Names, Any]]) -> bool:

@@ -11,11 +11,12 @@ Lab 1 rebuilds :func:`flatten_with_names`, :func:`unflatten_like` and :func:`to_
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import threading
 import warnings
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -359,14 +360,54 @@ def pinning_works() -> bool:
         return _pinning
 
 
+@contextlib.contextmanager
+def own_thread_warnings() -> Iterator[list[warnings.WarningMessage]]:
+    """Collect the warnings the *calling thread* shows while the block runs; pass every other
+    thread's on, untouched, to wherever they were going.
+
+    ``warnings.catch_warnings(record=True)`` cannot do this: the warnings machinery is one per
+    process, so it records (and hides) every thread's warnings — a data loader's deprecation
+    warning during the pinning probe would turn pinning off for the whole run, and vanish.
+    Here only ``showwarning`` is wrapped: filters stay as the program set them (so this thread
+    sees what it would have seen), and the wrapper stops collecting when the block ends, even
+    if someone else's ``catch_warnings`` puts it back later.
+    """
+    me, caught, done = threading.get_ident(), [], threading.Event()
+    shown_before = warnings.showwarning
+
+    def show(message: Any, category: Any, filename: str, lineno: int,
+             file: Any = None, line: str | None = None) -> None:
+        if not done.is_set() and threading.get_ident() == me:
+            caught.append(warnings.WarningMessage(message, category, filename, lineno, file,
+                                                  line))
+        elif shown_before is getattr(warnings, "_showwarning_orig", None):
+            # the default display; a surrounding catch_warnings(record=True) swaps what it
+            # calls (_showwarnmsg_impl), so go through that, not straight to stderr
+            impl = getattr(warnings, "_showwarnmsg_impl", None)
+            msg = warnings.WarningMessage(message, category, filename, lineno, file, line)
+            impl(msg) if impl is not None else shown_before(message, category, filename,
+                                                             lineno, file, line)
+        else:
+            shown_before(message, category, filename, lineno, file, line)
+
+    warnings.showwarning = show
+    try:
+        yield caught
+    finally:
+        done.set()
+        if warnings.showwarning is show:
+            warnings.showwarning = shown_before
+
+
 def _probe_pinning() -> bool:
     """Take a view of a small CPU array, donate the array to a jitted step, delete it: the
-    view must still hold the original values, with no error and no warning on the way."""
+    view must still hold the original values, with no error and no warning on the way (from
+    this thread: other threads' warnings are none of the probe's business, and go on to
+    where they were going, :func:`own_thread_warnings`)."""
     try:
         cpu = jax.devices("cpu")
         expected = np.arange(1024, dtype=np.float32)
-        with warnings.catch_warnings(record=True) as caught:
-            warnings.simplefilter("always")
+        with own_thread_warnings() as caught:
             donate = jax.jit(lambda a: a * 0 - 7, donate_argnums=0)
             arrays = [jax.device_put(expected, cpu[0]) + 0]  # +0: a buffer XLA owns
             if len(cpu) > 1:  # a replicated array: the view pins one of its buffers
@@ -454,9 +495,18 @@ def to_host(x: Any, *, copy: bool = False, path: str = "<leaf>") -> Any:
 
 
 def snapshot_leaf(x: Any, *, path: str = "<leaf>", pin: bool = False) -> Any:
-    """One leaf as a host snapshot that later mutation, deletion or donation cannot change:
-    :func:`to_host` with ``copy=True`` — or, with ``pin=True``, a CPU array's view that pins
-    its buffer (:func:`pinned_view`), which is as safe and costs no copy."""
+    """Task 5.1 — one leaf as a host "photo" that nothing done to ``x`` after this returns can change.
+
+    An async ``save()`` returns as soon as every leaf has been through this, and the training
+    loop goes on: it may write into a numpy leaf in place, donate a ``jax.Array``'s buffer to
+    a jitted step (XLA writes the next state into that memory) or ``delete()`` it, while the
+    background writer has not read a byte yet. So the result must own its memory, or hold it
+    in a way JAX respects: :func:`to_host` with ``copy=True`` (host memory of its own, dtype
+    kept, typed keys as :class:`HostKey`, no double copy after a GPU/TPU transfer). With
+    ``pin=True`` a CPU array's view that pins its buffer (:func:`pinned_view`, None when it
+    cannot) is as safe and costs no copy, so it is taken where it exists. Leaves minickpt
+    cannot store raise :class:`UnsupportedLeafError` naming ``path``, before anything is written.
+    """
     if pin and isinstance(x, jax.Array):
         view = pinned_view(x)
         if view is not None:

@@ -13,6 +13,7 @@ import subprocess
 import sys
 import textwrap
 import threading
+import warnings
 from concurrent.futures import ThreadPoolExecutor
 
 import jax
@@ -577,3 +578,55 @@ def test_timings_are_recorded_and_consistent(tmp_path):
     for a, b in itertools.pairwise(rows):
         assert a["start"] <= a["unblocked"] < a["end"] <= b["unblocked"] + 1e-3
     assert all(r["hidden_s"] > 0 for r in rows)
+
+
+# ---- the pinning probe hears only its own thread's warnings -----------------------------
+def _probe_with(monkeypatch, noise):
+    """Run the one-time pinning probe again, with ``noise()`` called in the middle of it."""
+    real_view = mtree.pinned_view
+
+    def view_with_noise(x, *, probe=True):
+        noise()
+        return real_view(x, probe=probe)
+
+    monkeypatch.setattr(mtree, "_pinning", None)
+    monkeypatch.setattr(mtree, "pinned_view", view_with_noise)
+    return mtree.pinning_works()
+
+
+def test_other_threads_warnings_neither_turn_pinning_off_nor_vanish(monkeypatch):
+    """A data loader warning in its own thread while the probe runs (the probe runs once, at
+    the first async save, so any busy program may do this) must not turn zero-copy pinning off
+    for the whole process, and its warning must still reach the program's warning handling."""
+    if not mtree._probe_pinning():
+        pytest.skip(f"jax {jax.__version__} does not pin CPU buffers")
+
+    calls = []
+
+    def loader_warns():
+        calls.append(1)
+
+        def warn():
+            warnings.warn("loader: this API is deprecated", DeprecationWarning, stacklevel=1)
+        t = threading.Thread(target=warn)
+        t.start()
+        t.join()
+
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        assert _probe_with(monkeypatch, loader_warns) is True, \
+            "another thread's warning during the probe turned pinning off"
+    assert [str(w.message) for w in seen if w.category is DeprecationWarning] == \
+        ["loader: this API is deprecated"] * len(calls) and calls, \
+        "the loader's warnings were swallowed by the probe"
+
+
+def test_a_warning_of_the_probe_itself_still_turns_pinning_off(monkeypatch):
+    """The probe's own thread warning (e.g. JAX saying a donated buffer was not usable) keeps
+    its meaning: the probe cannot vouch for pinning, so snapshots copy."""
+    def probe_warns():
+        warnings.warn("Some donated buffers were not usable", UserWarning, stacklevel=1)
+
+    with warnings.catch_warnings(record=True):
+        warnings.simplefilter("always")
+        assert _probe_with(monkeypatch, probe_warns) is False

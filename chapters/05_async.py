@@ -1,0 +1,608 @@
+# ---
+# jupyter:
+#   jupytext:
+#     cell_metadata_filter: -all
+#     formats: ipynb,py:percent
+#     notebook_metadata_filter: -jupytext.text_representation.jupytext_version
+#     text_representation:
+#       extension: .py
+#       format_name: percent
+#       format_version: '1.3'
+#   kernelspec:
+#     display_name: Python 3 (ipykernel)
+#     language: python
+#     name: python3
+# ---
+
+# %% [markdown]
+# <a href="https://colab.research.google.com/github/minickpt-course/checkpointing-in-jax/blob/main/chapters/05_async.ipynb" target="_parent"><img src="https://colab.research.google.com/assets/colab-badge.svg" alt="Open In Colab"/></a>
+
+# %%
+# Course set-up, the same in every notebook (written by scripts/notebooks.py).
+# On Colab it installs the course package; everywhere it asks JAX for 4 CPU devices
+# (so that sharding works on a laptop) before JAX is imported. A GPU or TPU is used when present.
+import os
+import sys
+
+if "google.colab" in sys.modules:
+    import subprocess
+
+    package = "minickpt[colab] @ git+https://github.com/minickpt-course/checkpointing-in-jax"
+    subprocess.run([sys.executable, "-m", "pip", "install", "-q", package], check=True)
+if "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):
+    os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "")
+                               + " --xla_force_host_platform_device_count=4").strip()
+
+# %% [markdown]
+# # Chapter 5 — Async: saving without stopping
+#
+# The convoy of chapter 1 has a problem: every time it reaches a depot, the whole truck stops
+# while the load is counted and written into the ledger. The fix the dispatcher found: the
+# truck keeps driving, and the co-driver *photographs* the load sheet and sends the photo to
+# the depot, where a clerk copies it into the ledger at leisure. The truck loses only the
+# second the photo takes. There is one condition: the sheet must hold still while it is
+# photographed. If the photo catches the driver halfway through rewriting it, the clerk copies
+# nonsense.
+#
+# That is an asynchronous checkpoint: a fast **snapshot** of the training state to host memory
+# (the photo), then a **background write** to disk while training goes on. This chapter
+# measures, on your devices:
+#
+# 1. what a blocking save costs a real training loop;
+# 2. how long each of the two phases takes, for states of several sizes;
+# 3. what goes wrong when the "photo" is not a photo (the consistency boundary);
+# 4. how much of the write hides behind compute, the ideal $T_{\text{iter}} = \max(T_{\text{compute}}, T_{\text{save}})$,
+#    and what happens when saves come faster than they can be written;
+# 5. how an error in the background reaches the training loop;
+# 6. Orbax's async `CheckpointManager` beside minickpt's.
+#
+# It runs in about a minute on a laptop CPU, and unchanged on a Colab GPU or TPU.
+
+# %%
+import errno
+import logging
+import os
+import shutil
+import threading
+import time
+from pathlib import Path
+
+logging.getLogger("absl").setLevel(logging.ERROR)  # Orbax's note that TensorFlow is absent
+
+import jax
+import jax.numpy as jnp
+import matplotlib.pyplot as plt
+import numpy as np
+import orbax.checkpoint as ocp
+
+import minickpt as mc
+from minickpt import asynchronous as masync
+from minickpt.demo import SlowDisk
+from minickpt.fs import FaultyFileSystem, FileSystem
+
+devices = jax.devices()
+print(f"JAX {jax.__version__} sees {len(devices)} {devices[0].platform.upper()} device(s): "
+      f"{devices}")
+DEVICE = devices[0]
+ON_CPU = DEVICE.platform == "cpu"
+
+WORK = Path("ch05-work").absolute()  # everything this notebook writes; Orbax wants absolute
+shutil.rmtree(WORK, ignore_errors=True)
+WORK.mkdir()
+
+# %% [markdown]
+# ## 0. A training loop to save
+#
+# A stand-in for a model: a state of `n_mb` megabytes of float32 "parameters" on the first
+# device, and a jitted training step that does a fixed amount of matrix work (`iters`
+# multiplications of a 256 × 256 matrix, so that compute time and state size can be varied
+# apart) and then updates every parameter. Like a real training step it **donates** the old
+# state (`donate_argnums=0`): XLA may write the new state into the old one's memory instead of
+# holding two copies. Remember that: it is what makes the snapshot delicate in section 3.
+
+# %%
+W = jax.device_put(jnp.eye(256) * 0.5 + 0.01, DEVICE)
+
+
+def make_state(n_mb: float, leaves: int = 4) -> dict:
+    n = int(n_mb * 1e6 / 4 / leaves)
+    return {f"w{i}": jax.device_put(jnp.full((n,), float(i), jnp.float32), DEVICE)
+            for i in range(leaves)}
+
+
+def make_step(iters: int):
+    def step(state, x):
+        y = jax.lax.fori_loop(0, iters, lambda _, y: jnp.tanh(y @ W), x)
+        g = jnp.mean(y)
+        return {k: v * 0.999 + 1e-3 * g for k, v in state.items()}
+    return jax.jit(step, donate_argnums=0)
+
+
+X = jax.device_put(jnp.ones((256, 256)) * 0.1, DEVICE)
+
+
+def timed_steps(state, step, n):
+    """Run n steps; return the state and each step's (start, end) on the wall clock."""
+    spans = []
+    for _ in range(n):
+        t0 = time.time()
+        state = jax.block_until_ready(step(state, X))
+        spans.append((t0, time.time()))
+    return state, spans
+
+
+def step_of(ms: float):
+    """A step that computes for about `ms` milliseconds on this device (calibrated here, so
+    that the experiments below mean the same on a laptop CPU and on a GPU)."""
+    iters = 64
+    for _ in range(3):  # guess, measure, correct: other programs make one measurement noisy
+        stepper = make_step(iters)
+        _, sp = timed_steps(make_state(1), stepper, 6)  # the first one compiles
+        took = float(np.median([b - a for a, b in sp[1:]]))
+        iters = max(1, round(iters * ms / 1e3 / took))
+    return stepper, took
+
+
+step, t_step = step_of(40)
+print(f"one training step on {DEVICE.platform}: {t_step * 1e3:.1f} ms")
+
+# %% [markdown]
+# ## 1. The cost of a blocking save
+#
+# Forty steps of an 8 MB state, a checkpoint every 10. First with a **synchronous** save (the loop waits until the
+# checkpoint is durable on disk: written, fsynced, renamed), then with an **async** one
+# (`enable_async_checkpointing=True`: the loop waits only for the snapshot).
+
+# %%
+def run(n_steps, every, opts, fs=None, state_mb=8, step_fn=step, where="run"):
+    """A training loop that saves every `every` steps. Returns each step's compute span, each
+    step's whole time (compute + the save made at its end) and the manager's save history,
+    all on the wall clock."""
+    s = make_state(state_mb)
+    spans, whole = [], []
+    with mc.CheckpointManager(WORK / where, opts, fs=fs) as mngr:
+        for i in range(1, n_steps + 1):
+            t0 = time.time()
+            s = jax.block_until_ready(step_fn(s, X))
+            spans.append((t0, time.time()))
+            if i % every == 0:
+                mngr.save(i, {"state": s})
+            whole.append(time.time() - t0)
+        mngr.wait_until_finished()
+        history = list(mngr.save_history)
+    return spans, whole, history
+
+
+SYNC = mc.CheckpointManagerOptions(max_to_keep=2)
+ASYNC = mc.CheckpointManagerOptions(max_to_keep=2, enable_async_checkpointing=True)
+# Warm-ups, so that the runs measure steady state: compile the step for this state's shape,
+# and make one async save first (the first one of a process also probes, once, whether this
+# JAX pins CPU buffers, and starts its threads).
+jax.block_until_ready(step(make_state(8), X))
+run(1, 1, ASYNC, where="warm-up")
+_, whole_sync, hist_sync = run(40, 10, SYNC, where="sync")
+_, whole_async, hist_async = run(40, 10, ASYNC, where="async")
+for name, whole, hist in (("sync", whole_sync, hist_sync), ("async", whole_async, hist_async)):
+    blocked = np.median([h.blocking_s for h in hist])  # median: the first async save of a
+    total = np.median([h.total_s for h in hist])       # process also probes JAX's pinning
+    wall = sum(whole)
+    print(f"{name:5s}: 40 steps in {wall:.2f} s; a save blocks the loop {blocked * 1e3:7.1f} ms "
+          f"of its {total * 1e3:6.1f} ms (medians)")
+
+# %%
+fig, ax = plt.subplots(figsize=(10, 3.4))
+for name, whole, color in (("synchronous save", whole_sync, "tab:red"),
+                           ("async save", whole_async, "tab:green")):
+    ax.plot(range(1, 41), [w * 1e3 for w in whole], "o-", ms=3, color=color, label=name)
+for s in range(10, 41, 10):
+    ax.axvline(s, color="grey", lw=0.5, ls=":")
+ax.set_xlabel("training step (dotted: a checkpoint is saved at the end of the step)")
+ax.set_ylabel("step time incl. save (ms)")
+ax.set_yscale("log")
+ax.legend()
+ax.set_title("Figure 1 — step times with a checkpoint every 10 steps")
+plt.show()
+
+# %% [markdown]
+# *Figure 1: each point is one step's wall time, including the save made at its end (log
+# scale). The synchronous steps at 10, 20, 30, 40 include a whole save; an async one includes
+# only its snapshot — compare the medians printed above.*
+#
+# The size of the gap is your disk's: the synchronous spike is the full save (write + fsync +
+# rename); the async save's own step is longer only by the snapshot. On a fast local SSD and a
+# small state the spikes are small; on a network disk or a 10 GB state they are seconds — per
+# save. Look also at the steps *after* an async save: the background writer is not free either.
+# It needs a CPU core to checksum the bytes and copy them into the operating system's page
+# cache, so on a busy 2-core laptop the next few steps can be slower while it writes (on a
+# machine with idle cores, or with the compute on a GPU/TPU, much less so). That is the part
+# of the save async hides only partly.
+
+# %% [markdown]
+# ## 2. Two phases: the photo and the write
+#
+# An async save is two phases:
+#
+# $$T_{\text{save}} = \underbrace{T_{\text{snapshot}}}_{\text{blocks the loop}} + \underbrace{T_{\text{write}}}_{\text{background: files, fsync, rename}}$$
+#
+# **The snapshot** brings every leaf into host memory that nothing else will change. On a GPU
+# or TPU that is the device-to-host transfer, which *is* a copy: its cost is bytes divided by the
+# PCIe/host bandwidth. On the CPU the array already lives in host memory, and
+# `np.asarray(x)` is a *view* of its buffer. minickpt then has two choices: copy it (at memory
+# bandwidth, milliseconds per 100 MB), or keep the view — JAX *pins* a
+# buffer while a numpy view of it is alive, so a donating step cannot take it and `x.delete()`
+# leaves the bytes alone. minickpt checks once per process that this JAX behaves so, and then
+# uses pinned views (`AsyncCheckpointer(zero_copy=False)` forces copies).
+#
+# Measured for several state sizes, with both snapshot kinds:
+
+# %%
+sizes_mb = [4, 16, 48]
+rows = []
+for mb in sizes_mb:
+    s = make_state(mb)
+    for zero_copy in (True, False):
+        with mc.AsyncCheckpointer(zero_copy=zero_copy) as ck:
+            runs = []
+            for rep in range(2):  # the best of two: other programs make single runs noisy
+                st = ck.save(WORK / f"phases-{mb}-{zero_copy}-{rep}", {"state": s})
+                ck.wait_until_finished()
+                runs.append((st.snapshot_s, st.blocking_s, st.total_s - st.blocking_s))
+        rows.append((mb, zero_copy, *np.min(runs, axis=0)))
+    del s
+for p in WORK.glob("phases-*"):
+    shutil.rmtree(p)
+print(f"{'state':>7s} {'snapshot kind':>14s} {'snapshot':>9s} {'blocked':>9s} {'write':>9s}")
+for mb, zc, snap, blk, wr in rows:
+    kind = ("pinned view" if zc else "copy") if ON_CPU else "device->host"
+    print(f"{mb:5d}MB {kind:>14s} {snap * 1e3:7.1f}ms {blk * 1e3:7.1f}ms {wr * 1e3:7.1f}ms")
+
+# %%
+fig, ax = plt.subplots(figsize=(8, 3.4))
+for zc, marker, label in ((True, "o", "snapshot, pinned view (CPU) / transfer (GPU, TPU)"),
+                          (False, "s", "snapshot, copy")):
+    pts = [(mb, snap * 1e3) for mb, z, snap, _, _ in rows if z == zc]
+    ax.plot(*zip(*pts, strict=True), marker + "-", label=label)
+ax.plot(sizes_mb, [wr * 1e3 for mb, z, _, _, wr in rows if z], "^--", color="grey",
+        label="background write")
+ax.set_xlabel("state size (MB)")
+ax.set_ylabel("time (ms)")
+ax.set_yscale("log")
+ax.legend(fontsize=8)
+ax.set_title("Figure 2 — the photo is short; the write is long")
+plt.show()
+
+# %% [markdown]
+# *Figure 2: time of the snapshot (what blocks the loop) and of the background write, per
+# state size, log scale.*
+#
+# What to look for: the write grows with the bytes and dominates. A **copy** snapshot grows
+# with the bytes too, at memory bandwidth. On the CPU the **pinned view** stays at a fraction
+# of a millisecond whatever the size: it copies nothing. (The price moves rather than
+# vanishes: the first donating step after a save must allocate a fresh buffer instead of
+# reusing the pinned one.) On a GPU or TPU both rows are the device-to-host transfer.
+
+# %% [markdown]
+# ## 3. The consistency boundary
+#
+# Why must the photo be finished before `save()` returns? Because the next line of the
+# training loop may change the very memory the state lives in:
+#
+# * a **numpy leaf** (a data-loader position, a host-side EMA, a metrics buffer) can be written
+#   in place: `pos += 1`;
+# * a **`jax.Array`** is immutable as a value, but its *buffer* is not: a step jitted with
+#   `donate_argnums` hands it to XLA, which writes the next state into it and marks the old
+#   array deleted.
+#
+# A writer that keeps *references* and reads them later writes whatever is there *then*. Here is
+# such a naive background writer. To make the race certain instead of lucky, it reads its first
+# leaf, then waits for a signal before reading the rest — as a slow disk would make it wait.
+
+# %%
+def naive_async_save(tree: dict, out: dict, go: threading.Event) -> threading.Thread:
+    """Keep references; read the leaves later, in a thread (the mistake)."""
+    first_done = threading.Event()
+
+    def write():
+        for i, (name, leaf) in enumerate(tree.items()):
+            if i == 1:
+                first_done.set()
+                go.wait(10)  # the disk is busy with the first leaf...
+            try:
+                out[name] = np.array(leaf)  # read *now*, not when save() was called
+            except Exception as e:
+                out[name] = f"{type(e).__name__}: {str(e).splitlines()[0]}"
+    t = threading.Thread(target=write)
+    t.start()
+    first_done.wait(10)  # (only to make this demonstration certain: the first leaf is read)
+    return t
+
+
+position = np.zeros(4, np.int64)  # a data loader's state, kept in numpy
+state = make_state(1)
+truth = {"position": position.copy(), **{k: np.array(v) for k, v in state.items()}}
+saved, go = {}, threading.Event()
+t = naive_async_save({**state, "position": position}, saved, go)
+# save() "returned": training goes on
+position += 1                        # the loader moves on, in place
+state = step(state, X)               # the old state's buffers are donated
+go.set()
+t.join()
+for name in saved:
+    got = saved[name]
+    verdict = "ok" if isinstance(got, np.ndarray) and np.array_equal(got, truth[name]) else "WRONG"
+    shown = got if isinstance(got, str) else got[:3]
+    print(f"{name:9s} {verdict:5s} saved {shown}   at save(): {truth[name][:3]}")
+
+# %% [markdown]
+# The "checkpoint" is torn: `w0` was read before the training step and holds its value at
+# `save()`; the other parameters were read after the step had donated their buffers (JAX
+# refuses: `Array has been deleted`, since XLA owns that memory now), and `position` holds the
+# loader's *next* value. Restoring it would resume from a state that never existed.
+#
+# The same run with minickpt's async save. The `GatedFS` below holds the background writer at
+# its first file-system call until the training step has run, so the writer certainly reads
+# after the mutation and the donation:
+
+# %%
+class GatedFS(FileSystem):
+    """Holds the background write at its first mkdir until `gate` is set."""
+
+    def __init__(self):
+        self.gate = threading.Event()
+
+    def mkdir(self, path, mode=0o755):
+        self.gate.wait(10)
+        super().mkdir(path, mode)
+
+
+position = np.zeros(4, np.int64)
+state = make_state(1)
+truth = {"position": position.copy(), **{k: np.array(v) for k, v in state.items()}}
+fs = GatedFS()
+with mc.CheckpointManager(WORK / "boundary", ASYNC, fs=fs) as mngr:
+    mngr.save(1, {"s": {"position": position, **state}})
+    position += 1
+    state = step(state, X)
+    fs.gate.set()
+    mngr.wait_until_finished()
+    restored = mngr.restore(1)["s"]
+for name, want in truth.items():
+    print(f"{name:9s} {'exact' if np.array_equal(np.asarray(restored[name]), want) else 'WRONG'}")
+
+# %% [markdown]
+# Exact: every leaf holds its value at the moment `save()` was called. The **consistency
+# boundary** is the return of `save()`: before it, the state is photographed; after it, the loop
+# may do anything to its buffers. Everything that blocks (copying, or pinning, or the
+# device-to-host transfer) lies before that line; everything slow (files, fsync, rename)
+# after it.
+
+# %% [markdown]
+# ## 4. Overlap: a timeline of a real run
+#
+# While the background thread writes, the loop computes. Take a save every $N$ steps, each
+# step computing for $t_c$, a save whose background write takes $T_{\text{write}}$ and whose snapshot blocks for
+# $T_{\text{snap}}$. With one save in flight, the time of one save interval is ideally
+#
+# $$T_{\text{interval}} \approx T_{\text{snap}} + \max(N\,t_c,\; T_{\text{write}})$$
+#
+# — the seed's $T_{\text{iter}} = \max(T_{\text{compute}}, T_{\text{save}})$, per interval, with the snapshot counted apart ($T_{\text{snap}} \to 0$ gives the seed's form). If the write is shorter
+# than the compute, it is hidden entirely; if longer, the next `save()` waits for it (a
+# **stall**). To make the save time a knob, this section writes through `SlowDisk`, a file
+# system whose every fsync takes `delay` seconds longer (like a busy network disk).
+#
+# First one run (1 MB state, a save every 10 steps), drawn from its own timestamps: the step spans recorded by the loop, and each
+# save's `(start, unblocked, end)` from the manager's `save_history`
+# (`minickpt.asynchronous.save_intervals`).
+
+# %%
+spans, _, hist = run(30, 10, ASYNC, fs=SlowDisk(0.005), state_mb=1, where="gantt")
+saves = masync.save_intervals(hist)
+cost = masync.overlap(spans, saves)
+origin = spans[0][0]
+fig, ax = plt.subplots(figsize=(10, 2.6))
+ax.broken_barh([(a - origin, b - a) for a, b in spans], (10, 8), facecolors="tab:blue")
+ax.broken_barh([(s - origin, u - s) for s, u, _ in saves], (10, 8), facecolors="tab:red")
+ax.broken_barh([(u - origin, e - u) for _, u, e in saves], (0, 8), facecolors="tab:orange")
+ax.set_yticks([4, 14], ["background\nwrite", "training loop"])
+ax.set_xlabel("time since the first step (s)")
+ax.set_title("Figure 3 — steps (blue), save() blocking (red), background writes (orange)")
+plt.show()
+print({k: round(v * 1e3, 1) for k, v in cost.items()}, "(ms)")
+
+# %% [markdown]
+# *Figure 3: a Gantt chart of the run, from real timestamps. The red slivers are the loop's
+# pauses inside `save()`; each orange write runs under the blue steps that follow it.*
+#
+# `overlap` (the lab's Task 5.3) turns the timestamps into the four numbers printed: the time
+# blocked in `save()`, the part of it that was a stall, the total write time, and the part of
+# the write that ran *while a step computed*. Now vary the compute per interval and the save
+# time, and compare the measured interval with the formula:
+
+# %%
+N = 4
+results = []
+for ms in (5, 90):  # compute per step
+    stepper, _ = step_of(ms)
+    for delay in (0.002, 0.06):  # extra seconds per fsync (a save makes about 7)
+        spans, _, hist = run(4 * N, N, ASYNC, fs=SlowDisk(delay), state_mb=1, step_fn=stepper,
+                             where=f"grid-{ms}-{delay}")
+        t_c = float(np.mean([b - a for a, b in spans]))
+        t_snap = float(np.median([h.snapshot_s for h in hist]))
+        t_write = float(np.median([h.total_s - h.blocking_s for h in hist]))
+        # from one save's return to the next one's: one whole interval, stall included
+        measured = float(np.mean(np.diff([u for _, u, _ in masync.save_intervals(hist)])))
+        predicted = t_snap + max(N * t_c, t_write)
+        c = masync.overlap(spans, masync.save_intervals(hist))
+        results.append((N * t_c, t_write, predicted, measured, c["stall_s"] / len(hist)))
+print(f"{'N*t_c':>8s} {'T_write':>8s} {'predicted':>10s} {'measured':>9s} {'stall/save':>11s}")
+for nt, ts, pr, me, stall in results:
+    print(f"{nt * 1e3:6.0f}ms {ts * 1e3:6.0f}ms {pr * 1e3:8.0f}ms {me * 1e3:7.0f}ms "
+          f"{stall * 1e3:9.0f}ms")
+
+# %%
+fig, ax = plt.subplots(figsize=(5, 4))
+pr, me = [r[2] * 1e3 for r in results], [r[3] * 1e3 for r in results]
+ax.plot(pr, me, "o")
+lim = [0, max(pr + me) * 1.15]
+ax.plot(lim, lim, "k--", lw=0.8, label="measured = predicted")
+ax.set_xlabel(r"predicted interval  $T_{snap} + \max(N t_c, T_{write})$ (ms)")
+ax.set_ylabel("measured interval (ms)")
+ax.legend()
+ax.set_title("Figure 4 — the slower of compute and save sets the pace")
+plt.show()
+
+# %% [markdown]
+# *Figure 4: each point is one (compute, save time) pair; the dashed line is a perfect
+# prediction.*
+#
+# What to look for: the points lie near the line, a little above it (the writer thread and the
+# loop share the interpreter and, on a 2-core machine, the cores). Where $T_{\text{write}} > N t_c$ the
+# stall column is no longer zero: the loop waits at each `save()` for the previous write. The
+# stall is not a bug of async saving — saves simply come faster than the disk takes them — but
+# it is a sign to save less often. minickpt keeps **one save in flight** (a second write at the
+# same time would compete for the same disk and could commit out of order), and it says so in a
+# warning when the wait exceeds a second:
+
+# %%
+records = []
+handler = logging.Handler()
+handler.emit = records.append
+logging.getLogger("minickpt").addHandler(handler)
+spans, _, hist = run(2, 1, ASYNC, fs=SlowDisk(0.25), state_mb=1, where="stall")
+logging.getLogger("minickpt").removeHandler(handler)
+c = masync.overlap(spans, masync.save_intervals(hist))
+print(f"waited for the previous save: {c['stall_s']:.2f} s of {c['blocked_s']:.2f} s blocked "
+      f"(the manager's own count: {sum(h.wait_s for h in hist):.2f} s)")
+for r in records:
+    if r.levelno >= logging.WARNING:
+        print("warning:", r.getMessage()[:150], "...")
+
+# %% [markdown]
+# ## 5. Errors from the background
+#
+# A write that fails in a background thread has nobody to raise to. If it only printed a
+# traceback, the loop would train on for hours believing its checkpoints exist. minickpt keeps
+# the error and raises it — the original `OSError`, with its errno — at the next `save()`,
+# `wait_until_finished()` or `close()`. The failed save leaves no temporary directory, and
+# retention never runs for it, so no older checkpoint is deleted. Here the disk "fills up"
+# during the save of step 2 (`FaultyFileSystem` makes a chosen call raise `ENOSPC`):
+
+# %%
+faulty = FaultyFileSystem(None, ops={"write", "writev"},
+                          error=OSError(errno.ENOSPC, os.strerror(errno.ENOSPC)))
+where = WORK / "errors"
+mngr = mc.CheckpointManager(where, mc.CheckpointManagerOptions(max_to_keep=1,
+                            enable_async_checkpointing=True), fs=faulty)
+mngr.save(1, {"state": make_state(1)})
+mngr.wait_until_finished()
+faulty.fail_at = faulty.count  # the next write fails: the save of step 2
+print("save(2) returned:", mngr.save(2, {"state": make_state(1)}), "(the write runs in the background)")
+try:
+    mngr.save(3, {"state": make_state(1)})
+except OSError as e:
+    print(f"save(3) raised {type(e).__name__} errno={errno.errorcode[e.errno]}: {str(e)[:90]}...")
+    print("note:", e.__notes__[-1])
+print("on disk:", sorted(os.listdir(where)), "— step 1 kept, no temporary left")
+mngr.save(3, {"state": make_state(1)})  # raised once: the next save works
+mngr.close()
+print("after the next save:", sorted(os.listdir(where)))
+
+# %% [markdown]
+# ## 6. Orbax's async `CheckpointManager`, side by side
+#
+# Orbax saves asynchronously when the manager is created with
+# `CheckpointManagerOptions(enable_async_checkpointing=True)` (its default). A seed tutorial
+# says to pass `async_manager=True`; there is no such option:
+
+# %%
+try:
+    ocp.CheckpointManagerOptions(async_manager=True)
+except TypeError as e:
+    print("TypeError:", e)
+
+# %% [markdown]
+# The same 64 MB state, saved five times by each library in the same loop, measuring what
+# the loop waits for (`save()` returning) and the total (until `wait_until_finished()`).
+
+# %%
+big = make_state(64)
+omngr = ocp.CheckpointManager(WORK / "orbax", options=ocp.CheckpointManagerOptions(
+    max_to_keep=2, enable_async_checkpointing=True))
+mmngr = mc.CheckpointManager(WORK / "minickpt", mc.CheckpointManagerOptions(
+    max_to_keep=2, enable_async_checkpointing=True))
+times = {"Orbax": [], "minickpt": []}
+for i in range(5):
+    for name in ("Orbax", "minickpt"):
+        t0 = time.perf_counter()
+        if name == "Orbax":
+            omngr.save(i, args=ocp.args.StandardSave(big))
+        else:
+            mmngr.save(i, {"state": big})
+        blocked = time.perf_counter() - t0
+        (omngr if name == "Orbax" else mmngr).wait_until_finished()
+        times[name].append((blocked, time.perf_counter() - t0))
+omngr.close()
+mmngr.close()
+for name, ts in times.items():
+    b, t = np.median(ts[1:], axis=0)  # the first save also pays for set-up
+    print(f"{name:9s} blocked {b * 1e3:7.1f} ms   total {t * 1e3:7.1f} ms   (medians of 4)")
+with mc.CheckpointManager(WORK / "minickpt") as m:
+    restored = m.restore(4)["state"]
+reader = ocp.CheckpointManager(WORK / "orbax")
+orbax_back = reader.restore(4, args=ocp.args.StandardRestore(big))
+reader.close()
+print("both hold the same values:",
+      all(np.array_equal(np.asarray(restored[k]), np.asarray(orbax_back[k])) for k in big))
+
+# %% [markdown]
+# What to look for: both return long before the write is done — blocking is a small part of
+# total. How small depends on the device: on a CPU minickpt's pinned snapshot copies nothing,
+# while Orbax copies the arrays; on a GPU/TPU both pay a device-to-host transfer. Totals depend on
+# the disk and on how each library writes (Orbax's OCDBT store, minickpt's files and fsyncs).
+#
+# | | minickpt | Orbax |
+# |---|---|---|
+# | turn it on | `CheckpointManagerOptions(enable_async_checkpointing=True)` | the same name (default `True`) |
+# | blocks for | the snapshot (a pinned view on CPU, the transfer on GPU/TPU) | the device-to-host copy |
+# | one save in flight | the next `save()` waits, warns after 1 s | the next `save()` waits |
+# | background error | raised at the next `save()` / `wait_until_finished()` / `close()`, errno kept | raised at `wait_until_finished()` / next save |
+# | finish before exit | `wait_until_finished()` / `close()`; pending saves are finished at normal exit | `wait_until_finished()` / `close()` |
+
+# %% [markdown]
+# ## 7. Common misconceptions
+#
+# * **"An async save is free."** The snapshot blocks, and it is the cost of bytes to host
+#   memory on an accelerator. And the write still takes its time: if saves come more often
+#   than they can be written, the loop stalls at every `save()` (section 4).
+# * **"`jax.Array` is immutable, so keeping a reference is a snapshot."** The value is
+#   immutable; the buffer is not. Donation hands it to XLA, which writes the next state into
+#   it (section 3). And numpy leaves are mutable anyway.
+# * **"The checkpoint exists when `save()` returns."** It exists when the background write has
+#   committed. Before you exit, or before you rely on the files (copy them, delete older
+#   ones yourself), call `wait_until_finished()`.
+# * **"An error in a thread will show up somewhere."** Only if someone raises it. minickpt
+#   raises it at the next call; a hand-written thread that only logs loses it.
+# * **"Async helps every run."** It helps when compute can cover the write. A loop that saves at
+#   every step, or whose write is longer than the save interval, is bound by the disk.
+# * **"`async_manager=True` turns on Orbax's async saving."** There is no such option;
+#   `enable_async_checkpointing` is.
+#
+# ## Summary
+#
+# * An async save has two phases: the **snapshot** (blocking: a pinned view on CPU, the
+#   device-to-host transfer on GPU/TPU, or a copy) and the **background write** (files, fsync,
+#   rename, retention).
+# * The **consistency boundary** is the return of `save()`: after it the loop may mutate numpy
+#   leaves and donate device buffers, so the snapshot must own (or pin) its memory.
+# * Per save interval, $T \approx T_{\text{snap}} + \max(N t_c, T_{\text{write}})$: the write hides behind compute until it is
+#   longer than the compute; then the next `save()` stalls. One save is in flight at a time.
+# * A background error is raised at the next `save()`, `wait_until_finished()` or `close()`,
+#   with its errno; nothing half-written is left and nothing older is deleted.
+# * Orbax: `CheckpointManagerOptions(enable_async_checkpointing=True)`, not `async_manager`.
+#
+# ## Lab 5
+#
+# In `labs/lab05_async/lab05_async.ipynb` you write the three pieces of this chapter: the
+# snapshot of one leaf that is safe against mutation and donation (Task 5.1), the background
+# writer with one save in flight and errors that reach the loop (Task 5.2), and the overlap
+# measurement of section 4 from a real run's timestamps (Task 5.3).
