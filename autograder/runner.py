@@ -31,7 +31,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from . import ROOT, sandbox
+from . import ROOT, cgroups, sandbox
 from .notebook import (
     Assembled,
     Lab,
@@ -45,6 +45,7 @@ from .notebook import (
     strip_receipts,
     task_of,
     task_totals,
+    text_only,
 )
 
 REFEREE_FILE = Path(__file__).resolve().parent / "referee.py"
@@ -173,9 +174,11 @@ def _run(job: Job, cfg: dict[str, Any], lab: Lab, student: list[Any], iso: sandb
         """The referee has read its key in the first cell; no student code has run yet."""
         Path(key_file).unlink(missing_ok=True)
 
+    slot_cgroup = cgroups.from_list(cfg.get("cgroup"))
     km = sandbox.make_kernel_manager(iso, uid=uid or 0, ipc_dir=str(ipc), cwd=cwd,
                                      limits=limits, extra_ro=extra_ro, kernel_args=KERNEL_ARGS,
-                                     max_message_bytes=int(cfg["max_message"]))
+                                     max_message_bytes=int(cfg["max_message"]),
+                                     cgroup=slot_cgroup)
     client = GradingClient(nb, km, timeout=int(cfg["timeout"]),
                            setup_timeout=int(cfg["setup_timeout"]),
                            keep_output_bytes=int(cfg["keep_output"]),
@@ -194,10 +197,13 @@ def _run(job: Job, cfg: dict[str, Any], lab: Lab, student: list[Any], iso: sandb
         finally:
             if reap:
                 sandbox.kill_uid(reap)
+            if slot_cgroup is not None:
+                slot_cgroup.kill()
             km.context.destroy(linger=0)
     if not started:  # pragma: no cover - asyncio.run raised: reported by grade_one
         return
-    executed = [list(c.get("outputs", [])) if c.cell_type == "code" else [] for c in nb.cells]
+    executed = [[_text_only(o) for o in c.get("outputs", [])] if c.cell_type == "code" else []
+                for c in nb.cells]
     notes = {i: msg for i, msg in report.not_run.items()}
     for g in grade_cells(asm, executed, notes, lab.grade_cells):
         result["scores"][g.grade_id] = g.score
@@ -215,6 +221,17 @@ def _run(job: Job, cfg: dict[str, Any], lab: Lab, student: list[Any], iso: sandb
     if report.strays_killed:
         result["killed_processes"] = report.strays_killed
     _finish(root, result, lab, asm, executed, t0)
+
+
+def _text_only(value: Any) -> Any:
+    """An output with every string made encodable (a kernel can print a lone surrogate)."""
+    if isinstance(value, str):
+        return text_only(value)
+    if isinstance(value, dict):
+        return {text_only(str(k)): _text_only(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_text_only(v) for v in value]
+    return value
 
 
 def _finish(root: Path, result: dict[str, Any], lab: Lab, asm: Assembled | None,
@@ -277,11 +294,16 @@ def worker_main(cfg_json: str) -> int:
     labs: dict[str, Lab] = {}
     from . import notebook  # noqa: F401  (loads nbformat & co before the first job)
 
+    sandbox.become_subreaper()  # what a submission double-forks away still comes back here
     for line in sys.stdin:
         if not line.strip():
             continue
         job = job_from(json.loads(line))
         grade_one(job, cfg, labs)
+        sandbox.kill_descendants()  # sandboxed or not: nothing it started outlives its grading
+        slot_cgroup = cgroups.from_list(cfg.get("cgroup"))
+        if slot_cgroup is not None:
+            slot_cgroup.kill()
         proto.write(f"done {job.id}\n")
     return 0
 
@@ -289,25 +311,36 @@ def worker_main(cfg_json: str) -> int:
 # ---------------------------------------------------------------------------------------
 # the pool
 # ---------------------------------------------------------------------------------------
+_SLOTS: list[Slot] = []
+_SLOTS_LOCK = threading.Lock()
+
+
 class Slot:
     """One parallel slot: a worker process and the sandbox uid it grades under."""
 
-    def __init__(self, k: int, uid: int | None, cfg: dict[str, Any], logs: Path) -> None:
-        self.k, self.uid = k, uid
+    def __init__(self, k: int, uid: int | None, cfg: dict[str, Any], logs: Path,
+                 cgroup: cgroups.SlotCgroup | None = None) -> None:
+        _SLOTS.append(self)
+        self.k, self.uid, self.cgroup = k, uid, cgroup
         self.ipc = Path(tempfile.mkdtemp(prefix=f"minickpt-grade-{k}-"))
-        self.cfg = {**cfg, "uid": uid, "ipc": str(self.ipc / "ipc")}
+        self.cfg = {**cfg, "uid": uid, "ipc": str(self.ipc / "ipc"),
+                    "cgroup": cgroup.as_list() if cgroup else None}
         self.log_path = logs / f"worker-{k}.log"
         self.proc: subprocess.Popen[bytes] | None = None
         self._buf = b""
 
     def start(self) -> None:
         log = open(self.log_path, "ab")
+        with _SLOTS_LOCK:  # never half-started while another slot cleans up
+            self._start(log)
+        log.close()
+        self._buf = b""
+
+    def _start(self, log: Any) -> None:
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "autograder.grade", "--worker", json.dumps(self.cfg)],
             cwd=ROOT, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=log,
             start_new_session=True, env={**os.environ, "PYTHONPATH": str(ROOT)})
-        log.close()
-        self._buf = b""
 
     def stop(self) -> None:
         if self.proc is not None:
@@ -317,12 +350,21 @@ class Slot:
                 pass
             self.proc.wait()
             self.proc = None
+            # what the dead worker's submission left is handed to us (a subreaper): kill all
+            # but the other slots' workers and what is theirs
+            with _SLOTS_LOCK:
+                sandbox.kill_descendants(spare={s.proc.pid for s in _SLOTS
+                                                if s is not self and s.proc is not None})
         if self.uid:
             sandbox.kill_uid(self.uid)
+        if self.cgroup is not None:
+            self.cgroup.kill()
 
     def close(self) -> None:
         self.stop()
         shutil.rmtree(self.ipc, ignore_errors=True)
+        if self in _SLOTS:
+            _SLOTS.remove(self)
 
     def grade(self, job: Job, wall: float) -> str:
         """Send one job; ``"done"``, ``"timeout"`` or ``"died"``."""
@@ -365,7 +407,13 @@ def run_pool(jobs: list[Job], cfg: dict[str, Any], n: int, logs: Path,
     done: queue.Queue[tuple[Job, dict[str, Any], float]] = queue.Queue()
     for j in jobs:
         todo.put(j)
-    slots = [Slot(k, uids[k], cfg, logs) for k in range(n)]
+    limits = sandbox.Limits(**cfg["limits"])
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    slot_cgroups, _ = cgroups.make_slot_cgroups(  # the probe said already when there are none
+        n, cpus=limits.cpus or max(0.05, (cores or 1) / n), memory=limits.slot_memory_bytes,
+        processes=limits.processes)
+    slots = [Slot(k, uids[k], cfg, logs, slot_cgroups[k] if slot_cgroups else None)
+             for k in range(n)]
     wall = float(cfg["wall"]) + 120.0
 
     def serve(slot: Slot) -> None:
@@ -379,6 +427,7 @@ def run_pool(jobs: list[Job], cfg: dict[str, Any], n: int, logs: Path,
             result = _read_result(job, outcome, wall)
             done.put((job, result, time.monotonic() - t0))
 
+    sandbox.become_subreaper()  # a dead worker's orphans come here, and are killed
     threads = [threading.Thread(target=serve, args=(s,), daemon=True) for s in slots]
     try:
         for t in threads:
@@ -391,6 +440,7 @@ def run_pool(jobs: list[Job], cfg: dict[str, Any], n: int, logs: Path,
     finally:
         for s in slots:
             s.close()
+        cgroups.remove_all(slot_cgroups)
         if uids_cm:
             uids_cm.__exit__()
 
