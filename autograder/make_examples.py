@@ -795,7 +795,7 @@ def cheat_read_history(release: Any, source: Any) -> Any:
 
 
 SPINNERS = """
-# Slow everyone else down: 24 children, each in a session of its own (setsid, then a second
+# Slow everyone else down: 8 children, each in a session of its own (setsid, then a second
 # fork so that its parent is gone), spinning; measure what they get, then leave them running.
 import os
 import time
@@ -810,7 +810,7 @@ def _spin_forever():
 
 
 _before = {p for p in os.listdir("/proc") if p.isdigit()}
-for _ in range(24):
+for _ in range(8):
     if os.fork() == 0:
         _spin_forever()
     os.wait()
@@ -830,14 +830,14 @@ def _cpu(pids):
 
 
 _t0, _c0 = time.monotonic(), _cpu(_mine)
-time.sleep(6)
+time.sleep(4)
 print(f"spinners: {len(_mine)} got {_cpu(_mine) - _c0:.2f} CPU-seconds in "
       f"{time.monotonic() - _t0:.1f} s")
 """
 
 
 def attack_spinners(release: Any, source: Any) -> Any:
-    """Right answers; a cell after the first task starts 24 spinning children that left its
+    """Right answers; a cell after the first task starts 8 spinning children that left its
     session (double fork + setsid) and measures the CPU they get: bounded by the slot's
     cgroup, and every one of them killed after the cell."""
     nb = perfect(release, source)

@@ -64,7 +64,8 @@ PROTECTED = ("builtins", "numpy", "jax", "jax.numpy", "jax.tree_util", "jax.rand
              "collections", "collections.abc", "typing", "io", "time", "types", "copy",
              "pathlib", "importlib", "pkgutil", "operator", "itertools", "hmac", "hashlib")
 IPYTHON_NAMES = frozenset({"In", "Out", "get_ipython", "exit", "quit", "__referee__"})
-PER_EXECUTION = {"builtins": {"input", "raw_input", "getpass"}, "getpass": {"getpass"}}
+PER_EXECUTION = {"builtins": {"input", "raw_input", "getpass"}, "getpass": {"getpass"},
+                 "sys": {"excepthook"}}
 """Attributes the kernel itself swaps around every execution (ipykernel's stdin forwarding)."""
 
 
@@ -280,8 +281,11 @@ class Referee:
                     if isinstance(v, types.FunctionType) and v.__module__ == name:
                         self._functions.append((v, v.__code__, v.__defaults__, v.__kwdefaults__))
         for cls in classes.values():
-            if cls.__flags__ & _IMMUTABLE or cls.__module__ == "__main__":
-                continue  # a C type cannot be patched; the student's own classes are theirs
+            home = getattr(sys.modules.get(str(cls.__module__)), "__file__", None) or ""
+            if cls.__flags__ & _IMMUTABLE or cls.__module__ == "__main__" or \
+                    not home.endswith(".py"):
+                continue  # a C type cannot be patched, an extension's types are its own
+                          # (jaxlib adds methods lazily); the student's classes are theirs
             d = vars(cls)
             attrs = {k: a for k, a in d.items() if _method_like(a)}
             self._classes.append((cls, d, tuple(attrs), tuple(attrs.values()), len(d)))

@@ -150,6 +150,9 @@ def _run(job: Job, cfg: dict[str, Any], lab: Lab, student: list[Any], iso: sandb
             str(scratch / "referee.key"), {}
     refereed = os.environ.get("MINICKPT_REFEREE", "").lower() not in ("off", "0", "no")
     asm = assemble(lab, student, referee_path=referee_path, key_file=key_file, refereed=refereed)
+    for c in asm.cells:
+        if c.role == "student":
+            c.run = _compilable(c.run)
     if not refereed:
         result["isolation"] += " + NO REFEREE (MINICKPT_REFEREE=off)"
     fd = os.open(key_file, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o400)
@@ -221,6 +224,21 @@ def _run(job: Job, cfg: dict[str, Any], lab: Lab, student: list[Any], iso: sandb
     if report.strays_killed:
         result["killed_processes"] = report.strays_killed
     _finish(root, result, lab, asm, executed, t0)
+
+
+def _compilable(source: str) -> str:
+    """A student's cell that Python cannot even compile for a reason other than its syntax
+    (nested too deep: a 3000-term string concatenation) breaks ipykernel's own handler, which
+    compiles it before running it, and the kernel never answers again; it is sent as a
+    ``raise`` of that error instead, so the cell fails and the rest is graded."""
+    try:
+        compile(source, "<student cell>", "exec", dont_inherit=True)
+    except SyntaxError:
+        pass  # IPython's own syntax (%magic, !shell) or a real mistake: the kernel says which
+    except (RecursionError, MemoryError, ValueError) as e:
+        why = f"this cell cannot be compiled ({type(e).__name__}: {e}); nothing in it ran"
+        return f"raise {type(e).__name__}({why!r})"
+    return source
 
 
 def _text_only(value: Any) -> Any:
