@@ -14,13 +14,17 @@ sandbox's uid owns: TCP cannot cross the sandbox's own network namespace). Insid
 * runs as a uid that only this slot uses (a run takes one per parallel slot, under a lock), with
   no capabilities and ``no_new_privs``, so the process limit counts exactly its processes;
 * is bounded by rlimits: address space per process, CPU seconds, processes (threads count),
-  file size, open files, no core dumps. Wall time and output size are bounded by the executor.
+  file size, open files, no core dumps; and, as a whole, by its slot's cgroup (a share of the
+  cores, memory, tasks: :mod:`autograder.cgroups`). Wall time and output size are bounded by
+  the executor.
 
 Run as root, bubblewrap keeps every capability and its user namespace would map the sandbox to
 root, so the privileges are dropped inside with ``setpriv`` (then ``prlimit``). As an ordinary
 user, bubblewrap uses an unprivileged user namespace; there is no dedicated uid then, so the
 process limit is left out. Where bubblewrap (or setpriv/prlimit) is missing or does not work,
-:func:`probe` says exactly what is lost, and the grader warns loudly and marks every result.
+:func:`probe` says exactly what is lost and why (the real cause: an interpreter the sandbox
+does not show, a package it cannot import), and grade.sh refuses to grade unless asked
+(``--unsandboxed``, ``MINICKPT_SANDBOX=off``), then warns loudly and marks every result.
 """
 
 from __future__ import annotations
