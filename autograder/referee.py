@@ -289,19 +289,21 @@ class Referee:
             d = vars(cls)
             attrs = {k: a for k, a in d.items() if _method_like(a)}
             self._classes.append((cls, d, tuple(attrs), tuple(attrs.values()), len(d)))
-        # the same, flat, for one pass at C speed after every call of a student's function
-        # (the modules plugged_in swaps functions in are compared one by one)
+        # the same, flat, for one pass at C speed: after every call of a student's function
+        # the named modules (but minickpt's, where plugged_in swaps functions in: compared
+        # one by one) and the classes of the named modules (contextlib's context managers,
+        # tempfile's, minickpt's ...); before and after every test, everything
+        self._swapped = [m for m in self._modules if m[0] is not None
+                         and (m[0] == "minickpt" or m[0].startswith("minickpt."))]
+        named = [m for m in self._modules if m[0] is not None and m not in self._swapped]
         rest = [m for m in self._modules if m[0] is None]
-        self._flat_modules = tuple(self._flat(rest))
-        self._flat_classes = tuple(self._flat([c[1:4] for c in self._classes], first=0))
-        self._class_dicts = tuple(c[1] for c in self._classes)
-        self._class_sizes = [c[4] for c in self._classes]
-        # after every call of a student's function: the classes of the modules the helpers
-        # use by name (contextlib's context managers, tempfile's, minickpt's ...); the rest
-        # before and after every test
-        self._hot_classes = [c for c in self._classes if str(c[0].__module__) in names]
-        self._modules = [m for m in self._modules if m[0] is not None] + rest
-        self._named = len(self._modules) - len(rest)
+        self._named_mods = tuple((m[0], m[1]) for m in self._modules if m[0] is not None)
+        hot = [c for c in self._classes if str(c[0].__module__) in names]
+        self._hot = (self._flat(named), self._flat([c[1:4] for c in hot], first=0),
+                     tuple(c[1] for c in hot), [c[4] for c in hot])
+        self._cold = (self._flat(rest), self._flat([c[1:4] for c in self._classes], first=0),
+                      tuple(c[1] for c in self._classes), [c[4] for c in self._classes])
+        self._hot_modules, self._hot_classes = self._swapped + named, hot
         self._sys_hooks = {k: getattr(sys, k) for k in
                            ("stdout", "stderr", "stdin", "displayhook")}
         self._meta_path, self._path_hooks = list(sys.meta_path), list(sys.path_hooks)
@@ -332,19 +334,13 @@ class Referee:
             vs += values
         return tuple(ds), tuple(ks), tuple(vs)
 
-    def _unchanged(self) -> bool:
-        """Nothing outside the named modules changed (one pass at C speed)."""
+    def _unchanged(self, part: tuple) -> bool:
+        """Nothing in ``part`` (``_hot`` or ``_cold``) changed: one pass at C speed."""
+        (mds, mks, mvs), (cds, cks, cvs), dicts, sizes = part
         map_, is_ = self._map, self._is
-        ds, ks, vs = self._flat_modules
-        if not self._all(map_(is_, map_(_dict_get, ds, ks), vs)):
-            return False
-        if self._sized() != self._class_sizes:
-            return False
-        ds, ks, vs = self._flat_classes
-        return self._all(map_(is_, map_(_proxy_get, ds, ks), vs))
-
-    def _sized(self) -> list:
-        return list(self._map(len, self._class_dicts))
+        return self._all(map_(is_, map_(_dict_get, mds, mks), mvs)) and \
+            list(map_(len, dicts)) == sizes and \
+            self._all(map_(is_, map_(_proxy_get, cds, cks), cvs))
 
     def _fresh_labkit(self) -> types.ModuleType:
         """A private copy of minickpt.labkit: not in sys.modules, its functions bound to the
@@ -380,14 +376,16 @@ class Referee:
         named modules, the hot classes and what the audit hook saw, not the rest."""
         changed = []
         modules, is_, all_, map_ = self._sys.modules, self._is, self._all, self._map
-        quick = not full or self._unchanged()
-        for i, (name, mod, d, keys, values) in enumerate(self._modules):
-            if quick and i >= self._named:
-                break
-            if name is not None and modules.get(name) is not mod:
+        for name, mod in self._named_mods:
+            if modules.get(name) is not mod:
                 changed.append(f"sys.modules[{name!r}]")
                 if fix:
                     modules[name] = mod
+        hot = self._unchanged(self._hot)
+        cold = not full or self._unchanged(self._cold)
+        check = self._swapped if hot else self._hot_modules
+        check = check if cold else self._modules
+        for _name, mod, d, keys, values in check:
             if all_(map_(is_, map_(d.get, keys), values)):
                 continue
             for k, v in zip(keys, values, strict=True):
@@ -396,7 +394,7 @@ class Referee:
                     changed.append(f"{getattr(mod, '__name__', '?')}.{k}")
                     if fix:
                         d[k] = v
-        for f, code, defaults, kwdefaults in self._functions:
+        for f, code, defaults, kwdefaults in self._functions if full else ():  # (and audited)
             if f.__code__ is not code or f.__defaults__ is not defaults \
                     or f.__kwdefaults__ is not kwdefaults:
                 changed.append(f"{f.__module__}.{f.__qualname__}.__code__")
@@ -406,7 +404,8 @@ class Referee:
                         f.__code__, f.__defaults__, f.__kwdefaults__ = code, defaults, kwdefaults
                     finally:
                         self._quiet = False
-        for cls, d, keys, values, size in (self._hot_classes if quick else self._classes):
+        for cls, d, keys, values, size in ((() if hot else self._hot_classes) if cold
+                                           else self._classes):
             if len(d) == size and all_(map_(is_, map_(d.get, keys), values)):
                 continue
             where = f"{cls.__module__}.{cls.__qualname__}"

@@ -218,8 +218,8 @@ def _run(job: Job, cfg: dict[str, Any], lab: Lab, student: list[Any], iso: sandb
     if report.fate:
         result["reason"] = f"{report.fate}: the cells after it were not run (0 points)"
     result["ran_all_cells"] = not report.not_run and not report.fate
-    mine = [(c.grade_id or f"your cell {k}", c.run) for k, c in enumerate(asm.cells)
-            if c.role == "student" and c.run.strip()]
+    mine = [(c.grade_id or f"your cell {k}", c.show) for k, c in enumerate(asm.cells)
+            if c.role == "student" and c.show.strip()]  # what the student wrote, not what ran
     result["review"] = sorted(set(result["review"]) | set(scan(mine)))
     if report.strays_killed:
         result["killed_processes"] = report.strays_killed
