@@ -339,7 +339,7 @@ class Slot:
     def __init__(self, k: int, uid: int | None, cfg: dict[str, Any], logs: Path,
                  cgroup: cgroups.SlotCgroup | None = None) -> None:
         _SLOTS.append(self)
-        self.k, self.uid, self.cgroup = k, uid, cgroup
+        self.k, self.uid, self.cgroup, self.closed = k, uid, cgroup, False
         self.ipc = Path(tempfile.mkdtemp(prefix=f"minickpt-grade-{k}-"))
         self.cfg = {**cfg, "uid": uid, "ipc": str(self.ipc / "ipc"),
                     "cgroup": cgroup.as_list() if cgroup else None}
@@ -350,7 +350,8 @@ class Slot:
     def start(self) -> None:
         log = open(self.log_path, "ab")
         with _SLOTS_LOCK:  # never half-started while another slot cleans up
-            self._start(log)
+            if not self.closed:  # (nor started again by its thread once the run is over)
+                self._start(log)
         log.close()
         self._buf = b""
 
@@ -379,6 +380,8 @@ class Slot:
             self.cgroup.kill()
 
     def close(self) -> None:
+        with _SLOTS_LOCK:
+            self.closed = True
         self.stop()
         shutil.rmtree(self.ipc, ignore_errors=True)
         if self in _SLOTS:
@@ -388,7 +391,9 @@ class Slot:
         """Send one job; ``"done"``, ``"timeout"`` or ``"died"``."""
         if self.proc is None or self.proc.poll() is not None:
             self.start()
-        assert self.proc is not None and self.proc.stdin is not None and self.proc.stdout
+        if self.proc is None:  # the run is over
+            return "died"
+        assert self.proc.stdin is not None and self.proc.stdout
         try:
             self.proc.stdin.write((json.dumps(job.__dict__) + "\n").encode())
             self.proc.stdin.flush()
