@@ -317,6 +317,23 @@ class Progress:
 # ---------------------------------------------------------------------------------------
 # main
 # ---------------------------------------------------------------------------------------
+def refuse_unsandboxed(iso: Any, folder: Path) -> str | None:
+    """Fail closed: without a working sandbox, submissions are graded only when asked for
+    explicitly (``--unsandboxed`` or ``MINICKPT_SANDBOX=off``); the bundled examples are the
+    one exception (a demonstration of the grader, without its attack_* examples)."""
+    if iso.sandboxed or iso.requested:
+        return None
+    if folder == (ROOT / "autograder" / "examples").resolve():
+        print("grade: NO SANDBOX: grading the bundled examples only to demonstrate the grader, "
+              f"without the {ATTACK_PREFIX}* ones; real submissions would be refused here",
+              file=sys.stderr)
+        return None
+    return (f"grade: REFUSED: the sandbox cannot be used here, and student code is not run "
+            f"without it.\n  why: {iso.detail}\n  fix: {iso.fix}\n  to grade anyway, "
+            "without isolation (student code runs with your rights; every result is marked): "
+            "add --unsandboxed, or set MINICKPT_SANDBOX=off")
+
+
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="autograder/grade.sh", description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter,
@@ -346,6 +363,9 @@ def _parser() -> argparse.ArgumentParser:
                    help="GiB of address space per process of a kernel (default 4)")
     p.add_argument("--sandbox-uid", type=int, default=None,
                    help="first uid of the range the sandboxes run as (default 64200)")
+    p.add_argument("--unsandboxed", action="store_true",
+                   help="grade even where the sandbox cannot be used (student code then runs "
+                        "with your rights; results are marked). Same as MINICKPT_SANDBOX=off")
     p.add_argument("--include-solutions", action="store_true",
                    help=f"also grade each lab's source notebook as student "
                         f"'{REFERENCE_STUDENT}' (a self-check: it must score full marks)")
@@ -404,10 +424,14 @@ def main(argv: list[str] | None = None) -> int:
         i, n = a.shard
         subs = [s for s in subs if shard_of(s.student, n) == i]
     subs.sort(key=lambda s: (s.lab, s.student))
-    iso = sandbox.probe()
+    iso = sandbox.unsandboxed("--unsandboxed") if a.unsandboxed else sandbox.probe()
     limits = sandbox.Limits(memory_bytes=int(a.memory * (1 << 30)))
     if iso.warning():
         print(iso.warning(), file=sys.stderr, flush=True)
+    refusal = refuse_unsandboxed(iso, folder)
+    if refusal:
+        print(refusal, file=sys.stderr)
+        return 2
     if not iso.sandboxed:
         unsafe = [s for s in subs if s.student.startswith(ATTACK_PREFIX)]
         if unsafe:

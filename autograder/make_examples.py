@@ -714,6 +714,155 @@ def cheat_metadata(release: Any, source: Any) -> Any:
     return nb
 
 
+# -- issue 20's classes, as generic edits that work on any lab's release and source --------
+def _first(nb: Any, prefix: str) -> Any:
+    """The first solution cell whose grade_id starts with ``prefix`` (``task_``, ``quiz_``)."""
+    for c in nb.cells:
+        if _gid(c).startswith(prefix) and c.metadata.get("nbgrader", {}).get("solution"):
+            return c
+    raise KeyError(f"no solution cell {prefix}*")
+
+
+def _insert_after(nb: Any, cell: Any, code: str) -> None:
+    """A new cell of the student's own, right after ``cell``."""
+    new = nbformat.v4.new_code_cell(code.strip("\n"))
+    new["id"] = f"mine-{len(nb.cells)}"
+    nb.cells.insert(nb.cells.index(cell) + 1, new)
+
+
+PATCH_STDLIB = """
+# Make every failing check inside a `with` block pass: the standard library's generator-based
+# context manager (plugged_in, tempdir and expect_raises run through it) swallows everything,
+# by attribute and by code object; and numpy's comparisons all say "equal".
+import contextlib
+
+import numpy
+
+
+def _swallow(self, typ, value, traceback):
+    return True
+
+
+contextlib._GeneratorContextManager.__exit__ = _swallow
+contextlib.AbstractContextManager.__exit__.__code__ = _swallow.__code__
+numpy._core.numeric.array_equal = lambda *args, **kwargs: True
+numpy.array_equal = numpy._core.numeric.array_equal
+"""
+
+
+def cheat_patch_stdlib(release: Any, source: Any) -> Any:
+    """The blank lab, and a cell after the first task that patches the standard library
+    (``contextlib._GeneratorContextManager.__exit__`` swallows every error, by attribute and
+    by code object) and numpy's ``array_equal``: nothing may pass that did not."""
+    nb = copy.deepcopy(release)
+    _insert_after(nb, _first(nb, "task_"), PATCH_STDLIB)
+    return nb
+
+
+READ_HISTORY = r'''
+# Carry the tests out: every place IPython keeps what it ran (In, _ih, _i<n>, Out, _, the
+# history database), a hook that sees each cell before it runs, and an audit hook that sees
+# what is compiled; all of it compressed and base64-encoded, so that no filter of plain text
+# blanks it.
+import base64
+import sys
+import zlib
+
+_ip = get_ipython()
+_seen = []
+_ip.events.register("pre_run_cell", lambda info: _seen.append(info.raw_cell))
+sys.addaudithook(lambda event, args: _seen.append(repr(args)[:20000])
+                 if event in ("compile", "exec") else None)
+
+
+def carry_out():
+    texts = [*In, *_ih, *map(str, Out.values()), str(_), *_seen]
+    texts += [str(v) for k, v in list(globals().items()) if k.startswith("_i")]
+    texts += [src for _, _, src in _ip.history_manager.get_range(raw=True, output=False)]
+    blob = base64.b64encode(zlib.compress("\n".join(texts).encode("utf-8", "replace")))
+    print("CARRIED-OUT:" + blob.decode())
+'''
+
+
+def cheat_read_history(release: Any, source: Any) -> Any:
+    """Right answers; a cell after the first task installs a hook and an audit hook, and a
+    cell at the end reads IPython's input history, the hooks' catch and ``Out``, and prints
+    it all compressed and base64-encoded: nothing of a hidden test may be in it."""
+    nb = perfect(release, source)
+    _insert_after(nb, _first(nb, "task_"), READ_HISTORY)
+    _insert_after(nb, nb.cells[-1], "carry_out()")
+    return nb
+
+
+SPINNERS = """
+# Slow everyone else down: 8 children, each in a session of its own (setsid, then a second
+# fork so that its parent is gone), spinning; measure what they get, then leave them running.
+import os
+import time
+
+
+def _spin_forever():
+    os.setsid()
+    if os.fork():
+        os._exit(0)
+    while True:
+        pass
+
+
+_before = {p for p in os.listdir("/proc") if p.isdigit()}
+for _ in range(8):
+    if os.fork() == 0:
+        _spin_forever()
+    os.wait()
+time.sleep(0.5)
+_mine = [int(p) for p in os.listdir("/proc") if p.isdigit() and p not in _before]
+
+
+def _cpu(pids):
+    total = 0
+    for p in pids:
+        try:
+            fields = open(f"/proc/{p}/stat").read().rpartition(") ")[2].split()
+            total += int(fields[11]) + int(fields[12])
+        except (OSError, IndexError, ValueError):
+            pass
+    return total / os.sysconf("SC_CLK_TCK")
+
+
+_t0, _c0 = time.monotonic(), _cpu(_mine)
+time.sleep(4)
+print(f"spinners: {len(_mine)} got {_cpu(_mine) - _c0:.2f} CPU-seconds in "
+      f"{time.monotonic() - _t0:.1f} s")
+"""
+
+
+def attack_spinners(release: Any, source: Any) -> Any:
+    """Right answers; a cell after the first task starts 8 spinning children that left its
+    session (double fork + setsid) and measures the CPU they get: bounded by the slot's
+    cgroup, and every one of them killed after the cell."""
+    nb = perfect(release, source)
+    _insert_after(nb, _first(nb, "task_"), SPINNERS)
+    return nb
+
+
+DEEP = 3000
+"""Terms of odd_source's string concatenation: nested too deep for Python's parser."""
+
+
+def odd_source(release: Any, source: Any) -> Any:
+    """Right answers, but the first quiz answer is a 3000-term string concatenation (Python's
+    parser gives up: RecursionError, in the kernel and in the grader's scan) and the first
+    task cell holds a lone surrogate character (valid JSON, not text): graded, with reasons;
+    the first question scores 0, the rest full marks."""
+    nb = perfect(release, source)
+    quiz = _first(nb, "quiz_")
+    name, _, value = quiz.source.partition("=")
+    quiz.source = f"{name.strip()} = " + " + ".join(['""'] * DEEP) + f" + ({value.strip()})"
+    task = _first(nb, "task_")
+    task.source += "\n# a lone surrogate: \ud800"
+    return nb
+
+
 EXAMPLES: dict[str, dict[str, Edit]] = {
     "lab01_basics": {
         "perfect": perfect, "partial": partial, "blank": blank, "syntax_error": syntax_error,
@@ -731,6 +880,8 @@ EXAMPLES: dict[str, dict[str, Edit]] = {
         "cheat_forge_receipt": cheat_forge_receipt,
         "cheat_quiz_peek": cheat_quiz_peek, "cheat_reordered": cheat_reordered,
         "cheat_duplicated": cheat_duplicated, "cheat_metadata": cheat_metadata,
+        "cheat_patch_stdlib": cheat_patch_stdlib, "cheat_read_history": cheat_read_history,
+        "attack_spinners": attack_spinners, "odd_source": odd_source,
     },
 }
 
@@ -757,4 +908,17 @@ def write_examples(labs: Path, solutions: Path, out: Path) -> None:
                 dest.parent.mkdir(parents=True, exist_ok=True)
                 shutil.copyfile(labs / lab / f"{lab}.ipynb", dest)
             else:
-                write_notebook(make(release, source), dest)
+                _write(make(release, source), dest)
+
+
+def _write(nb: Any, dest: Path) -> None:
+    """build's write_notebook; a notebook holding a lone surrogate (odd_source: valid JSON,
+    not encodable text) is written with ASCII escapes, as a student's editor could."""
+    try:
+        write_notebook(nb, dest)
+    except UnicodeEncodeError:
+        import json
+
+        nbformat.validate(nb)
+        dest.write_text(json.dumps(nb, indent=1, sort_keys=True, ensure_ascii=True) + "\n",
+                        encoding="ascii")

@@ -196,6 +196,16 @@ class StudentCell:
     source: str
     grade_id: str = ""
     cell_id: str = ""
+    note: str = ""
+
+
+SURROGATE = re.compile("[\ud800-\udfff]")
+
+
+def text_only(value: str) -> str:
+    """``value`` with lone surrogates (valid in JSON, not text: nothing can encode them)
+    replaced by U+FFFD, so that a notebook or an output holding one is still graded."""
+    return SURROGATE.sub("\ufffd", value)
 
 
 def read_submission(path: Path) -> list[StudentCell]:
@@ -230,8 +240,13 @@ def read_submission(path: Path) -> list[StudentCell]:
         source = _text(cell.get("source"))
         if len(source) > MAX_CELL_CHARS:
             raise SubmissionError(f"a cell holds {len(source)} characters; at most {MAX_CELL_CHARS}")
-        out.append(StudentCell(kind, source, gid if isinstance(gid, str) else "",
-                               cid if isinstance(cid, str) else ""))
+        note = ""
+        if SURROGATE.search(source):
+            source = text_only(source)
+            note = ("a cell held characters that are not text (lone surrogates): they were "
+                    "replaced by U+FFFD")
+        out.append(StudentCell(kind, source, text_only(gid) if isinstance(gid, str) else "",
+                               text_only(cid) if isinstance(cid, str) else "", note))
     return out
 
 
@@ -277,6 +292,16 @@ def sign(key: bytes, text: str) -> str:
     return hmac.new(key, text.encode("utf-8"), "sha256").hexdigest()
 
 
+def seal_text(key: bytes, nonce: str, grade_id: str, text: str) -> str:
+    """A test's text as the kernel receives it: XOR with an HMAC-SHA256 keystream, in hex.
+    Only the referee (the key is in its closure) reads it back; the kernel's input history,
+    hooks and transformers see ciphertext (``referee.boot``'s ``unseal``)."""
+    data = text.encode("utf-8")
+    stream = b"".join(bytes.fromhex(sign(key, f"{nonce}|text|{grade_id}|{block}"))
+                      for block in range((len(data) + 31) // 32))
+    return bytes(a ^ b for a, b in zip(data, stream, strict=False)).hex()
+
+
 def assemble(lab: Lab, student: list[StudentCell], *, referee_path: str, key_file: str,
              key: bytes | None = None, nonce: str | None = None,
              refereed: bool = True) -> Assembled:
@@ -284,7 +309,7 @@ def assemble(lab: Lab, student: list[StudentCell], *, referee_path: str, key_fil
     the tests as plain cells, the way nbgrader does: only to show what the referee stops."""
     key = key if key is not None else secrets.token_bytes(32)
     nonce = nonce if nonce is not None else secrets.token_hex(8)
-    notes: list[str] = []
+    notes: list[str] = sorted({c.note for c in student if c.note})
     by_gid: dict[str, int] = {}
     by_id: dict[str, int] = {}
     for i, c in enumerate(student):
@@ -355,7 +380,8 @@ def assemble(lab: Lab, student: list[StudentCell], *, referee_path: str, key_fil
             else:
                 report, text, hidden = (), lc.source, ""
             mac = sign(key, f"{nonce}|test|{lc.grade_id}|{report!r}|{text}")
-            run = f"__referee__.test({lc.grade_id!r}, {text!r}, {mac!r}, {report!r})"
+            sealed = seal_text(key, nonce, lc.grade_id, text)
+            run = f"__referee__.test({lc.grade_id!r}, {sealed!r}, {mac!r}, {report!r})"
             cells.append(RunCell("code", run, visible, lc.role, lc.grade_id, report, hidden,
                                  lc.source))
         else:  # solution and open cells: the student's version (or nothing)
@@ -409,7 +435,8 @@ def _boot_source(referee_path: str, key_file: str, nonce: str) -> str:
 # the static scan
 # ---------------------------------------------------------------------------------------
 SUSPICIOUS_NAMES = {"get_ipython", "__referee__", "__builtins__", "exec", "eval", "compile",
-                    "__import__", "globals", "breakpoint", "vars", "attrgetter"}
+                    "__import__", "globals", "breakpoint", "vars", "attrgetter",
+                    "In", "Out", "_ih", "_oh"}
 SUSPICIOUS_ATTRS = {"_getframe", "currentframe", "stack", "f_back", "f_globals", "f_locals",
                     "f_trace", "f_builtins", "f_code", "settrace", "setprofile", "__code__",
                     "__closure__", "cell_contents", "__globals__", "__builtins__",
@@ -420,7 +447,8 @@ SUSPICIOUS_ATTRS = {"_getframe", "currentframe", "stack", "f_back", "f_globals",
                     "input_transformers_post", "input_transformers_cleanup", "ast_transformers",
                     "showtraceback", "set_custom_exc", "events", "meta_path", "path_hooks",
                     "__subclasses__", "get_objects", "get_referrers", "get_referents",
-                    "cache_clear", "attrgetter", "_sign", "_hmac"}
+                    "cache_clear", "attrgetter", "_sign", "_hmac", "history_manager",
+                    "addaudithook"}
 SUSPICIOUS_MODULES = {"gc", "ctypes", "builtins", "IPython", "ipykernel", "importlib",
                       "jupyter_client", "zmq", "inspect", "pty", "resource", "socket", "_ctypes"}
 ONLY_ON = {"kill": {"os"}, "killpg": {"os"}, "_exit": {"os"}, "stack": {"inspect"},
@@ -453,6 +481,19 @@ def _literal_text(node: ast.AST) -> str | None:
 
 
 def scan(cells: list[tuple[str, str]]) -> list[str]:
+    """:func:`scan_cells` one cell at a time: a cell that cannot be read (nested too deep for
+    the parser: a 3000-term string concatenation; a null byte) is flagged for a person to
+    read, never a failure of the grading."""
+    found: set[str] = set()
+    for where, source in cells:
+        try:
+            found.update(scan_cells([(where, source)]))
+        except (RecursionError, MemoryError, ValueError) as e:
+            found.add(f"cannot be scanned ({type(e).__name__}): read {where} yourself")
+    return sorted(found)
+
+
+def scan_cells(cells: list[tuple[str, str]]) -> list[str]:
     """Constructs in the student's code that can reach into a test (or the referee) from
     inside the kernel, one line each (``"sys._getframe in task_1_2"``), for a person to
     review. Advisory: the grade does not depend on it, and code can hide from any static

@@ -54,6 +54,7 @@ import importlib.util
 import os
 import sys
 import types
+from operator import is_ as _is
 from re import fullmatch as re_fullmatch
 
 RECEIPT = "[minickpt-referee]"
@@ -63,7 +64,8 @@ PROTECTED = ("builtins", "numpy", "jax", "jax.numpy", "jax.tree_util", "jax.rand
              "collections", "collections.abc", "typing", "io", "time", "types", "copy",
              "pathlib", "importlib", "pkgutil", "operator", "itertools", "hmac", "hashlib")
 IPYTHON_NAMES = frozenset({"In", "Out", "get_ipython", "exit", "quit", "__referee__"})
-PER_EXECUTION = {"builtins": {"input", "raw_input", "getpass"}}
+PER_EXECUTION = {"builtins": {"input", "raw_input", "getpass"}, "getpass": {"getpass"},
+                 "sys": {"excepthook"}}
 """Attributes the kernel itself swaps around every execution (ipykernel's stdin forwarding)."""
 
 
@@ -77,6 +79,15 @@ MAX_CELL_OUTPUT = 8 << 20
 A flood stops where it starts, the same way on every run (the grader also bounds what
 reaches it, for code that writes around these streams)."""
 _MISSING = object()
+_IMMUTABLE = 1 << 8  # Py_TPFLAGS_IMMUTABLETYPE: a C type, whose attributes cannot be set
+_dict_get = dict.get
+_proxy_get = type(vars(type)).get
+
+
+def _method_like(value: object) -> bool:
+    """What a patch of a class replaces: methods and descriptors (data such as a counter or
+    ``__slotnames__`` changes for innocent reasons)."""
+    return callable(value) or isinstance(value, (property, staticmethod, classmethod))
 
 
 def _protected(value: object) -> bool:
@@ -127,6 +138,7 @@ def boot(key_file: str, nonce: str, shell: object = None) -> types.SimpleNamespa
     context = getattr(context, "_hmac", None) or context   # OpenSSL's context: C methods only
     compare, text_of, nonce = hmac.compare_digest, str, str(nonce)
     referee = Referee(shell)
+    sys.addaudithook(referee._audit)  # before any student code: theirs are refused from now on
     write = referee._builtins["print"]
     ran: set[str] = set()
     running = [False]
@@ -136,12 +148,32 @@ def boot(key_file: str, nonce: str, shell: object = None) -> types.SimpleNamespa
         mac.update(text.encode("utf-8"))
         return mac.hexdigest()
 
-    def test(grade_id: str, source: str, mac: str, report: tuple = ()) -> None:
+    def unseal(grade_id: str, sealed: str) -> str:
+        """The test's text from what the cell holds: XOR with an HMAC-SHA256 keystream (the
+        key never leaves the closure), so the kernel's input history (``In``, ``_ih``,
+        ``_i<n>``, the history database), input transformers and ``pre_run_cell`` hooks only
+        ever see ciphertext."""
+        try:
+            data = bytes.fromhex(text_of(sealed))
+        except ValueError:
+            raise TamperedError(f"the text of test {grade_id} is not readable: the test is "
+                                "not run") from None
+        stream = bytearray()
+        for block in range((len(data) + 31) // 32):
+            stream += bytes.fromhex(sign(f"{nonce}|text|{grade_id}|{block}"))
+        try:
+            return bytes(a ^ b for a, b in zip(data, stream, strict=False)).decode("utf-8")
+        except UnicodeDecodeError:
+            raise TamperedError(f"the text of test {grade_id} was changed before it ran: the "
+                                "test is not run") from None
+
+    def test(grade_id: str, sealed: str, mac: str, report: tuple = ()) -> None:
         """Run one test cell; print its receipt, last, if it ran to the end. Refused inside
         another test (student code calling it gets nothing) and for a grade id that ran."""
         if running[0]:
             raise TamperedError("a test cannot be started from inside another test")
         grade_id = text_of(grade_id)
+        source = unseal(grade_id, sealed)
         if not compare(sign(f"{nonce}|test|{grade_id}|{report!r}|{source}"), text_of(mac)):
             raise TamperedError(f"the text of test {grade_id} was changed before it ran "
                                 "(an input transformer or a hook?): the test is not run")
@@ -177,10 +209,36 @@ class Referee:
         self._FunctionType = types.FunctionType
         self._compile, self._exec = compile, exec
         self._waitpid, self._WNOHANG = os.waitpid, os.WNOHANG
+        self._ModuleType, self._is, self._all, self._map = types.ModuleType, _is, all, map
+        self._setattr, self._delattr, self._getattr = setattr, delattr, getattr
+        self._audited: dict = {}        # (id, name) -> (object, name, value before the change)
+        self._quiet = False             # the referee's own repairs are not tampering
+        self._hooks_refused = 0
+        self._failures: list = []       # every check that failed in the running test
+        self._watched: dict = {}        # id -> every function and module at the seal
         count = [0]
         sys.stdout, sys.stderr = _Capped(sys.stdout, count), _Capped(sys.stderr, count)
         if shell is not None:  # a fresh count for every cell
             shell.events.register("pre_run_cell", lambda *a: count.__setitem__(0, 0))
+
+    def _audit(self, event: str, args: tuple) -> None:
+        """The process's audit hook, installed before any student code: refuses every later
+        audit hook (one would see each test's text as it is compiled), and records every
+        change of a function's code or defaults and of a module's class made after the seal
+        by anything but the referee (the student's own functions aside), with the value
+        before it, so that it can be put back and the test it happened in fails."""
+        if event == "sys.addaudithook":
+            self._hooks_refused += 1
+            raise RuntimeError("the grader allows no audit hooks")
+        if (event != "object.__setattr__" and event != "object.__delattr__") or self._quiet \
+                or not self._sealed or len(args) < 2:
+            return
+        obj, name = args[0], args[1]
+        if self._watched.get(id(obj)) is not obj:  # made after the seal (a namedtuple's
+            return                                  # __new__), or the student's own
+        key = (id(obj), name)
+        if key not in self._audited:
+            self._audited[key] = (obj, name, self._getattr(obj, name, _MISSING))
 
     # -----------------------------------------------------------------------------------
     # the seal
@@ -190,26 +248,62 @@ class Referee:
         if self._sealed:
             raise RuntimeError("the referee is sealed already")
         self._ns = namespace
-        names = sorted({n for n in sys.modules if n == "minickpt" or n.startswith("minickpt.")}
-                       | {n for n in PROTECTED if n in sys.modules})
-        self._modules = {}
+        self._main = sys.modules.get("__main__")
+        import gc  # every function and module there is now (held, so no id is reused)
+
+        self._watched = {id(o): o for o in gc.get_objects()
+                         if (type(o) is types.FunctionType and o.__globals__ is not namespace)
+                         or (isinstance(o, types.ModuleType) and o is not self._main)}
+        self._watched.update((id(m), m) for m in list(sys.modules.values())
+                             if isinstance(m, types.ModuleType) and m is not self._main)
+        names = {n for n in sys.modules if n == "minickpt" or n.startswith("minickpt.")} \
+            | {n for n in PROTECTED if n in sys.modules}
+        # every module and every class reachable from one (the standard library's included:
+        # a test's helpers run through contextlib, tempfile, numpy ... and whatever they call),
+        # as (name, object, its dict, names, values): compared at C speed after every call
+        self._modules = []
         self._functions = []
         self._classes = []
-        for name in names:
-            mod = sys.modules[name]
-            if not isinstance(mod, types.ModuleType):
+        classes: dict[int, type] = {}
+        for name, mod in sorted(sys.modules.items(), key=lambda kv: (kv[0] not in names, kv[0])):
+            if not isinstance(mod, types.ModuleType) or mod is self._main or name == "__main__":
                 continue
             skip = PER_EXECUTION.get(name, ())
             items = {k: v for k, v in vars(mod).items() if _protected(v) and k not in skip}
-            self._modules[name] = (mod, items)
+            self._modules.append((name if name in names else None, mod, vars(mod),
+                                  tuple(items), tuple(items.values())))
+            for v in items.values():
+                if isinstance(v, type):
+                    for base in v.__mro__:
+                        classes.setdefault(id(base), base)
             if name == "minickpt" or name.startswith("minickpt."):
                 for v in items.values():
                     if isinstance(v, types.FunctionType) and v.__module__ == name:
                         self._functions.append((v, v.__code__, v.__defaults__, v.__kwdefaults__))
-                    elif isinstance(v, type) and v.__module__ == name:
-                        self._classes.append((v, {
-                            k: a for k, a in vars(v).items() if not k.startswith("__") and (
-                                callable(a) or isinstance(a, (property, staticmethod, classmethod)))}))
+        for cls in classes.values():
+            home = getattr(sys.modules.get(str(cls.__module__)), "__file__", None) or ""
+            if cls.__flags__ & _IMMUTABLE or cls.__module__ == "__main__" or \
+                    not home.endswith(".py"):
+                continue  # a C type cannot be patched, an extension's types are its own
+                          # (jaxlib adds methods lazily); the student's classes are theirs
+            d = vars(cls)
+            attrs = {k: a for k, a in d.items() if _method_like(a)}
+            self._classes.append((cls, d, tuple(attrs), tuple(attrs.values()), len(d)))
+        # the same, flat, for one pass at C speed: after every call of a student's function
+        # the named modules (but minickpt's, where plugged_in swaps functions in: compared
+        # one by one) and the classes of the named modules (contextlib's context managers,
+        # tempfile's, minickpt's ...); before and after every test, everything
+        self._swapped = [m for m in self._modules if m[0] is not None
+                         and (m[0] == "minickpt" or m[0].startswith("minickpt."))]
+        named = [m for m in self._modules if m[0] is not None and m not in self._swapped]
+        rest = [m for m in self._modules if m[0] is None]
+        self._named_mods = tuple((m[0], m[1]) for m in self._modules if m[0] is not None)
+        hot = [c for c in self._classes if str(c[0].__module__) in names]
+        self._hot = (self._flat(named), self._flat([c[1:4] for c in hot], first=0),
+                     tuple(c[1] for c in hot), [c[4] for c in hot])
+        self._cold = (self._flat(rest), self._flat([c[1:4] for c in self._classes], first=0),
+                      tuple(c[1] for c in self._classes), [c[4] for c in self._classes])
+        self._hot_modules, self._hot_classes = self._swapped + named, hot
         self._sys_hooks = {k: getattr(sys, k) for k in
                            ("stdout", "stderr", "stdin", "displayhook")}
         self._meta_path, self._path_hooks = list(sys.meta_path), list(sys.path_hooks)
@@ -229,6 +323,25 @@ class Referee:
         self._setup_names = sealed
         self._sealed = True
 
+    @staticmethod
+    def _flat(entries: list, first: int = 2) -> tuple[tuple, tuple, tuple]:
+        """(dicts, names, values), one item per snapshotted attribute."""
+        ds, ks, vs = [], [], []
+        for e in entries:
+            d, keys, values = e[first:first + 3]
+            ds += [d] * len(keys)
+            ks += keys
+            vs += values
+        return tuple(ds), tuple(ks), tuple(vs)
+
+    def _unchanged(self, part: tuple) -> bool:
+        """Nothing in ``part`` (``_hot`` or ``_cold``) changed: one pass at C speed."""
+        (mds, mks, mvs), (cds, cks, cvs), dicts, sizes = part
+        map_, is_ = self._map, self._is
+        return self._all(map_(is_, map_(_dict_get, mds, mks), mvs)) and \
+            list(map_(len, dicts)) == sizes and \
+            self._all(map_(is_, map_(_proxy_get, cds, cks), cvs))
+
     def _fresh_labkit(self) -> types.ModuleType:
         """A private copy of minickpt.labkit: not in sys.modules, its functions bound to the
         pristine builtins, its reference functions found now, before any student code."""
@@ -240,43 +353,93 @@ class Referee:
         mod.__dict__["__builtins__"] = self._builtins
         spec.loader.exec_module(mod)
         mod.reference_functions()
+        failures, base = self._failures, mod.LabCheckError
+
+        class LabCheckError(base):  # type: ignore[misc,valid-type]
+            """A check that failed: recorded, so that swallowing it changes nothing."""
+
+            def __init__(self, *args: object) -> None:
+                failures.append(str(args[0]) if args else "a check failed")
+                super().__init__(*args)
+
+        LabCheckError.__qualname__ = LabCheckError.__name__ = base.__name__
+        mod.LabCheckError = LabCheckError  # what the copy's checks raise (a global lookup)
         return mod
 
     # -----------------------------------------------------------------------------------
     # restoring and checking
     # -----------------------------------------------------------------------------------
-    def _changes(self, allowed: frozenset[int] = frozenset(), fix: bool = False) -> list[str]:
-        """What differs from the snapshot (names for a person); with ``fix``, put it back."""
+    def _changes(self, allowed: frozenset[int] = frozenset(), fix: bool = False,
+                 full: bool = True) -> list[str]:
+        """What differs from the snapshot (names for a person); with ``fix``, put it back.
+        ``full=False`` (after each call of a student's function, which must be quick): the
+        named modules, the hot classes and what the audit hook saw, not the rest."""
         changed = []
-        modules = self._sys.modules
-        for name, (mod, items) in self._modules.items():
+        modules, is_, all_, map_ = self._sys.modules, self._is, self._all, self._map
+        for name, mod in self._named_mods:
             if modules.get(name) is not mod:
                 changed.append(f"sys.modules[{name!r}]")
                 if fix:
                     modules[name] = mod
-            d = vars(mod)
-            for k, v in items.items():
+        hot = self._unchanged(self._hot)
+        cold = not full or self._unchanged(self._cold)
+        check = self._swapped if hot else self._hot_modules
+        check = check if cold else self._modules
+        for _name, mod, d, keys, values in check:
+            if all_(map_(is_, map_(d.get, keys), values)):
+                continue
+            for k, v in zip(keys, values, strict=True):
                 now = d.get(k, _MISSING)
                 if now is not v and id(now) not in allowed:
-                    changed.append(f"{name}.{k}")
+                    changed.append(f"{getattr(mod, '__name__', '?')}.{k}")
                     if fix:
                         d[k] = v
-        for f, code, defaults, kwdefaults in self._functions:
+        for f, code, defaults, kwdefaults in self._functions if full else ():  # (and audited)
             if f.__code__ is not code or f.__defaults__ is not defaults \
                     or f.__kwdefaults__ is not kwdefaults:
                 changed.append(f"{f.__module__}.{f.__qualname__}.__code__")
                 if fix:
-                    f.__code__, f.__defaults__, f.__kwdefaults__ = code, defaults, kwdefaults
-        for cls, attrs in self._classes:
-            d = vars(cls)
-            for k, v in attrs.items():
-                if d.get(k, _MISSING) is not v:
-                    changed.append(f"{cls.__module__}.{cls.__qualname__}.{k}")
-                    if fix:
-                        try:
-                            setattr(cls, k, v)
-                        except (AttributeError, TypeError):
-                            pass
+                    self._quiet = True
+                    try:
+                        f.__code__, f.__defaults__, f.__kwdefaults__ = code, defaults, kwdefaults
+                    finally:
+                        self._quiet = False
+        for cls, d, keys, values, size in ((() if hot else self._hot_classes) if cold
+                                           else self._classes):
+            if len(d) == size and all_(map_(is_, map_(d.get, keys), values)):
+                continue
+            where = f"{cls.__module__}.{cls.__qualname__}"
+            bad = [(k, v) for k, v in zip(keys, values, strict=True) if d.get(k, _MISSING) is not v]
+            added = [k for k, a in list(d.items()) if k not in keys and _method_like(a)]
+            changed += [f"{where}.{k}" for k, _ in bad] + [f"{where}.{k}" for k in added]
+            if fix:
+                for k, v in bad:
+                    try:
+                        self._setattr(cls, k, v)
+                    except (AttributeError, TypeError):
+                        pass
+                for k in added:
+                    try:
+                        self._delattr(cls, k)
+                    except (AttributeError, TypeError):
+                        pass
+        if self._audited:
+            for obj, name, before in list(self._audited.values()):
+                changed.append(f"{getattr(obj, '__qualname__', None) or getattr(obj, '__name__', '?')}"
+                               f".{name}")
+                if fix:
+                    self._quiet = True
+                    try:
+                        if before is _MISSING:
+                            self._delattr(obj, name)
+                        else:
+                            self._setattr(obj, name, before)
+                    except (AttributeError, TypeError, ValueError):
+                        pass
+                    finally:
+                        self._quiet = False
+            if fix:
+                self._audited.clear()
         for k, v in self._sys_hooks.items():
             if getattr(self._sys, k) is not v:
                 changed.append(f"sys.{k}")
@@ -295,6 +458,10 @@ class Referee:
             if fix:
                 self._settrace(None)
                 self._setprofile(None)
+        if self._hooks_refused:
+            changed.append("sys.addaudithook (refused)")
+            if fix:
+                self._hooks_refused = 0
         return changed
 
     def _wrap(self, fn, allowed: set[int], calls: list[str]):
@@ -306,7 +473,7 @@ class Referee:
             try:
                 return fn(*args, **kwargs)
             finally:
-                changed = referee._changes(frozenset(allowed), fix=True)
+                changed = referee._changes(frozenset(allowed), fix=True, full=False)
                 if changed:
                     calls.append(fn.__name__)
                     raise TamperedError(
@@ -355,11 +522,15 @@ class Referee:
         ns["__builtins__"] = self._builtins
         ns["__name__"] = "__main__"
         code = self._compile(source, f"<{grade_id}>", "exec")
+        del self._failures[:]
         self._exec(code, ns)
         after = self._changes(fix=True)
         if after:
             raise TamperedError(f"the test left {', '.join(sorted(set(after))[:6])} changed: "
                                 "something the student's code started kept tampering")
+        if self._failures:  # a check failed, and something made the test go on regardless
+            raise TamperedError(f"{self._failures[0]} (this check failed, and the failure was "
+                                "swallowed: the test does not count)")
         answers = {}
         for name in report:
             answers[name] = _literal(ns.get(name, _MISSING))

@@ -31,7 +31,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from . import ROOT, sandbox
+from . import ROOT, cgroups, sandbox
 from .notebook import (
     Assembled,
     Lab,
@@ -45,6 +45,7 @@ from .notebook import (
     strip_receipts,
     task_of,
     task_totals,
+    text_only,
 )
 
 REFEREE_FILE = Path(__file__).resolve().parent / "referee.py"
@@ -149,6 +150,9 @@ def _run(job: Job, cfg: dict[str, Any], lab: Lab, student: list[Any], iso: sandb
             str(scratch / "referee.key"), {}
     refereed = os.environ.get("MINICKPT_REFEREE", "").lower() not in ("off", "0", "no")
     asm = assemble(lab, student, referee_path=referee_path, key_file=key_file, refereed=refereed)
+    for c in asm.cells:
+        if c.role == "student":
+            c.run = _compilable(c.run)
     if not refereed:
         result["isolation"] += " + NO REFEREE (MINICKPT_REFEREE=off)"
     fd = os.open(key_file, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o400)
@@ -173,9 +177,11 @@ def _run(job: Job, cfg: dict[str, Any], lab: Lab, student: list[Any], iso: sandb
         """The referee has read its key in the first cell; no student code has run yet."""
         Path(key_file).unlink(missing_ok=True)
 
+    slot_cgroup = cgroups.from_list(cfg.get("cgroup"))
     km = sandbox.make_kernel_manager(iso, uid=uid or 0, ipc_dir=str(ipc), cwd=cwd,
                                      limits=limits, extra_ro=extra_ro, kernel_args=KERNEL_ARGS,
-                                     max_message_bytes=int(cfg["max_message"]))
+                                     max_message_bytes=int(cfg["max_message"]),
+                                     cgroup=slot_cgroup)
     client = GradingClient(nb, km, timeout=int(cfg["timeout"]),
                            setup_timeout=int(cfg["setup_timeout"]),
                            keep_output_bytes=int(cfg["keep_output"]),
@@ -194,10 +200,13 @@ def _run(job: Job, cfg: dict[str, Any], lab: Lab, student: list[Any], iso: sandb
         finally:
             if reap:
                 sandbox.kill_uid(reap)
+            if slot_cgroup is not None:
+                slot_cgroup.kill()
             km.context.destroy(linger=0)
     if not started:  # pragma: no cover - asyncio.run raised: reported by grade_one
         return
-    executed = [list(c.get("outputs", [])) if c.cell_type == "code" else [] for c in nb.cells]
+    executed = [[_text_only(o) for o in c.get("outputs", [])] if c.cell_type == "code" else []
+                for c in nb.cells]
     notes = {i: msg for i, msg in report.not_run.items()}
     for g in grade_cells(asm, executed, notes, lab.grade_cells):
         result["scores"][g.grade_id] = g.score
@@ -209,12 +218,38 @@ def _run(job: Job, cfg: dict[str, Any], lab: Lab, student: list[Any], iso: sandb
     if report.fate:
         result["reason"] = f"{report.fate}: the cells after it were not run (0 points)"
     result["ran_all_cells"] = not report.not_run and not report.fate
-    mine = [(c.grade_id or f"your cell {k}", c.run) for k, c in enumerate(asm.cells)
-            if c.role == "student" and c.run.strip()]
+    mine = [(c.grade_id or f"your cell {k}", c.show) for k, c in enumerate(asm.cells)
+            if c.role == "student" and c.show.strip()]  # what the student wrote, not what ran
     result["review"] = sorted(set(result["review"]) | set(scan(mine)))
     if report.strays_killed:
         result["killed_processes"] = report.strays_killed
     _finish(root, result, lab, asm, executed, t0)
+
+
+def _compilable(source: str) -> str:
+    """A student's cell that Python cannot even compile for a reason other than its syntax
+    (nested too deep: a 3000-term string concatenation) breaks ipykernel's own handler, which
+    compiles it before running it, and the kernel never answers again; it is sent as a
+    ``raise`` of that error instead, so the cell fails and the rest is graded."""
+    try:
+        compile(source, "<student cell>", "exec", dont_inherit=True)
+    except SyntaxError:
+        pass  # IPython's own syntax (%magic, !shell) or a real mistake: the kernel says which
+    except (RecursionError, MemoryError, ValueError) as e:
+        why = f"this cell cannot be compiled ({type(e).__name__}: {e}); nothing in it ran"
+        return f"raise {type(e).__name__}({why!r})"
+    return source
+
+
+def _text_only(value: Any) -> Any:
+    """An output with every string made encodable (a kernel can print a lone surrogate)."""
+    if isinstance(value, str):
+        return text_only(value)
+    if isinstance(value, dict):
+        return {text_only(str(k)): _text_only(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_text_only(v) for v in value]
+    return value
 
 
 def _finish(root: Path, result: dict[str, Any], lab: Lab, asm: Assembled | None,
@@ -277,11 +312,16 @@ def worker_main(cfg_json: str) -> int:
     labs: dict[str, Lab] = {}
     from . import notebook  # noqa: F401  (loads nbformat & co before the first job)
 
+    sandbox.become_subreaper()  # what a submission double-forks away still comes back here
     for line in sys.stdin:
         if not line.strip():
             continue
         job = job_from(json.loads(line))
         grade_one(job, cfg, labs)
+        sandbox.kill_descendants()  # sandboxed or not: nothing it started outlives its grading
+        slot_cgroup = cgroups.from_list(cfg.get("cgroup"))
+        if slot_cgroup is not None:
+            slot_cgroup.kill()
         proto.write(f"done {job.id}\n")
     return 0
 
@@ -289,25 +329,37 @@ def worker_main(cfg_json: str) -> int:
 # ---------------------------------------------------------------------------------------
 # the pool
 # ---------------------------------------------------------------------------------------
+_SLOTS: list[Slot] = []
+_SLOTS_LOCK = threading.Lock()
+
+
 class Slot:
     """One parallel slot: a worker process and the sandbox uid it grades under."""
 
-    def __init__(self, k: int, uid: int | None, cfg: dict[str, Any], logs: Path) -> None:
-        self.k, self.uid = k, uid
+    def __init__(self, k: int, uid: int | None, cfg: dict[str, Any], logs: Path,
+                 cgroup: cgroups.SlotCgroup | None = None) -> None:
+        _SLOTS.append(self)
+        self.k, self.uid, self.cgroup, self.closed = k, uid, cgroup, False
         self.ipc = Path(tempfile.mkdtemp(prefix=f"minickpt-grade-{k}-"))
-        self.cfg = {**cfg, "uid": uid, "ipc": str(self.ipc / "ipc")}
+        self.cfg = {**cfg, "uid": uid, "ipc": str(self.ipc / "ipc"),
+                    "cgroup": cgroup.as_list() if cgroup else None}
         self.log_path = logs / f"worker-{k}.log"
         self.proc: subprocess.Popen[bytes] | None = None
         self._buf = b""
 
     def start(self) -> None:
         log = open(self.log_path, "ab")
+        with _SLOTS_LOCK:  # never half-started while another slot cleans up
+            if not self.closed:  # (nor started again by its thread once the run is over)
+                self._start(log)
+        log.close()
+        self._buf = b""
+
+    def _start(self, log: Any) -> None:
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "autograder.grade", "--worker", json.dumps(self.cfg)],
             cwd=ROOT, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=log,
             start_new_session=True, env={**os.environ, "PYTHONPATH": str(ROOT)})
-        log.close()
-        self._buf = b""
 
     def stop(self) -> None:
         if self.proc is not None:
@@ -317,18 +369,31 @@ class Slot:
                 pass
             self.proc.wait()
             self.proc = None
+            # what the dead worker's submission left is handed to us (a subreaper): kill all
+            # but the other slots' workers and what is theirs
+            with _SLOTS_LOCK:
+                sandbox.kill_descendants(spare={s.proc.pid for s in _SLOTS
+                                                if s is not self and s.proc is not None})
         if self.uid:
             sandbox.kill_uid(self.uid)
+        if self.cgroup is not None:
+            self.cgroup.kill()
 
     def close(self) -> None:
+        with _SLOTS_LOCK:
+            self.closed = True
         self.stop()
         shutil.rmtree(self.ipc, ignore_errors=True)
+        if self in _SLOTS:
+            _SLOTS.remove(self)
 
     def grade(self, job: Job, wall: float) -> str:
         """Send one job; ``"done"``, ``"timeout"`` or ``"died"``."""
         if self.proc is None or self.proc.poll() is not None:
             self.start()
-        assert self.proc is not None and self.proc.stdin is not None and self.proc.stdout
+        if self.proc is None:  # the run is over
+            return "died"
+        assert self.proc.stdin is not None and self.proc.stdout
         try:
             self.proc.stdin.write((json.dumps(job.__dict__) + "\n").encode())
             self.proc.stdin.flush()
@@ -365,7 +430,13 @@ def run_pool(jobs: list[Job], cfg: dict[str, Any], n: int, logs: Path,
     done: queue.Queue[tuple[Job, dict[str, Any], float]] = queue.Queue()
     for j in jobs:
         todo.put(j)
-    slots = [Slot(k, uids[k], cfg, logs) for k in range(n)]
+    limits = sandbox.Limits(**cfg["limits"])
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    slot_cgroups, _ = cgroups.make_slot_cgroups(  # the probe said already when there are none
+        n, cpus=limits.cpus or max(0.05, (cores or 1) / n), memory=limits.slot_memory_bytes,
+        processes=limits.processes)
+    slots = [Slot(k, uids[k], cfg, logs, slot_cgroups[k] if slot_cgroups else None)
+             for k in range(n)]
     wall = float(cfg["wall"]) + 120.0
 
     def serve(slot: Slot) -> None:
@@ -379,6 +450,7 @@ def run_pool(jobs: list[Job], cfg: dict[str, Any], n: int, logs: Path,
             result = _read_result(job, outcome, wall)
             done.put((job, result, time.monotonic() - t0))
 
+    sandbox.become_subreaper()  # a dead worker's orphans come here, and are killed
     threads = [threading.Thread(target=serve, args=(s,), daemon=True) for s in slots]
     try:
         for t in threads:
@@ -391,6 +463,7 @@ def run_pool(jobs: list[Job], cfg: dict[str, Any], n: int, logs: Path,
     finally:
         for s in slots:
             s.close()
+        cgroups.remove_all(slot_cgroups)
         if uids_cm:
             uids_cm.__exit__()
 

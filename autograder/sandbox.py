@@ -14,13 +14,17 @@ sandbox's uid owns: TCP cannot cross the sandbox's own network namespace). Insid
 * runs as a uid that only this slot uses (a run takes one per parallel slot, under a lock), with
   no capabilities and ``no_new_privs``, so the process limit counts exactly its processes;
 * is bounded by rlimits: address space per process, CPU seconds, processes (threads count),
-  file size, open files, no core dumps. Wall time and output size are bounded by the executor.
+  file size, open files, no core dumps; and, as a whole, by its slot's cgroup (a share of the
+  cores, memory, tasks: :mod:`autograder.cgroups`). Wall time and output size are bounded by
+  the executor.
 
 Run as root, bubblewrap keeps every capability and its user namespace would map the sandbox to
 root, so the privileges are dropped inside with ``setpriv`` (then ``prlimit``). As an ordinary
 user, bubblewrap uses an unprivileged user namespace; there is no dedicated uid then, so the
 process limit is left out. Where bubblewrap (or setpriv/prlimit) is missing or does not work,
-:func:`probe` says exactly what is lost, and the grader warns loudly and marks every result.
+:func:`probe` says exactly what is lost and why (the real cause: an interpreter the sandbox
+does not show, a package it cannot import), and grade.sh refuses to grade unless asked
+(``--unsandboxed``, ``MINICKPT_SANDBOX=off``), then warns loudly and marks every result.
 """
 
 from __future__ import annotations
@@ -56,6 +60,8 @@ class Limits:
     file_bytes: int = 256 << 20      # RLIMIT_FSIZE: the largest file it may write
     open_files: int = 1024           # RLIMIT_NOFILE
     tmp_bytes: int = 256 << 20       # size of its /tmp, /dev/shm and working folder (tmpfs: RAM)
+    slot_memory_bytes: int = 6 << 30  # memory of all its processes together (its cgroup), no swap
+    cpus: float = 0.0                # cores of its cgroup; 0: the machine's cores / parallel slots
 
     def as_dict(self) -> dict[str, int]:
         return dict(self.__dict__)
@@ -77,11 +83,18 @@ class Isolation:
         return self.mode != "none"
 
     @property
+    def requested(self) -> bool:
+        """No sandbox because the instructor asked for none (``--unsandboxed``,
+        ``MINICKPT_SANDBOX=off``), not because it failed."""
+        return self.detail.startswith(ASKED)
+
+    @property
     def marker(self) -> str:
         """The value of the ``isolation`` column: ``sandbox`` when everything holds."""
         if not self.lost:
             return "sandbox"
-        return ("partial: " if self.sandboxed else "NONE: ") + "; ".join(self.lost)
+        asked = f"NONE ({self.detail}): " if self.requested else "NONE: "
+        return ("partial: " if self.sandboxed else asked) + "; ".join(self.lost)
 
     def warning(self) -> str | None:
         """A loud warning for the terminal, or None when every mechanism works."""
@@ -91,11 +104,29 @@ class Isolation:
         lines = [bar, "!! grade: STUDENT CODE IS NOT FULLY ISOLATED ON THIS MACHINE",
                  *[f"!!   - {item}" for item in self.lost]]
         if self.detail:
-            lines.append(f"!!   ({self.detail})")
-        lines += ["!! Install bubblewrap and run as root for full isolation:",
-                  "!!   sudo bash scripts/install-sandbox.sh   (apt-get install bubblewrap)",
-                  "!! Every result is marked in the `isolation` column.", bar]
+            lines.append(f"!!   why: {self.detail}")
+        lines += [f"!! fix: {self.fix}", "!! Every result is marked in the `isolation` column.",
+                  bar]
         return "\n".join(lines)
+
+    @property
+    def fix(self) -> str:
+        """What to do about :attr:`detail` (the probe's real cause, not a generic advice)."""
+        d = self.detail
+        if self.requested:
+            return "unset MINICKPT_SANDBOX (and drop --unsandboxed) to grade in the sandbox"
+        if "not installed" in d or "setpriv" in d:
+            return "sudo bash scripts/install-sandbox.sh   (apt-get install bubblewrap util-linux)"
+        if "not visible inside the sandbox" in d or "cannot import" in d:
+            return ("make the course environment a real folder (not inside a folder the sandbox "
+                    "hides: /home, /root, /tmp, /run, /var, /mnt, /srv, /opt are empty there) or "
+                    "report the paths above as a bug of autograder/sandbox.py")
+        if "cgroup" in d:
+            return "run grade.sh as root on a machine with cgroups (v2, or v1's cpu, memory, pids)"
+        if self.sandboxed:
+            return "run grade.sh as root for a uid per slot (the process limit)"
+        return ("run `python -m autograder.sandbox` to see what fails; bubblewrap needs "
+                "unprivileged user namespaces, or root")
 
 
 # ---------------------------------------------------------------------------------------
@@ -107,11 +138,35 @@ NO_SANDBOX_LOST = ("the kernel can read the solutions, the work folder and other
 NO_PRLIMIT = "no limits on memory, CPU time, file size (prlimit is missing)"
 
 
+ASKED = "unsandboxed on request"
+
+
+def unsandboxed(how: str) -> Isolation:
+    """No sandbox because the instructor asked (``how``: the flag or the variable)."""
+    return _unsandboxed(f"{ASKED}: {how}")
+
+
 def _unsandboxed(detail: str) -> Isolation:
-    """No bubblewrap: still the rlimits, when prlimit is there."""
+    """No bubblewrap: still the rlimits, when prlimit is there (and the slots' cgroups)."""
     prlimit = shutil.which("prlimit") if sys.platform.startswith("linux") else None
-    lost = NO_SANDBOX_LOST + (() if prlimit else (NO_PRLIMIT,))
+    lost = NO_SANDBOX_LOST + (() if prlimit else (NO_PRLIMIT,)) + _cgroups_lost()
     return Isolation("none", prlimit=prlimit, lost=lost, detail=detail)
+
+
+def _cgroups_lost() -> tuple[str, ...]:
+    """() when a cgroup per slot can be made here, else what is lost (and why)."""
+    if not sys.platform.startswith("linux"):
+        return (f"{NO_CGROUP} (not Linux)",)
+    from . import cgroups
+
+    made, why = cgroups.make_slot_cgroups(1, cpus=1.0, memory=1 << 30, processes=64,
+                                          name=f"minickpt-probe-{os.getpid()}-{time.monotonic_ns()}")
+    cgroups.remove_all(made)
+    return (f"{NO_CGROUP} ({why})",) if why else ()
+
+
+NO_CGROUP = ("no cgroup per submission: its CPU share, memory and processes are bounded per "
+             "process only (a submission that forks spinners slows its neighbours)")
 
 
 def probe(python: str = sys.executable) -> Isolation:
@@ -120,10 +175,11 @@ def probe(python: str = sys.executable) -> Isolation:
     Set ``MINICKPT_SANDBOX=off`` to grade without a sandbox on purpose (still marked).
     """
     if os.environ.get("MINICKPT_SANDBOX", "").lower() in ("off", "0", "no", "none"):
-        return _unsandboxed("MINICKPT_SANDBOX=off")
+        return unsandboxed("MINICKPT_SANDBOX=off")
     if not sys.platform.startswith("linux"):
         return _unsandboxed(f"not Linux ({sys.platform})")
     bwrap, setpriv, prlimit = (shutil.which(t) for t in ("bwrap", "setpriv", "prlimit"))
+    bwrap = os.environ.get("MINICKPT_BWRAP") or bwrap  # tests: a bubblewrap that fails
     if bwrap is None:
         return _unsandboxed("bubblewrap (bwrap) is not installed")
     root = os.geteuid() == 0
@@ -134,17 +190,19 @@ def probe(python: str = sys.executable) -> Isolation:
         lost.append(NO_PRLIMIT)
     if not root:
         lost.append("no process limit (a dedicated uid needs root)")
+    lost += _cgroups_lost()
     iso = Isolation("bwrap-root" if root else "bwrap-user", bwrap, setpriv, prlimit, tuple(lost))
     # the probe's uid is locked like a slot's: two grade.sh started side by side (the shards
     # of a job array on one machine) once probed with one fixed uid, and each one's clean-up
     # killed the other's probe, which then graded without a sandbox
+    inside, paths = sandbox_python(python), python_paths(python)
     with SlotUids(1) as slot, tempfile.TemporaryDirectory(prefix="minickpt-probe-") as tmp:
         uid = slot.uids[0]
-        cmd = kernel_command(iso, [python, "-I", "-c", "import sys; print('ok')"], uid=uid,
-                             cwd="/tmp", ipc_dir=tmp, read_only=python_paths(python),
+        cmd = kernel_command(iso, [inside, "-c", PROBE_CODE], uid=uid,
+                             cwd="/tmp", ipc_dir=tmp, read_only=paths,
                              limits=Limits(), env={})
         try:
-            proc = subprocess.run(cmd, capture_output=True, text=True, timeout=60)
+            proc = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
         except (OSError, subprocess.TimeoutExpired) as e:
             proc = None
             err = f"{type(e).__name__}: {e}"
@@ -152,15 +210,45 @@ def probe(python: str = sys.executable) -> Isolation:
             if proc is not None:
                 err = (proc.stderr or proc.stdout).strip().splitlines()[-1:] or [f"exit {proc.returncode}"]
                 err = err[0]
-            return _unsandboxed(f"bubblewrap does not work here: {err}")
+            return _unsandboxed(_probe_cause(err, inside, paths))
     return iso
 
 
+PROBE_CODE = "import ipykernel, minickpt, numpy; print('ok')"
+"""What the probe runs in the sandbox: the kernel's own imports, not merely ``python``."""
+
+
+def _probe_cause(err: str, python: str, paths: list[str]) -> str:
+    """The probe's error said as its cause: which path the sandbox did not show."""
+    shown = ", ".join(paths) or "nothing beyond /usr"
+    if "failed to execute" in err or "No such file" in err or "execvp" in err:
+        return (f"the Python interpreter {python} is not visible inside the sandbox (it shows "
+                f"/usr, /etc and {shown}; the error: {err})")
+    if "ModuleNotFoundError" in err or "ImportError" in err:
+        return (f"the sandboxed Python {python} cannot import what the kernel needs ({err}); "
+                f"its packages live outside what the sandbox shows ({shown})")
+    return f"bubblewrap does not work here: {err}"
+
+
+def sandbox_python(python: str = sys.executable) -> str:
+    """The interpreter as the sandbox runs it: the same ``bin/python`` of the same
+    environment, with the environment's folder resolved (``.venv`` may be a link to a
+    virtual environment elsewhere, which the sandbox shows at its real place). Not the
+    fully resolved file: a venv's ``bin/python`` links to the base interpreter, and Python
+    finds its environment (``pyvenv.cfg``) from the path it was started by."""
+    env = os.path.realpath(os.path.dirname(os.path.dirname(os.path.abspath(python))))
+    here = os.path.join(env, os.path.basename(os.path.dirname(os.path.abspath(python))),
+                        os.path.basename(python))
+    return here if os.path.exists(here) else os.path.realpath(python)
+
+
 def python_paths(python: str = sys.executable) -> list[str]:
-    """Folders the kernel's interpreter needs, read-only: its environment, the base
-    installation, and the ``minickpt`` package (an editable install points into the repository:
-    only that folder is bound, never the repository itself)."""
+    """Folders the kernel's interpreter needs, read-only: its environment (at its real place),
+    the base installation, and the ``minickpt`` package (an editable install points into the
+    repository: only that folder is bound, never the repository itself)."""
+    inside = sandbox_python(python)
     paths = {os.path.realpath(sys.prefix), os.path.realpath(sys.base_prefix),
+             os.path.dirname(os.path.dirname(inside)),
              os.path.dirname(os.path.dirname(os.path.realpath(python)))}
     try:
         import minickpt
@@ -306,6 +394,85 @@ def kill_uid(uid: int, keep: int | None = None) -> int:
 
 
 # ---------------------------------------------------------------------------------------
+# every process a submission started, wherever it went (its own session, its own group)
+# ---------------------------------------------------------------------------------------
+def become_subreaper() -> bool:
+    """Make this process the one that orphans below it are handed to (Linux
+    ``PR_SET_CHILD_SUBREAPER``): a child that double-forks and calls ``setsid`` leaves its
+    session and its process group, never this process's tree, so :func:`kill_descendants`
+    finds it."""
+    if not sys.platform.startswith("linux"):
+        return False
+    try:
+        import ctypes
+
+        return ctypes.CDLL(None, use_errno=True).prctl(36, 1, 0, 0, 0) == 0
+    except (OSError, AttributeError):
+        return False
+
+
+def _parents() -> dict[int, int]:
+    """pid -> parent pid of every living (not zombie) process."""
+    found = {}
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat") as f:
+                stat = f.read()
+            fields = stat[stat.rindex(")") + 2:].split()
+            if fields[0] not in ("Z", "X"):
+                found[int(entry)] = int(fields[1])
+        except (OSError, ValueError, IndexError):
+            continue
+    return found
+
+
+def descendants(pid: int, spare: set[int] = frozenset()) -> list[int]:
+    """Every living process below ``pid`` (not below the ``spare`` ones)."""
+    children: dict[int, list[int]] = {}
+    for child, parent in _parents().items():
+        children.setdefault(parent, []).append(child)
+    out, todo = [], [c for c in children.get(pid, []) if c not in spare]
+    while todo:
+        p = todo.pop()
+        out.append(p)
+        todo += [c for c in children.get(p, []) if c not in spare]
+    return out
+
+
+def kill_descendants(pid: int | None = None, spare: set[int] = frozenset()) -> int:
+    """SIGKILL every process below ``pid`` (default: this one) until none is left, reaping
+    the orphans handed to us. Returns how many were killed."""
+    pid = os.getpid() if pid is None else pid
+    killed: set[int] = set()
+    for _ in range(200):
+        victims = descendants(pid, spare)
+        if not victims:
+            break
+        for v in victims:
+            try:
+                os.kill(v, signal.SIGKILL)
+                killed.add(v)
+            except (ProcessLookupError, PermissionError):
+                pass
+        time.sleep(0.01)
+        _reap()
+    _reap()
+    return len(killed)
+
+
+def _reap() -> None:
+    while True:
+        try:
+            got, _ = os.waitpid(-1, os.WNOHANG)
+        except ChildProcessError:
+            return
+        if got == 0:
+            return
+
+
+# ---------------------------------------------------------------------------------------
 # one uid per parallel slot, never shared with another grade.sh running at the same time
 # ---------------------------------------------------------------------------------------
 @dataclass
@@ -350,7 +517,7 @@ class SlotUids:
 # ---------------------------------------------------------------------------------------
 def make_kernel_manager(iso: Isolation, *, uid: int, ipc_dir: str, cwd: str, limits: Limits,
                         extra_ro: dict[str, str], kernel_args: list[str],
-                        max_message_bytes: int) -> Any:
+                        max_message_bytes: int, cgroup: Any = None) -> Any:
     """An AsyncKernelManager whose kernel is ipykernel run in the sandbox (``iso``), over ZMQ
     ipc sockets in ``ipc_dir`` (owned by ``uid``); interrupts go over the control channel."""
     import zmq.asyncio
@@ -358,7 +525,8 @@ def make_kernel_manager(iso: Isolation, *, uid: int, ipc_dir: str, cwd: str, lim
     from jupyter_client.manager import AsyncKernelManager
 
     python = sys.executable
-    argv = [python, "-m", "ipykernel_launcher", "-f", "{connection_file}", *kernel_args]
+    argv = [sandbox_python(python) if iso.sandboxed else python, "-m", "ipykernel_launcher",
+            "-f", "{connection_file}", *kernel_args]
     spec = KernelSpec(argv=argv, display_name="Python 3 (minickpt grader)", language="python",
                       interrupt_mode="message", metadata={"debugger": False})
     read_only = python_paths(python)
@@ -373,9 +541,10 @@ def make_kernel_manager(iso: Isolation, *, uid: int, ipc_dir: str, cwd: str, lim
             if iso.sandboxed:
                 os.chown(self.connection_file, uid if iso.mode == "bwrap-root" else -1, -1)
                 os.chmod(self.connection_file, 0o600)
-            return kernel_command(iso, cmd, uid=uid, cwd=cwd, ipc_dir=ipc_dir,
-                                  read_only=read_only, limits=limits, env=kernel_env(),
-                                  extra_ro=extra_ro)
+            cmd = kernel_command(iso, cmd, uid=uid, cwd=cwd, ipc_dir=ipc_dir,
+                                 read_only=read_only, limits=limits, env=kernel_env(),
+                                 extra_ro=extra_ro)
+            return cgroup.join_command(cmd) if cgroup is not None else cmd
 
     context = zmq.asyncio.Context()
     context.setsockopt(zmq.MAXMSGSIZE, max_message_bytes)  # a 1 GB message is dropped, not read

@@ -3,6 +3,15 @@
 # (util-linux, present on Debian/Ubuntu). Needs root and apt-get; elsewhere it says what to do.
 # Idempotent: does nothing when bwrap is already installed. CI runs it (scripts/test.sh).
 set -euo pipefail
+# cgroups: grade.sh makes one per parallel slot itself (autograder/cgroups.py, as root): cgroup v2
+# with the cpu, memory and pids controllers, or v1's cpu, memory and pids hierarchies. Say so
+# when neither is there (grade.sh then marks every result: CPU and memory bounded per process).
+cg=/sys/fs/cgroup
+if ! { grep -qw memory "$cg/cgroup.controllers" 2>/dev/null ||
+       { [ -d "$cg/cpu" ] && [ -d "$cg/memory" ] && [ -d "$cg/pids" ]; }; }; then
+  echo "install-sandbox: no usable cgroups at $cg (v2 controllers or v1 cpu/memory/pids): a" >&2
+  echo "  submission's CPU and memory are bounded per process only (results are marked)" >&2
+fi
 if command -v bwrap >/dev/null 2>&1; then
   exit 0
 fi

@@ -454,7 +454,8 @@ def test_assembly_runs_the_labs_cells_in_order_with_only_the_students_code(tmp_p
     gids = [c.grade_id for c in asm.cells if c.grade_id]
     assert gids == [c.grade_id for c in lab.cells if c.grade_id]    # the lab's order, all of it
     leaf = next(c for c in asm.cells if c.grade_id == "test_1_3_leaf")
-    assert "### BEGIN HIDDEN TESTS" in leaf.full and repr(leaf.full) in leaf.run  # the lab's test
+    assert "### BEGIN HIDDEN TESTS" in leaf.full  # the lab's test, sealed: no text of it runs
+    assert not any(line.strip() in leaf.run for line in leaf.full.split("\n") if len(line.strip()) > 8)
     quiz = next(c for c in asm.cells if c.grade_id == "test_quiz_q5")
     assert quiz.report == ("Q5",) and "same(Q5" in quiz.hidden and "same(Q5" not in quiz.run
     mine = next(i for i, c in enumerate(asm.cells) if "first!" in c.run)
@@ -614,10 +615,16 @@ real_plan = fmt.plan_leaf
 def sign(gid, src, report=()):
     return hmac.new(b"k" * 32, f"n|test|{gid}|{report!r}|{src}".encode(), "sha256").hexdigest()
 
+def sealed(gid, src):
+    data = src.encode()
+    stream = b"".join(bytes.fromhex(hmac.new(b"k" * 32, f"n|text|{gid}|{i}".encode(), "sha256").hexdigest())
+                      for i in range((len(data) + 31) // 32))
+    return bytes(a ^ b for a, b in zip(data, stream)).hex()
+
 def run(label, gid, src, mac=None):
     captured.clear()
     try:
-        ref.test(gid, src, mac or sign(gid, src))
+        ref.test(gid, sealed(gid, src), mac or sign(gid, src))
         text = "".join(captured)
         result = "receipt" + (" " + text.split("'restored': ")[1] if mod.RECEIPT in text else " MISSING")
     except BaseException as e:
@@ -658,7 +665,7 @@ def plan_leaf(names, host):
 ns["plan_leaf"] = plan_leaf
 run("forge by name", "t6", TEST)
 def plan_leaf(names, host):  # get a receipt for this very test from a nested run
-    vars(sys.modules["__main__"])["__referee__"].test("t7", TEST, sign("t7", TEST))
+    vars(sys.modules["__main__"])["__referee__"].test("t7", sealed("t7", TEST), sign("t7", TEST))
     return ("wrong", None)
 ns["plan_leaf"] = plan_leaf
 run("nested test", "t7", TEST)
@@ -810,3 +817,372 @@ def test_a_zip_for_one_lab_without_sandbox_says_so_counts_and_fails_with_2(tmp_p
     assert rows["blank"]["status"] == "error" and rows["garbage"]["status"] == "failed"
     assert all(r["isolation"].startswith("NONE") for r in rows.values()), rows
     assert "!! NOT FULLY ISOLATED: NONE" in (tmp_path / "out" / "summary.txt").read_text()
+
+
+# ---------------------------------------------------------------------------------------
+# issue 20: the standard library, the kernel's history, the neighbours, odd source
+# ---------------------------------------------------------------------------------------
+def test_patching_the_standard_library_silences_no_check(tmp_path):
+    """Whatever student code did to Python's own machinery (a class of the standard library
+    the helpers run through, by attribute or by code object; a module function deep in
+    numpy; an audit hook), a test scores only if every check in it ran and held."""
+    script = tmp_path / "run.py"
+    script.write_text(REFEREE_SCRIPT.split("# the student's cells")[0] + STDLIB_SCRIPT)
+    proc = subprocess.run([sys.executable, str(script), str(ROOT / "autograder" / "referee.py"),
+                           str(tmp_path / "key")], capture_output=True, text=True, timeout=120,
+                          env=_env(), cwd=ROOT)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    lines = dict(line.split(": ", 1) for line in proc.stdout.splitlines() if ": " in line)
+    for case in ("exit patched", "exit's code patched"):
+        assert lines[case] == "LabCheckError: must raise (nothing was raised) (printed: no receipt)"
+    assert "contextlib._GeneratorContextManager.__exit__" in lines["put back"]
+    assert "_GeneratorContextManager.__exit__.__code__" in lines["put back"]
+    assert "numpy._core.numeric.isclose" in lines["put back"]
+    assert "TamperedError: plan_leaf changed contextlib._GeneratorContextManager.__exit__" in \
+        lines["patched while tested"] and lines["patched while tested"].endswith("no receipt)")
+    assert lines["left patched"].startswith("TamperedError: the test left numpy._core.numeric")
+    assert lines["swallowed"].startswith("TamperedError: the check (this check failed, and the "
+                                         "failure was swallowed")
+    assert "sys.addaudithook (refused)" in lines["audit hook"] and lines["hook saw"] == "[]"
+
+
+STDLIB_SCRIPT = r'''
+import contextlib
+import numpy._core.numeric as numeric
+from minickpt.labkit import expect_raises, same
+ns.update(expect_raises=expect_raises, same=same, np=__import__("numpy"))
+real_exit, real_isclose = contextlib._GeneratorContextManager.__exit__, numeric.isclose
+MUST = 'with expect_raises(ValueError, "must raise"):\n    pass'
+
+def swallow(self, typ, value, tb):
+    return True
+
+contextlib._GeneratorContextManager.__exit__ = swallow          # between cells
+run("exit patched", "s1", MUST)
+real_exit.__code__, saved = swallow.__code__, real_exit.__code__  # the code object itself
+run("exit's code patched", "s2", MUST)
+numeric.isclose = lambda *a, **k: True
+real_exit.__code__ = swallow.__code__
+contextlib._GeneratorContextManager.__exit__ = swallow
+captured.clear()
+ref.test("s3", sealed("s3", "check(True, 'ok')"), sign("s3", "check(True, 'ok')"))
+print("put back:", "".join(captured).split("'restored': ")[-1].strip(), file=out)
+def plan_leaf(names, host):                                    # while the test runs
+    contextlib._GeneratorContextManager.__exit__ = swallow
+    return ("wrong", None)
+ns["plan_leaf"] = plan_leaf
+run("patched while tested", "s4", 'with expect_raises(ValueError, "must raise"):\n    plan_leaf(("a",), 1)')
+def plan_leaf(names, host):
+    numeric.isclose = lambda *a, **k: True                     # deep in numpy: seen at the end
+    return ("wrong", None)
+ns["plan_leaf"] = plan_leaf
+run("left patched", "s5", 'x = plan_leaf(("a",), 1)')
+run("swallowed", "s6", 'try:\n    check(False, "the check")\nexcept BaseException:\n    pass')
+seen = []
+sys.addaudithook(lambda event, args: seen.append(event) if event in ("compile", "exec") else None)
+run("audit hook", "s7", "check(True, 'ok')")
+print("hook saw:", seen, file=out)
+'''
+
+
+def test_hidden_tests_never_enter_the_kernel_as_text():
+    """What the kernel receives for a test (and so its input history, ``In``, ``_ih``,
+    ``_i<n>``, the history database, input transformers and pre_run_cell hooks) holds no line
+    of the test, hidden or visible: only ciphertext, which the referee alone reads back."""
+    from autograder.notebook import seal_text
+
+    for lab_name in LAB_NAMES:
+        lab = load_lab(SOLUTIONS / lab_name / f"{lab_name}.ipynb")
+        asm = assemble(lab, [], referee_path="/r.py", key_file="/k")
+        tests = [c for c in asm.cells if c.role in ("test", "quiz")]
+        assert tests
+        for c in tests:
+            lines = [s.strip() for s in c.full.split("\n") if len(s.strip()) >= 10]
+            assert not [s for s in lines if s in c.run], (lab_name, c.grade_id)
+    sealed = seal_text(b"k" * 32, "n", "g", "check(x)\n" * 20)
+    assert "check" not in sealed and len(sealed) == 2 * len("check(x)\n" * 20)
+
+
+def test_odd_source_is_a_grade_with_a_reason(tmp_path):
+    """A 3000-term string concatenation (too deep for Python's parser) and a lone surrogate
+    (valid JSON, not text), in the submission and in what the kernel printed: read,
+    assembled, scanned (flagged for a person), and written out, without an exception."""
+    from autograder import runner
+
+    lab = _lab()
+    nb = json.loads((EXAMPLES_DIR / "perfect" / "lab01_basics" / "lab01_basics.ipynb").read_text())
+    for c in nb["cells"]:
+        gid = c["metadata"].get("nbgrader", {}).get("grade_id")
+        if gid == "quiz_q1":
+            c["source"] = "Q1 = " + " + ".join(['""'] * 3000) + ' + "B"'
+        elif gid == "task_1_1":
+            c["source"] = "".join(c["source"]) + "\n# \ud800"
+    path = tmp_path / "sub.ipynb"
+    path.write_text(json.dumps(nb, ensure_ascii=True))
+    cells = read_submission(path)
+    asm = assemble(lab, cells, referee_path="/r.py", key_file="/k")
+    assert any("lone surrogates" in n for n in asm.notes)
+    mine = [(c.grade_id, c.run) for c in asm.cells if c.role == "student"]
+    assert "cannot be scanned (RecursionError): read quiz_q1 yourself" in scan(mine)
+    executed = [[{"output_type": "stream", "name": "stdout", "text": "odd \ud800 output\n"}]
+                if c.kind == "code" else [] for c in asm.cells]
+    result = {"student": "odd", "lab": lab.name, "status": "graded", "reason": "",
+              "scores": dict.fromkeys(lab.grade_cells, 0.0), "messages": {}, "notes": asm.notes,
+              "review": [], "isolation": "sandbox"}
+    runner._finish(tmp_path, result, lab, asm, [[runner._text_only(o) for o in outs]
+                                                for outs in executed], time.monotonic())
+    assert "odd \ufffd output" in (tmp_path / "feedback.html").read_text(encoding="utf-8")
+
+
+# ---------------------------------------------------------------------------------------
+# issue 22: fail closed, the real cause, the environment where it lives, nothing left running
+# ---------------------------------------------------------------------------------------
+def test_an_environment_outside_the_repository_is_sandboxed(tmp_path):
+    """``.venv`` a link to an environment elsewhere: the sandbox shows the environment at its
+    real place and runs its own ``bin/python`` (the probe imports what the kernel needs)."""
+    need_sandbox()
+    link = tmp_path / "course-env"
+    link.symlink_to(Path(sys.prefix).resolve())
+    python = str(link / "bin" / "python")
+    found = sandbox.probe(python)
+    assert found.mode == "bwrap-root" and not found.detail, found.detail
+    assert sandbox.sandbox_python(python) == str(Path(sys.prefix).resolve() / "bin" / "python")
+    hidden = sandbox.probe("/nowhere/env/bin/python")  # the real cause, not "install bwrap"
+    assert "/nowhere/env/bin/python is not visible inside the sandbox" in hidden.detail
+    assert "install" not in hidden.fix and not hidden.sandboxed
+
+
+def test_without_a_working_sandbox_submissions_are_refused_unless_asked(tmp_path):
+    """A bubblewrap that fails (MINICKPT_BWRAP=/bin/false): grade.sh refuses with exit 2, the
+    cause and the fix, before any kernel; the bundled examples may still be demonstrated;
+    --unsandboxed and MINICKPT_SANDBOX=off are explicit and marked."""
+    from autograder.grade import refuse_unsandboxed
+
+    d = tmp_path / "subs" / "ann" / "lab01_basics"
+    d.mkdir(parents=True)
+    shutil.copyfile(LABS / "lab01_basics" / "lab01_basics.ipynb", d / "lab01_basics.ipynb")
+    proc = subprocess.run(["bash", str(GRADE_SH), str(tmp_path / "subs"), "--out",
+                           str(tmp_path / "out"), "--work", str(tmp_path / "work")],
+                          capture_output=True, text=True, timeout=300,
+                          env={**_env(), "MINICKPT_BWRAP": "/bin/false"})
+    assert proc.returncode == 2, proc.stdout[-2000:] + proc.stderr[-2000:]
+    assert "REFUSED" in proc.stderr and "why: bubblewrap does not work here" in proc.stderr
+    assert "--unsandboxed" in proc.stderr and "MINICKPT_SANDBOX=off" in proc.stderr
+    assert not (tmp_path / "out" / "results.json").exists()
+    failing = sandbox.Isolation("none", detail="bubblewrap does not work here: exit 1")
+    assert refuse_unsandboxed(failing, tmp_path) and refuse_unsandboxed(failing, EXAMPLES_DIR) is None
+    for asked in (sandbox.unsandboxed("--unsandboxed"), sandbox.unsandboxed("MINICKPT_SANDBOX=off")):
+        assert refuse_unsandboxed(asked, tmp_path) is None
+        assert asked.marker.startswith("NONE (unsandboxed on request: ")
+
+
+ESCAPEES = '''
+# Leave processes behind: each forks, leaves its session and its parent, and sleeps.
+import subprocess
+import sys
+
+for _ in range(4):
+    subprocess.Popen([sys.executable, "-c", "import os, time\\nif os.fork():\\n    os._exit(0)\\n"
+                      "os.setsid()\\ntime.sleep(600)", "{mark}"], start_new_session=True)
+print("left 4 processes behind")
+'''
+
+
+def _with_marked(mark: str) -> list[int]:
+    found = []
+    for p in Path("/proc").iterdir():
+        try:
+            if p.name.isdigit() and mark.encode() in (p / "cmdline").read_bytes():
+                found.append(int(p.name))
+        except OSError:
+            pass
+    return found
+
+
+@pytest.mark.timeout(900)
+@pytest.mark.parametrize("mode", ["sandboxed", "unsandboxed"])
+def test_processes_that_escaped_their_session_are_gone_after_grading(mode, tmp_path):
+    """A submission's children that left its session and its process group (double fork and
+    setsid) are killed when its grading ends, sandboxed or not."""
+    import signal
+
+    if mode == "sandboxed":
+        need_sandbox()
+    mark = f"minickpt-escapee-{os.getpid()}-{mode}"
+    nb = json.loads((LABS / "lab01_basics" / "lab01_basics.ipynb").read_text())
+    nb["cells"].append({"cell_type": "code", "metadata": {}, "source": ESCAPEES.replace(
+        "{mark}", mark), "outputs": [], "execution_count": None, "id": "escape"})
+    d = tmp_path / "subs" / "runaway" / "lab01_basics"
+    d.mkdir(parents=True)
+    (d / "lab01_basics.ipynb").write_text(json.dumps(nb))
+    extra = ["--unsandboxed"] if mode == "unsandboxed" else []
+    try:
+        proc = _grade(str(tmp_path / "subs"), *extra, "--timeout", "60", "--out",
+                      str(tmp_path / "out"), "--work", str(tmp_path / "work"), timeout=800)
+        left = _with_marked(mark)
+    finally:
+        for pid in _with_marked(mark):
+            os.kill(pid, signal.SIGKILL)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    assert "left 4 processes behind" in _graded_text(tmp_path / "work", "runaway")
+    assert left == [], f"still running after grading: {left}"
+    r = json.loads((tmp_path / "out" / "results.json").read_text())[0]
+    assert (r["isolation"] == "sandbox" or r["isolation"].startswith("partial")) if \
+        mode == "sandboxed" else r["isolation"].startswith("NONE (unsandboxed on request: --unsandboxed)")
+
+
+def _graded_text(work: Path, student: str, lab: str = "lab01_basics") -> str:
+    nb = json.loads((work / "subs" / lab / student / "graded.ipynb").read_text())
+    return "\n".join("".join(o.get("text", "")) for c in nb["cells"] for o in c.get("outputs", []))
+
+
+# ---------------------------------------------------------------------------------------
+# issue 20.3: a cgroup per slot
+# ---------------------------------------------------------------------------------------
+CGROUP_PROBE = '''
+import os, sys, time
+def spin():
+    os.setsid()
+    if os.fork():
+        os._exit(0)
+    null = os.open(os.devnull, os.O_WRONLY)
+    os.dup2(null, 1)
+    os.dup2(null, 2)
+    while True:
+        pass
+before = {p for p in os.listdir("/proc") if p.isdigit()}
+for _ in range(4):
+    if os.fork() == 0:
+        spin()
+    os.wait()
+time.sleep(0.3)
+def same_cgroup(p):  # new processes of the machine are not ours: only those in our cgroup
+    try:
+        return open(f"/proc/{p}/cgroup").read() == open("/proc/self/cgroup").read()
+    except OSError:
+        return False
+mine = [p for p in os.listdir("/proc") if p.isdigit() and p not in before and same_cgroup(p)]
+print("spinners", len(mine))
+def cpu():
+    t = 0
+    for p in mine:
+        try:
+            f = open(f"/proc/{p}/stat").read().rpartition(") ")[2].split()
+            t += int(f[11]) + int(f[12])
+        except (OSError, ValueError, IndexError):
+            pass
+    return t / os.sysconf("SC_CLK_TCK")
+c0, t0 = cpu(), time.monotonic()
+time.sleep(2)
+print("cores", (cpu() - c0) / (time.monotonic() - t0))
+alive = 0
+for _ in range(3):  # 3 x 120 MiB, touched, in a 256 MiB cgroup: not all of them live
+    pid = os.fork()
+    if pid == 0:
+        b = bytearray(120 << 20)
+        for i in range(0, len(b), 4096):
+            b[i] = 1
+        time.sleep(3)
+        os._exit(0)
+time.sleep(0.1)
+ok = 0
+while True:
+    try:
+        _, status = os.wait()
+    except ChildProcessError:
+        break
+    ok += os.WIFEXITED(status) and os.WEXITSTATUS(status) == 0
+print("allocations that lived", ok)
+sys.stdout.flush()
+'''
+
+
+@pytest.mark.timeout(120)
+def test_a_slot_cgroup_bounds_a_submission_as_a_whole():
+    """Four spinners that left their session get a quarter of a core between them (the
+    slot's cpu share), three 120 MiB processes do not all fit in 256 MiB, and kill() leaves
+    nothing in the slot."""
+    from autograder import cgroups
+
+    slots, why = cgroups.make_slot_cgroups(1, cpus=0.25, memory=256 << 20, processes=64,
+                                           name=f"minickpt-test-{os.getpid()}")
+    if not slots:
+        if REQUIRE:
+            pytest.fail(f"no cgroup per slot here: {why}")
+        pytest.skip(f"no cgroup per slot here: {why}")
+    slot = slots[0]
+    try:
+        proc = subprocess.run(slot.join_command([sys.executable, "-c", CGROUP_PROBE]),
+                              capture_output=True, text=True, timeout=60)
+        left = slot.pids()
+        killed = slot.kill()
+        after = slot.pids()
+    finally:
+        cgroups.remove_all(slots)
+    got = dict(line.rsplit(" ", 1) for line in proc.stdout.splitlines() if " " in line)
+    assert float(got["cores"]) < 0.25 * 1.6, proc.stdout + proc.stderr
+    assert int(got["allocations that lived"]) < 3, proc.stdout + proc.stderr
+    assert int(got["spinners"]) == 4 and len(left) >= 4 and killed >= 4 and after == []
+
+
+def test_without_cgroups_the_results_say_what_is_lost(monkeypatch):
+    from autograder import cgroups
+
+    monkeypatch.setattr(cgroups.os, "geteuid", lambda: 1000)
+    lost = sandbox._cgroups_lost()
+    assert lost and "no cgroup per submission" in lost[0] and "cgroups need root" in lost[0]
+    iso = sandbox.Isolation("bwrap-root", lost=lost)
+    assert "no cgroup per submission" in iso.marker and iso.warning()
+
+
+def test_what_the_referee_cannot_see_between_two_calls_is_flagged():
+    """The documented limit: a patch outside the modules the helpers use by name, made by
+    one call of a student's function and undone by a later one before the test ends, or a
+    write straight into a module's dict, is not seen while the test runs; the scan flags each
+    spelling for a person to read, and the history's names too."""
+    flags = scan([("task_1_1", "import numpy\nnumpy._core.numeric.isclose = f\n"
+                               "import email.message\nemail.message.Message.get = g\n"),
+                  ("task_1_2", "import numpy\nvars(numpy)['isclose'] = f\nnumpy.__dict__['x'] = 1\n"
+                               "setattr(numpy._core.numeric, 'isclose', f)"),
+                  ("task_1_3", "x = In[-1] + _ih[0]\nimport sys\nsys.addaudithook(print)\n"
+                               "h = get_ipython().history_manager")])
+    text = " | ".join(flags)
+    for want in ("assigns numpy._core.numeric.isclose in task_1_1",
+                 "assigns email.message.Message.get in task_1_1", "vars in task_1_2",
+                 "setattr(numpy._core.numeric, ...) in task_1_2", "In in task_1_3",
+                 "_ih in task_1_3", "sys.addaudithook in task_1_3",
+                 "get_ipython().history_manager in task_1_3"):
+        assert want in text, (want, flags)
+
+
+@GRADING
+def test_the_classes_of_issue_20_gain_nothing_and_are_flagged(corpus):
+    """The corpus's examples of each class: the standard library patched (a blank lab earns
+    nothing), the kernel's history carried out (no hidden line in what it printed, however
+    encoded), spinners beside the others (bounded by their slot: every other row of the
+    -j 2 run is as expected), and odd source (a grade with reasons)."""
+    import base64
+    import zlib
+
+    r = _result(corpus, "cheat_patch_stdlib")
+    assert r["total"] == 0 and r["status"] == "graded"
+    assert any("contextlib._GeneratorContextManager.__exit__" in f for f in r["review"]), r["review"]
+    out = _graded_outputs(corpus, "cheat_read_history")
+    blob = zlib.decompress(base64.b64decode(re.search(r"CARRIED-OUT:(\S+)", out)[1])).decode()
+    lab = _lab()
+    hidden = {s.strip() for c in lab.cells for s in split_hidden(c.source)[1].split("\n")
+              if len(s.strip()) >= 20}
+    assert len(blob) > 1000 and not [h for h in hidden if h in blob]
+    assert any("sys.addaudithook (refused)" in f for f in _result(corpus, "cheat_read_history")["review"])
+    odd = _result(corpus, "odd_source")
+    assert odd["status"] == "graded" and odd["ran_all_cells"]
+    assert any("lone surrogates" in n for n in odd["notes"])
+    assert "cannot be scanned (RecursionError): read quiz_q1 yourself" in odd["review"]
+    assert "cannot be compiled (RecursionError" in _graded_outputs(corpus, "odd_source")
+    if ISOLATION.sandboxed:
+        spin = re.search(r"spinners: (\d+) got ([\d.]+) CPU-seconds in ([\d.]+) s",
+                         _graded_outputs(corpus, "attack_spinners"))
+        assert spin and int(spin[1]) >= 8, _graded_outputs(corpus, "attack_spinners")[-2000:]
+        if "no cgroup" not in ISOLATION.marker:  # the slot's share: the cores over -j 2
+            share = len(os.sched_getaffinity(0)) / 2
+            assert float(spin[2]) <= share * float(spin[3]) * 1.3 + 0.5, spin[0]
