@@ -461,7 +461,7 @@ def lab3_namespace() -> dict[str, Any]:
     return ns
 
 
-def lab3_drill(resume_fn: Callable[..., Any], *, steps: int = 20, every: int = 5,
+def lab3_drill(resume_fn: Callable[..., Any], *, steps: int = 15, every: int = 5,
                kill_after: int | None = None, timeout_s: float = 50.0) -> dict[str, Any]:
     """The crash drill of task 3.3: minickpt.demo's training worker, with ``resume_fn`` in place
     of the library's ``resume``, runs in a subprocess; it is killed with SIGKILL right after
@@ -487,7 +487,7 @@ def lab3_drill(resume_fn: Callable[..., Any], *, steps: int = 20, every: int = 5
     if getattr(fn, "__name__", None) != "resume":
         raise LabCheckError("the drill runs your function called resume")
     if kill_after is None:
-        choices = [s for s in range(every + 1, steps - 1) if s % every]
+        choices = [s for s in range(every + 1, steps - every) if s % every]  # a save to come
         kill_after = random.Random().choice(choices)
     out: dict[str, Any] = {"kill_after": kill_after}
     with tempdir() as d:
@@ -495,7 +495,7 @@ def lab3_drill(resume_fn: Callable[..., Any], *, steps: int = 20, every: int = 5
         with open(code, "w") as f:
             f.write(textwrap.dedent(src))
         ckpt = os.path.join(d, "run")
-        cmd = [sys.executable, "-c", _LAB3_DRIVER, code, ckpt, str(steps), str(every), "0.05"]
+        cmd = [sys.executable, "-c", _LAB3_DRIVER, code, ckpt, str(steps), str(every), "0.02"]
         env = dict(os.environ, JAX_COMPILATION_CACHE_DIR=os.path.join(d, "jax-cache"),
                    JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0",
                    JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES="0")
