@@ -315,8 +315,10 @@ print(f"on {devices[0].platform.upper()}: the same 2^20 numbers give "
       f"{len({float(s) for s in sums.values()})} different float32 sums in 4 orders")
 
 # %% [markdown]
-# The same numbers, summed in another order, give sums that differ in the last digits (the
-# relative differences are around $10^{-7}$, float32's precision). A CPU runs the same program in
+# The same numbers, summed in another order, give sums that differ in their last digits: read
+# how many distinct sums the last line counts on your device. The sequential sum — a million
+# roundings of a growing total — is the furthest from the float64 value; tree-shaped reductions,
+# which is what `jnp.sum` does, stay within a few float32 steps of it. A CPU runs the same program in
 # the same order every time, so a resumed run repeats the uninterrupted one exactly. A GPU's
 # reductions (matrix products, `sum`, and above all atomics in the backward pass) may split the
 # work differently from one run to the next; a resumed run is then a *slightly different*
