@@ -32,7 +32,7 @@ from typing import Any
 import numpy as np
 
 from .checkpointer import Checkpointer, human_bytes
-from .commit import METADATA_FILE, is_temporary
+from .commit import DAMAGED_MARK, METADATA_FILE, is_temporary
 from .errors import CheckpointCorruptedError, MiniCkptError
 from .format import read_leaves
 from .fs import DEFAULT_FS
@@ -91,7 +91,7 @@ def scan(root: str) -> tuple[list[tuple[int, str]], list[str]]:
         path = os.path.join(root, name)
         if not DEFAULT_FS.is_dir(path):
             continue
-        if is_temporary(name):
+        if is_temporary(name) or DAMAGED_MARK in name:
             temps.append(path)
             continue
         m = _STEP_RE.match(name)
@@ -162,16 +162,19 @@ def cmd_ls(args: argparse.Namespace) -> int:
             rec.update(bytes=DEFAULT_FS.dir_size(path), time=None, metrics=None, items=[])
         out.append(rec)
     for path in temps:
-        out.append({"step": None, "path": path, "status": "temporary",
+        aside = DAMAGED_MARK in os.path.basename(path)
+        out.append({"step": None, "path": path, "status": "set aside" if aside else "temporary",
                     "bytes": DEFAULT_FS.dir_size(path), "time": None, "metrics": None,
-                    "items": [], "problems": ["left by an interrupted save or delete; a "
-                                              "CheckpointManager removes it when it opens"]})
+                    "items": [], "problems": [
+                        "damaged; a restore skipped it and moved it here (delete it when done)"
+                        if aside else "left by an interrupted save or delete; a "
+                        "CheckpointManager removes it when it opens"]})
     if args.json:
         _print_json(out)
     else:
         rows = [[str(r["step"]) if r["step"] is not None else "-", r["status"],
                  human_bytes(r["bytes"]), _time(r["time"]), ",".join(r["items"]) or "-",
-                 _metrics(r["metrics"]) if r["status"] != "temporary"
+                 _metrics(r["metrics"]) if r["step"] is not None
                  else os.path.basename(r["path"])] for r in out]
         if not rows:
             print(f"no checkpoints in {root}")

@@ -28,6 +28,9 @@ from .fs import FileSystem, SyncBatch
 
 TMP_MARK = ".minickpt-tmp-"
 DELETE_MARK = ".minickpt-del-"
+# A checkpoint that a restore found damaged and skipped, moved out of the step namespace so
+# that the resumed run can save that step again; kept (never cleaned up) for a person to look at.
+DAMAGED_MARK = ".minickpt-damaged-"
 METADATA_FILE = "_CHECKPOINT_METADATA"
 
 
@@ -137,6 +140,16 @@ def retire_dir(fs: FileSystem, path: str, *, durable: bool = True) -> str:
     if durable:
         fs.fsync_dir(root)
     return doomed
+
+
+def set_aside(fs: FileSystem, path: str) -> str:
+    """Rename a damaged checkpoint out of the step namespace (durably) and return its new
+    name, ``<step dir>.minickpt-damaged-<hex>``: it never parses as a step, is not a
+    temporary (no cleanup removes it), and ``minickpt ls`` shows it as set aside."""
+    aside = f"{path}{DAMAGED_MARK}{secrets.token_hex(4)}"
+    fs.rename(path, aside)
+    fs.fsync_dir(os.path.dirname(os.path.abspath(path)))
+    return aside
 
 
 def remove_retired(fs: FileSystem, doomed: str) -> None:

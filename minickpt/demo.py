@@ -28,6 +28,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from .fs import FileSystem
+from .restore import resume
 
 IN_DIM, HIDDEN, OUT_DIM, BATCH = 8, 32, 1, 32
 
@@ -162,10 +163,9 @@ def worker(ckpt_dir: str, total: int, every: int, sleep: float, *, preemptible: 
                 print(f"saved step {rec['step']}", flush=True)
 
         mngr.listeners.append(announce)
-        start = 0
-        if mngr.latest_step() is not None:
-            restored = mngr.restore(target={"state": state, "rng": rng})
-            state, rng, start = restored["state"], restored["rng"], restored.step
+        state, rng, first = resume(mngr, state, rng)  # task 3.3
+        start = first - 1  # the last step already done
+        if start > 0:
             if forget_rng:
                 rng = jax.random.key(start)
             print(f"resumed from step {start}", flush=True)

@@ -17,7 +17,7 @@ import threading
 import time
 import warnings
 import weakref
-from collections.abc import Callable, Collection, Mapping
+from collections.abc import Callable, Collection, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -31,12 +31,14 @@ from .commit import (
     parse_step,
     remove_retired,
     retire_dir,
+    set_aside,
     step_dir_name,
 )
 from .errors import (
     CheckpointCorruptedError,
     CheckpointNotFoundError,
     CheckpointTooLargeError,
+    FormatVersionError,
     MiniCkptError,
     PeerTimeoutError,
     StepAlreadyExistsError,
@@ -115,6 +117,42 @@ class Restored(dict):
     """The items restored, by name; ``.step`` says which step they came from."""
 
     step: int | None = None
+
+
+class _Vanished(Exception):
+    """A step was deleted while it was being restored (not damage: the steps are listed again)."""
+
+
+def restore_newest_valid(directory: str, steps: Iterable[int],
+                         restore_step: Callable[[int], Any], *, fallback: bool = True,
+                         on_skip: Callable[[int, BaseException], None] | None = None
+                         ) -> tuple[int, Any]:
+    """Task 3.1 — restore the newest checkpoint that is not damaged; ``(step, restored)``.
+
+    Steps are tried newest first, by number. ``restore_step(s)`` restores step ``s`` or
+    raises. Only *verified* damage — :class:`CheckpointCorruptedError` (a checksum, a
+    structure, a missing file) — or :class:`CheckpointTooLargeError` is a reason to try the
+    next older step, and only with ``fallback`` (else it propagates); ``on_skip(s, error)``
+    hears of each skipped step before the next is tried. Any other error (an ``OSError`` such
+    as EIO, a target that does not match) says nothing about the checkpoint and propagates
+    unchanged. No steps: :class:`CheckpointNotFoundError`; none restorable: one
+    :class:`CheckpointCorruptedError` naming every step tried and why it failed.
+    """
+    order = sorted(set(steps), reverse=True)
+    if not order:
+        raise CheckpointNotFoundError(f"no checkpoint to restore in {directory}")
+    errors = []
+    for s in order:
+        try:
+            return s, restore_step(s)
+        except (CheckpointCorruptedError, CheckpointTooLargeError) as e:
+            if not fallback:
+                raise
+            errors.append(f"step {s}: {e}")
+            if on_skip is not None:
+                on_skip(s, e)
+    raise CheckpointCorruptedError(directory, "no checkpoint can be restored (damaged, or too "
+                                   "large):\n  " + "\n  ".join(errors))
 
 
 class CheckpointManager:
@@ -828,7 +866,12 @@ class CheckpointManager:
         Without ``step`` the latest is restored; if it is damaged and ``fallback`` (default:
         the options' ``fallback_on_damage``), the newest *valid* one is restored instead and a
         warning says which step was skipped and why. The result's ``.step`` says which step
-        it is. A structural mismatch with ``target`` is never a reason to fall back.
+        it is. A structural mismatch with ``target`` is never a reason to fall back, nor is
+        an I/O error (EIO ...): that says nothing about the checkpoint, and is raised.
+
+        A writable manager moves a damaged step it skips out of the step namespace, to
+        ``step_<N>.minickpt-damaged-<hex>`` (kept for inspection, shown by ``minickpt ls``,
+        never counted or cleaned up), so that the resumed run saves step N again.
         """
         verify = self.options.verify_on_restore if verify is None else verify
         fallback = self.options.fallback_on_damage if fallback is None else fallback
@@ -848,38 +891,57 @@ class CheckpointManager:
         if step is not None:
             return self._restore_step(self._resolve(step), target, partial, verify, sharding)
         skipped: set[int] = set()
+
+        def skip(s: int, e: BaseException) -> None:
+            if s in skipped:
+                return
+            skipped.add(s)
+            why = "too large for this machine" if isinstance(e, CheckpointTooLargeError) \
+                else "damaged"
+            # a newer format is not damage: it stays where it is for a newer minickpt
+            aside = self._set_aside(s) if why == "damaged" and not isinstance(
+                e, FormatVersionError) else None
+            msg = f"minickpt: skipping {why} checkpoint step {s}: {e}" + (
+                f"; moved to {aside} so that step {s} can be saved again (delete it once "
+                "you have looked at it)" if aside else "")
+            log.error(msg)
+            warnings.warn(msg, stacklevel=4)
+            self._emit("skip", {"step": s, "error": str(e), "time": time.time(),
+                                "moved_to": aside})
+
+        def one(s: int) -> Restored:
+            try:
+                return self._restore_step(s, target, partial, verify, sharding)
+            except CheckpointNotFoundError as e:
+                raise _Vanished(s) from e  # deleted while we read: list the steps again
+
         for _ in range(3):  # a writer's retention may delete steps while we read: look again
-            steps = sorted(self.all_steps(read=True), reverse=True)
+            steps = self.all_steps(read=True)
             if not steps:
                 raise CheckpointNotFoundError(f"no checkpoint to restore in {self.directory}")
-            errors: list[str] = []
-            vanished = False
-            for s in steps:
-                try:
-                    out = self._restore_step(s, target, partial, verify, sharding)
-                except (CheckpointCorruptedError, CheckpointTooLargeError, OSError) as e:
-                    if isinstance(e, CheckpointNotFoundError):
-                        vanished = True
-                        break
-                    if not fallback:
-                        raise
-                    errors.append(f"step {s}: {e}")
-                    if s not in skipped:
-                        skipped.add(s)
-                        why = ("too large for this machine"
-                               if isinstance(e, CheckpointTooLargeError) else "damaged")
-                        msg = f"minickpt: skipping {why} checkpoint step {s}: {e}"
-                        log.error(msg)
-                        warnings.warn(msg, stacklevel=2)
-                        self._emit("skip", {"step": s, "error": str(e), "time": time.time()})
-                    continue
-                return out
-            if not vanished:
-                raise CheckpointCorruptedError(self.directory, "no checkpoint can be restored "
-                                               "(damaged, or too large):\n  "
-                                               + "\n  ".join(errors))
+            try:
+                return restore_newest_valid(self.directory, steps, one, fallback=fallback,
+                                            on_skip=skip)[1]
+            except _Vanished:
+                continue
         raise CheckpointNotFoundError(f"the checkpoints in {self.directory} kept being deleted "
                                       "while they were read; is another process deleting them?")
+
+    def _set_aside(self, step: int) -> str | None:
+        """Move a damaged step out of the step namespace (kept for inspection), so that the
+        resumed run can save that step again; None where this manager must not write."""
+        if self.options.read_only or not self.primary or self._sync.process_count > 1:
+            return None
+        with self._mutex:
+            path = self.step_path(step)
+            try:
+                aside = set_aside(self.fs, path)
+            except OSError as e:
+                log.error("minickpt: could not move damaged %s aside: %s", path, e)
+                return None
+            self._infos.pop(step, None)
+            self._names.pop(step, None)
+        return aside
 
     def _restore_collective(self, step: int | None, target: Mapping[str, Any] | None,
                             partial: bool, verify: bool, sharding: Any,

@@ -520,31 +520,40 @@ def migrate(saved: Any, target: Any, *, rename: Rename | None = None,
             outs.append(leaf)
             continue
         used.add(where)
-        value = by_new[where]
-        if isinstance(value, HostKey) or isinstance(leaf, HostKey) or is_prng_key(leaf):
-            problems += _migrate_key(where, value, leaf, outs)
-            continue
-        want_shape = np.shape(leaf)
-        if np.shape(value) != want_shape:
-            problems.append(Mismatch(where, "shape", str(np.shape(value)), str(want_shape)))
-            outs.append(leaf)
-            continue
-        want_dtype = getattr(leaf, "dtype", None)
-        got_dtype = getattr(value, "dtype", None)
-        if want_dtype is not None and got_dtype is not None and np.dtype(got_dtype) != np.dtype(
-                want_dtype):
-            if not allow_cast:
-                problems.append(Mismatch(where, "dtype", str(got_dtype), str(want_dtype)))
-                outs.append(leaf)
-                continue
-            report.converted[where] = f"{got_dtype} -> {want_dtype}"
-            value = np.asarray(value).astype(want_dtype)
-        outs.append(_like(value, leaf))
+        value, trouble = migrate_leaf(where, by_new[where], leaf, allow_cast=allow_cast,
+                                      report=report)
+        problems += trouble
+        outs.append(value)
     report.dropped += [p for p in by_new if p not in used]
     if problems:
         raise StructureMismatchError("migration", problems,
                                      "Fix the rename rules, or pass allow_cast=True for dtypes.")
     return jax.tree_util.tree_unflatten(treedef, outs), report
+
+
+def migrate_leaf(where: str, value: Any, leaf: Any, *, allow_cast: bool = False,
+                 report: MigrationReport | None = None) -> tuple[Any, list[Mismatch]]:
+    """One saved value put in the place of the new model's ``leaf``: ``(new leaf,
+    problems)``. Placed like ``leaf`` (its sharding, or numpy, or a Python scalar); shapes
+    must match; dtypes too unless ``allow_cast`` (each cast is noted in ``report``). On a
+    problem the new leaf is ``leaf`` itself, and the problem says why."""
+    if isinstance(value, HostKey) or isinstance(leaf, HostKey) or is_prng_key(leaf):
+        outs: list[Any] = []
+        problems = _migrate_key(where, value, leaf, outs)
+        return outs[0], problems
+    want_shape = np.shape(leaf)
+    if np.shape(value) != want_shape:
+        return leaf, [Mismatch(where, "shape", str(np.shape(value)), str(want_shape))]
+    want_dtype = getattr(leaf, "dtype", None)
+    got_dtype = getattr(value, "dtype", None)
+    if want_dtype is not None and got_dtype is not None and np.dtype(got_dtype) != np.dtype(
+            want_dtype):
+        if not allow_cast:
+            return leaf, [Mismatch(where, "dtype", str(got_dtype), str(want_dtype))]
+        if report is not None:
+            report.converted[where] = f"{got_dtype} -> {want_dtype}"
+        value = np.asarray(value).astype(want_dtype)
+    return _like(value, leaf), []
 
 
 def _migrate_key(where: str, value: Any, leaf: Any, outs: list[Any]) -> list[Mismatch]:
@@ -572,3 +581,29 @@ def _like(value: Any, leaf: Any) -> Any:
     if isinstance(leaf, (bool, int, float, complex)):
         return type(leaf)(np.asarray(value).item())
     return value
+
+
+# ---------------------------------------------------------------------------------------
+# resuming a run
+# ---------------------------------------------------------------------------------------
+def resume(mngr: Any, state: Any, rng: Any) -> tuple[Any, Any, int]:
+    """Task 3.3 — where a (re)started run begins: ``(state, rng, first step to compute)``.
+
+    With nothing saved in ``mngr``: the fresh ``state`` and ``rng`` themselves, and step 1.
+    Otherwise the newest valid checkpoint (items ``"state"`` and ``"rng"``), restored into
+    the fresh ones as targets — so the whole state (parameters, Adam's moments, step) and
+    the RNG key come back with the targets' shapes, dtypes and placement — and step
+    t_ckpt + 1, since step t_ckpt is already in the state. A checkpoint whose own step
+    counter is not its step t_ckpt was saved under the wrong number: ``ValueError``.
+    """
+    if mngr.latest_step() is None:
+        return state, rng, 1
+    restored = mngr.restore(target={"state": state, "rng": rng})
+    t_ckpt = restored.step
+    saved = restored["state"]
+    if int(saved.step) != t_ckpt:
+        raise ValueError(f"the checkpoint of step {t_ckpt} ({mngr.step_path(t_ckpt)}) holds a "
+                         f"state whose step counter is {int(saved.step)}: it was saved under "
+                         "the wrong step number, so resuming from it would break step "
+                         "continuity")
+    return saved, restored["rng"], t_ckpt + 1

@@ -180,13 +180,18 @@ def test_fallback_to_newest_valid_checkpoint(tmp_path):
         raw = bytearray(data.read_bytes())
         raw[3] ^= 1
         data.write_bytes(bytes(raw))
-        with pytest.warns(UserWarning, match="skipping damaged checkpoint step 3"):
-            r = m.restore()
-        assert r.step == 2 and float(r["s"]["w"][0, 0]) == 2.0
         with pytest.raises(CheckpointCorruptedError, match=r"step_3.*leaf b"):
             m.restore(3)
         with pytest.raises(CheckpointCorruptedError):
             m.restore(fallback=False)
+        with pytest.warns(UserWarning, match="skipping damaged checkpoint step 3"):
+            r = m.restore()
+        assert r.step == 2 and float(r["s"]["w"][0, 0]) == 2.0
+        # skipped, it was moved aside (kept for a person), so step 3 can be saved again
+        assert m.all_steps(read=True) == [1, 2]
+        assert [n for n in os.listdir(tmp_path) if n.startswith("step_3.minickpt-damaged-")]
+        m.save(3, {"s": state(3.0)})
+        assert m.restore().step == 3
 
 
 def test_structure_mismatch_never_falls_back(tmp_path):

@@ -74,11 +74,11 @@ def test_the_metrics_file_is_never_taken_for_a_checkpoint(tmp_path, capsys):
     assert os.path.isfile(tmp_path / METRICS_FILE)
     with CheckpointManager(tmp_path, CheckpointManagerOptions(max_to_keep=2)) as m:
         assert m.removed_temporaries == []
-        assert m.all_steps() == [1, 3]
+        assert m.all_steps() == [1]  # the damaged step 3 was set aside by the restore
     assert os.path.isfile(tmp_path / METRICS_FILE)
     assert cli(["ls", str(tmp_path), "--json"]) == 0
     listed = json.loads(capsys.readouterr().out)
-    assert [r["step"] for r in listed] == [1, 3]
+    assert [(r["step"], r["status"]) for r in listed] == [(1, "valid"), (None, "set aside")]
 
 
 def test_stats_summarises_counts_times_bytes_and_the_last_error(tmp_path, capsys):

@@ -1,0 +1,758 @@
+# ---
+# jupyter:
+#   jupytext:
+#     formats: ipynb,py:percent
+#     notebook_metadata_filter: -jupytext.text_representation.jupytext_version
+#     text_representation:
+#       extension: .py
+#       format_name: percent
+#       format_version: '1.3'
+#   kernelspec:
+#     display_name: Python 3 (ipykernel)
+#     language: python
+#     name: python3
+# ---
+
+# %% [markdown]
+# <a href="https://colab.research.google.com/github/minickpt-course/checkpointing-in-jax/blob/main/chapters/03_resume.ipynb" target="_parent"><img src="https://colab.research.google.com/assets/colab-badge.svg" alt="Open In Colab"/></a>
+
+# %%
+# Course set-up, the same in every notebook (written by scripts/notebooks.py).
+# On Colab it installs the course package; everywhere it asks JAX for 4 CPU devices
+# (so that sharding works on a laptop) before JAX is imported. A GPU or TPU is used when present.
+import os
+import sys
+
+if "google.colab" in sys.modules:
+    import subprocess
+
+    package = "minickpt[colab] @ git+https://github.com/minickpt-course/checkpointing-in-jax"
+    subprocess.run([sys.executable, "-m", "pip", "install", "-q", package], check=True)
+if "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):
+    os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "")
+                               + " --xla_force_host_platform_device_count=4").strip()
+
+# %% [markdown]
+# # Chapter 3 — Resume: back on the road
+#
+# The truck of chapter 1 went off the road. A new truck drives to the last depot, checks the
+# load against the ledger — is everything there, is nothing broken? — and only then drives on,
+# from that depot, not from the first town and not from the spot of the accident. If the load
+# in the last depot turns out to be broken, it drives back to the depot before. A game does the
+# same when you load a save: it checks the file, puts back your level, your inventory *and*
+# your place on the map, and lets you play on from the save point.
+#
+# Resuming a training run is that, in four steps, each measured on your machine here:
+#
+# 1. **find and verify** the newest checkpoint, and **fall back** to the one before when it is
+#    damaged;
+# 2. **restore the whole state** and continue at step $t_{\text{ckpt}} + 1$ — bit for bit the
+#    uninterrupted run on a CPU, and what to check instead on a GPU;
+# 3. survive a **real crash**: a training process killed with `SIGKILL` several times;
+# 4. cope when the **model changed**: strict restores and migrations.
+
+# %%
+import glob
+import logging
+import os
+import random
+import shutil
+import signal
+import subprocess
+import sys
+import time
+import warnings
+from pathlib import Path
+
+logging.getLogger("absl").setLevel(logging.ERROR)  # Orbax's note that TensorFlow is absent
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import matplotlib.pyplot as plt
+import numpy as np
+import optax
+from flax.training import train_state
+
+import minickpt as mc
+from minickpt import cli
+from minickpt.demo import batch, fingerprint, make_state, train, train_step
+from minickpt.labkit import flip_byte, tree_diff
+from minickpt.restore import migrate, resume
+
+devices = jax.devices()
+print(f"JAX {jax.__version__} sees {len(devices)} {devices[0].platform.upper()} device(s): "
+      f"{devices}")
+
+WORK = Path("ch03-work").absolute()  # everything this notebook writes goes here
+shutil.rmtree(WORK, ignore_errors=True)
+WORK.mkdir()
+
+# %% [markdown]
+# ## 1. The run, and its checkpoints
+#
+# The model is the course's small MLP (`minickpt.demo`): one hidden layer with dropout, trained
+# with Adam on a regression task. The batch of step $t$ is a pure function of $t$ — the data
+# loader's position is part of the state, and here it *is* the step — and dropout takes its
+# masks from the RNG key, which is part of the state too. We train 40 steps and save every 10,
+# keeping three checkpoints.
+
+# %%
+T_SAVE, KEEP = 10, 3
+fresh, key0 = make_state(), jax.random.key(42)
+
+
+def run_with_checkpoints(directory, stop, keep=KEEP):
+    """Train from scratch to ``stop``, saving every T_SAVE steps; the loss of every step."""
+    opts = mc.CheckpointManagerOptions(save_interval_steps=T_SAVE, max_to_keep=keep)
+    with mc.CheckpointManager(directory, opts) as mngr:
+        def save(step, state, rng, loss):
+            mngr.save(step, {"state": state, "rng": rng}, metrics={"loss": loss})
+        return train(fresh, key0, 0, stop, callback=save)
+
+
+_, _, losses_40 = run_with_checkpoints(WORK / "run", 40)
+print("steps on disk:", sorted(int(p.name.split("_")[1]) for p in (WORK / "run").glob("step_*")))
+_ = cli.main(["ls", str(WORK / "run"), "--deep"])  # exit code 0: every step valid
+
+# %% [markdown]
+# ## 2. Find, verify, fall back
+#
+# *Find*: the newest checkpoint is the directory `step_<N>` with the largest $N$ — compared as
+# numbers (`step_9` is older than `step_10`, though it sorts after it as text). Only committed
+# names count: a save in progress lives under a temporary name (chapter 2).
+#
+# *Verify*: the step's `_CHECKPOINT_METADATA` must be there and intact (it carries its own
+# checksum), it must list every item, each item's `manifest.json` must match the checksum the
+# metadata recorded, must name every leaf, and the bytes of every leaf must match their CRC-32.
+# `verify(step)` does all of it without restoring; a restore does it as it reads.
+#
+# *Fall back*: if the newest is damaged, the next older one is tried — and the warning says
+# which step was skipped and why. We damage step 40 in three ways, each in a fresh copy of the
+# run: one flipped byte in the data, a data file cut short, a missing manifest.
+
+# %%
+def damaged_copy(name, damage):
+    """A copy of the run whose newest step (40) has been damaged by ``damage(step_dir)``."""
+    run = WORK / name
+    shutil.copytree(WORK / "run", run)
+    damage(run / "step_40")
+    return run
+
+
+def flip(step_dir):
+    flip_byte(glob.glob(str(step_dir / "state" / "data*.bin"))[0], 200)
+
+
+def truncate(step_dir):
+    path = glob.glob(str(step_dir / "state" / "data*.bin"))[0]
+    os.truncate(path, os.path.getsize(path) // 2)
+
+
+def no_manifest(step_dir):
+    os.remove(step_dir / "state" / "manifest.json")
+
+
+target = {"state": fresh, "rng": key0}
+for name, damage in (("flipped-byte", flip), ("truncated", truncate),
+                     ("no-manifest", no_manifest)):
+    run = damaged_copy(name, damage)
+    with mc.CheckpointManager(run, mc.CheckpointManagerOptions(read_only=True)) as mngr:
+        report = mngr.verify(40)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            restored = mngr.restore(target=target)
+    print(f"{name:13s} verify(40).ok={report.ok}: {report.problems[0][:90]}...")
+    print(f"{'':13s} restore() -> step {restored.step}; warning: "
+          f"{str(caught[0].message)[:75]}...")
+
+# %% [markdown]
+# Each damage is caught, named (the file, and for the flipped byte the leaf), and the run comes
+# back at step 30: one interval of work lost, not the whole run. A *read-only* manager, as here,
+# leaves the damaged step where it is. A writable manager (the one a resumed run uses) also
+# moves it aside, to `step_40.minickpt-damaged-<hex>`: kept for a person to look at (and shown
+# by `minickpt ls`), never counted as a checkpoint, so that the resumed run can save step 40
+# again.
+#
+# Only *verified* damage is a reason to fall back. An I/O error (`EIO`) while reading is the
+# disk failing *now*; a second later the same step may read fine. Falling back past it would
+# quietly throw an interval away, so minickpt raises it:
+
+# %%
+data_40 = glob.glob(str(WORK / "run" / "step_40" / "state" / "data*.bin"))[0]
+opened = []
+
+
+def first_read_of_step_40(op, args):
+    if op == "open" and str(args[0]) == data_40:
+        opened.append(1)
+    return op == "preadv" and len(opened) == 1
+
+
+eio_once = mc.fs.FaultyFileSystem(0, ops=("open", "preadv"), when=first_read_of_step_40)
+with mc.CheckpointManager(WORK / "run", mc.CheckpointManagerOptions(read_only=True),
+                          fs=eio_once) as mngr:
+    try:
+        mngr.restore(target=target)
+    except OSError as e:
+        print(f"restore() raised {type(e).__name__}: {e} (no fallback)")
+    print("right after, verify(40).ok =", mngr.verify(40).ok,
+          "and restore() gives step", mngr.restore(target=target).step)
+
+# %% [markdown]
+# **Why keep at least two checkpoints.** With `max_to_keep=1` there is nothing to fall back to:
+
+# %%
+run_with_checkpoints(WORK / "keep1", 40, keep=1)
+flip(WORK / "keep1" / "step_40")
+with mc.CheckpointManager(WORK / "keep1", mc.CheckpointManagerOptions(read_only=True)) as mngr:
+    print("steps on disk with max_to_keep=1:", mngr.all_steps())
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            mngr.restore(target=target)
+    except mc.CheckpointCorruptedError as e:
+        print(f"restore() raised CheckpointCorruptedError: {str(e)[:110]}...")
+
+# %% [markdown]
+# The same flipped byte that cost 10 steps with three checkpoints costs all 40 with one. Two
+# adjacent checkpoints are the minimum; retention (chapter 2) deletes an old checkpoint only
+# after the new one is durable, so there is never a moment with none.
+
+# %% [markdown]
+# ## 3. Restore the whole state, continue at $t_{\text{ckpt}} + 1$
+#
+# The checkpoint of step $t_{\text{ckpt}}$ holds the state *after* that step. The next step to
+# compute is therefore
+#
+# $$t' = t_{\text{ckpt}} + 1,\qquad \theta_{t'} = \theta_{t'-1} - \eta\,
+#   \frac{\hat m_{t'}}{\sqrt{\hat v_{t'}}+\epsilon},\quad
+#   \hat m_{t'}, \hat v_{t'} \text{ computed from } m_{t_\text{ckpt}}, v_{t_\text{ckpt}}
+#   \text{ and the gradient on the batch of step } t'.$$
+#
+# Everything in that update must be the uninterrupted run's: $\theta$, both of Adam's moments,
+# its step count (bias correction), the batch of step $t'$ (the data order), and the dropout mask
+# (the key). `minickpt.restore.resume(mngr, state, rng)` — task 3.3 of the lab — returns the
+# restored state and key and $t'$, or the fresh ones and step 1 when nothing is saved; it
+# restores *into* the fresh state and key, so shapes, dtypes and device placement are checked.
+#
+# The experiment: an uninterrupted run of 60 steps; a run that "crashes" after step 37 (last
+# checkpoint: 30) and resumes; and the same resume with a new RNG key instead of the saved one.
+
+# %%
+T = 60
+ref_state, ref_rng, ref_losses = train(fresh, key0, 0, T)
+
+_, _, _ = run_with_checkpoints(WORK / "crash", 37)  # steps 31-37 are lost in the "crash"
+with mc.CheckpointManager(WORK / "crash") as mngr:
+    state, rng, first = resume(mngr, fresh, key0)
+print(f"resumed: first step to compute {first} (t_ckpt = {first - 1}); "
+      f"state.step = {int(state.step)}")
+res_state, res_rng, res_losses = train(state, rng, first - 1, T)
+_, _, nokey_losses = train(state, jax.random.key(first - 1), first - 1, T)  # a new key
+
+print("every leaf of the resumed run vs the uninterrupted one:",
+      tree_diff((res_state, res_rng), (ref_state, ref_rng)) or "bit for bit identical")
+print("fingerprints:", fingerprint((res_state, res_rng)), fingerprint((ref_state, ref_rng)))
+print("loss history of steps 31-60 identical:", res_losses == ref_losses[first - 1:])
+parted = next((t for t, (a, b) in enumerate(zip(nokey_losses, ref_losses[first - 1:]), first)
+               if a != b), None)
+print(f"without the saved key the losses part at step {parted}")
+
+# %%
+steps = np.arange(first, T + 1)
+fig, ax = plt.subplots(1, 2, figsize=(11, 3.6))
+ax[0].plot(np.arange(1, T + 1), ref_losses, "k-", lw=2, label="uninterrupted")
+ax[0].plot(steps, res_losses, "C0--", label="resumed from step 30")
+ax[0].plot(steps, nokey_losses, "C3:", lw=2, label="resumed with a new RNG key")
+ax[0].axvline(first - 1, color="grey", lw=0.8)
+ax[0].set(xlabel="step", ylabel="training loss", yscale="log", title="loss")
+ax[0].legend()
+ref_tail = np.array(ref_losses[first - 1:])
+gap_res = np.abs(np.array(res_losses) - ref_tail) / ref_tail
+gap_nokey = np.abs(np.array(nokey_losses) - ref_tail) / ref_tail
+ax[1].semilogy(steps, np.maximum(gap_res, 1e-12), "C0o-", ms=3, label="resumed")
+ax[1].semilogy(steps, np.maximum(gap_nokey, 1e-12), "C3s-", ms=3, label="new RNG key")
+ax[1].set(xlabel="step", ylabel="|loss − uninterrupted| / loss  (floor 1e-12)",
+          title="distance from the uninterrupted run")
+ax[1].legend()
+fig.tight_layout()
+plt.show()
+
+# %% [markdown]
+# *Figure 1.* Left: the loss of the uninterrupted run, of the run resumed from step 30, and of
+# the same resume with a new RNG key. Right: how far each resumed loss is from the
+# uninterrupted one, relative (points at the $10^{-12}$ floor are identical). Read off the
+# printout above whether the resumed run is identical on your device (on a CPU it is); the run
+# with a new key leaves the uninterrupted run at the step printed above — its dropout masks are
+# different from the first resumed step on. It still trains (the loss keeps its scale), which is
+# exactly why a forgotten key goes unnoticed without a comparison like this one.
+
+# %% [markdown]
+# ## 4. Why a GPU may differ in the last digits — and what to check instead
+#
+# Floating-point addition is not associative: every sum is rounded to the nearest float32, and
+# where the rounding happens depends on the order. In float32, numbers near $10^8$ are 8 apart,
+# so:
+
+# %%
+a, b, c = np.float32(1e8), np.float32(-1e8), np.float32(1.0)
+print(f"(a + b) + c = {(a + b) + c}    a + (b + c) = {a + (b + c)}")
+
+x = jax.random.normal(jax.random.key(0), (1 << 20,), jnp.float32) * 100 + 1
+perm = jax.random.permutation(jax.random.key(1), x.shape[0])
+sums = {
+    "jnp.sum(x)": jnp.sum(x),
+    "jnp.sum(x[perm])": jnp.sum(x[perm]),
+    "rows, then total": jnp.sum(jnp.sum(x.reshape(1024, 1024), axis=1)),
+    "sequential (np.cumsum)": np.cumsum(np.asarray(x))[-1],
+}
+exact = np.sum(np.asarray(x, np.float64))
+for name, s in sums.items():
+    print(f"{name:24s} {float(s):.9g}   relative to the float64 sum: "
+          f"{(float(s) - exact) / exact:+.2e}")
+print(f"on {devices[0].platform.upper()}: the same 2^20 numbers give "
+      f"{len({float(s) for s in sums.values()})} different float32 sums in 4 orders")
+
+# %% [markdown]
+# The same numbers, summed in another order, give sums that differ in their last digits: read
+# how many distinct sums the last line counts on your device. The sequential sum — a million
+# roundings of a growing total — is the furthest from the float64 value; tree-shaped reductions,
+# which is what `jnp.sum` does, stay within a few float32 steps of it. A CPU runs the same program in
+# the same order every time, so a resumed run repeats the uninterrupted one exactly. A GPU's
+# reductions (matrix products, `sum`, and above all atomics in the backward pass) may split the
+# work differently from one run to the next; a resumed run is then a *slightly different*
+# run, and its loss drifts apart in the last digits even though every byte of the state was
+# restored.
+#
+# So on an accelerator, check what a broken resume breaks and rounding does not:
+#
+# - **step continuity**: the first step after the restart is $t_{\text{ckpt}} + 1$, the steps run
+#   on without a gap or a repeat, and the restored state's own step counter is $t_{\text{ckpt}}$;
+# - **loss scale**: the resumed loss stays on the uninterrupted run's scale — within a few per
+#   cent, not equal. A forgotten optimizer state makes it jump (chapter 1), a wrong data
+#   position or a stale checkpoint shows up as a loss from another part of the curve.
+#
+# The check, small enough to reuse:
+
+# %%
+def check_resume(ref_losses, steps_after, losses_after, t_ckpt, state_step, rel=0.05):
+    """Step continuity and loss scale of a resumed run against a reference loss curve
+    (``ref_losses[t - 1]`` is the loss of step t). Returns a list of problems (empty: fine)."""
+    problems = []
+    if int(state_step) != t_ckpt:
+        problems.append(f"the restored state's step counter is {int(state_step)}, not {t_ckpt}")
+    if list(steps_after) != list(range(t_ckpt + 1, t_ckpt + 1 + len(steps_after))):
+        problems.append(f"steps after the restart are {list(steps_after)[:3]}..., expected "
+                        f"{t_ckpt + 1}, {t_ckpt + 2}, ...")
+    ratio = np.mean(losses_after) / np.mean([ref_losses[t - 1] for t in steps_after])
+    if abs(ratio - 1) > rel:  # the mean over the steps: one step's loss is noisy (dropout)
+        problems.append(f"the mean loss is {ratio:.3f} x the reference's: another scale")
+    return problems, ratio
+
+
+cold = state.replace(opt_state=state.tx.init(state.params))  # Adam forgotten
+_, _, cold_losses = train(cold, rng, first - 1, T)
+_, _, scratch_losses = train(fresh, key0, 0, T - first + 1)  # "resumed" from nothing at all
+cases = {"resumed run": (res_losses, state.step), "with a new RNG key": (nokey_losses, state.step),
+         "without Adam's moments": (cold_losses, state.step),
+         "from scratch, numbered 31..": (scratch_losses, fresh.step),
+         "state.step 21, t_ckpt 30": (res_losses, first - 10)}
+for name, (losses, counter) in cases.items():
+    problems, ratio = check_resume(ref_losses, steps, losses, first - 1, counter)
+    print(f"{name:28s} loss ratio {ratio:.3f}: {'; '.join(problems) or 'OK'}")
+
+# %% [markdown]
+# Read the five lines. The resumed run passes, as it must. A run restarted from scratch while
+# counting on from step 31 is caught by the loss scale, and a state whose own step counter is
+# not the checkpoint's step (the seeds' bug of section 7) by step continuity. The run with a new
+# RNG key and the run without Adam's moments are the subtle ones: look at their ratios — on this
+# small model they may well stay within a few per cent, and then this check cannot tell them
+# from rounding. That is why bit-identity on a CPU is the stronger test, worth running wherever
+# you can (the lab runs it); step continuity and loss scale are a net for gross mistakes on an
+# accelerator, not a proof.
+
+# %% [markdown]
+# ## 5. A real crash drill
+#
+# Killing a Python function is not a crash. Here a training *script* runs as a separate process;
+# the notebook kills it with `SIGKILL` (no handler runs, no `finally`, no flush — what an
+# out-of-memory kill or a lost machine does) at moments drawn from the operating system's
+# randomness, restarts it, and lets it resume. The script is the whole of what a training
+# program needs:
+
+# %%
+TRAIN_PY = '''
+import sys, time
+import jax
+import minickpt as mc
+from minickpt.demo import batch, fingerprint, make_state, train_step
+from minickpt.restore import resume
+
+ckpt_dir, total, every = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
+opts = mc.CheckpointManagerOptions(save_interval_steps=every, max_to_keep=2)
+with mc.CheckpointManager(ckpt_dir, opts) as mngr:
+    state, rng, first = resume(mngr, make_state(), jax.random.key(42))
+    print("resumed", first - 1, flush=True)
+    for step in range(first, total + 1):
+        state, rng, loss = train_step(state, rng, *batch(step))
+        print("step", step, float(loss), flush=True)
+        if mngr.save(step, {"state": state, "rng": rng}):
+            print("saved", step, flush=True)
+        time.sleep(0.03)  # stands for a longer step
+print("final", fingerprint((state, rng)), flush=True)
+'''
+(WORK / "train.py").write_text(TRAIN_PY)
+
+# %%
+TOTAL, EVERY, KILLS = 90, 10, 3
+drill_dir = WORK / "drill"
+env = dict(os.environ, JAX_COMPILATION_CACHE_DIR=str(WORK / "jax-cache"),
+           JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0",
+           JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES="0")
+chance = random.SystemRandom()  # the kill moments: not chosen by the notebook
+events = []  # (time since the drill began, kind, step, loss)
+t_begin = time.monotonic()
+
+
+def start():
+    return subprocess.Popen([sys.executable, str(WORK / "train.py"), str(drill_dir),
+                             str(TOTAL), str(EVERY)], stdout=subprocess.PIPE, text=True,
+                            env=env)
+
+
+def read(proc, until=None):
+    """Read the script's lines into ``events``; stop after a line for which ``until`` is true."""
+    for line in proc.stdout:
+        kind, *rest = line.split()
+        step = int(rest[0]) if kind != "final" else None
+        loss = float(rest[1]) if kind == "step" else None
+        events.append((time.monotonic() - t_begin, kind, step if step is not None else rest[0],
+                       loss))
+        if until is not None and until(kind):
+            return
+
+
+kills = []
+proc = start()
+for _ in range(KILLS):
+    read(proc, until=lambda kind: kind == "step")  # running (again)
+    time.sleep(chance.uniform(0.2, 0.9))            # ... for a while nobody chose
+    proc.send_signal(signal.SIGKILL)
+    t_kill = time.monotonic() - t_begin
+    read(proc)                                     # what it printed before it died
+    exit_code = proc.wait()
+    last_step = max(e[2] for e in events if e[1] == "step")
+    proc = start()
+    read(proc, until=lambda kind: kind == "resumed")
+    resumed_at = time.monotonic() - t_begin
+    resumed_from = events[-1][2]
+    read(proc, until=lambda kind: kind == "step")
+    kills.append({"killed after step": last_step, "exit code": exit_code,
+                  "resumed from": resumed_from, "steps lost": last_step - resumed_from,
+                  "restore (s)": resumed_at - t_kill,
+                  "recover (s)": events[-1][0] - t_kill, "t_kill": t_kill})
+read(proc)
+proc.wait()
+final = next(e[2] for e in events if e[1] == "final")
+print(f"{'kill':>4}  " + "  ".join(f"{k:>17s}" for k in list(kills[0])[:-1]))
+for i, row in enumerate(kills, 1):
+    print(f"{i:>4}  " + "  ".join(f"{v:>17.2f}" if isinstance(v, float) else f"{v:>17}"
+                                 for v in list(row.values())[:-1]))
+print(f"final fingerprint {final}; uninterrupted run {fingerprint(train(fresh, key0, 0, TOTAL)[:2])}")
+
+# %% [markdown]
+# Each row is one kill: the last step the killed process had printed, the step it resumed from
+# (always a multiple of 10: the newest committed checkpoint), the steps computed twice, and the
+# time from the kill until the restarted process had restored (`restore`) and had computed its
+# first new step (`recover`: starting Python, importing JAX, compiling — the compilation cache
+# in `ch03-work/jax-cache` shortens the second and later starts — and restoring). On a CPU the
+# two fingerprints are equal: three crashes, and the run ends bit for bit where the
+# uninterrupted one ends. On a GPU compare them with `check_resume` instead.
+#
+# `minickpt.production.drill` is the same experiment made into a tool (random kills *during*
+# saves too, a table, a JSON report): `python -m minickpt.production.drill --kills 5`;
+# chapter 6 uses it.
+
+# %%
+steps_seen = [(e[2], e[3]) for e in events if e[1] == "step"]
+fig, ax = plt.subplots(figsize=(11, 3.8))
+ax.plot([s for s, _ in steps_seen], [v for _, v in steps_seen], ".", color="C0", ms=4,
+        label="loss of each computed step (repeats after a kill)")
+ax.plot(np.arange(1, TOTAL + 1), train(fresh, key0, 0, TOTAL)[2], "k-", lw=0.8,
+        label="uninterrupted run")
+saved = sorted({e[2] for e in events if e[1] == "saved"})
+ax.vlines(saved, 0, 1, transform=ax.get_xaxis_transform(), colors="C2", lw=0.6,
+          label="checkpoint saved")
+for i, row in enumerate(kills):
+    ax.axvline(row["killed after step"], color="C3", lw=1.5,
+               label="SIGKILL" if i == 0 else None)
+    ax.annotate("", xy=(row["resumed from"], 0.9), xytext=(row["killed after step"], 0.9),
+                xycoords=("data", "axes fraction"),
+                arrowprops={"arrowstyle": "->", "color": "C3"})
+ax.set(xlabel="step", ylabel="training loss", yscale="log",
+       title="a training process killed with SIGKILL and restarted")
+ax.legend(loc="upper right", fontsize=8)
+fig.tight_layout()
+plt.show()
+
+# %% [markdown]
+# *Figure 2.* The loss of every step the script computed, over the uninterrupted run's curve;
+# green lines are committed checkpoints, red lines the kills, and each arrow goes back from the
+# kill to the checkpoint the restart resumed from. The steps between the arrow's ends were
+# computed twice: that is the work a crash costs, at most one interval when the kill misses a
+# save.
+
+# %% [markdown]
+# ## 6. When the model changes: strict restores and migration
+#
+# A restore *into a target* compares the checkpoint with the target leaf by leaf before reading
+# a byte, and reports **every** difference at once: a missing leaf, an unexpected one, a shape, a
+# dtype. One run, one error, the whole list — fixing one difference per run is slow and painful.
+# Here the model grew a wider hidden layer, and its output layer was renamed:
+
+# %%
+class NewMLP(nn.Module):
+    """The course's MLP after a refactor: layers renamed, a residual adapter added."""
+    hidden: int = 32
+
+    @nn.compact
+    def __call__(self, x, train=True):
+        h = nn.relu(nn.Dense(self.hidden, name="encoder")(x))
+        h = h + nn.Dense(self.hidden, name="adapter", kernel_init=nn.initializers.zeros)(h)
+        h = nn.Dropout(0.1, deterministic=not train)(h)
+        return nn.Dense(1, name="head")(h)
+
+
+def new_state(hidden=32, dtype=jnp.float32):
+    model = NewMLP(hidden)
+    params = model.init(jax.random.key(1), jnp.ones((1, 8)), train=False)
+    params = jax.tree_util.tree_map(lambda p: p.astype(dtype), params)
+    return train_state.TrainState.create(apply_fn=model.apply, params=params,
+                                         tx=optax.adam(1e-2))
+
+
+old_model_run = WORK / "run"  # section 1's run; its step 30 and 40 are intact there
+with mc.CheckpointManager(old_model_run) as mngr:
+    try:
+        mngr.restore(target={"state": new_state(hidden=64)})
+    except mc.StructureMismatchError as e:
+        text = str(e).splitlines()
+        print("\n".join(text[:8]), f"\n  ... {len(text) - 9} more lines ...\n", text[-1])
+
+# %% [markdown]
+# Sometimes taking only some leaves is the point — evaluation needs the parameters and no
+# optimizer. Then say so: `partial=True` restores the target's leaves and ignores the rest.
+
+# %%
+with mc.CheckpointManager(old_model_run) as mngr:
+    params_only = mngr.restore(target={"state": {"params": fresh.params}}, partial=True)
+print("partial restore:", list(params_only["state"]), "— step", params_only.step)
+
+# %% [markdown]
+# **Migration.** The new model keeps what the old one learned: `Dense_0` is now `encoder`,
+# `Dense_1` is `head`, a new `adapter` layer starts from its initial value (zero, so at first the
+# new model computes exactly what the old one did), and the parameters are now `bfloat16`.
+# `minickpt.restore.migrate` (task 3.4) maps the old tree onto the new structure with rename
+# rules — for *every* part of the state, since Adam's moments carry the layer names too — and
+# reports what it renamed, filled fresh, dropped and converted.
+
+# %%
+with mc.CheckpointManager(old_model_run) as mngr:
+    raw = mngr.restore()  # no target: nested dicts of numpy arrays, as saved
+print("the old checkpoint, step", raw.step, ":", sorted(raw["state"]["params"]["params"]))
+rules = {"(.*)/Dense_0": r"\1/encoder", "(.*)/Dense_1": r"\1/head"}
+migrated, report = migrate(raw["state"], new_state(dtype=jnp.bfloat16), rename=rules,
+                           allow_cast=True)
+print(report)
+
+# %%
+old_state = ref_state if raw.step == T else train(fresh, key0, 0, raw.step)[0]
+x, y = batch(raw.step + 1)
+
+
+def loss_of(st):
+    return float(jnp.mean((st.apply_fn(st.params, x, train=False) - y) ** 2))
+
+
+print(f"loss on the batch of step {raw.step + 1}: old model {loss_of(old_state):.5f}, "
+      f"migrated new model (bfloat16) {loss_of(migrated):.5f}, "
+      f"untrained new model {loss_of(new_state()):.5f}")
+rng = jax.random.wrap_key_data(raw["rng"].data, impl=raw["rng"].impl)
+cont, _, cont_losses = train(migrated, rng, raw.step, raw.step + 10)
+print(f"10 more steps in the new model: step {int(cont.step)}, mean loss "
+      f"{np.mean(cont_losses):.4f}; the old model's run over the same steps: "
+      f"{np.mean(ref_losses[raw.step:raw.step + 10]):.4f}")
+
+# %% [markdown]
+# The migrated model computes what the old one did, up to bfloat16's rounding (compare the
+# first two losses above), far from the untrained new model; the step count and Adam's
+# moments carried over, and training continues on the old run's scale (the last line compares
+# the mean loss of the next ten steps with the old model's own run). The report is for a person to read
+# before trusting the result: a rename rule that matched nothing shows up as *filled* leaves
+# that should have been *renamed*.
+
+# %% [markdown]
+# ## 7. The seeds' resume demo, and the bug that looks right
+#
+# The course's source material resumes a Flax run like this (stage 4, rewritten here):
+#
+# ```python
+# restored = checkpoints.restore_checkpoint(ckpt_dir, target=state)   # step 10
+# for _ in range(10):
+#     state = train_step(restored, batch)          # <- always starts again from `restored`
+# checkpoints.save_checkpoint(ckpt_dir, state, step=20, keep=2)
+# print("loss at step 20:", loss(state))
+# ```
+#
+# Each iteration starts from `restored`, so after the loop `state` is *one* step past the
+# checkpoint, not ten — and it is saved as step 20. The printed loss is a little lower than at
+# step 10, exactly what a person expects to see, so nothing looks wrong. Run the logic:
+
+# %%
+with mc.CheckpointManager(WORK / "crash") as mngr:  # step 30 of the crashed run
+    restored = mngr.restore(target={"state": fresh, "rng": key0})
+t0 = restored.step
+buggy = restored["state"]
+for step in range(t0 + 1, t0 + 11):
+    buggy, _, loss_b = train_step(restored["state"], restored["rng"], *batch(step))
+right, key = restored["state"], restored["rng"]
+for step in range(t0 + 1, t0 + 11):
+    right, key, loss_r = train_step(right, key, *batch(step))
+print(f"'loss at step {t0 + 10}': buggy {float(loss_b):.4f}, correct {float(loss_r):.4f}; "
+      f"at step {t0}: {ref_losses[t0 - 1]:.4f}")
+print(f"the state the buggy loop saves as step {t0 + 10} has state.step = {int(buggy.step)}")
+
+# %% [markdown]
+# Both losses look plausible. Step continuity does not: the state's own step counter says 31
+# where the name says 40. Saved under the wrong number, that checkpoint would poison the next
+# resume — and `resume` refuses it, naming both numbers:
+
+# %%
+with mc.CheckpointManager(WORK / "seed-bug") as mngr:
+    mngr.save(t0 + 10, {"state": buggy, "rng": restored["rng"]})
+    try:
+        resume(mngr, fresh, key0)
+    except ValueError as e:
+        print("resume:", e)
+
+# %% [markdown]
+# ## 8. Orbax `CheckpointManager.restore` beside minickpt
+#
+# Orbax finds the latest step the same way, and restores into an *abstract* target — a tree of
+# `jax.ShapeDtypeStruct`s saying shape, dtype and sharding, so no memory is spent on a
+# throw-away model. minickpt takes the same targets. We save steps 10, 20, 30 with both, damage
+# the newest step's array data with both, and restore the latest.
+
+# %%
+import orbax.checkpoint as ocp
+
+
+def items_of(st, key):
+    return {"params": st.params, "opt_state": st.opt_state, "step": st.step,
+            "rng": jax.random.key_data(key)}
+
+
+run_states = {}
+s, k = fresh, key0
+for step in (10, 20, 30):
+    s, k, _ = train(s, k, step - 10, step)
+    run_states[step] = items_of(s, k)
+
+orbax_dir = WORK / "orbax"
+omngr = ocp.CheckpointManager(orbax_dir, options=ocp.CheckpointManagerOptions(max_to_keep=3))
+mini = mc.CheckpointManager(WORK / "mini", mc.CheckpointManagerOptions(max_to_keep=3))
+for step, its in run_states.items():
+    omngr.save(step, args=ocp.args.StandardSave(its))
+    mini.save(step, {"s": its})
+omngr.wait_until_finished()
+abstract = jax.tree_util.tree_map(ocp.utils.to_shape_dtype_struct, run_states[30])
+print("latest step: Orbax", omngr.latest_step(), "| minickpt", mini.latest_step())
+got_o = omngr.restore(omngr.latest_step(), args=ocp.args.StandardRestore(abstract))
+got_m = mini.restore(target={"s": abstract})
+print("restored into ShapeDtypeStructs, identical to the saved state: Orbax",
+      tree_diff(got_o, run_states[30]) is None, "| minickpt",
+      tree_diff(got_m["s"], run_states[30]) is None)
+
+# %%
+def flip_largest_file(step_dir):
+    """Flip a byte in the middle of the largest file holding array data."""
+    files = [p for p in Path(step_dir).rglob("*")
+             if p.is_file() and (p.parent.name == "d" or p.name.startswith("data"))]
+    big = max(files, key=lambda p: p.stat().st_size)
+    flip_byte(str(big), big.stat().st_size // 2)
+    return big.relative_to(step_dir)
+
+
+print("Orbax: flipped a byte in", flip_largest_file(orbax_dir / "30"))
+print("minickpt: flipped a byte in", flip_largest_file(WORK / "mini" / "step_30"))
+omngr.reload()
+try:
+    got = omngr.restore(omngr.latest_step(), args=ocp.args.StandardRestore(abstract))
+    diff = tree_diff(got, run_states[30])
+    print(f"Orbax restore of step {omngr.latest_step()}: no error; "
+          f"{'values identical' if diff is None else 'returned values that differ: ' + diff}")
+except Exception as e:
+    print(f"Orbax restore of step {omngr.latest_step()} raised {type(e).__name__}: "
+          f"{str(e)[:150]}")
+with warnings.catch_warnings(record=True) as caught:
+    warnings.simplefilter("always")
+    got = mini.restore(target={"s": abstract})
+print(f"minickpt restore(): step {got.step}, "
+      f"{'identical to step 20' if tree_diff(got['s'], run_states[20]) is None else 'WRONG'}; "
+      f"warning: {str(caught[0].message)[:70]}..." if caught else "no warning")
+omngr.close()
+mini.close()
+
+# %% [markdown]
+# Read what Orbax did with the flipped byte on your installation: its data files are written
+# through TensorStore, and whether a flipped byte is detected depends on the file it lands in
+# and on the storage driver's checksums. It never falls back by itself: `latest_step()` is the
+# newest directory, and choosing an older step after an error is left to your code. minickpt
+# verifies a CRC-32 per leaf and falls back on verified damage, with a warning.
+
+# %% [markdown]
+# ## 9. Common misconceptions
+#
+# **"A small difference in the loss after resuming means the checkpoint is broken."** On a GPU
+# the last digits move even when every byte was restored (section 4): sums in another order.
+# A broken checkpoint is *detected* (a checksum, a missing file) or changes the loss's *scale*.
+# Check step continuity and loss scale; on a CPU, expect bit-identity.
+#
+# **"If the loss looks right, the resume worked."** The seeds' demo printed a plausible loss for
+# a state one step past its checkpoint, saved under the wrong step (section 7). Compare the
+# state's own step with the step you think you are at.
+#
+# **"The newest checkpoint is the one to load."** The newest *valid* one is (section 2); and keep
+# at least two, or a damaged newest one leaves nothing.
+#
+# **"Any error while reading means the checkpoint is damaged."** An I/O error is the disk now,
+# not the checkpoint; falling back past it throws an interval away for nothing (section 2).
+#
+# **"Resume at the checkpoint's step."** The checkpoint of step $t_{\text{ckpt}}$ already holds
+# that step's result: continue at $t_{\text{ckpt}} + 1$, or the batch of $t_{\text{ckpt}}$ is
+# applied twice (and minickpt's first save then finds its step already committed).
+#
+# **"The parameters are the model, so a migration maps the parameters."** Adam's moments are
+# named after the same layers; migrate them with the same rules (section 6).
+#
+# ## Summary
+#
+# - Resume = find the newest checkpoint, **verify** it (metadata, every key, checksums), **fall
+#   back** on verified damage only, restore **the whole state** (θ, Adam's moments, step, RNG key)
+#   into the program's state, continue at $t_{\text{ckpt}} + 1$.
+# - On a CPU a resumed run is **bit-identical** to the uninterrupted one — every leaf, every
+#   loss. On a GPU/TPU reductions may add in another order: check **step continuity** and **loss
+#   scale** (`check_resume`).
+# - A real crash drill — `SIGKILL`, restart, resume — measures steps lost (at most an interval
+#   unless a save is hit) and time to recover (process start, compilation, restore).
+# - When the model changes, a strict restore names **every** mismatch at once; `partial=True` is
+#   a choice; a migration with rename rules carries the parameters *and* the optimizer state over
+#   and reports what it did.
+#
+# ## Lab 3
+#
+# In [lab 3](../labs/lab03_resume/lab03_resume.ipynb) you write these pieces of `minickpt`: the
+# choice of the newest valid checkpoint with its fallback (3.1), the strict structure check that
+# lists every mismatch (3.2), `resume` — which the lab runs in a real training process that it
+# kills with `SIGKILL` and restarts (3.3) — and the migration to a new model (3.4).

@@ -1,0 +1,95 @@
+"""Lab 3's tasks as library behaviour: 3.2 strict structure checks, 3.3 resume, 3.4 migration
+(3.1, the fallback, is in test_resume.py with the manager's bugs it fixed)."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from minickpt import CheckpointManager, StructureMismatchError, labkit
+from minickpt.demo import make_state, train
+from minickpt.restore import check_structure, migrate, resume
+
+NAMES = ["a", "b", "c", "d", "e"]
+
+
+@pytest.mark.task("3.2")
+@settings(max_examples=40, deadline=None)
+@given(st.lists(st.sampled_from(["same", "missing", "unexpected", "shape", "dtype"]),
+                min_size=5, max_size=5), st.booleans())
+def test_every_mismatch_is_listed_in_one_error(changes, partial):
+    saved = {n: np.zeros(3, np.float32) for n in NAMES}
+    target, want = {}, set()
+    for n, c in zip(NAMES, changes, strict=True):
+        if c == "same":
+            target[n] = np.zeros(3, np.float32)
+        elif c == "missing":  # in the target only
+            target[n + "_new"] = np.zeros(3, np.float32)
+            want.add((n + "_new", "missing"))
+            if not partial:
+                want.add((n, "unexpected"))
+        elif c == "unexpected":  # in the checkpoint only
+            if not partial:
+                want.add((n, "unexpected"))
+        elif c == "shape":
+            target[n] = np.zeros(4, np.float32)
+            want.add((n, "shape"))
+        else:
+            target[n] = np.zeros(3, np.float16)
+            want.add((n, "dtype"))
+    manifest = labkit.lab3_manifest(saved, "s")
+    if not want:
+        pairs = check_structure(manifest, target, item="s", partial=partial)
+        assert [n for n, _ in pairs] == [(n,) for n in sorted(target)]
+        return
+    with pytest.raises(StructureMismatchError) as err:
+        check_structure(manifest, target, item="s", partial=partial)
+    assert {(m.path, m.kind) for m in err.value.mismatches} == want
+
+
+@pytest.mark.task("3.3")
+def test_resume_fresh_then_at_t_ckpt_plus_one(tmp_path):
+    fresh, key = make_state(), jax.random.key(42)
+    with CheckpointManager(tmp_path) as m:
+        assert resume(m, fresh, key) == (fresh, key, 1)
+        state, rng, _ = train(fresh, key, 0, 6)
+        m.save(6, {"state": state, "rng": rng})
+        s, k, first = resume(m, fresh, key)
+    assert first == 7 and int(s.step) == 6  # into a Python-int step, as make_state has
+    assert labkit.tree_diff((s.params, s.opt_state, k), (state.params, state.opt_state, rng)) is None
+    with CheckpointManager(tmp_path) as m:
+        m.save(8, {"state": state, "rng": rng})  # step 6's state under step 8's name
+        with pytest.raises(ValueError, match=r"step 8 .*step counter is 6"):
+            resume(m, fresh, key)
+
+
+@pytest.mark.task("3.3")
+def test_the_drill_runs_the_students_resume_in_a_killed_process():
+    from minickpt.restore import resume as ref
+
+    out = labkit.lab3_drill(ref, steps=15, every=5, kill_after=8)
+    assert out["first_rc"] == -9 and out["second_rc"] == 0, out
+    assert out["second_steps"][0] == out["on_disk"] + 1 and out["diff"] is None, out
+
+
+@pytest.mark.task("3.4")
+def test_migration_carries_parameters_and_optimizer_state(tmp_path):
+    old, _, _ = train(make_state(), jax.random.key(42), 0, 5)
+    with CheckpointManager(tmp_path) as m:
+        m.save(5, {"state": old})
+        saved = m.restore()["state"]
+    new = labkit.lab3_new_state()
+    got, report = migrate(saved, new, rename={"(.*)/Dense_0": r"\1/encoder",
+                                              "(.*)/Dense_1": r"\1/head"})
+    assert np.array_equal(got.opt_state[0].nu["params"]["head"]["kernel"],
+                          old.opt_state[0].nu["params"]["Dense_1"]["kernel"])
+    assert int(got.step) == 5 and not report.dropped
+    assert sorted(report.filled) == sorted(f"{p}/params/adapter/{w}" for p in
+                                           ("params", "opt_state/0/mu", "opt_state/0/nu")
+                                           for w in ("bias", "kernel"))
+    with pytest.raises(StructureMismatchError) as err:
+        migrate(saved, labkit.lab3_new_state(dtype=jnp.bfloat16),
+                rename={"(.*)/Dense_0": r"\1/encoder", "(.*)/Dense_1": r"\1/head"})
+    assert len(err.value.mismatches) == 12
