@@ -217,8 +217,8 @@ print(f"C / T_step = {C_mc / T_step:.0f}: one save costs as much as that many tr
 # %% [markdown]
 # Look at the ratio $C / T_{\text{step}}$: on a laptop CPU a save of this state usually costs
 # as much as a few training steps up to dozens, depending on the disk (on a fast GPU, whose
-# steps are shorter, the
-# ratio only grows). Now train for real with a save every $I$ steps and measure the throughput.
+# steps are shorter, the ratio only grows). Now train for real with a save every $I$ steps and
+# measure the throughput.
 
 # %%
 def throughput(interval, steps=48):
