@@ -73,14 +73,29 @@ def make_temporary(fs: FileSystem, root: str, final_name: str) -> str:
 
 def commit(fs: FileSystem, tmp_dir: str, final_dir: str, *, subdirs: Iterable[str] = (),
            sync: SyncBatch | None = None) -> None:
-    """Task 2.3 — make a fully written temporary directory the checkpoint ``final_dir``.
+    """Task 2.3 — make the fully written temporary directory ``tmp_dir`` the checkpoint
+    ``final_dir``, atomically and durably.
 
-    1. fsync everything in the temporary tree: the files the writers handed over in
-       ``sync`` (a :class:`~minickpt.fs.SyncBatch`; writers that fsynced their own files
-       pass none), the directories in ``subdirs``, and the temporary directory itself — all
-       at once, so that the file system can gather them into one journal commit;
-    2. rename it to ``final_dir``, never replacing an existing checkpoint;
-    3. fsync the parent, so that the rename itself is durable.
+    Receives the file system to call (every call through ``fs``), the temporary directory
+    a save has written, the final name, the sub-directories of ``tmp_dir`` the writers
+    created (``subdirs``, relative names) and, optionally, the writers' ``sync``: a
+    :class:`~minickpt.fs.SyncBatch` holding the files they wrote but did not fsync. Returns
+    nothing; when it returns, a power cut at any later moment leaves ``final_dir`` complete:
+
+    * nothing may be published before it is durable: every file in ``sync``, every
+      directory in ``subdirs`` and ``tmp_dir`` itself must be fsynced (their entries
+      included) before anything else happens — in one ``flush`` of a batch, so that the
+      file system can gather them into one journal commit. The batch belongs to the caller
+      when given (they close it); one made here is closed here, even after an error;
+    * publishing is one atomic rename, which must never replace an existing checkpoint:
+      ``fs.rename`` refuses to (``EEXIST``/``ENOTEMPTY``), and that is reported as
+      :class:`~minickpt.errors.StepAlreadyExistsError` naming ``final_dir``;
+    * a rename is itself only durable once the parent directory is fsynced. If that last
+      fsync fails, raise ``OSError`` (same errno) saying the checkpoint is in place but its
+      rename could still be undone by a power cut — the caller must not delete older
+      checkpoints on its strength.
+
+    Any other error propagates unchanged; ``tmp_dir`` is then left for the caller to abort.
     """
     batch = sync if sync is not None else SyncBatch(fs)
     try:
@@ -160,11 +175,22 @@ def remove_retired(fs: FileSystem, doomed: str) -> None:
 
 
 def cleanup_temporaries(fs: FileSystem, root: str) -> list[str]:
-    """Task 2.4 — remove what crashed saves and deletes left behind; return the names removed.
+    """Task 2.4 — remove what crashed saves and deletes left in ``root``; return the names
+    removed, sorted.
 
-    Only names carrying the temporary or deletion marks are touched: a committed checkpoint,
-    or any file that is not minickpt's, is never removed here. Call it only while no other
-    writer uses ``root`` (the manager holds a lock for that).
+    Receives the file system and a run directory. A crash can leave two kinds of leftovers:
+    temporary directories of saves that never committed (``TMP_MARK`` in the name) and
+    checkpoints renamed for deletion whose files were not all removed (``DELETE_MARK``);
+    :func:`is_temporary` recognises both, wherever the random suffix puts the mark. Remove
+    each of them completely (``fs.rmtree``), then fsync ``root`` once so that the removal
+    itself survives a crash.
+
+    Must never touch anything else: a committed checkpoint (``step_7``), the manager's lock
+    file, or a file of the user's that merely looks alike (``step_7.tmp``, ``notes``) —
+    deleting a committed checkpoint here would lose exactly what the crash left intact. A
+    ``root`` that does not exist holds nothing: return ``[]``. Other ``OSError``s propagate.
+    Call it only while no other writer uses ``root`` (the manager holds a lock for that):
+    another writer's save in progress looks just like a crashed one.
     """
     removed = []
     try:

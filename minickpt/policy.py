@@ -23,12 +23,20 @@ class StepInfo:
 
 def should_save(step: int, *, last_saved_step: int | None, save_interval_steps: int = 1,
                 save_on_steps: Collection[int] = ()) -> bool:
-    """Task 2.1 — save at ``step``?
+    """Task 2.1 — should the training loop save at ``step``?
 
-    Never at or before the last saved step (a restarted run must not re-save what it
-    already has). Otherwise yes when ``step % save_interval_steps == 0``, when ``step`` is one
-    of ``save_on_steps``, or when nothing has been saved yet — Orbax's rule too, so that a
-    run always has a first checkpoint to fall back to.
+    Receives the step about to be saved, the newest step already saved (``None`` when the
+    directory holds none), the interval ``I >= 1`` and a collection of extra steps.
+    Returns ``True`` exactly when
+
+    * nothing has been saved yet: a run must always get a first checkpoint to fall back to,
+      whatever its step (a run resumed from scratch at step 7 saves at 7); otherwise
+    * never at or before ``last_saved_step``: a restarted run must not save again what it
+      already has, nor go back in time; and then
+    * ``step % I == 0``, or ``step`` is one of ``save_on_steps``.
+
+    These are Orbax's rules, so the same options save the same steps in both libraries.
+    Pure: no error to raise, nothing touched.
     """
     if last_saved_step is None:
         return True
@@ -38,28 +46,45 @@ def should_save(step: int, *, last_saved_step: int | None, save_interval_steps: 
 
 
 def _metric(info: StepInfo, best_fn: Callable[[Mapping[str, Any]], float]) -> float | None:
+    """The metric ``best_fn`` gives ``info`` (NaN and ±inf included), or None without one."""
     if info.metrics is None:
         return None
     try:
-        v = float(best_fn(info.metrics))
+        return float(best_fn(info.metrics))
     except (KeyError, TypeError, ValueError):
         return None
-    return None if math.isnan(v) else v
 
 
 def rank_by_metric(infos: Sequence[StepInfo], best_fn: Callable[[Mapping[str, Any]], float],
                    best_mode: str = "max") -> list[StepInfo]:
-    """Checkpoints that have a metric, best first (ties: the newer step first)."""
+    """Checkpoints that have a metric, best first (ties: the newer step first).
+
+    A checkpoint has a metric when its ``metrics`` are not None and ``best_fn`` returns a
+    number for them (a missing key counts as no metric). A non-finite metric — NaN, +inf or
+    -inf, what a diverged run reports — ranks *after every finite one*, whatever
+    ``best_mode``, and the non-finite ones among themselves newest first. So a diverged run
+    keeps ``max_to_keep`` checkpoints like any other (NaN is not "no metric", which
+    ``keep_checkpoints_without_metrics`` would keep forever and fill the disk with), and
+    never evicts a finite checkpoint. Orbax sorts NaN with Python's ``sorted``, whose answer
+    for NaN depends on the order of the list, and ranks ±inf as ordinary numbers.
+    """
     scored = [(m, i) for i in infos if (m := _metric(i, best_fn)) is not None]
     sign = -1.0 if best_mode == "max" else 1.0
-    scored.sort(key=lambda mi: (sign * mi[0], -mi[1].step))
+
+    def key(mi: tuple[float, StepInfo]) -> tuple[bool, float, int]:
+        finite = math.isfinite(mi[0])
+        return (not finite, sign * mi[0] if finite else 0.0, -mi[1].step)
+
+    scored.sort(key=key)
     return [i for _, i in scored]
 
 
 def best_step(infos: Sequence[StepInfo], best_fn: Callable[[Mapping[str, Any]], float],
               best_mode: str = "max") -> int | None:
-    """The step whose metric is best, or None when no checkpoint has one."""
-    ranked = rank_by_metric(infos, best_fn, best_mode)
+    """The step whose metric is best, or None when no checkpoint has a finite one (a
+    diverged checkpoint is never the best)."""
+    ranked = [i for i in rank_by_metric(infos, best_fn, best_mode)
+              if math.isfinite(_metric(i, best_fn) or 0.0)]
     return ranked[0].step if ranked else None
 
 
@@ -68,16 +93,25 @@ def steps_to_keep(infos: Sequence[StepInfo], *, max_to_keep: int | None = None,
                   best_fn: Callable[[Mapping[str, Any]], float] | None = None,
                   best_mode: str = "max",
                   keep_checkpoints_without_metrics: bool = True) -> set[int]:
-    """Task 2.2 — which of the saved steps survive retention (Orbax's rules).
+    """Task 2.2 — which of the saved checkpoints survive retention (Orbax's rules).
 
-    * ``max_to_keep=None``, or no more than ``max_to_keep`` checkpoints: keep everything.
-    * Without ``best_fn``: the ``max_to_keep`` newest steps.
-    * With ``best_fn``: the ``max_to_keep`` best steps by metric (``best_mode`` 'max' or
-      'min'; on a tie the newer step wins). Steps without a metric are all kept when
-      ``keep_checkpoints_without_metrics``, and all deleted otherwise. The newest step is
-      not protected: a new checkpoint worse than the best N is deleted at once.
-    * ``keep_period=P``: a step with ``step % P == 0`` is kept whatever the rules above say
-      (while among the newest it also counts towards ``max_to_keep``).
+    Receives every saved checkpoint (``infos``, in any order: a step and its metrics) and
+    the options; returns the set of steps to keep — a subset of the steps given, never a
+    step that was not saved. The manager deletes the others, after the newest checkpoint is
+    durable. The rules, in Orbax's order:
+
+    * ``max_to_keep=None``, or no more checkpoints than ``max_to_keep``: keep them all.
+    * Without ``best_fn``: the ``max_to_keep`` newest steps (by step number, not by the
+      order of ``infos``).
+    * With ``best_fn``: the ``max_to_keep`` best checkpoints among those with a metric, as
+      :func:`rank_by_metric` ranks them (``best_mode`` 'max' or 'min'; a tie goes to the
+      newer step; non-finite metrics rank last). Checkpoints without a metric are all kept
+      when ``keep_checkpoints_without_metrics``, all dropped otherwise, and never count
+      towards ``max_to_keep``. The newest step has no protection: a new checkpoint worse
+      than the best N is dropped at once.
+    * ``keep_period=P``: a step with ``step % P == 0`` is kept whatever the rules above say.
+
+    Pure: the infos are not changed, nothing is raised.
     """
     steps = sorted(i.step for i in infos)
     if max_to_keep is None or len(steps) <= max_to_keep:
@@ -97,13 +131,17 @@ def steps_to_keep(infos: Sequence[StepInfo], *, max_to_keep: int | None = None,
 
 def legacy_steps_to_keep(steps: Sequence[int], keep: int,
                          keep_every_n_steps: int | None = None) -> set[int]:
-    """Flax's legacy ``save_checkpoint(keep=, keep_every_n_steps=)`` rule, exactly.
+    """Task 2.2 (Flax) — which steps Flax's ``save_checkpoint(keep=, keep_every_n_steps=)``
+    leaves on disk, exactly.
 
-    The ``keep`` newest survive (``keep=0`` removes nothing, as in Flax). Among the older ones,
-    walking from the oldest, one is kept each time at least ``keep_every_n_steps`` steps have
-    passed since the last one kept *in this walk* (the first one always qualifies). Flax tests
-    the step for truth before the distance, so step 0 is never kept by the period rule; we
-    match that too, so a directory pruned by either library holds the same steps.
+    Receives the saved steps (any order) and Flax's two options; returns the set of steps
+    kept. The ``keep`` newest survive; ``keep=0`` removes nothing (Flax's meaning, unlike
+    Orbax's ``max_to_keep``). Among the older ones, walking from the oldest, one is kept each
+    time at least ``keep_every_n_steps`` steps have passed since the last one kept *in this
+    walk* (the first one always qualifies) — a distance, not ``step % n == 0``. Flax tests
+    the step for truth before the distance, so step 0 is never kept by this rule; matching
+    that means a directory pruned by either library holds the same steps. Raises
+    ``ValueError`` for ``keep < 0``.
     """
     steps = sorted(steps)
     if keep < 0:

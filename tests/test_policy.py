@@ -136,3 +136,36 @@ def test_same_decisions_as_orbax(tmp_path_factory, gaps, interval, n, period, me
     orbax = run_orbax(tmp_path_factory.mktemp("orbax"), options, calls)
     ours = run_minickpt(tmp_path_factory.mktemp("ours"), options, calls)
     assert [(s, sorted(k)) for s, k in orbax] == ours, (calls, options)
+
+
+# ---- non-finite metrics (a diverged run) -------------------------------------------------
+@pytest.mark.task("2.2")
+def test_nan_metrics_do_not_switch_retention_off():
+    """Six saves of a diverged run (loss NaN) with max_to_keep=2: two are kept, as Orbax
+    keeps two, not all six (NaN once counted as "no metric", and those are kept forever)."""
+    infos = [StepInfo(s, {"loss": math.nan}) for s in range(1, 7)]
+    keep = steps_to_keep(infos, max_to_keep=2, best_fn=lambda m: m["loss"], best_mode="min")
+    assert keep == {5, 6}
+
+
+@pytest.mark.task("2.2")
+@pytest.mark.parametrize("mode", ["min", "max"])
+@pytest.mark.parametrize("bad", [math.nan, math.inf, -math.inf])
+def test_non_finite_metrics_rank_below_every_finite_one(mode, bad):
+    infos = [StepInfo(1, {"loss": 0.5}), StepInfo(2, {"loss": bad}), StepInfo(3, {"loss": 0.3}),
+             StepInfo(4, {"loss": bad}), StepInfo(5, {"loss": 0.9}), StepInfo(6, {"loss": bad})]
+    keep = steps_to_keep(infos, max_to_keep=2, best_fn=lambda m: m["loss"], best_mode=mode)
+    assert keep == ({1, 3} if mode == "min" else {1, 5})  # the two best finite ones
+    assert best_step(infos, lambda m: m["loss"], mode) == (3 if mode == "min" else 5)
+    only_bad = [StepInfo(s, {"loss": bad}) for s in (1, 2, 3)]
+    assert steps_to_keep(only_bad, max_to_keep=1, best_fn=lambda m: m["loss"],
+                         best_mode=mode) == {3}  # among non-finite ones the newest
+    assert best_step(only_bad, lambda m: m["loss"], mode) is None  # never "best"
+
+
+def test_nan_retention_in_the_manager_is_bounded(tmp_path):
+    opts = CheckpointManagerOptions(max_to_keep=2, best_fn=lambda m: m["loss"], best_mode="min")
+    with CheckpointManager(tmp_path, opts) as m:
+        for s in range(1, 7):
+            m.save(s, {"x": {"x": np.zeros(2, np.float32)}}, metrics={"loss": math.nan})
+        assert m.all_steps() == [5, 6]

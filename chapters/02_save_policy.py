@@ -1,0 +1,885 @@
+# ---
+# jupyter:
+#   jupytext:
+#     formats: ipynb,py:percent
+#     notebook_metadata_filter: -jupytext.text_representation.jupytext_version
+#     text_representation:
+#       extension: .py
+#       format_name: percent
+#       format_version: '1.3'
+#   kernelspec:
+#     display_name: Python 3 (ipykernel)
+#     language: python
+#     name: python3
+# ---
+
+# %% [markdown]
+# <a href="https://colab.research.google.com/github/minickpt-course/checkpointing-in-jax/blob/main/chapters/02_save_policy.ipynb" target="_parent"><img src="https://colab.research.google.com/assets/colab-badge.svg" alt="Open In Colab"/></a>
+
+# %%
+# Course set-up, the same in every notebook (written by scripts/notebooks.py).
+# On Colab it installs the course package; everywhere it asks JAX for 4 CPU devices
+# (so that sharding works on a laptop) before JAX is imported. A GPU or TPU is used when present.
+import os
+import sys
+
+if "google.colab" in sys.modules:
+    import subprocess
+
+    package = "minickpt[colab] @ git+https://github.com/minickpt-course/checkpointing-in-jax"
+    subprocess.run([sys.executable, "-m", "pip", "install", "-q", package], check=True)
+if "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):
+    os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "")
+                               + " --xla_force_host_platform_device_count=4").strip()
+
+# %% [markdown]
+# # Chapter 2 — Save policy: how often, how many, how safely
+#
+# Back to the moving truck of chapter 1. A depot every kilometre and the truck spends its days
+# unloading; one depot at the end of the road and a crash in the last pass costs the whole
+# trip. The depots also have to be *paid for* — a warehouse holds so many loads — and a depot
+# whose door was left open in the storm holds nothing when you come back for it. A video game
+# has the same three questions: how often it offers a save point, how many save slots you get,
+# and whether a save interrupted by a power cut leaves you a corrupted slot.
+#
+# This chapter answers each with a measurement on your machine:
+#
+# 1. **How often** — `save_interval_steps`, `save_on_steps`, and what a save really costs the
+#    training loop (minickpt and Orbax, same state, same disk).
+# 2. **How many** — `max_to_keep`, `keep_period`, the best $N$ by a metric, Flax's `keep`;
+#    the disk they use over a run, and Orbax run side by side on the same steps.
+# 3. **How safely** — the atomic, durable commit, crashed at *every* file-system call of a save,
+#    with every state a power cut can leave, counted; and the seeds' `MiniCheckpointer`, whose
+#    bugs we reproduce and fix.
+
+# %%
+import contextlib
+import itertools
+import json
+import logging
+import math
+import os
+import shutil
+import time
+import warnings
+from pathlib import Path
+from unittest import mock
+
+logging.getLogger("absl").setLevel(logging.ERROR)  # Orbax's note that TensorFlow is absent
+logging.getLogger("minickpt").setLevel(logging.CRITICAL)  # its notes on each crash state
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import matplotlib.pyplot as plt
+import numpy as np
+import optax
+import orbax.checkpoint as ocp
+from flax.training import train_state
+
+import minickpt as mc
+from minickpt import crashsim, labkit
+from minickpt import policy as mpol
+from minickpt.fs import FileSystem, SyncBatch
+
+devices = jax.devices()
+print(f"JAX {jax.__version__} sees {len(devices)} {devices[0].platform.upper()} device(s): "
+      f"{devices}")
+
+WORK = Path("ch02-work").absolute()  # Orbax needs absolute paths; everything written goes here
+shutil.rmtree(WORK, ignore_errors=True)
+WORK.mkdir()
+
+# %% [markdown]
+# ## 1. When to save
+#
+# Orbax and minickpt decide with the same rule (`minickpt.policy.should_save`, lab task 2.1).
+# With the interval $I$ = `save_interval_steps` and the extra steps `save_on_steps`, a save at
+# step $t$ happens when
+#
+# $$t > t_{\text{last}} \quad\text{and}\quad \bigl(t \bmod I = 0 \;\text{ or }\; t \in
+# \texttt{save\_on\_steps}\bigr),$$
+#
+# and always when nothing has been saved yet ($t_{\text{last}}$ undefined), so that a run has a
+# first checkpoint to fall back to. Saving "every epoch" is the same rule with $I$ = steps per
+# epoch. A run of $T_{\text{total}}$ steps makes
+#
+# $$N_{\text{ckpt}} = \left\lfloor \frac{T_{\text{total}}}{T_{\text{interval}}} \right\rfloor$$
+#
+# periodic saves (plus the first one when it does not fall on a multiple of $I$).
+# Below: the steps each library saves for one set of options, asked step by step.
+
+# %%
+def saved_steps_minickpt(steps, **opts):
+    last, out = None, []
+    for t in steps:
+        if mpol.should_save(t, last_saved_step=last, **opts):
+            out.append(t)
+            last = t
+    return out
+
+
+def saved_steps_orbax(steps, path, **opts):
+    mngr = ocp.CheckpointManager(path, options=ocp.CheckpointManagerOptions(
+        enable_async_checkpointing=False, **opts))
+    out = []
+    for t in steps:
+        if mngr.should_save(t):
+            mngr.save(t, args=ocp.args.StandardSave({"x": np.zeros(2, np.float32)}))
+            out.append(t)
+    mngr.close()
+    return out
+
+
+run_steps = range(3, 61)  # a run resumed at step 3 (say), trained to step 60
+opts = dict(save_interval_steps=10, save_on_steps=[25, 33])
+ours = saved_steps_minickpt(run_steps, **opts)
+theirs = saved_steps_orbax(run_steps, WORK / "orbax-when", **opts)
+print("minickpt saves at", ours)
+print("Orbax    saves at", theirs)
+print("same steps:", ours == theirs, "| N_ckpt = floor(60 / 10) =", mpol.num_checkpoints(60, 10))
+
+# %% [markdown]
+# Both save at step 3 (the first one), at every multiple of 10 and at the two extra steps.
+#
+# ### What a save costs
+#
+# A save stops the training loop for a time $C$: copy the state to the host, write it, fsync,
+# rename. If a training step takes $T_{\text{step}}$, saving every $I$ steps gives a throughput
+# of
+#
+# $$\text{steps/s}(I) = \frac{I}{I\,T_{\text{step}} + C}.$$
+#
+# We measure $C$ for a real training state — an MLP with about half a million parameters and its
+# Adam moments — with `minickpt` and with Orbax, on the same disk.
+
+# %%
+class MLP(nn.Module):
+    @nn.compact
+    def __call__(self, x):
+        x = nn.relu(nn.Dense(1024)(x))
+        return nn.Dense(10)(x)
+
+
+model = MLP()
+x_all = jax.random.normal(jax.random.key(0), (64, 512))
+y_all = jax.random.normal(jax.random.key(1), (64, 10))
+state = train_state.TrainState.create(
+    apply_fn=model.apply, params=model.init(jax.random.key(2), x_all), tx=optax.adam(1e-3))
+
+
+@jax.jit
+def train_step(state):
+    def loss_fn(p):
+        return jnp.mean((state.apply_fn(p, x_all) - y_all) ** 2)
+    loss, grads = jax.value_and_grad(loss_fn)(state.params)
+    return state.apply_gradients(grads=grads), loss
+
+
+state, _ = train_step(state)  # compile
+n_params = sum(x.size for x in jax.tree_util.tree_leaves(state.params))
+state_bytes = sum(x.nbytes for x in jax.tree_util.tree_leaves(state))
+print(f"{n_params:,} parameters; the whole state (params + Adam's mu, nu) is "
+      f"{state_bytes / 1e6:.1f} MB, on {state.params['params']['Dense_0']['kernel'].devices()}")
+
+# %%
+def median_time(fn, n):
+    times = []
+    for i in range(n):
+        t = time.perf_counter()
+        fn(i)
+        times.append(time.perf_counter() - t)
+    return float(np.median(times))
+
+
+def step_once(_):
+    global state
+    state, loss = train_step(state)
+    loss.block_until_ready()
+
+
+T_step = median_time(step_once, 20)
+
+mngr = mc.CheckpointManager(WORK / "cost-minickpt", mc.CheckpointManagerOptions(max_to_keep=2))
+C_mc = median_time(lambda i: mngr.save(i, {"state": state}), 5)
+S_ckpt = mngr.metadata(mngr.latest_step()).bytes  # what the checkpoint's metadata says
+mngr.close()
+
+omngr = ocp.CheckpointManager(WORK / "cost-orbax", options=ocp.CheckpointManagerOptions(
+    max_to_keep=2, enable_async_checkpointing=False))
+C_ox = median_time(lambda i: omngr.save(i, args=ocp.args.StandardSave(state)), 3)
+omngr.close()
+print(f"one training step: {T_step * 1e3:.1f} ms")
+print(f"one save, minickpt: C = {C_mc * 1e3:.1f} ms   Orbax: C = {C_ox * 1e3:.1f} ms   "
+      f"(checkpoint: {S_ckpt / 1e6:.1f} MB)")
+print(f"C / T_step = {C_mc / T_step:.0f}: one save costs as much as that many training steps")
+
+# %% [markdown]
+# Look at the ratio $C / T_{\text{step}}$: on a laptop CPU a save of this state usually costs
+# as much as a few training steps up to dozens, depending on the disk (on a fast GPU, whose
+# steps are shorter, the ratio only grows). Now train for real with a save every $I$ steps and
+# measure the throughput.
+
+# %%
+def throughput(interval, steps=48):
+    """Steps per second of a 48-step loop saving by should_save (interval None: no saves)."""
+    global state
+    path = WORK / f"interval-{interval}"
+    with mc.CheckpointManager(path, mc.CheckpointManagerOptions(
+            save_interval_steps=interval or 1, max_to_keep=1)) as m:
+        t = time.perf_counter()
+        for step in range(1, steps + 1):
+            state, loss = train_step(state)
+            if interval:
+                m.save(step, {"state": state})  # saves only when should_save(step)
+        jax.block_until_ready(state)
+        elapsed = time.perf_counter() - t
+    shutil.rmtree(path)
+    return steps / elapsed
+
+
+def model(interval, steps=48):
+    """steps / (steps * T_step + n_saves * C), n_saves counted by the same rule (the first
+    step always saves)."""
+    n = len(saved_steps_minickpt(range(1, steps + 1), save_interval_steps=interval))
+    return steps / (steps * T_step + n * C_mc)
+
+
+intervals = [1, 3, 6, 12, 24, 48]
+ceiling = throughput(None)
+measured = [throughput(i) for i in intervals]
+print(f"no saves at all: {ceiling:7.1f} steps/s")
+for i, r in zip(intervals, measured):
+    print(f"save every {i:3d} steps: {r:7.1f} steps/s   (model: {model(i):7.1f})")
+
+# %%
+fig, ax = plt.subplots(figsize=(6.5, 3.6))
+ax.plot(intervals, [model(i) for i in intervals], "--", color="gray",
+        label=r"model $I/(I\,T_{step}+C)$, with the first save")
+ax.plot(intervals, measured, "o-", label="measured (minickpt)")
+ax.axhline(ceiling, color="green", lw=0.8, label="measured, no saves at all")
+ax.set_xscale("log")
+ax.set_xlabel("save interval I (steps between saves)")
+ax.set_ylabel("training throughput (steps/s)")
+ax.set_title("Saving every step costs most of the throughput")
+ax.legend()
+plt.show()
+
+# %% [markdown]
+# *Figure: training throughput against the save interval, measured on this machine, with the
+# model $I/(I\,T_{\text{step}}+C)$ from the measured $C$ and $T_{\text{step}}$.* Saving at
+# every step ($I = 1$) runs at a fraction of the speed; the curve approaches the no-save
+# ceiling as $I$ grows, and past the point where $C \ll I\,T_{\text{step}}$ a longer interval
+# buys almost nothing while losing more work in a crash (chapter 6 picks $I$ from $C$ and the
+# failure rate). The measured points scatter around the model on a busy machine; what to look
+# for is the shape.
+
+# %% [markdown]
+# ## 2. How many to keep
+#
+# Every save adds $S_{\text{ckpt}}$ bytes. With a storage budget $S_{\text{total}}$ the number of
+# checkpoints that fit is
+#
+# $$K = \left\lfloor \frac{S_{\text{total}}}{S_{\text{ckpt}}} \right\rfloor,$$
+#
+# with $S_{\text{ckpt}}$ read from the checkpoint's own metadata (no need to load it):
+
+# %%
+budget = 10 * 2**30  # a 10 GiB quota, say
+print(f"S_ckpt = {S_ckpt:,} bytes -> K = floor(10 GiB / S_ckpt) = "
+      f"{mpol.capacity(budget, S_ckpt)} checkpoints of this state")
+print("a run of 300,000 steps saving every 1,000 makes",
+      mpol.num_checkpoints(300_000, 1_000), "of them: retention has to delete")
+
+# %% [markdown]
+# The retention rules (`minickpt.policy.steps_to_keep`, lab task 2.2) are Orbax's:
+#
+# - `max_to_keep=N`: the $N$ newest checkpoints survive;
+# - `keep_period=P`: a step with $t \bmod P = 0$ is kept for good, whatever else says;
+# - `best_fn` (+ `best_mode`): the $N$ *best* by a metric survive instead of the newest;
+#   checkpoints saved without a metric are kept forever when `keep_checkpoints_without_metrics`
+#   (the default), and do not count towards $N$.
+#
+# Flax's legacy `save_checkpoint(keep=N, keep_every_n_steps=P)` is different in one place:
+# `keep_every_n_steps` keeps an old checkpoint when at least $P$ steps passed since the last one
+# it kept, a *distance*, not $t \bmod P = 0$.
+#
+# One run, saving every 10 steps for 200 steps with a loss that goes down with noise, under four
+# policies — real saves of the course's small training state, disk use measured after each save.
+
+# %%
+small, small_rng = labkit.train_state(steps=0)
+loss_at = {t: float(1.0 / (1 + t / 40) + 0.05 * np.sin(t * 1.7)) for t in range(0, 201, 10)}
+policies = {
+    "keep all": {},
+    "max_to_keep=3": {"max_to_keep": 3},
+    "max_to_keep=3, keep_period=100": {"max_to_keep": 3, "keep_period": 100},
+    "best 3 by loss": {"max_to_keep": 3, "best_fn": lambda m: m["loss"], "best_mode": "min"},
+}
+disk, kept = {}, {}
+for name, o in policies.items():
+    path = WORK / "retention" / name.replace(" ", "").replace(",", "_").replace("=", "")
+    disk[name], kept[name] = [], []
+    with mc.CheckpointManager(path, mc.CheckpointManagerOptions(save_interval_steps=10, **o)) as m:
+        for t in range(10, 201, 10):
+            m.save(t, {"state": small}, metrics={"loss": loss_at[t]})
+            disk[name].append(FileSystem().dir_size(str(path)))
+            kept[name].append(m.all_steps())
+    print(f"{name:32s} keeps {kept[name][-1]}")
+
+# %%
+fig, (ax_disk, ax_kept) = plt.subplots(1, 2, figsize=(12, 3.8))
+saves = list(range(10, 201, 10))
+for k, name in enumerate(policies):
+    ax_disk.plot(saves, np.array(disk[name]) / 1e3, label=name)
+    final = kept[name][-1]
+    ax_kept.scatter(final, [k] * len(final), s=25)
+ax_disk.set_xlabel("training step")
+ax_disk.set_ylabel("disk used by the run (kB)")
+ax_disk.set_title("Disk use over the run")
+ax_disk.legend(fontsize=8)
+ax_kept.set_yticks(range(len(policies)), list(policies))
+ax_kept.set_xlabel("step of a checkpoint still on disk at the end")
+ax_kept.set_xlim(0, 210)
+ax_kept.set_title("What survives")
+fig.tight_layout()
+plt.show()
+
+# %% [markdown]
+# *Figure: left, the bytes the run directory holds after each save; right, the steps left at
+# the end.* Keeping everything grows without bound; `max_to_keep=3` is flat at three
+# checkpoints; `keep_period=100` adds permanent checkpoints (100, 200) on top;
+# "best 3" keeps the three lowest losses, which need not be the newest.
+#
+# ### Orbax side by side
+#
+# The same options, the same steps and metrics, given to Orbax's `CheckpointManager`: after
+# every save we compare the list of steps on disk.
+
+# %%
+def orbax_kept(path, o, losses):
+    o = {"save_interval_steps": 10, **o}
+    mngr = ocp.CheckpointManager(path, options=ocp.CheckpointManagerOptions(
+        enable_async_checkpointing=False, **o))
+    out = []
+    for t, loss in losses:
+        mngr.save(t, args=ocp.args.StandardSave({"x": np.zeros(2, np.float32)}),
+                  metrics={"loss": loss})
+        out.append(list(mngr.all_steps()))
+    mngr.close()
+    return out
+
+
+steps_losses = [(t, loss_at[t]) for t in range(10, 201, 10)]
+for name, o in policies.items():
+    theirs = orbax_kept(WORK / "orbax-retention" / str(len(name)) / name[:4].strip(), o,
+                        steps_losses)
+    same_all = theirs == kept[name]
+    print(f"{name:32s} same steps kept after all {len(theirs)} saves: {same_all}")
+
+# %% [markdown]
+# Identical after every save. One place where they differ: **non-finite metrics.** A run that
+# diverges reports `loss = nan`. Orbax ranks checkpoints with Python's `sorted`, and NaN compares
+# false with everything, so its choice depends on the order of the list. minickpt ranks every
+# non-finite metric (NaN, ±inf) *after* every finite one, and counts them towards `max_to_keep`,
+# so a diverged run neither fills the disk nor evicts the good checkpoints:
+
+# %%
+def minickpt_kept(path, o, losses):
+    with mc.CheckpointManager(path, mc.CheckpointManagerOptions(**o)) as m:
+        for t, loss in losses:
+            m.save(t, {"x": {"x": np.zeros(2, np.float32)}}, metrics={"loss": loss})
+        return m.all_steps()
+
+
+best2 = {"max_to_keep": 2, "best_fn": lambda m: m["loss"], "best_mode": "min"}
+for label, losses in [("all NaN", [math.nan] * 6), ("good, then NaN", [0.5, 0.3, 0.4] +
+                                                    [math.nan] * 3)]:
+    seq = list(zip(range(1, 7), losses))
+    o_steps = orbax_kept(WORK / "orbax-nan" / label.replace(" ", "").replace(",", ""),
+                         {**best2, "save_interval_steps": 1}, seq)[-1]
+    m_steps = minickpt_kept(WORK / "mc-nan" / label.replace(" ", "").replace(",", ""), best2, seq)
+    print(f"{label:15s} losses {losses}\n    Orbax keeps {o_steps}   minickpt keeps {m_steps}")
+
+# %% [markdown]
+# With six NaN losses both keep two checkpoints (the newest). When a good run diverges, Orbax
+# keeps two NaN checkpoints and throws away the best ones, here the checkpoint at step 2
+# (loss 0.3); minickpt keeps steps 2 and 3, the two best finite losses — what you would
+# want to restart from.
+#
+# ## 3. How safely: the atomic, durable commit
+#
+# A save must leave either the complete new checkpoint or the old state of the directory —
+# never a directory with the right name and the wrong contents, and never *less* than before.
+# A power cut (not merely a killed process) loses whatever the program wrote but did not make
+# durable: a file's data is durable only after `fsync(file)`, and a directory entry (a create,
+# a rename, an unlink) only after `fsync(directory that holds it)`. minickpt's commit
+# (`minickpt.commit.commit`, lab task 2.3) is therefore:
+#
+# 1. write everything into `step_30.minickpt-tmp-<random>/`, a name no reader takes for a
+#    checkpoint;
+# 2. fsync every file, every directory in the temporary tree and the temporary directory;
+# 3. rename it to `step_30` (atomic; never over an existing checkpoint);
+# 4. fsync the parent, so that the rename itself survives;
+# 5. only then delete old checkpoints (rename out of the namespace, fsync, remove), and at the
+#    next start remove any temporary a crash left behind (task 2.4).
+#
+# The seeds do steps 1 and 3 only: write into `step_30.tmp`, `os.rename` — no fsync anywhere.
+# Below is the seeds' `MiniCheckpointer`, rewritten (same calls, same order) on minickpt's file
+# system layer, so that `minickpt.crashsim` can record it.
+
+# %%
+class SeedCheckpointer:
+    """The seed's MiniCheckpointer, rewritten: tmp + rename, no fsync, names sorted as strings."""
+
+    def __init__(self, root, keep_last=3, fs=None, by_step=False):
+        self.root, self.keep_last, self.fs = str(root), keep_last, fs or FileSystem()
+        self.key = (lambda p: int(p.rsplit("_", 1)[1])) if by_step else (lambda p: p)
+        names = self.fs.listdir(self.root) if self.fs.is_dir(self.root) else []
+        self.ckpt_list = sorted((os.path.join(self.root, n) for n in names
+                                 if n.startswith("step_") and not n.endswith(".tmp")),
+                                key=self.key)
+
+    def save(self, step, params):
+        final = os.path.join(self.root, f"step_{step}")
+        tmp = final + ".tmp"
+        if not self.fs.is_dir(tmp):  # os.makedirs(tmp_dir, exist_ok=True)
+            self.fs.mkdir(tmp)
+        for name, obj in (("params.json", params), ("step.json", {"step": step})):
+            self.fs.write_file(os.path.join(tmp, name), [json.dumps(obj).encode()],
+                               fsync=False, exclusive=False)
+        if self.fs.exists(final):
+            self.fs.rmtree(final)
+        self.fs.rename(tmp, final)
+        self.ckpt_list.append(final)
+        self.ckpt_list.sort(key=self.key)
+        while len(self.ckpt_list) > self.keep_last:
+            with contextlib.suppress(OSError):  # shutil.rmtree(old, ignore_errors=True)
+                self.fs.rmtree(self.ckpt_list.pop(0))
+
+    def load(self):
+        if not self.ckpt_list:
+            return None, 0
+        latest = self.ckpt_list[-1]
+        params = json.loads(self.fs.read_file(os.path.join(latest, "params.json")))
+        step = json.loads(self.fs.read_file(os.path.join(latest, "step.json")))["step"]
+        return params, step
+
+# %% [markdown]
+# ### Bug 1: the newest checkpoint is deleted, and an older one restored
+#
+# The seed runs `main()`: resume if it can, train 50 steps, save every 10. Run it five times, as
+# a job that is restarted after each episode would.
+
+# %%
+def seed_episode(root, **kw):
+    cp = SeedCheckpointer(root, **kw)
+    params, start = cp.load() if cp.ckpt_list else ({"weight": 1.0, "bias": 0.0}, 0)
+    for step in range(start + 1, start + 51):
+        params = {k: round(v - 0.01 * v, 4) for k, v in params.items()}
+        if step % 10 == 0:
+            cp.save(step, params)
+    return start, sorted(int(n.split("_")[1]) for n in os.listdir(root) if n.startswith("step_"))
+
+
+for label, kw in (("seed (names sorted as strings)", {}), ("fixed (sorted by step)",
+                                                           {"by_step": True})):
+    root = WORK / "seed-runs" / label.split()[0]
+    root.mkdir(parents=True)
+    print(label)
+    for episode in range(1, 6):
+        start, on_disk = seed_episode(root, **kw)
+        print(f"  run {episode}: resumed from step {start:3d}, on disk afterwards {on_disk}")
+
+# %% [markdown]
+# Sorted as strings, `"step_100" < "step_70"`: at step 100 the list is
+# `[step_100, step_70, step_80, step_90]`, so retention pops `step_100` — the checkpoint it has
+# just written — and `load()` takes the last name, `step_90`. From then on every run resumes at
+# step 90, re-trains 90 → 140, and deletes each of its own checkpoints the moment it writes it:
+# the job never gets past step 140 and loses its work forever. Sorted by step number, each run
+# resumes where the last one stopped. minickpt parses the step out of the name and compares
+# integers (`parse_step`), and lists what is on disk rather than trusting a list kept in memory.
+#
+# ### Bugs 2–4: what a power cut leaves — counted
+#
+# Now crash both libraries at every file-system call of one save, and look at every state a
+# power cut at that moment could leave. The run directory holds two durable checkpoints (steps 10
+# and 20), retention keeps two, and the save is step 30 (so step 10 is deleted). After each crash
+# a fresh process restarts the way the library does (`load()` / `CheckpointManager.restore()`)
+# and we check what it gets back:
+#
+# | outcome | meaning |
+# |---|---|
+# | new | step 30, intact |
+# | previous | step 20, intact (fine: the save had not returned yet) |
+# | lost after return | step 20, although the save of step 30 had *returned* |
+# | torn new | the restart takes step 30, and its restore fails or returns wrong values |
+# | previous destroyed | step 20 is damaged or gone too: only step 10, or nothing, or an error |
+
+# %%
+def tiny(step):
+    return {"weight": float(step), "bias": [step] * 16}
+
+
+def seed_world(root, keep=2):
+    cp = SeedCheckpointer(root, keep_last=keep)
+    for s in (10, 20):
+        cp.save(s, tiny(s))
+
+
+def seed_restart(world):
+    """What the seed's restart restores: a step, None, or ("torn", the step it tried)."""
+    cp = SeedCheckpointer(Path(world) / "run")
+    tried = int(cp.ckpt_list[-1].rsplit("_", 1)[1]) if cp.ckpt_list else None
+    try:
+        params, step = cp.load()
+    except Exception:
+        return ("torn", tried)
+    return step if params is None or params == tiny(step) else ("torn", tried)
+
+
+def mc_world(root, keep=2):
+    with mc.CheckpointManager(root, mc.CheckpointManagerOptions(max_to_keep=keep)) as m:
+        for s in (10, 20):
+            m.save(s, {"p": {"w": np.full(16, s, np.float32)}})
+
+
+def mc_restart(world):
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # "skipping damaged step ..." is itself counted
+            # without the fallback of chapter 3, so that a damaged step 30 counts as torn
+            opts = mc.CheckpointManagerOptions(fallback_on_damage=False, read_only=True)
+            with mc.CheckpointManager(Path(world) / "run", opts) as m:
+                tried = m.latest_step()
+                if tried is None:
+                    return None
+                r = m.restore()
+    except Exception:
+        return ("torn", tried)
+    ok = np.array_equal(r["p"]["w"], np.full(16, r.step, np.float32))
+    return r.step if ok else ("torn", tried)
+
+
+KINDS = ["new", "previous", "lost after return", "torn new", "previous destroyed"]
+
+
+def classify(got, save_returned):
+    """One restart's outcome, in the words of the table above."""
+    if got == 30:
+        return "new"
+    if isinstance(got, tuple) and got[1] == 30:
+        return "torn new"
+    if got == 20:
+        return "lost after return" if save_returned else "previous"
+    return "previous destroyed"  # step 20 torn, or only step 10 / nothing left
+
+
+@contextlib.contextmanager
+def same_names():
+    """The same 'random' temporary names on every run, so that identical states compare equal."""
+    counter = itertools.count()
+    with mock.patch("secrets.token_hex", lambda n=4: f"{next(counter):08x}"):
+        yield
+
+
+# The crash states are a model (crashsim), not a real power cut: the thousands of small
+# directories it materialises need no real disk, so they go to memory where there is a tmpfs.
+SCRATCH = Path("/dev/shm") if os.access("/dev/shm", os.W_OK) else WORK
+SCRATCH = SCRATCH / f"ch02-crash-{os.getpid()}"
+
+
+def count_crashes(make_world, save, restart, commit=None, random_states=1):
+    """Crash ``save`` before each of its calls; classify every state a power cut can leave
+    (with ``commit`` plugged into minickpt in place of its own, when given)."""
+    template = SCRATCH / f"template-{next(_ids)}"
+    (template / "run").mkdir(parents=True)
+    make_world(template / "run")
+
+    def scenario(fs, world):
+        with same_names():
+            save(fs, Path(world) / "run")
+
+    counts = dict.fromkeys(KINDS, 0)
+    first_bad = {}
+    with labkit.plugged_in(commit) if commit else contextlib.nullcontext():
+        points = list(crashsim.explore(str(template), scenario, restart, fidelity=False,
+                                       random_states=random_states,
+                                       workdir=str(template) + "-explore"))
+    shutil.rmtree(template)
+    for pt in points:
+        for st, got in zip(pt.states, pt.outcomes):
+            kind = classify(got, save_returned=pt.call == "end")
+            counts[kind] += 1
+            if kind not in ("new", "previous"):
+                first_bad.setdefault(kind, f"crash before call {pt.index} ({pt.call}); "
+                                           f"{st.label}")
+    return len(points), counts, first_bad
+
+
+_ids = itertools.count()
+
+
+def seed_save(fs, root, keep=2):
+    SeedCheckpointer(root, keep_last=keep, fs=fs).save(30, tiny(30))
+
+
+def mc_save(fs, root, keep=2):
+    m = mc.CheckpointManager(root, mc.CheckpointManagerOptions(max_to_keep=keep), fs=fs)
+    try:
+        m.save(30, {"p": {"w": np.full(16, 30, np.float32)}})
+        m.close()
+    finally:
+        m._lock_fd = None  # after a crash the "dead" process's descriptors are already closed
+
+
+keep1 = {"keep": 1}
+results = {
+    "seed, keep_last=2": count_crashes(seed_world, seed_save, seed_restart),
+    "seed, keep_last=1": count_crashes(lambda r: seed_world(r, **keep1),
+                                       lambda fs, r: seed_save(fs, r, **keep1), seed_restart),
+    "minickpt, max_to_keep=2": count_crashes(mc_world, mc_save, mc_restart),
+    "minickpt, max_to_keep=1": count_crashes(lambda r: mc_world(r, **keep1),
+                                             lambda fs, r: mc_save(fs, r, **keep1), mc_restart),
+}
+for name, (n, counts, first_bad) in results.items():
+    print(f"{name}: {n} crash points, {sum(counts.values())} crash states")
+    print("   ", counts)
+    for kind, where in first_bad.items():
+        print(f"    first '{kind}': {where}")
+
+# %% [markdown]
+# Read the counts (they come from a model of the file system, not from timing, so they are the
+# same on every machine). The seed's save leaves states of every bad kind; minickpt's only "new"
+# and "previous", with `max_to_keep=2` and with `max_to_keep=1` alike. The reasons, one per bug:
+#
+# - **Bug 2, no fsync of the data.** The files' contents are still in the page cache when the
+#   rename publishes them; a power cut leaves `step_30/params.json` empty or cut short under the
+#   right name ("torn new"). `load()` then raises — it has no fallback, even when step 20 is
+#   still intact on disk.
+# - **Bug 3, no fsync of the directory.** The rename is not durable either: a crash after
+#   `save()` returned can bring back `step_30.tmp` instead of `step_30` ("lost after return").
+# - **Bug 4, delete before durable.** Retention removes the oldest checkpoint right after the
+#   un-synced rename. With `keep_last=1` that is step 20, the only one left: the removals of
+#   the files *inside* `step_20/` and the rename in its parent persist independently, so a
+#   crash can leave the new step lost *and* the previous one emptied ("previous destroyed").
+#
+# minickpt's rows hold only "new" and "previous": every crash state restores an intact
+# checkpoint, and once `save()` returns, step 30 is there for good — even with one slot, because
+# the old checkpoint is deleted only after the new one is durable.
+#
+# ### Why each fsync is there: remove it and count again
+#
+# Lab task 2.3 is minickpt's `commit`. Below, four wrong versions of it, each plugged into the
+# real library with `labkit.plugged_in` (the lab's tests do the same with yours), crashed at
+# every call of the same save.
+
+# %%
+def _tmp_dirs(tmp_dir, subdirs):
+    return [os.path.join(tmp_dir, s) for s in subdirs] + [tmp_dir]
+
+
+def no_file_fsync(fs, tmp_dir, final_dir, *, subdirs=(), sync=None):
+    dirs = list(sync.dirs) if sync is not None else []
+    if sync is not None:
+        sync.close()  # the files are closed, never fsynced
+    fs.fsync_all([], dirs + _tmp_dirs(tmp_dir, subdirs))
+    fs.rename(tmp_dir, final_dir)
+    fs.fsync_dir(os.path.dirname(final_dir))
+
+
+def no_dir_fsync(fs, tmp_dir, final_dir, *, subdirs=(), sync=None):
+    batch = sync or SyncBatch(fs)
+    batch.dirs = []  # the files only: their names inside the temporary tree are not durable
+    batch.flush()
+    fs.rename(tmp_dir, final_dir)
+    fs.fsync_dir(os.path.dirname(final_dir))
+
+
+def rename_first(fs, tmp_dir, final_dir, *, subdirs=(), sync=None):
+    fs.rename(tmp_dir, final_dir)  # published before anything is durable
+    batch = sync or SyncBatch(fs)
+    batch.dirs = [final_dir + d[len(tmp_dir):] for d in batch.dirs]  # they moved
+    for d in _tmp_dirs(final_dir, subdirs):
+        batch.add_dir(d)
+    batch.flush()
+    fs.fsync_dir(os.path.dirname(final_dir))
+
+
+def no_parent_fsync(fs, tmp_dir, final_dir, *, subdirs=(), sync=None):
+    batch = sync or SyncBatch(fs)
+    for d in _tmp_dirs(tmp_dir, subdirs):
+        batch.add_dir(d)
+    batch.flush()
+    fs.rename(tmp_dir, final_dir)  # and the rename is never made durable
+
+
+def mc_save_alone(fs, root):
+    """The same save without retention: nothing after the commit fsyncs the parent."""
+    m = mc.CheckpointManager(root, fs=fs)
+    try:
+        m.save(30, {"p": {"w": np.full(16, 30, np.float32)}})
+        m.close()
+    finally:
+        m._lock_fd = None
+
+
+ablations = {}
+for wrong in (no_file_fsync, no_dir_fsync, rename_first, no_parent_fsync):
+    label = wrong.__name__
+    wrong.__name__ = "commit"  # plugged_in finds the function it replaces by name
+    ablations[label] = count_crashes(mc_world, mc_save, mc_restart, commit=wrong)
+    if label == "no_parent_fsync":
+        ablations[label + " (no retention)"] = count_crashes(mc_world, mc_save_alone,
+                                                             mc_restart, commit=wrong)
+control = count_crashes(mc_world, mc_save_alone, mc_restart)
+for name, (n, counts, first_bad) in ablations.items():
+    print(f"{name}: {n} crash points")
+    for kind, where in first_bad.items():
+        print(f"    first '{kind}': {where}")
+shutil.rmtree(SCRATCH, ignore_errors=True)
+
+# %%
+table = {**results, **{f"commit: {k}": v for k, v in ablations.items()},
+         "minickpt (no retention)": control}
+kinds = KINDS
+print(f"{'save':45s}" + "".join(f"{k:>19s}" for k in kinds))
+for name, (_, counts, _) in table.items():
+    print(f"{name:45s}" + "".join(f"{counts[k]:19d}" for k in kinds))
+
+fig, ax = plt.subplots(figsize=(10, 4.2))
+names = list(table)
+bottom = np.zeros(len(names))
+colors = {"new": "#2a9d8f", "previous": "#8ab17d", "lost after return": "#e9c46a",
+          "torn new": "#e76f51", "previous destroyed": "#9b2226"}
+for k in kinds:
+    share = np.array([table[n][1][k] / sum(table[n][1].values()) for n in names])
+    ax.barh(names, share, left=bottom, color=colors[k], label=k)
+    bottom += share
+ax.set_xlabel("share of the crash states (every crash point x every state a power cut leaves)")
+ax.set_ylabel("save / commit variant")
+ax.invert_yaxis()
+ax.legend(ncol=3, fontsize=8, loc="lower right")
+ax.set_title("What a fresh process restores after a power cut during a save")
+fig.tight_layout()
+plt.show()
+
+# %% [markdown]
+# *Figure: for each way of saving, the share of all crash states by what a restart gets back;
+# green is safe, everything else lost or damaged something.* These counts come from a model of
+# the file system (`minickpt.crashsim`), not from timing, so they are the same on every machine.
+# Read the rows:
+#
+# - without the files' fsync, the rename can publish empty or half-written files — *torn new*;
+# - without the temporary tree's directory fsyncs, the files' *names* inside it can vanish
+#   while the rename in the parent survives — *torn new* again, in more states than any other;
+# - renaming first publishes a directory before anything in it is durable — *torn new* in the
+#   states between the rename and the fsyncs that follow it;
+# - without the parent's fsync nothing is torn, but the rename itself can vanish *after the save
+#   returned* — visible only when nothing later fsyncs the parent: in the row with retention,
+#   the deletion's own fsync of the parent happens to cover for it; without retention it does
+#   not (*lost after return*).
+#
+# Each fsync of the protocol closes one of these holes; minickpt's commit, in the same
+# scenarios, has none of them.
+#
+# ## 4. Two more details of the seeds
+#
+# **Stale temporaries.** The seed filters `*.tmp` out of its list, but never removes one: every
+# crashed save leaves its bytes on disk for good, and the next save of the same step reuses the
+# stale directory (`exist_ok=True`) with whatever it holds. minickpt removes every temporary and
+# every half-deleted checkpoint when a manager opens the directory (`cleanup_temporaries`, lab
+# task 2.4) — and only those:
+
+# %%
+root = WORK / "stale"
+mc_world(root)
+(root / "step_30.minickpt-tmp-1a2b3c4d" / "p").mkdir(parents=True)  # a crashed save
+(root / "step_10.minickpt-del-5e6f7a8b").mkdir()                   # a crashed delete
+(root / "step_30.tmp").mkdir()                                      # the seed's: not ours
+print("before:", sorted(os.listdir(root)))
+with mc.CheckpointManager(root) as m:
+    print("removed:", m.removed_temporaries, "| steps:", m.all_steps())
+print("after: ", sorted(os.listdir(root)))
+
+# %% [markdown]
+# **`async_manager=True` is not an Orbax option.** Seed 002 suggests it for non-blocking saves.
+# Orbax's option is `enable_async_checkpointing` (on by default in `CheckpointManagerOptions`);
+# minickpt uses the same name (off by default; chapter 5 is about it).
+
+# %%
+try:
+    ocp.CheckpointManagerOptions(async_manager=True)
+except TypeError as e:
+    print("TypeError:", e)
+print("Orbax default enable_async_checkpointing =",
+      ocp.CheckpointManagerOptions().enable_async_checkpointing)
+with mc.CheckpointManager(WORK / "async", mc.CheckpointManagerOptions(
+        enable_async_checkpointing=True, max_to_keep=2)) as m:
+    m.save(1, {"state": small})
+    m.wait_until_finished()
+    print("minickpt async save committed:", m.all_steps())
+
+# %% [markdown]
+# ## 5. Common misconceptions
+#
+# **"Save at every step, to be safe."** Section 1 measured it: with a save costing $C$ and a
+# step $T_{\text{step}}$, throughput falls to $1/(T_{\text{step}} + C)$ — a fraction of the
+# no-save speed here. A save every $I$ steps bounds the lost work to $I$ steps at a cost of
+# $C/I$ per step; chapter 6 chooses $I$ from $C$ and the failure rate.
+#
+# **"`keep=1` is harmless: I only ever restore the newest."** Two ways it is not. With a commit
+# that is not durable, deleting the only other checkpoint right after the save leaves nothing
+# to go back to when the new one is torn — the "previous destroyed" column above. And even with
+# a perfect commit, the newest checkpoint may be the one you do not want: a run that diverged
+# saves NaN weights, and with one slot they replace the last good ones:
+
+# %%
+with mc.CheckpointManager(WORK / "keep1", mc.CheckpointManagerOptions(max_to_keep=1)) as m:
+    for t, w in ((10, 1.0), (20, 0.9), (30, float("nan"))):
+        m.save(t, {"p": {"w": np.full(4, w, np.float32)}}, metrics={"loss": w})
+    only = m.restore()
+print(f"max_to_keep=1 keeps {m.all_steps()}: weights {only['p']['w']} — nothing good is left")
+with mc.CheckpointManager(WORK / "best2", mc.CheckpointManagerOptions(
+        max_to_keep=2, best_fn=lambda m: m["loss"], best_mode="min")) as m:
+    for t, w in ((10, 1.0), (20, 0.9), (30, float("nan"))):
+        m.save(t, {"p": {"w": np.full(4, w, np.float32)}}, metrics={"loss": w})
+    print(f"best 2 by loss keeps {m.all_steps()}, best step {m.best_step()}")
+
+# %% [markdown]
+# **"tmp + rename is atomic, so it is safe."** Atomic means a reader sees the old name or the
+# new one; it says nothing about whether the *contents* behind the new name, or the rename
+# itself, survive a power cut. Section 3 counted the difference: the fsyncs make it durable.
+#
+# **"Retention can delete the old checkpoint first to make room."** Then a crash in between
+# leaves neither. minickpt deletes only after the new checkpoint is durable, and deletes by
+# renaming out of the step namespace first, so a half-deleted directory never carries a step's
+# name.
+#
+# **"A NaN loss means 'no metric'."** Treated that way, `keep_checkpoints_without_metrics=True`
+# keeps every diverged checkpoint forever. minickpt ranks non-finite metrics last and counts
+# them towards `max_to_keep`.
+
+# %% [markdown]
+# ## Summary
+#
+# - **How often:** `should_save` saves at the first step, then when $t \bmod I = 0$ or $t$ is
+#   in `save_on_steps`, never twice or backwards; $N_{\text{ckpt}} = \lfloor T_{\text{total}} /
+#   T_{\text{interval}} \rfloor$. A save costs $C$ (measured above for minickpt and Orbax), so
+#   throughput is $I / (I\,T_{\text{step}} + C)$: saving every step is the slowest choice.
+# - **How many:** $K = \lfloor S_{\text{total}} / S_{\text{ckpt}} \rfloor$ fit; `max_to_keep`,
+#   `keep_period` and the best $N$ by `best_fn` decide which survive — the same steps as
+#   Orbax after every save, except for NaN metrics, which minickpt ranks last.
+# - **How safely:** temporary directory, fsync of every file and directory, rename, fsync of the
+#   parent, then retention; stale temporaries removed at start-up. Crashed at every call, the
+#   seeds' tmp + rename leaves torn and lost checkpoints; minickpt's commit leaves none, and each
+#   fsync removed brings a kind of loss back.
+# - The seeds' `MiniCheckpointer` also sorted step names as strings — deleting its newest
+#   checkpoint at step 100 and resuming from step 90 forever.
+#
+# ## Lab 2
+#
+# In [lab 2](../labs/lab02_save_policy/lab02_save_policy.ipynb) you write these pieces of
+# minickpt and plug them into the library: `should_save` (task 2.1), the retention rules of
+# Orbax and Flax (2.2), the atomic durable commit (2.3) — tested under `crashsim` at every crash
+# point, like the variants above — and the stale-temporary cleanup (2.4).
