@@ -174,7 +174,8 @@ def table(results: list[dict[str, Any]], labs: dict[str, LabInfo]) -> str:
         flagged = [r for r in rows if r.get("review")]
         if flagged:
             lines.append(f"  review: {len(flagged)} submission(s) hold code that can reach into "
-                         f"a test ({', '.join(r['student'] for r in flagged)}); see grades-{lab}.csv")
+                         f"a test or hand in minickpt's own function for a task "
+                         f"({', '.join(r['student'] for r in flagged)}); see grades-{lab}.csv")
         lines.append("")
     return "\n".join(lines)
 

@@ -714,6 +714,53 @@ def cheat_metadata(release: Any, source: Any) -> Any:
     return nb
 
 
+WRAPPERS = {
+    "task_1_1": """from minickpt.tree import flatten_with_names as _flatten, unflatten_like as _unflatten
+
+
+def flatten_with_names(tree):
+    return _flatten(tree)
+
+
+def unflatten_like(target, values):
+    return _unflatten(target, values)
+""",
+    "task_1_2": """from minickpt.tree import to_host as _h
+
+
+def to_host(x, **k):
+    return _h(x, **k)
+""",
+    "task_1_3": """import minickpt.format as F
+
+
+def plan_leaf(names, host):
+    return F.plan_leaf(names, host)
+
+
+def decode_leaf(entry, raw, **k):
+    return F.decode_leaf(entry, raw, **k)
+""",
+    "task_1_4": """_mine = lab.reference("restore_checkpoint")
+
+
+def restore_checkpoint(*args, **kwargs):
+    return _mine(*args, **kwargs)
+""",
+}
+
+
+def cheat_wrapper_reference(release: Any, source: Any) -> Any:
+    """Every task cell is a one-line wrapper around minickpt's own function, reached under
+    another name (an import alias, a module attribute, ``lab.reference``); the quiz is right.
+    Every test passes (students may read minickpt): the points stay, and the review column
+    names each task whose reference was handed in."""
+    nb = perfect(release, source)
+    for gid, code in WRAPPERS.items():
+        _cell(nb, gid).source = code
+    return nb
+
+
 EXAMPLES: dict[str, dict[str, Edit]] = {
     "lab01_basics": {
         "perfect": perfect, "partial": partial, "blank": blank, "syntax_error": syntax_error,
@@ -731,6 +778,7 @@ EXAMPLES: dict[str, dict[str, Edit]] = {
         "cheat_forge_receipt": cheat_forge_receipt,
         "cheat_quiz_peek": cheat_quiz_peek, "cheat_reordered": cheat_reordered,
         "cheat_duplicated": cheat_duplicated, "cheat_metadata": cheat_metadata,
+        "cheat_wrapper_reference": cheat_wrapper_reference,
     },
 }
 
