@@ -733,13 +733,15 @@ def to_host(x, **k):
 """,
     "task_1_3": """import minickpt.format as F
 
+_plan, _decode = F.plan_leaf, F.decode_leaf  # taken now: under plugged_in F.plan_leaf is mine
+
 
 def plan_leaf(names, host):
-    return F.plan_leaf(names, host)
+    return _plan(names, host)
 
 
 def decode_leaf(entry, raw, **k):
-    return F.decode_leaf(entry, raw, **k)
+    return _decode(entry, raw, **k)
 """,
     "task_1_4": """_mine = lab.reference("restore_checkpoint")
 
@@ -782,13 +784,24 @@ EXAMPLES: dict[str, dict[str, Edit]] = {
     },
 }
 
+TOUR: dict[str, tuple[str, ...]] = {
+    "lab01_basics": ("cheat_forge_receipt", "cheat_kill_kernel", "cheat_wrapper_reference",
+                     "attack_fork_bomb", "attack_read_solutions"),
+}
+"""The hostile examples (``attack_*``, ``cheat_*``) that ``grade.sh`` with no argument grades
+besides every lab's honest ones (:func:`autograder.grade.example_tour`): one of each kind, in
+one lab. A lab's module may set its own ``TOUR``; keep it empty unless the lab brings a new
+kind of attack: CI grades the whole corpus, the tour must stay within minutes."""
+
 
 def _other_labs() -> None:
     """Add the examples of every lab that has a module in ``autograder/lab_examples/``."""
     from . import lab_examples
 
     for info in sorted(pkgutil.iter_modules(lab_examples.__path__), key=lambda m: m.name):
-        EXAMPLES[info.name] = importlib.import_module(f"{lab_examples.__name__}.{info.name}").EXAMPLES
+        mod = importlib.import_module(f"{lab_examples.__name__}.{info.name}")
+        EXAMPLES[info.name] = mod.EXAMPLES
+        TOUR[info.name] = tuple(getattr(mod, "TOUR", ()))
 
 
 _other_labs()
