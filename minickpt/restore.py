@@ -23,6 +23,7 @@ from .fs import FileSystem
 from .tree import (
     HostKey,
     Names,
+    canonical_impl,
     flatten_with_names,
     from_skeleton,
     is_prng_key,
@@ -166,7 +167,7 @@ def to_output(value: Any, want: Expect, sharding: Any = None) -> Any:
         if want.out == "numpy":
             return value
         data = put(value.data, _key_data_sharding(target_sharding, value.data.ndim))
-        return jax.random.wrap_key_data(data, impl=value.impl)
+        return jax.random.wrap_key_data(data, impl=canonical_impl(value.impl))
     if want.out == "jax":
         return put(value, target_sharding)
     if want.out == "numpy_scalar":
@@ -414,7 +415,7 @@ def restore_by_region(fs: FileSystem, manifest: Manifest, i: int, want: Expect, 
     if want.kind == "prng_key":
         data = jax.make_array_from_callback(shape, _key_data_sharding(sharding, len(shape)),
                                             read)
-        return jax.random.wrap_key_data(data, impl=e["impl"])
+        return jax.random.wrap_key_data(data, impl=canonical_impl(e["impl"]))
     return jax.make_array_from_callback(shape, sharding, read)
 
 

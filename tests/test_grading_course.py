@@ -123,3 +123,23 @@ def test_a_class_with_two_labs_and_a_missing_one_grades_as_a_course(tmp_path):
     page = (out / "class-summary.html").read_text()
     assert f"<h2>{LAB1}</h2>" in page and f"<h2>{FAKE}</h2>" in page
     assert Path(out / f"grades-{FAKE}.csv").read_text().count("missing") == 1
+
+
+def test_feedback_renders_the_labs_markdown_and_shows_no_hidden_test():
+    from autograder import feedback
+
+    md = ("## Task 1.3 — one item\n\n| task | points |\n|---|---|\n| 1.1 | 4 |\n\n"
+          "The state $S_t = (\\theta_t, m_t)$, and\n\n$$\\hat m_t = \\frac{m_t}{1-\\beta_1^t}$$\n")
+    result = {"student": "ann", "lab": LAB1, "status": "graded", "reason": "", "notes": [],
+              "scores": {"test_1_3_leaf": 0.0}, "messages": {"test_1_3_leaf": "LabCheckError: no"},
+              "points": {"test_1_3_leaf": 2.0}, "group_of": {"test_1_3_leaf": "1.3"},
+              "groups": {"1.3": 0.0}, "total": 0.0, "max_score": 2.0}
+    cells = [{"kind": "markdown", "role": "text", "grade_id": "", "show": md, "outputs": []},
+             {"kind": "code", "role": "test", "grade_id": "test_1_3_leaf",
+              "show": "check(True, 'visible part')",
+              "outputs": [{"output_type": "stream", "name": "stdout",
+                           "text": "secret_hidden_check_line(42) ran\n"}]}]
+    page = feedback.feedback_html(result, cells, {"1.3": 2.0}, {"secret_hidden_check_line(42)"})
+    assert "<h2>Task 1.3 — one item</h2>" in page and "<td>1.1</td>" in page
+    assert '<span class="math">' in page and '<div class="math">' in page and "MathJax" in page
+    assert "| task | points |" not in page and "secret_hidden_check_line" not in page
