@@ -19,12 +19,12 @@ A student's broken notebook is a grade (0 for what did not pass, and why), never
 the exit code is 2 only when grading itself failed for some submission.
 
 **With no argument** grade.sh grades a *tour* of autograder/examples/ (:func:`example_tour`):
-in every lab, each example whose name does not start with ``attack_`` or ``cheat_`` (perfect,
-partial, blank and the typical mistakes), and the few hostile examples that lab's examples
-module lists in ``TOUR`` (lab 1 lists one of each kind of attack; the other labs none), so
-that the hostile corpus is graded once, on one lab. ``-j`` defaults to the cores present. CI
-(tests/test_grading_hardening.py) grades the whole corpus: pass the folder,
-``grade.sh autograder/examples``, to do the same.
+in every lab the three examples every lab has, ``perfect``, ``partial`` (the typical mistakes)
+and ``blank``, and the few more its examples module lists in ``TOUR`` (lab 1 lists one of each
+kind of attack on the grader, so the hostile corpus is graded once, on one lab). Three per lab
+plus lab 1's eight keep the run of six labs, set-up included, within about ten minutes on a
+2-core laptop; ``-j`` defaults to the cores present. CI (tests/test_grading_hardening.py)
+grades the whole corpus: ``grade.sh autograder/examples`` does the same.
 
 **A course, not a lab.** The labs of a run are those named with ``--lab``, else every lab
 anyone handed in. A student who handed in some of them gets 0 for each other one, with the
@@ -71,6 +71,8 @@ ATTACK_PREFIX = "attack_"
 """Example submissions that attack the machine: never graded without a sandbox."""
 CSV_STATIC = ("total", "max_score", "status", "reason", "review", "isolation")
 HOSTILE_PREFIXES = ("attack_", "cheat_")
+TOUR_EVERY_LAB = ("perfect", "partial", "blank")
+"""The examples of every lab that grade.sh grades with no argument (see example_tour)."""
 MISSING = "missing"
 """The status of a lab a student did not hand in (0 points, not an error)."""
 
@@ -93,11 +95,11 @@ def default_jobs() -> int:
 
 
 def example_tour(labs: set[str]) -> set[tuple[str, str]]:
-    """The (student, lab) pairs grade.sh grades with no argument. The rule, per lab: every
-    example whose name does not start with ``attack_`` or ``cheat_`` (the honest ones: perfect,
-    partial, blank, the typical mistakes), and the hostile examples its examples module lists
-    in ``TOUR`` (a few, in one lab: the whole hostile corpus is for CI). Keeps the no-argument
-    run of six labs within minutes on a 2-core laptop."""
+    """The (student, lab) pairs grade.sh grades with no argument. The rule, per lab: the
+    examples :data:`TOUR_EVERY_LAB` (``perfect``, ``partial``, ``blank``: every lab has them),
+    and those its examples module lists in ``TOUR`` (a few: lab 1's attacks, one of each
+    kind; the whole corpus is for CI). So the no-argument run grows by three submissions a
+    lab, whatever else a lab brings."""
     from .make_examples import EXAMPLES, TOUR
 
     tour = set()
@@ -109,7 +111,7 @@ def example_tour(labs: set[str]) -> set[tuple[str, str]]:
         if unknown:
             raise SystemExit(f"grade: TOUR of {lab} names examples it does not have: "
                              f"{sorted(unknown)}")
-        tour |= {(s, lab) for s in examples if not s.startswith(HOSTILE_PREFIXES) or s in chosen}
+        tour |= {(s, lab) for s in examples if s in TOUR_EVERY_LAB or s in chosen}
     return tour
 
 

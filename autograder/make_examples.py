@@ -785,13 +785,15 @@ EXAMPLES: dict[str, dict[str, Edit]] = {
 }
 
 TOUR: dict[str, tuple[str, ...]] = {
-    "lab01_basics": ("cheat_forge_receipt", "cheat_kill_kernel", "cheat_wrapper_reference",
-                     "attack_fork_bomb", "attack_read_solutions"),
+    "lab01_basics": ("never_finishes", "cheat_forge_receipt", "cheat_kill_kernel",
+                     "cheat_wrapper_reference", "attack_fork_bomb", "attack_read_solutions"),
 }
-"""The hostile examples (``attack_*``, ``cheat_*``) that ``grade.sh`` with no argument grades
-besides every lab's honest ones (:func:`autograder.grade.example_tour`): one of each kind, in
-one lab. A lab's module may set its own ``TOUR``; keep it empty unless the lab brings a new
-kind of attack: CI grades the whole corpus, the tour must stay within minutes."""
+"""What ``grade.sh`` with no argument grades besides every lab's ``perfect``, ``partial`` and
+``blank`` (:func:`autograder.grade.example_tour`): in lab 1, one example of each kind of attack
+on the grader (a cell that never stops, a forged receipt, a killed kernel, the reference handed
+in, a fork bomb, reading the solutions). A lab's module may set its own ``TOUR`` (a tuple of
+its example names); keep it empty unless the lab brings a new kind of attack: every example
+costs 15-20 s, CI grades the whole corpus, and the tour of six labs must stay within minutes."""
 
 
 def _other_labs() -> None:
