@@ -100,7 +100,7 @@ def compare_leaf(path: str, e: Mapping[str, Any], want: Expect) -> list[Mismatch
         out = []
         if want.shape is not None and shape != want.shape:
             out.append(Mismatch(path, "shape", str(shape), str(want.shape)))
-        if want.impl is not None and dt != want.impl:
+        if want.impl is not None and canonical_impl(dt) != canonical_impl(want.impl):
             out.append(Mismatch(path, "key impl", dt, want.impl))
         return out
     # an array target
@@ -530,7 +530,7 @@ def _migrate_key(where: str, value: Any, leaf: Any, outs: list[Any]) -> list[Mis
     problems = []
     if want.shape is not None and value.shape != want.shape:
         problems.append(Mismatch(where, "shape", str(value.shape), str(want.shape)))
-    if want.impl is not None and value.impl != want.impl:
+    if want.impl is not None and canonical_impl(value.impl) != canonical_impl(want.impl):
         problems.append(Mismatch(where, "key impl", value.impl, want.impl))
     outs.append(leaf if problems else to_output(value, want))
     return problems

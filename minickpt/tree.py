@@ -253,7 +253,7 @@ class HostKey:
         return tuple(self.data.shape[: self.data.ndim - len(_impl_key_shape(self.impl))])
 
 
-KNOWN_IMPLS = ("threefry2x32", "rbg", "unsafe_rbg")
+KNOWN_IMPLS = ("threefry2x32", "rbg", "unsafe_rbg", "philox2x32", "philox4x32", "threefry4x32")
 
 
 @functools.lru_cache(maxsize=64)
@@ -267,9 +267,10 @@ def canonical_impl(impl: str) -> str:
         return impl
     except Exception:  # not a name this JAX accepts: perhaps another JAX's way to print it
         pass
-    for name in KNOWN_IMPLS:
+    for name in KNOWN_IMPLS:  # as key_impl prints it here, or its tag: the dtype "key<fry>"
         try:
-            if str(jax.random.key_impl(jax.random.key(0, impl=name))) == impl:
+            key = jax.random.key(0, impl=name)
+            if impl in (str(jax.random.key_impl(key)), str(key.dtype)[4:-1]):
                 return name
         except Exception:  # this JAX lacks that implementation
             continue
