@@ -751,8 +751,15 @@ jax.block_until_ready(items)
 orbax_dir = (WORK / "orbax" / f"step_{K}").absolute()  # Orbax wants an absolute path
 ocp_ckptr = ocp.StandardCheckpointer()
 t0 = time.perf_counter()
-ocp_ckptr.save(orbax_dir, items)
-ocp_ckptr.wait_until_finished()  # Orbax saves in the background; wait for the commit
+try:
+    ocp_ckptr.save(orbax_dir, items)
+except TypeError as e:  # older Orbax (0.5) cannot store a typed key: give it the raw data
+    print(f"this Orbax ({ocp.__version__}) refuses the typed key ({e}); saving key_data instead")
+    shutil.rmtree(orbax_dir, ignore_errors=True)
+    items["rng"] = jax.random.key_data(items["rng"])
+    ocp_ckptr.save(orbax_dir, items)
+if hasattr(ocp_ckptr, "wait_until_finished"):  # Orbax saves in the background: wait for it
+    ocp_ckptr.wait_until_finished()
 t_orbax = time.perf_counter() - t0
 
 mini_dir = WORK / "minickpt" / f"step_{K}"
