@@ -430,8 +430,9 @@ def _parser() -> argparse.ArgumentParser:
                                 epilog="grade.sh merge --help: combining the slices of a class")
     p.add_argument("submissions", nargs="?", default=None,
                    help="folder or .zip of <student>/<lab>/<lab>.ipynb (default: a tour of "
-                        "the examples of every lab in autograder/examples: the honest ones "
-                        "and a few hostile ones; pass autograder/examples for all of them)")
+                        "the examples in autograder/examples: perfect, partial and blank of "
+                        "every lab, and one of each kind of attack in lab 1; pass "
+                        "autograder/examples for all of them)")
     p.add_argument("--lab", action="append", help="grade only this lab (repeatable)")
     p.add_argument("--out", default="grading-out", help="results folder (default grading-out/)")
     p.add_argument("--source", default=str(ROOT / "solutions"),
