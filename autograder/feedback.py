@@ -32,13 +32,21 @@ def _e(text: Any) -> str:
     return html.escape(str(text), quote=True)
 
 
+MATHJAX = ("<script>MathJax={tex:{inlineMath:[['\\\\(','\\\\)']]}};</script><script async "
+           "src='https://cdn.jsdelivr.net/npm/mathjax@3/es5/tex-chtml.js'></script>")
+"""Typesets the lab's formulas when the page is opened online; offline they stay readable TeX."""
+
+
 def _markdown(text: str) -> str:
-    """The lab's own markdown (from the source, trusted: its HTML badge stays a badge). Student
-    markdown is never rendered."""
+    """The lab's own markdown as HTML: headings, tables, code, and the formulas (``$...$``,
+    ``$$...$$``) as MathJax spans. Only the lab's markdown, from the source (trusted: its HTML
+    badge stays a badge); student markdown is never rendered. mistune comes with nbconvert."""
     try:
         import mistune
 
-        return str(mistune.create_markdown(escape=False)(text))
+        render = mistune.create_markdown(escape=False,
+                                         plugins=["table", "math", "strikethrough"])
+        return str(render(text))
     except Exception:  # mistune missing or broken: plain text is fine
         return f"<pre>{_e(text)}</pre>"
 
@@ -125,9 +133,11 @@ def feedback_html(result: dict[str, Any], cells: list[dict[str, Any]],
         gid = f" · {c['grade_id']}" if c.get("grade_id") else ""
         body.append(f'<div class="cell"><div class="label">{_e(label)}{_e(gid)}</div>'
                     f'<pre>{_e(c["show"])}</pre>{_outputs(c["outputs"], secrets)}</div>')
+    page = "\n".join(body)
+    math = MATHJAX if 'class="math"' in page else ""
     return ("<!DOCTYPE html><html><head><meta charset='utf-8'>"
             f"<title>{_e(result['lab'])}: {_e(result['student'])}</title><style>{CSS}</style>"
-            "</head><body>" + "\n".join(body) + "</body></html>\n")
+            f"{math}</head><body>" + page + "</body></html>\n")
 
 
 # ---------------------------------------------------------------------------------------

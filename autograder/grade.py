@@ -1,6 +1,6 @@
 """Grade submitted labs, each in its own sandboxed kernel; run through ``bash autograder/grade.sh``.
 
-    grade.sh                              the example submissions in autograder/examples/
+    grade.sh                              a tour of the example submissions of every lab
     grade.sh SUBMISSIONS                  a folder (or .zip) of <student>/<lab>/<lab>.ipynb
     grade.sh ... -j 4                     four submissions at once
     grade.sh ... --shard 3/8              the third of eight slices of the class (a job array)
@@ -18,6 +18,20 @@ once; the results do not depend on N, nor on the order, nor on the slot.
 A student's broken notebook is a grade (0 for what did not pass, and why), never a crash:
 the exit code is 2 only when grading itself failed for some submission.
 
+**With no argument** grade.sh grades a *tour* of autograder/examples/ (:func:`example_tour`):
+in every lab the three examples every lab has, ``perfect``, ``partial`` (the typical mistakes)
+and ``blank``, and the few more its examples module lists in ``TOUR`` (lab 1 lists one of each
+kind of attack on the grader, so the hostile corpus is graded once, on one lab). Three per lab
+plus lab 1's eight keep the run of six labs, set-up included, within about ten minutes on a
+2-core laptop; ``-j`` defaults to the cores present. CI (tests/test_grading_hardening.py)
+grades the whole corpus: ``grade.sh autograder/examples`` does the same.
+
+**A course, not a lab.** The labs of a run are those named with ``--lab``, else every lab
+anyone handed in. A student who handed in some of them gets 0 for each other one, with the
+reason (``grades.csv``'s ``missing`` column, a ``missing`` row in ``grades-<lab>.csv``), never an
+error; the terminal shows one table per lab, then the course: every student's points per lab
+and in total.
+
 Outputs in ``--out``: ``grades.csv`` (one row per student, one column per lab, for an LMS),
 ``grades-<lab>.csv`` (per task and per test, status, reason, review flags, isolation),
 ``class-summary-<lab>.csv`` and ``class-summary.html`` (per task and per quiz question: who got
@@ -32,6 +46,7 @@ import argparse
 import csv
 import hashlib
 import json
+import os
 import re
 import shutil
 import sys
@@ -55,6 +70,49 @@ MARK = ".minickpt-grading"
 ATTACK_PREFIX = "attack_"
 """Example submissions that attack the machine: never graded without a sandbox."""
 CSV_STATIC = ("total", "max_score", "status", "reason", "review", "isolation")
+HOSTILE_PREFIXES = ("attack_", "cheat_")
+TOUR_EVERY_LAB = ("perfect", "partial", "blank")
+"""The examples of every lab that grade.sh grades with no argument (see example_tour)."""
+MISSING = "missing"
+"""The status of a lab a student did not hand in (0 points, not an error)."""
+
+
+def usable_cores() -> int:
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # pragma: no cover - not Linux
+        return os.cpu_count() or 1
+
+
+def default_jobs() -> int:
+    """``-j`` when none is given: a kernel per usable core (one kernel keeps about one core
+    busy), but no more than one per 2 GiB of memory."""
+    try:
+        memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError, AttributeError):  # pragma: no cover
+        memory = 1 << 40
+    return max(1, min(usable_cores(), memory // (2 << 30)))
+
+
+def example_tour(labs: set[str]) -> set[tuple[str, str]]:
+    """The (student, lab) pairs grade.sh grades with no argument. The rule, per lab: the
+    examples :data:`TOUR_EVERY_LAB` (``perfect``, ``partial``, ``blank``: every lab has them),
+    and those its examples module lists in ``TOUR`` (a few: lab 1's attacks, one of each
+    kind; the whole corpus is for CI). So the no-argument run grows by three submissions a
+    lab, whatever else a lab brings."""
+    from .make_examples import EXAMPLES, TOUR
+
+    tour = set()
+    for lab, examples in EXAMPLES.items():
+        if lab not in labs:
+            continue
+        chosen = set(TOUR.get(lab, ()))
+        unknown = chosen - set(examples)
+        if unknown:
+            raise SystemExit(f"grade: TOUR of {lab} names examples it does not have: "
+                             f"{sorted(unknown)}")
+        tour |= {(s, lab) for s in examples if s in TOUR_EVERY_LAB or s in chosen}
+    return tour
 
 
 # ---------------------------------------------------------------------------------------
@@ -164,19 +222,58 @@ def table(results: list[dict[str, Any]], labs: dict[str, LabInfo]) -> str:
         points = ["(points)", *[_fmt(info.groups[g]) for g in heads], _fmt(info.max_score), ""]
         body = [[r["student"], *[_fmt(r.get("groups", {}).get(g, 0.0)) for g in heads],
                  _fmt(r.get("total", 0.0)),
-                 r["status"] + (f": {r['reason']}" if r["reason"] else "")] for r in rows]
+                 r["status"] + (f": {r['reason']}" if r["reason"] else "")] for r in rows
+                if r["status"] != MISSING]
         width = [max(len(row[i]) for row in [header, points, *body]) for i in range(len(header))]
-        lines.append(f"{lab}: {len(rows)} submission(s)")
+        lines.append(f"{lab}: {len(body)} submission(s)")
         for row in [header, points, *body]:
             cells = [row[0].ljust(width[0])] + [c.rjust(width[i])
                                                 for i, c in enumerate(row[1:-1], 1)]
             lines.append("  ".join([*cells, row[-1]]).rstrip())
+        missing = [r["student"] for r in rows if r["status"] == MISSING]
+        if missing:
+            lines.append(f"  not handed in (0 points): {', '.join(missing)}")
         flagged = [r for r in rows if r.get("review")]
         if flagged:
             lines.append(f"  review: {len(flagged)} submission(s) hold code that can reach into "
-                         f"a test ({', '.join(r['student'] for r in flagged)}); see grades-{lab}.csv")
+                         f"a test or hand in minickpt's own function for a task "
+                         f"({', '.join(r['student'] for r in flagged)}); see grades-{lab}.csv")
         lines.append("")
     return "\n".join(lines)
+
+
+def course_table(results: list[dict[str, Any]], labs: dict[str, LabInfo]) -> str:
+    """The course: every student's points per lab and in all (what grades.csv holds)."""
+    students = sorted({r["student"] for r in results})
+    per = {(r["student"], r["lab"]): r for r in results}
+    header = ["student", *labs, "total"]
+    points = ["(points)", *[_fmt(i.max_score) for i in labs.values()],
+              _fmt(sum(i.max_score for i in labs.values()))]
+    body = []
+    for s in students:
+        got = [per[s, lab]["total"] if (s, lab) in per else 0.0 for lab in labs]
+        body.append([s, *[_fmt(g) if per.get((s, lab), {}).get("status") != MISSING else "-"
+                          for g, lab in zip(got, labs, strict=True)], _fmt(sum(got))])
+    width = [max(len(row[i]) for row in [header, points, *body]) for i in range(len(header))]
+    lines = [f"course: {len(students)} student(s), {len(labs)} lab(s) ('-': not handed in, 0)"]
+    for row in [header, points, *body]:
+        lines.append("  ".join([row[0].ljust(width[0])]
+                               + [c.rjust(width[i]) for i, c in enumerate(row[1:], 1)]).rstrip())
+    return "\n".join(lines) + "\n"
+
+
+def missing_results(results: list[dict[str, Any]], labs: dict[str, LabInfo]) -> list[dict[str, Any]]:
+    """A row for every lab of the run that a student who handed in another one did not: 0
+    points and the reason. Derived from the results, so a merge of slices derives the same."""
+    have = {(r["student"], r["lab"]) for r in results}
+    out = []
+    for student in sorted({r["student"] for r in results}):
+        for lab in labs:
+            if (student, lab) not in have:
+                out.append({"student": student, "lab": lab, "status": MISSING,
+                            "reason": f"no {student}/{lab}/{lab}.ipynb was handed in",
+                            "isolation": "", "ran_all_cells": False, "scores": {}})
+    return out
 
 
 def fresh_dir(path: Path) -> None:
@@ -217,6 +314,9 @@ def write_outputs(out: Path, results: list[dict[str, Any]], labs: dict[str, LabI
     (out / "logs").mkdir()
     results = sorted((_normalize(r, labs[r["lab"]]) for r in results),
                      key=lambda r: (r["lab"], r["student"]))
+    absent = [_normalize(r, labs[r["lab"]]) for r in missing_results(results, labs)]
+    for r in absent:
+        r["feedback"] = ""
     for r in results:
         src = files.get((r["lab"], r["student"]), {})
         dest = out / r["feedback"]
@@ -234,16 +334,19 @@ def write_outputs(out: Path, results: list[dict[str, Any]], labs: dict[str, LabI
     per_lab_rows = {}
     for lab, info in labs.items():
         rows = [r for r in results if r["lab"] == lab]
-        if not rows:
+        away = [r for r in absent if r["lab"] == lab]
+        if not rows and not away:
             continue
         with open(out / f"grades-{lab}.csv", "w", newline="") as f:
             w = csv.writer(f)
             w.writerow(["student", *info.groups, *info.cells, *CSV_STATIC])
-            for r in rows:
+            for r in sorted(rows + away, key=lambda r: r["student"]):
                 w.writerow([r["student"], *[_fmt(r["groups"][g]) for g in info.groups],
                             *[_fmt(r["scores"][g]) for g in info.cells], _fmt(r["total"]),
                             _fmt(info.max_score), r["status"], r["reason"],
                             "; ".join(r["review"]), r["isolation"]])
+        if not rows:  # nobody handed this lab in: no class summary to make
+            continue
         group_of = {gid: info.group(gid) for gid in info.cells}
         summary = feedback.class_summary(rows, info.cells, info.groups, group_of, info.questions)
         per_lab_rows[lab] = summary
@@ -258,17 +361,21 @@ def write_outputs(out: Path, results: list[dict[str, Any]], labs: dict[str, LabI
     students = sorted({r["student"] for r in results})
     with open(out / "grades.csv", "w", newline="") as f:
         w = csv.writer(f)
-        w.writerow(["student", *labs, "total", "max_score"])
+        w.writerow(["student", *labs, "total", "max_score", MISSING])
         for s in students:
             per = {r["lab"]: r["total"] for r in results if r["student"] == s}
             w.writerow([s, *[_fmt(per.get(lab, 0.0)) for lab in labs],
-                        _fmt(sum(per.values())), _fmt(sum(i.max_score for i in labs.values()))])
+                        _fmt(sum(per.values())), _fmt(sum(i.max_score for i in labs.values())),
+                        "; ".join(f"{r['lab']}: {r['reason']}" for r in absent
+                                  if r["student"] == s)])
     (out / "results.json").write_text(json.dumps(results, indent=1) + "\n")
     (out / "run.json").write_text(json.dumps({**meta, "labs": {k: v.as_dict()
                                                                 for k, v in labs.items()}},
                                              indent=1) + "\n")
     isolation = sorted({r["isolation"] for r in results if r["isolation"] != "sandbox"})
-    text = table(results, labs) + "\n".join(summaries)
+    text = table(results + absent, labs) + "\n".join(summaries)
+    if len(labs) > 1 or absent:
+        text += "\n" + course_table(results + absent, labs)
     if isolation:
         text += ("\n!! NOT FULLY ISOLATED: " + " | ".join(i for i in isolation if i) + "\n")
     (out / "summary.txt").write_text(text)
@@ -338,9 +445,11 @@ def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="autograder/grade.sh", description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter,
                                 epilog="grade.sh merge --help: combining the slices of a class")
-    p.add_argument("submissions", nargs="?", default=str(ROOT / "autograder" / "examples"),
-                   help="folder or .zip of <student>/<lab>/<lab>.ipynb "
-                        "(default: the examples in autograder/examples)")
+    p.add_argument("submissions", nargs="?", default=None,
+                   help="folder or .zip of <student>/<lab>/<lab>.ipynb (default: a tour of "
+                        "the examples in autograder/examples: perfect, partial and blank of "
+                        "every lab, and one of each kind of attack in lab 1; pass "
+                        "autograder/examples for all of them)")
     p.add_argument("--lab", action="append", help="grade only this lab (repeatable)")
     p.add_argument("--out", default="grading-out", help="results folder (default grading-out/)")
     p.add_argument("--source", default=str(ROOT / "solutions"),
@@ -349,8 +458,9 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--work", default=str(ROOT / ".grading"),
                    help="work folder: each submission's graded notebook (hidden tests "
                         "included), feedback and logs (default .grading/, emptied first)")
-    p.add_argument("-j", "--jobs", type=int, default=1,
-                   help="submissions graded at once (default 1; each takes about one core)")
+    p.add_argument("-j", "--jobs", type=int, default=None,
+                   help="submissions graded at once (default: one per usable core, at most one "
+                        "per 2 GiB of memory; each takes about one core)")
     p.add_argument("--shard", type=parse_shard, default=None, metavar="I/N",
                    help="grade only the I-th of N slices of the class (by student name); "
                         "combine the slices' --out folders with `grade.sh merge`")
@@ -394,12 +504,18 @@ def main(argv: list[str] | None = None) -> int:
             print(f"grade: no lab {sorted(unknown)} in {source}", file=sys.stderr)
             return 2
         known = set(a.lab)
+    if a.jobs is None:
+        a.jobs = default_jobs()
     if a.jobs < 1:
         print("grade: -j wants at least 1", file=sys.stderr)
         return 2
     fresh_dir(work)
     if out.exists() and any(out.iterdir()) and not (out / MARK).exists():
         fresh_dir(out)  # refuses now, before any grading, rather than at the end
+    tour = None
+    if a.submissions is None:
+        a.submissions = str(ROOT / "autograder" / "examples")
+        tour = example_tour(known)
     folder = Path(a.submissions).resolve()
     if folder.is_file() and zipfile.is_zipfile(folder):
         folder = unpack_zip(folder, work / "incoming")
@@ -407,6 +523,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"grade: {a.submissions} is neither a folder nor a zip file", file=sys.stderr)
         return 2
     subs, warnings = find_submissions(folder, known)
+    if tour is not None:
+        subs = [s for s in subs if (s.student, s.lab) in tour]
     if a.include_solutions:
         labs_seen = sorted({s.lab for s in subs} or known)
         subs += [Submission(REFERENCE_STUDENT, lab, source / lab / f"{lab}.ipynb")
@@ -417,7 +535,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"grade: no submissions <student>/<lab>/<lab>.ipynb for labs {sorted(known)} "
               f"in {a.submissions}", file=sys.stderr)
         return 2
-    labs = sorted({s.lab for s in subs})
+    labs = sorted({s.lab for s in subs} | set(a.lab or ()))  # the labs of this run
     infos = {lab: lab_info(source / lab / f"{lab}.ipynb", lab) for lab in labs}
     everyone = len(subs)
     if a.shard:

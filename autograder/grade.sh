@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Grade submitted labs. With no argument: the example submissions in autograder/examples/.
+# Grade submitted labs. With no argument: a tour of the example submissions of every lab (autograder/grade.py says which).
 #   bash autograder/grade.sh [SUBMISSIONS_DIR_OR_ZIP] [--lab LAB] [--out DIR] [--help]
 # Sets up .venv on first use (scripts/bootstrap.sh) and the sandbox (scripts/install-sandbox.sh). Exit code 2 only if grading itself failed.
 set -euo pipefail

@@ -863,6 +863,55 @@ def odd_source(release: Any, source: Any) -> Any:
     return nb
 
 
+WRAPPERS = {
+    "task_1_1": """from minickpt.tree import flatten_with_names as _flatten, unflatten_like as _unflatten
+
+
+def flatten_with_names(tree):
+    return _flatten(tree)
+
+
+def unflatten_like(target, values):
+    return _unflatten(target, values)
+""",
+    "task_1_2": """from minickpt.tree import to_host as _h
+
+
+def to_host(x, **k):
+    return _h(x, **k)
+""",
+    "task_1_3": """import minickpt.format as F
+
+_plan, _decode = F.plan_leaf, F.decode_leaf  # taken now: under plugged_in F.plan_leaf is mine
+
+
+def plan_leaf(names, host):
+    return _plan(names, host)
+
+
+def decode_leaf(entry, raw, **k):
+    return _decode(entry, raw, **k)
+""",
+    "task_1_4": """_mine = lab.reference("restore_checkpoint")
+
+
+def restore_checkpoint(*args, **kwargs):
+    return _mine(*args, **kwargs)
+""",
+}
+
+
+def cheat_wrapper_reference(release: Any, source: Any) -> Any:
+    """Every task cell is a one-line wrapper around minickpt's own function, reached under
+    another name (an import alias, a module attribute, ``lab.reference``); the quiz is right.
+    Every test passes (students may read minickpt): the points stay, and the review column
+    names each task whose reference was handed in."""
+    nb = perfect(release, source)
+    for gid, code in WRAPPERS.items():
+        _cell(nb, gid).source = code
+    return nb
+
+
 EXAMPLES: dict[str, dict[str, Edit]] = {
     "lab01_basics": {
         "perfect": perfect, "partial": partial, "blank": blank, "syntax_error": syntax_error,
@@ -882,8 +931,20 @@ EXAMPLES: dict[str, dict[str, Edit]] = {
         "cheat_duplicated": cheat_duplicated, "cheat_metadata": cheat_metadata,
         "cheat_patch_stdlib": cheat_patch_stdlib, "cheat_read_history": cheat_read_history,
         "attack_spinners": attack_spinners, "odd_source": odd_source,
+        "cheat_wrapper_reference": cheat_wrapper_reference,
     },
 }
+
+TOUR: dict[str, tuple[str, ...]] = {
+    "lab01_basics": ("never_finishes", "cheat_forge_receipt", "cheat_kill_kernel",
+                     "cheat_wrapper_reference", "attack_fork_bomb", "attack_read_solutions"),
+}
+"""What ``grade.sh`` with no argument grades besides every lab's ``perfect``, ``partial`` and
+``blank`` (:func:`autograder.grade.example_tour`): in lab 1, one example of each kind of attack
+on the grader (a cell that never stops, a forged receipt, a killed kernel, the reference handed
+in, a fork bomb, reading the solutions). A lab's module may set its own ``TOUR`` (a tuple of
+its example names); keep it empty unless the lab brings a new kind of attack: every example
+costs 15-20 s, CI grades the whole corpus, and the tour of six labs must stay within minutes."""
 
 
 def _other_labs() -> None:
@@ -891,7 +952,9 @@ def _other_labs() -> None:
     from . import lab_examples
 
     for info in sorted(pkgutil.iter_modules(lab_examples.__path__), key=lambda m: m.name):
-        EXAMPLES[info.name] = importlib.import_module(f"{lab_examples.__name__}.{info.name}").EXAMPLES
+        mod = importlib.import_module(f"{lab_examples.__name__}.{info.name}")
+        EXAMPLES[info.name] = mod.EXAMPLES
+        TOUR[info.name] = tuple(getattr(mod, "TOUR", ()))
 
 
 _other_labs()

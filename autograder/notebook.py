@@ -749,3 +749,114 @@ def grade_cells(asm: Assembled, executed: list[list[dict[str, Any]]],
         g.score = g.points
         grades.append(g)
     return grades
+
+
+# ---------------------------------------------------------------------------------------
+# the reference handed in as one's own
+# ---------------------------------------------------------------------------------------
+TASK_CELL_RE = re.compile(r"^task_(\d+)_(\d+)$")
+
+
+def task_functions(lab: Lab) -> dict[str, str]:
+    """The functions each task cell of the lab's source defines: name -> task ID (``"1.2"``).
+    These are the names of minickpt's reference functions (the build writes the cells from
+    them), found from the lab itself, so every lab gets the check."""
+    found: dict[str, str] = {}
+    for c in lab.cells:
+        m = TASK_CELL_RE.match(c.grade_id)
+        if c.role != "solution" or not m:
+            continue
+        try:
+            tree = ast.parse(c.source)
+        except SyntaxError:
+            continue
+        for node in tree.body:
+            if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef):
+                found[node.name] = f"{m.group(1)}.{m.group(2)}"
+    return found
+
+
+def _minickpt_names(tree: ast.AST) -> set[str]:
+    """Names an import binds to minickpt or a part of it (``mc``, ``lab``, ``T``...)."""
+    names: set[str] = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            for a in node.names:
+                if a.name.split(".")[0] == "minickpt":
+                    names.add(a.asname or "minickpt")
+        elif isinstance(node, ast.ImportFrom) and (node.module or "").split(".")[0] == "minickpt":
+            names.update(a.asname or a.name for a in node.names)
+    return names
+
+
+def reference_use(cells: list[tuple[str, str]], lab: Lab) -> list[str]:
+    """Where the student's code reaches for minickpt's own version of one of this lab's task
+    functions, one line each, naming the task: ``from minickpt.tree import to_host as _h``, an
+    attribute ``mc.tree.to_host`` or ``lab.reference("to_host")`` inside the task's own cell, or
+    a name bound to one of them anywhere. A one-line wrapper around the reference passes every
+    test (students may read minickpt); an instructor should see who handed it in as their own.
+    Advisory, like :func:`scan`. Using *another* task's reference inside a task cell (calling
+    the library, as the lab's own reference code may) is not flagged."""
+    tasks = task_functions(lab)
+    if not tasks:
+        return []
+    parsed: list[tuple[str, ast.AST]] = []
+    for where, source in cells:
+        try:
+            parsed.append((where, ast.parse(source)))
+        except SyntaxError:
+            continue
+    bases = set().union(*(_minickpt_names(ast.parse(c.source)) for c in lab.cells
+                          if c.role == "setup" and c.kind == "code"),
+                        *(_minickpt_names(t) for _, t in parsed))
+    found: set[str] = set()
+
+    def note(name: str, where: str, detail: str) -> None:
+        m = TASK_CELL_RE.match(where)
+        if m and f"{m.group(1)}.{m.group(2)}" != tasks[name]:
+            return  # another task's cell calling the library
+        found.add(f"minickpt's reference {name} (task {tasks[name]}) in {where}: {detail}")
+
+    for where, tree in parsed:
+        own_cell = bool(TASK_CELL_RE.match(where))
+        for node in ast.walk(tree):
+            if isinstance(node, ast.ImportFrom) and \
+                    (node.module or "").split(".")[0] == "minickpt":
+                for a in node.names:
+                    if a.name in tasks:
+                        note(a.name, where, f"from {node.module} import {a.name}"
+                             + (f" as {a.asname}" if a.asname else ""))
+            elif isinstance(node, ast.Attribute) and node.attr in tasks and \
+                    _base_name(node.value) in bases and isinstance(node.ctx, ast.Load):
+                if own_cell or _is_bound(tree, node):
+                    note(node.attr, where, _dotted(node))
+            elif isinstance(node, ast.Call) and node.args:
+                fn = node.func
+                called = fn.attr if isinstance(fn, ast.Attribute) else \
+                    fn.id if isinstance(fn, ast.Name) else ""
+                text = _literal_text(node.args[0])
+                if called == "reference" and text in tasks:
+                    note(text, where, _dotted(node))
+                elif called == "getattr" and len(node.args) >= 2 and \
+                        _base_name(node.args[0]) in bases:
+                    text = _literal_text(node.args[1])
+                    if text in tasks:
+                        note(text, where, _dotted(node))
+    return sorted(found)
+
+
+def _is_bound(tree: ast.AST, attr: ast.Attribute) -> bool:
+    """Whether ``attr`` is kept for later: the value of an assignment or a default argument
+    (``_h = mc.to_host``, ``def f(x, _h=mc.to_host)``), not a plain call in passing."""
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Assign | ast.AnnAssign | ast.NamedExpr) and \
+                node.value is attr:
+            return True
+        if isinstance(node, ast.arguments) and any(d is attr for d in
+                                                   [*node.defaults, *node.kw_defaults]):
+            return True
+        if isinstance(node, ast.Lambda | ast.FunctionDef | ast.AsyncFunctionDef):
+            body = node.body if isinstance(node.body, list) else [node.body]
+            if any(isinstance(b, ast.Return) and b.value is attr for b in body):
+                return True
+    return False

@@ -41,6 +41,7 @@ from .notebook import (
     hidden_lines_of,
     load_lab,
     read_submission,
+    reference_use,
     scan,
     strip_receipts,
     task_of,
@@ -220,7 +221,8 @@ def _run(job: Job, cfg: dict[str, Any], lab: Lab, student: list[Any], iso: sandb
     result["ran_all_cells"] = not report.not_run and not report.fate
     mine = [(c.grade_id or f"your cell {k}", c.show) for k, c in enumerate(asm.cells)
             if c.role == "student" and c.show.strip()]  # what the student wrote, not what ran
-    result["review"] = sorted(set(result["review"]) | set(scan(mine)))
+    result["review"] = sorted(set(result["review"]) | set(scan(mine))
+                              | set(reference_use(mine, lab)))
     if report.strays_killed:
         result["killed_processes"] = report.strays_killed
     _finish(root, result, lab, asm, executed, t0)

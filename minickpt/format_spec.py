@@ -106,8 +106,11 @@ def key_data_shape(impl: str) -> tuple[int, ...] | None:
         import jax
 
         try:
+            from .tree import canonical_impl
+
+            name = canonical_impl(impl)  # JAX 0.4.30 wrote "fry" for threefry2x32
             _KEY_SHAPES[impl] = tuple(jax.eval_shape(
-                lambda: jax.random.key_data(jax.random.key(0, impl=impl))).shape)
+                lambda: jax.random.key_data(jax.random.key(0, impl=name))).shape)
         except (ValueError, TypeError, KeyError):
             _KEY_SHAPES[impl] = None
     return _KEY_SHAPES[impl]

@@ -23,6 +23,7 @@ from .fs import FileSystem
 from .tree import (
     HostKey,
     Names,
+    canonical_impl,
     flatten_with_names,
     from_skeleton,
     is_prng_key,
@@ -106,7 +107,7 @@ def compare_leaf(path: str, e: Mapping[str, Any], want: Expect) -> list[Mismatch
         out = []
         if want.shape is not None and shape != want.shape:
             out.append(Mismatch(path, "shape", str(shape), str(want.shape)))
-        if want.impl is not None and dt != want.impl:
+        if want.impl is not None and canonical_impl(dt) != canonical_impl(want.impl):
             out.append(Mismatch(path, "key impl", dt, want.impl))
         return out
     # an array target
@@ -173,7 +174,7 @@ def to_output(value: Any, want: Expect, sharding: Any = None) -> Any:
         if want.out == "numpy":
             return value
         data = put(value.data, _key_data_sharding(target_sharding, value.data.ndim))
-        return jax.random.wrap_key_data(data, impl=value.impl)
+        return jax.random.wrap_key_data(data, impl=canonical_impl(value.impl))
     if want.out == "jax":
         return put(value, target_sharding)
     if want.out == "numpy_scalar":
@@ -443,7 +444,7 @@ def restore_by_region(fs: FileSystem, manifest: Manifest, i: int, want: Expect, 
     if want.kind == "prng_key":
         data = jax.make_array_from_callback(shape, _key_data_sharding(sharding, len(shape)),
                                             read)
-        return jax.random.wrap_key_data(data, impl=e["impl"])
+        return jax.random.wrap_key_data(data, impl=canonical_impl(e["impl"]))
     return jax.make_array_from_callback(shape, sharding, read)
 
 
@@ -567,7 +568,7 @@ def _migrate_key(where: str, value: Any, leaf: Any, outs: list[Any]) -> list[Mis
     problems = []
     if want.shape is not None and value.shape != want.shape:
         problems.append(Mismatch(where, "shape", str(value.shape), str(want.shape)))
-    if want.impl is not None and value.impl != want.impl:
+    if want.impl is not None and canonical_impl(value.impl) != canonical_impl(want.impl):
         problems.append(Mismatch(where, "key impl", value.impl, want.impl))
     outs.append(leaf if problems else to_output(value, want))
     return problems

@@ -230,8 +230,9 @@ def test_grading_itself_succeeds(corpus):
 
 @GRADING
 def test_every_example_grades_as_expected(corpus):
-    """expected-<lab>.csv, written by hand: per task, total, status. For the hostile examples: the
-    hostile part gains nothing, the honest parts keep their points."""
+    """expected-<lab>.csv, written by hand: per task, total, status, and optionally ``review``
+    (``;``-separated texts, each of which some review flag must contain). For the hostile
+    examples: the hostile part gains nothing, the honest parts keep their points."""
     expected = []
     for path in sorted(EXAMPLES_DIR.glob("expected-*.csv")):  # one file per lab
         with open(path) as f:
@@ -246,9 +247,12 @@ def test_every_example_grades_as_expected(corpus):
             continue
         r = _result(corpus, e["student"], e["lab"])
         got = {g: f"{v:g}" for g, v in r["groups"].items()}
-        want = {k: v for k, v in e.items() if k not in ("lab", "student", "total", "status")}
+        want = {k: v for k, v in e.items()
+                if k not in ("lab", "student", "total", "status", "review")}
         assert (got, f"{r['total']:g}", r["status"]) == (want, e["total"], e["status"]), \
             f"{e['student']}: {r['messages']} {r['reason']}"
+        for flag in filter(None, (e.get("review") or "").split(";")):  # optional column:
+            assert any(flag in f for f in r["review"]), (e["student"], flag, r["review"])
         row = r"\s+".join([e["student"], *want.values(), e["total"], e["status"]])
         assert re.search(rf"^{row}\b", corpus["proc"].stdout, re.M), \
             f"the printed table lacks the row of {e['student']}"
@@ -414,7 +418,9 @@ def test_one_at_a_time_in_two_shards_gives_the_same_grades_as_two_at_a_time(corp
     subset = [r for r in corpus_rows if r["student"] in SLICE]
     assert json.loads((merged / "results.json").read_text()) == subset
     again = tmp / "rewritten"
-    write_outputs(again, subset, {"lab01_basics": _info()}, {}, {})
+    labs = {name: LabInfo(name, d["cells"], d.get("fingerprint", ""), d.get("questions", {}))
+            for name, d in json.loads((merged / "run.json").read_text())["labs"].items()}
+    write_outputs(again, subset, labs, {}, {})
     for name in ("class-summary-lab01_basics.csv", "grades.csv"):
         assert (merged / name).read_bytes() == (again / name).read_bytes(), name
     for student in SLICE:
@@ -548,6 +554,38 @@ def test_the_scan_flags_reaching_into_the_kernel_but_not_ordinary_code():
                      "sys.modules in task_1_3", "the text '__closure__' in task_1_4",
                      "the text '__referee__' in task_1_3", "vars in task_1_3"]
     assert scan([("setup", 'import sys\nif "google.colab" in sys.modules:\n    pass')]) == []
+
+
+
+def test_handing_in_the_reference_is_flagged_naming_the_task():
+    """A one-line wrapper around minickpt's own function passes every test; the review column
+    must name the task, however the reference was reached, in every lab; calling the library
+    in passing, or another task's function inside a task, is not flagged."""
+    from autograder.notebook import reference_use, task_functions
+
+    for lab_name in LAB_NAMES:  # every lab's reference notebook is clean
+        lab = load_lab(SOLUTIONS / lab_name / f"{lab_name}.ipynb")
+        assert task_functions(lab), lab_name
+        mine = [(c.grade_id, c.source) for c in lab.cells if c.role == "solution"]
+        assert reference_use(mine, lab) == [], lab_name
+    lab = load_lab(SOLUTIONS / "lab01_basics" / "lab01_basics.ipynb")
+    flags = reference_use([
+        ("task_1_2", "from minickpt.tree import to_host as _h\n"
+                     "def to_host(x, **k):\n    return _h(x, **k)"),
+        ("task_1_1", "def flatten_with_names(t):\n    return mc.tree.flatten_with_names(t)\n"
+                     "def unflatten_like(t, v, _f=mc.unflatten_like):\n    return _f(t, v)"),
+        ("your cell 3", "_p = lab.reference('plan_leaf')\nprint(mc.to_host(1))\n"
+                        "import minickpt.legacy as L\n_r = L.restore_checkpoint"),
+        ("task_1_3", "def decode_leaf(e, r, **k):\n"
+                     "    return getattr(mc, 'decode_' + 'leaf')(e, r, **k)"),
+        ("task_1_4", "def restore_checkpoint(*a, **k):\n    x = mc.to_host(1)\n"
+                     "    return _r(*a, **k)")], lab)
+    text = " | ".join(flags)
+    for task, where in (("1.1", "task_1_1"), ("1.2", "task_1_2"), ("1.3", "task_1_3"),
+                        ("1.3", "your cell 3"), ("1.4", "your cell 3")):
+        assert f"(task {task}) in {where}" in text, (task, where, flags)
+    assert "to_host (task 1.2) in your cell 3" not in text  # a call in passing
+    assert "in task_1_4" not in text  # another task's function, used inside task 1.4
 
 
 FORGE = '''

@@ -8,6 +8,7 @@ import pytest
 from minickpt.errors import UnsupportedLeafError
 from minickpt.tree import (
     HostKey,
+    canonical_impl,
     flatten_with_names,
     from_skeleton,
     nest,
@@ -74,7 +75,7 @@ def test_to_host_keeps_dtypes_and_copies_on_request():
     c = to_host(x, copy=True)
     assert c.flags.owndata and c.flags.writeable
     k = to_host(jax.random.key(1))
-    assert isinstance(k, HostKey) and k.impl == "threefry2x32" and k.data.dtype == np.uint32
+    assert isinstance(k, HostKey) and canonical_impl(k.impl) == "threefry2x32" and k.data.dtype == np.uint32
     assert to_host(3) == 3 and to_host("s") == "s" and to_host(None) is None
     assert isinstance(to_host(np.float64(2.0)), np.ndarray)
     with pytest.raises(UnsupportedLeafError, match="pickle"):
@@ -84,3 +85,14 @@ def test_to_host_keeps_dtypes_and_copies_on_request():
 def test_nest_is_the_inverse_of_flattening():
     tree = {"a": {"b": 1, "c": {"d": 2}}, "e": 3}
     assert nest(flatten_with_names(tree)) == tree
+
+
+def test_a_key_impl_as_any_jax_printed_it_restores():
+    """JAX 0.4.30 prints threefry's impl as its tag 'fry', newer JAX as 'threefry2x32'; a
+    checkpoint holds what ``str(jax.random.key_impl(key))`` gave, and must restore under both."""
+    assert canonical_impl("threefry2x32") == "threefry2x32"
+    assert canonical_impl("fry") == "threefry2x32"
+    assert canonical_impl("rbg") == "rbg"
+    assert canonical_impl("no_such_impl") == "no_such_impl"
+    here = str(jax.random.key_impl(jax.random.key(0)))
+    assert canonical_impl(here) == "threefry2x32"
