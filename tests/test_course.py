@@ -289,12 +289,11 @@ def _errors_in_a_plain_kernel(path: Path, cwd: Path) -> list[tuple[str, str, str
 @pytest.mark.timeout(600)
 @pytest.mark.parametrize("lab", LAB_NAMES)
 def test_labs_run_in_a_plain_kernel_as_students_run_them(lab, tmp_path):
-    """What a student sees in Jupyter, without the grader: the solution runs with no error;
-    the released lab fails only where a task is still to do (NotImplementedError naming it)
-    or a check says so (LabCheckError), never with a broken cell of the lab's own."""
-    (tmp_path / "solution").mkdir()
+    """What a student sees in Jupyter, without the grader: the released lab fails only where
+    a task is still to do (NotImplementedError naming it) or a check says so (LabCheckError),
+    never with a broken cell of the lab's own. (The solution notebook is executed once, by
+    the graded corpus, as the student ``reference``: it must score full marks there.)"""
     (tmp_path / "release").mkdir()
-    assert _errors_in_a_plain_kernel(SOLUTIONS / lab / f"{lab}.ipynb", tmp_path / "solution") == []
     errors = _errors_in_a_plain_kernel(LABS / lab / f"{lab}.ipynb", tmp_path / "release")
     assert errors, "the released lab passed its tests with nothing written"
     odd = [e for e in errors if e[1] not in ("NotImplementedError", "LabCheckError")]
