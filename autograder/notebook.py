@@ -804,8 +804,8 @@ def reference_use(cells: list[tuple[str, str]], lab: Lab) -> list[str]:
     for where, source in cells:
         try:
             parsed.append((where, ast.parse(source)))
-        except SyntaxError:
-            continue
+        except (SyntaxError, ValueError, RecursionError, MemoryError):
+            continue  # unparsable: scan() flags it ("cannot be scanned"), the kernel says why
     bases = set().union(*(_minickpt_names(ast.parse(c.source)) for c in lab.cells
                           if c.role == "setup" and c.kind == "code"),
                         *(_minickpt_names(t) for _, t in parsed))

@@ -56,6 +56,7 @@ from .item_encode import (
     ItemData,
     ItemPlan,
     ItemWriteResult,
+    _as_bytes,
     decode_value,
     encode_value,
     manifest_bytes,

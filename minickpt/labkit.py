@@ -1443,12 +1443,18 @@ def simulate_waste(interval: float, save_cost: float, mtbf: float, *, segments: 
 def simulate_lost_per_failure(interval: float, save_cost: float, mtbf: float, *,
                               n: int = 200_000, seed: int = 0) -> float:
     """Monte-Carlo mean of the time a failure throws away (work since the segment began, save
-    included), for failures drawn exponentially and kept when they fall inside a segment."""
+    included), for failures drawn exponentially and conditioned to fall inside a segment.
+
+    Drawn from the conditioned distribution itself (inverse CDF of the truncated exponential),
+    not by rejection: with a segment much shorter than the MTBF, rejection keeps a handful of
+    the ``n`` draws and the mean is noise."""
     rng = np.random.default_rng(seed)
-    t = rng.exponential(mtbf, size=n)
     seg = float(interval) + float(save_cost)
-    t = t[t < seg]
-    return float(t.mean()) if t.size else seg / 2
+    if seg <= 0:
+        return 0.0
+    u = rng.random(n)
+    t = -mtbf * np.log1p(-u * -np.expm1(-seg / mtbf))
+    return float(t.mean())
 
 
 def simulate_p_fail(p: float, total: float, interval: float, *, runs: int = 200_000,

@@ -42,6 +42,7 @@ from autograder.notebook import (
     grade_cells,
     load_lab,
     read_submission,
+    reference_use,
     scan,
     split_hidden,
 )
@@ -963,6 +964,7 @@ def test_odd_source_is_a_grade_with_a_reason(tmp_path):
     assert any("lone surrogates" in n for n in asm.notes)
     mine = [(c.grade_id, c.run) for c in asm.cells if c.role == "student"]
     assert "cannot be scanned (RecursionError): read quiz_q1 yourself" in scan(mine)
+    assert reference_use(mine, lab) == []  # the same cell through the reference check
     executed = [[{"output_type": "stream", "name": "stdout", "text": "odd \ud800 output\n"}]
                 if c.kind == "code" else [] for c in asm.cells]
     result = {"student": "odd", "lab": lab.name, "status": "graded", "reason": "",
