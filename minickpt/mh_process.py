@@ -159,6 +159,19 @@ def initialize(*, initialization_timeout_s: int | None = None,
     return True
 
 
+def _jaxlib_module() -> Any:
+    """jaxlib's compiled module, where JAX finds its gloo factory: ``_jax`` in newer JAX,
+    ``xla_extension`` before it was renamed; None if neither is there."""
+    try:
+        from jax._src.lib import _jax
+    except ImportError:
+        try:
+            from jax._src.lib import xla_extension as _jax
+        except ImportError:
+            return None
+    return _jax
+
+
 def _gloo_on_loopback() -> None:
     """Have gloo's TCP transport (the CPU collectives) use 127.0.0.1, not this machine's
     hostname: a job on one machine then listens on the loopback only, and needs no hostname
@@ -167,9 +180,8 @@ def _gloo_on_loopback() -> None:
     JAX creates the collectives without arguments; this wraps its factory (private, like
     :class:`_Coordination`) to give it the hostname.
     """
-    try:
-        from jax._src.lib import _jax
-    except ImportError:  # pragma: no cover - depends on the JAX version
+    _jax = _jaxlib_module()
+    if _jax is None:  # pragma: no cover - depends on the JAX version
         return
     make = getattr(_jax, "make_gloo_tcp_collectives", None)
     if make is None or getattr(make, "minickpt_loopback", False):

@@ -290,7 +290,8 @@ class HostKey:
 
     def to_jax(self, device: Any = None) -> jax.Array:
         """The typed key array again (on ``device``, a device or sharding, if given)."""
-        return jax.random.wrap_key_data(jax.device_put(self.data, device), impl=self.impl)
+        return jax.random.wrap_key_data(jax.device_put(self.data, device),
+                                        impl=canonical_impl(self.impl))
 
     @property
     def shape(self) -> tuple[int, ...]:

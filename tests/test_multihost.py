@@ -939,10 +939,9 @@ def test_a_peer_lost_during_an_async_save_in_flight_at_exit_does_not_hang_the_ex
 
 def test_gloo_collectives_of_a_localhost_job_are_made_on_the_loopback(monkeypatch):
     """A sandbox's hostname does not resolve; gloo then fails unless it is given 127.0.0.1."""
-    from jax._src.lib import _jax
-
     from minickpt import mh_process
 
+    _jax = mh_process._jaxlib_module()
     calls = []
     monkeypatch.setattr(_jax, "make_gloo_tcp_collectives", lambda **kw: calls.append(kw),
                         raising=False)

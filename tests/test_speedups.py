@@ -221,8 +221,22 @@ def test_put_many_places_each_array_where_asked():
 def _alike(fast, ref):
     assert type(fast) is type(ref)
     assert fast.aval == ref.aval and fast.dtype == ref.dtype and fast.weak_type == ref.weak_type
-    assert fast.sharding == ref.sharding and fast.committed == ref.committed
+    assert fast.sharding == ref.sharding and _committed(fast) == _committed(ref)
     assert np.array_equal(np.asarray(fast), np.asarray(ref))
+
+
+def _committed(x):
+    """Array.committed, public in newer JAX (``_committed`` before)."""
+    return getattr(x, "committed", getattr(x, "_committed", None))
+
+
+def _enable_x64():
+    """jax.enable_x64(True) in newer JAX, jax.experimental.enable_x64() before it."""
+    if hasattr(jax, "enable_x64"):
+        return jax.enable_x64(True)
+    from jax.experimental import enable_x64
+
+    return enable_x64()
 
 
 @pytest.mark.parametrize("device", [0, -1])
@@ -265,7 +279,7 @@ def test_put_many_follows_x64_as_it_changes():
     after the first placement made (and remembered) an aval for that shape."""
     sharding = jax.sharding.SingleDeviceSharding(jax.devices()[0])
     arrays = [np.ones(3), np.ones(3)]
-    with jax.enable_x64(True):
+    with _enable_x64():
         for a, o in zip(arrays, put_many(arrays, [sharding] * 2), strict=True):
             _alike(o, jax.device_put(a, sharding))
             assert o.dtype == np.float64

@@ -96,3 +96,14 @@ def test_a_key_impl_as_any_jax_printed_it_restores():
     assert canonical_impl("no_such_impl") == "no_such_impl"
     here = str(jax.random.key_impl(jax.random.key(0)))
     assert canonical_impl(here) == "threefry2x32"
+
+
+def test_a_host_key_written_under_another_jax_becomes_a_key_again():
+    """JAX 0.4.30 names threefry2x32 "fry" in what it writes; newer JAX accepts only names:
+    a HostKey carrying either spelling makes the same key, under either JAX."""
+    key = jax.random.key(7)
+    data = np.asarray(jax.random.key_data(key))
+    for spelling in ("fry", "threefry2x32", str(jax.random.key_impl(key))):
+        back = HostKey(data, spelling).to_jax()
+        assert jax.random.key_impl(back) == jax.random.key_impl(key), spelling
+        assert np.array_equal(jax.random.key_data(back), data), spelling
