@@ -190,7 +190,8 @@ def _run(job: Job, cfg: dict[str, Any], lab: Lab, student: list[Any], iso: sandb
                            interrupt_grace=int(cfg["grace"]), reap_uid=reap,
                            deadline=t0 + int(cfg["wall"]), on_ready=lock_ipc,
                            after_first_cell=drop_key)
-    env = None if iso.sandboxed else {**os.environ, "IPYTHONDIR": str(root / "scratch" / ".ipython"),
+    env = None if iso.sandboxed else {**sandbox.without_shared_caches(dict(os.environ)),
+                                      "IPYTHONDIR": str(root / "scratch" / ".ipython"),
                                       "TMPDIR": str(root / "scratch" / "tmp")}
     started = False
     with open(root / "kernel.log", "wb") as klog:

@@ -342,9 +342,24 @@ def kernel_command(iso: Isolation, argv: list[str], *, uid: int, cwd: str, ipc_d
     return a + list(argv)
 
 
-def kernel_env() -> dict[str, str]:
-    """The grader's environment variables that the kernel keeps (JAX/XLA/accelerator ones)."""
-    return {k: v for k, v in os.environ.items() if k.startswith(PASS_ENV_PREFIXES)}
+SHARED_CACHE_ENV = ("JAX_COMPILATION_CACHE_DIR", "JAX_PERSISTENT_CACHE_")
+"""JAX's persistent compilation cache: a folder every process that has it set reads compiled
+programs from and writes them to. The test suite shares one (scripts/test.sh); a submission
+must never get it: what one submission wrote there, the next one's tests (and their fresh
+subprocesses) would load and run as their own compiled code."""
+
+
+def kernel_env(environ: dict[str, str] | None = None) -> dict[str, str]:
+    """The grader's environment variables that the kernel keeps (JAX/XLA/accelerator ones),
+    without a shared compilation cache."""
+    environ = os.environ if environ is None else environ
+    return {k: v for k, v in environ.items()
+            if k.startswith(PASS_ENV_PREFIXES) and not k.startswith(SHARED_CACHE_ENV)}
+
+
+def without_shared_caches(environ: dict[str, str]) -> dict[str, str]:
+    """``environ`` less the compilation cache's variables (an unsandboxed kernel's env)."""
+    return {k: v for k, v in environ.items() if not k.startswith(SHARED_CACHE_ENV)}
 
 
 # ---------------------------------------------------------------------------------------
