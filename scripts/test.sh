@@ -4,6 +4,7 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/bootstrap.sh
 bash scripts/install-sandbox.sh   # bubblewrap, to grade the hostile examples in isolation
+bash scripts/install-browser.sh   # chromium + chromedriver, to open the built site (tests/test_site.py)
 export JAX_PLATFORMS="${JAX_PLATFORMS:-cpu}" PYTHONHASHSEED=0
 if [ "$(id -u)" = 0 ]; then         # CI runs as root: the sandbox must work, not be skipped
   export MINICKPT_REQUIRE_SANDBOX="${MINICKPT_REQUIRE_SANDBOX:-1}"
