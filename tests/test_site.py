@@ -21,6 +21,7 @@ import threading
 import time
 import types
 from collections.abc import Iterator
+from html import unescape
 from pathlib import Path
 from urllib.parse import urldefrag, urljoin, urlparse
 
@@ -127,6 +128,12 @@ def _secrets(lab: str) -> set[str]:
     return {line for line in out if line not in prose}
 
 
+def _text(html: str) -> str:
+    """What a page shows as text (tags dropped, entities decoded: ``&quot;`` is ``"``)."""
+    html = re.sub(r"<(script|style)\b.*?</\1>", "", html, flags=re.S | re.I)
+    return unescape(re.sub(r"<[^>]+>", "", html))
+
+
 def _owner(rel: str) -> str:
     """Which chapter or lab a built file belongs to (``""``: the site's own pages)."""
     name = Path(rel).name
@@ -146,8 +153,7 @@ def test_no_page_or_download_shows_a_solution_or_a_hidden_test(built):
     for p in built.rglob("*"):
         if p.is_file() and p.suffix in (".html", ".ipynb", ".py", ".txt", ".md"):
             rel, raw = p.relative_to(built).as_posix(), p.read_text(errors="replace")
-            texts[rel] = BeautifulSoup(raw, "html.parser").get_text() \
-                if p.suffix == ".html" else raw
+            texts[rel] = _text(raw) if p.suffix == ".html" else raw
     assert any(_owner(rel) == LAB_NAMES[0] for rel in texts), "no lab page found to check"
     for lab in LAB_NAMES:
         secrets = _secrets(lab)
@@ -228,13 +234,16 @@ def _browser() -> Iterator[object]:
 
 MATHJAX_DONE = """
 const done = arguments[arguments.length - 1];
-if (!document.querySelector('.math')) { done('no math'); return; }
 const wait = (n) => {
-  if (window.MathJax && MathJax.startup && MathJax.startup.promise) {
+  if (document.readyState !== 'complete') {
+    if (n > 0) { setTimeout(() => wait(n - 1), 100); } else { done('page not loaded'); }
+  } else if (!document.querySelector('script[src*="mathjax"]')) {
+    done('no MathJax on the page');
+  } else if (window.MathJax && MathJax.startup && MathJax.startup.promise) {
     MathJax.startup.promise.then(() => done('typeset'), (e) => done('error: ' + e));
-  } else if (n > 0) { setTimeout(() => wait(n - 1), 100); } else { done('no MathJax'); }
+  } else if (n > 0) { setTimeout(() => wait(n - 1), 100); } else { done('MathJax did not start'); }
 };
-wait(200);
+wait(300);
 """
 
 PAGE_FACTS = """
@@ -302,12 +311,16 @@ def test_every_page_in_headless_chromium(built):
                                         f"{href.removeprefix(base)}")
             if rel in ("index.html", f"chapters/{CHAPTER_STEMS[0]}.html"):
                 SHOTS.mkdir(parents=True, exist_ok=True)
-                name = "index.png" if rel == "index.html" else f"{CHAPTER_STEMS[0]}.png"
-                assert driver.save_screenshot(str(SHOTS / name)), f"no screenshot of {rel}"
+                name = Path(rel).stem
+                assert driver.save_screenshot(str(SHOTS / f"{name}.png")), f"no shot of {rel}"
+                if rel != "index.html":  # and the chapter at its first figure
+                    driver.execute_script("document.querySelector('.cell_output img')"
+                                          ".scrollIntoView({block: 'center'});")
+                    assert driver.save_screenshot(str(SHOTS / f"{name}-figure.png"))
     seconds = time.perf_counter() - t0
     print(f"\nbrowser: {len(pages)} pages, {checked_links} internal links, {images} images, "
           f"math on {math_pages} pages, {seconds:.1f} s; screenshots in {SHOTS}", file=sys.stderr)
     assert not problems, "the site in a browser:\n" + "\n".join(problems[:40])
     assert math_pages >= len(CHAPTER_STEMS), "the chapters' math should be on the site"
-    for name in ("index.png", f"{CHAPTER_STEMS[0]}.png"):
+    for name in ("index.png", f"{CHAPTER_STEMS[0]}.png", f"{CHAPTER_STEMS[0]}-figure.png"):
         assert (SHOTS / name).stat().st_size > 10_000, f"{name}: an empty screenshot?"
