@@ -243,7 +243,7 @@ const wait = (n) => {
     MathJax.startup.promise.then(() => done('typeset'), (e) => done('error: ' + e));
   } else if (n > 0) { setTimeout(() => wait(n - 1), 100); } else { done('MathJax did not start'); }
 };
-wait(300);
+wait(100);  // 10 s for MathJax to start; typesetting itself is bounded by the script timeout
 """
 
 PAGE_FACTS = """
@@ -267,16 +267,18 @@ def _ids(html: str) -> set[str]:
     return set(re.findall(r'\bid="([^"]+)"', html))
 
 
-@pytest.mark.timeout(1500)
-def test_every_page_in_headless_chromium(built):
-    pages = _pages(built)
+def _browse(out: Path, pages: list[Path], shoot: tuple[str, ...] = ()) -> tuple[list[str], str]:
+    """Open every page of ``out`` in headless Chromium, served from localhost. Returns the
+    problems found (one sentence each) and a line of what was checked. ``shoot``: pages (paths
+    relative to ``out``) to take a screenshot of, into ``SHOTS``; a chapter also at its first
+    figure."""
     problems: list[str] = []
     checked_links, math_pages, images = 0, 0, 0
     ids_cache: dict[Path, set[str]] = {}
     t0 = time.perf_counter()
-    with _serve(built) as base, _browser() as driver:
+    with _serve(out) as base, _browser() as driver:
         for page in pages:
-            rel = page.relative_to(built).as_posix()
+            rel = page.relative_to(out).as_posix()
             driver.get(urljoin(base, rel))
             state = driver.execute_async_script(MATHJAX_DONE)
             facts = driver.execute_script(PAGE_FACTS)
@@ -297,7 +299,7 @@ def test_every_page_in_headless_chromium(built):
                 if not href.startswith(base):
                     continue  # Colab, the repository: outside this site
                 url, fragment = urldefrag(href)
-                target = built / urlparse(url).path.removeprefix("/")
+                target = out / urlparse(url).path.removeprefix("/")
                 if target.is_dir():
                     target = target / "index.html"
                 checked_links += 1
@@ -309,18 +311,48 @@ def test_every_page_in_headless_chromium(built):
                     if fragment not in ids_cache[target]:
                         problems.append(f"{rel}: link to a missing anchor "
                                         f"{href.removeprefix(base)}")
-            if rel in ("index.html", f"chapters/{CHAPTER_STEMS[0]}.html"):
+            if rel in shoot:
                 SHOTS.mkdir(parents=True, exist_ok=True)
                 name = Path(rel).stem
                 assert driver.save_screenshot(str(SHOTS / f"{name}.png")), f"no shot of {rel}"
-                if rel != "index.html":  # and the chapter at its first figure
+                if rel.startswith("chapters/"):  # and the chapter at its first figure
                     driver.execute_script("document.querySelector('.cell_output img')"
                                           ".scrollIntoView({block: 'center'});")
                     assert driver.save_screenshot(str(SHOTS / f"{name}-figure.png"))
-    seconds = time.perf_counter() - t0
-    print(f"\nbrowser: {len(pages)} pages, {checked_links} internal links, {images} images, "
-          f"math on {math_pages} pages, {seconds:.1f} s; screenshots in {SHOTS}", file=sys.stderr)
+    summary = (f"browser: {len(pages)} pages, {checked_links} internal links, {images} images, "
+               f"math on {math_pages} pages, {time.perf_counter() - t0:.1f} s")
+    return problems, summary
+
+
+@pytest.mark.timeout(1500)
+def test_every_page_in_headless_chromium(built):
+    first = f"chapters/{CHAPTER_STEMS[0]}.html"
+    problems, summary = _browse(built, _pages(built), shoot=("index.html", first))
+    print(f"\n{summary}; screenshots in {SHOTS}", file=sys.stderr)
     assert not problems, "the site in a browser:\n" + "\n".join(problems[:40])
+    math_pages = int(re.search(r"math on (\d+) pages", summary).group(1))
     assert math_pages >= len(CHAPTER_STEMS), "the chapters' math should be on the site"
     for name in ("index.png", f"{CHAPTER_STEMS[0]}.png", f"{CHAPTER_STEMS[0]}-figure.png"):
         assert (SHOTS / name).stat().st_size > 10_000, f"{name}: an empty screenshot?"
+
+
+@pytest.mark.timeout(300)
+def test_the_browser_check_finds_each_kind_of_problem(tmp_path):
+    """Without building anything: a page with one of each problem the check looks for."""
+    (tmp_path / "other.html").write_text('<html><body><p id="here">x</p></body></html>')
+    (tmp_path / "index.html").write_text("""<html><head>
+<script src="_static/mathjax/tex-chtml.js"></script></head><body>
+<img src="missing.png" alt="a figure that is not there">
+<a href="nowhere.html">gone</a> <a href="other.html#here">fine</a> <a href="other.html#nope">x</a>
+<a href="https://colab.research.google.com/">outside: not followed</a>
+<span class="math notranslate nohighlight">\\(x^2\\)</span>
+<div class="cell_output docutils container"><div class="output traceback highlight-ipythontb">
+<pre>Traceback (most recent call last): ValueError</pre></div></div>
+</body></html>""")
+    problems, _ = _browse(tmp_path, [tmp_path / "index.html"])
+    text = "\n".join(problems)
+    for expected in ("broken images", "broken link to nowhere.html", "missing anchor other.html#nope",
+                     "MathJax did not run", "unrendered math", "error cell or a traceback",
+                     "Failed to load resource"):
+        assert expected in text, f"the check missed {expected!r}; it found:\n{text}"
+    assert "#here" not in text and "colab" not in text
