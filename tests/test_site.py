@@ -234,6 +234,7 @@ def _browser() -> Iterator[object]:
 
 MATHJAX_DONE = """
 const done = arguments[arguments.length - 1];
+const ticks = arguments[0];  // of 100 ms: how long MathJax may take to start
 const wait = (n) => {
   if (document.readyState !== 'complete') {
     if (n > 0) { setTimeout(() => wait(n - 1), 100); } else { done('page not loaded'); }
@@ -243,7 +244,7 @@ const wait = (n) => {
     MathJax.startup.promise.then(() => done('typeset'), (e) => done('error: ' + e));
   } else if (n > 0) { setTimeout(() => wait(n - 1), 100); } else { done('MathJax did not start'); }
 };
-wait(100);  // 10 s for MathJax to start; typesetting itself is bounded by the script timeout
+wait(ticks);  // typesetting itself is bounded by the script timeout
 """
 
 PAGE_FACTS = """
@@ -267,7 +268,8 @@ def _ids(html: str) -> set[str]:
     return set(re.findall(r'\bid="([^"]+)"', html))
 
 
-def _browse(out: Path, pages: list[Path], shoot: tuple[str, ...] = ()) -> tuple[list[str], str]:
+def _browse(out: Path, pages: list[Path], shoot: tuple[str, ...] = (),
+            mathjax_start_s: float = 10.0) -> tuple[list[str], str]:
     """Open every page of ``out`` in headless Chromium, served from localhost. Returns the
     problems found (one sentence each) and a line of what was checked. ``shoot``: pages (paths
     relative to ``out``) to take a screenshot of, into ``SHOTS``; a chapter also at its first
@@ -280,7 +282,7 @@ def _browse(out: Path, pages: list[Path], shoot: tuple[str, ...] = ()) -> tuple[
         for page in pages:
             rel = page.relative_to(out).as_posix()
             driver.get(urljoin(base, rel))
-            state = driver.execute_async_script(MATHJAX_DONE)
+            state = driver.execute_async_script(MATHJAX_DONE, int(mathjax_start_s * 10))
             facts = driver.execute_script(PAGE_FACTS)
             if facts["math"] and state != "typeset":
                 problems.append(f"{rel}: math on the page but MathJax did not run ({state})")
@@ -349,7 +351,7 @@ def test_the_browser_check_finds_each_kind_of_problem(tmp_path):
 <div class="cell_output docutils container"><div class="output traceback highlight-ipythontb">
 <pre>Traceback (most recent call last): ValueError</pre></div></div>
 </body></html>""")
-    problems, _ = _browse(tmp_path, [tmp_path / "index.html"])
+    problems, _ = _browse(tmp_path, [tmp_path / "index.html"], mathjax_start_s=1)
     text = "\n".join(problems)
     for expected in ("broken images", "broken link to nowhere.html", "missing anchor other.html#nope",
                      "MathJax did not run", "unrendered math", "error cell or a traceback",
