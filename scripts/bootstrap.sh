@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Make .venv hold exactly what constraints.txt pins (the course and dev extras), once.
+# Make .venv hold exactly what constraints.txt pins (the course, dev and site extras), once.
 # Re-runs are instant: a stamp records the hash of pyproject.toml + constraints.txt.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -24,5 +24,5 @@ echo "bootstrap: installing the course environment into .venv (first run: a few 
 "$PY" -m venv .venv
 .venv/bin/python -m pip install -q --disable-pip-version-check --upgrade "pip>=24"
 .venv/bin/python -m pip install -q --disable-pip-version-check -c constraints.txt \
-  -e ".[course,dev]"
+  -e ".[course,dev,site]"
 echo "$want" > "$stamp"

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import importlib.util
 import os
-import re
 import shutil
 import sys
 import time
@@ -14,18 +13,13 @@ from pathlib import Path
 
 import nbformat
 import pytest
-from nbclient import NotebookClient
-from nbclient.exceptions import CellExecutionError, CellTimeoutError, DeadKernelError
 
 ROOT = Path(__file__).resolve().parent.parent
 CHAPTERS = sorted((ROOT / "chapters").glob("*.ipynb"))
-ANSI = re.compile(r"\x1b\[[0-9;]*m")  # colours in IPython tracebacks
-CELL_TIMEOUT_S = 180  # JAX compiles on first use; no single cell should come near this
 
 
-def _load_tool() -> types.ModuleType:
-    spec = importlib.util.spec_from_file_location("course_notebooks",
-                                                  ROOT / "scripts" / "notebooks.py")
+def _load_tool(name: str, file: str) -> types.ModuleType:
+    spec = importlib.util.spec_from_file_location(name, ROOT / "scripts" / file)
     assert spec is not None and spec.loader is not None
     mod = importlib.util.module_from_spec(spec)
     sys.modules[spec.name] = mod  # dataclasses look their module up while it loads
@@ -33,7 +27,10 @@ def _load_tool() -> types.ModuleType:
     return mod
 
 
-tool = _load_tool()
+tool = _load_tool("course_notebooks", "notebooks.py")
+# One execution per chapter per commit, shared with the site build (scripts/site.py).
+chapter_cache = _load_tool("course_chapter_cache", "chapter_cache.py")
+run_notebook = chapter_cache.run_notebook
 
 
 # ---------------------------------------------------------------------------------------
@@ -144,29 +141,6 @@ def test_setup_cell_installs_the_course_package_only_on_colab(monkeypatch):
 # ---------------------------------------------------------------------------------------
 # every chapter runs top to bottom
 # ---------------------------------------------------------------------------------------
-def run_notebook(nb: nbformat.NotebookNode, cwd: Path, name: str) -> str | None:
-    """Execute ``nb`` in place, top to bottom, in a fresh ``python3`` kernel (this venv's).
-
-    Returns None, or a message naming the first cell that failed and its error. The kernel gets
-    no device flags from this test process: the notebook's own set-up cell must provide them,
-    exactly as for a reader.
-    """
-    client = NotebookClient(nb, timeout=CELL_TIMEOUT_S, kernel_name="python3",
-                            resources={"metadata": {"path": str(cwd)}})
-    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
-    with client.setup_kernel(env=env):
-        for index, cell in enumerate(nb.cells):
-            if cell.cell_type != "code":
-                continue
-            try:
-                client.execute_cell(cell, index)
-            except (CellExecutionError, CellTimeoutError, DeadKernelError) as e:
-                first = cell.source.strip().splitlines()[0] if cell.source.strip() else ""
-                return (f"{name}: cell {index + 1} (id {cell.get('id')}, starting {first!r}) "
-                        f"failed:\n{ANSI.sub('', str(e))}")
-    return None
-
-
 @pytest.mark.timeout(120)
 def test_a_failing_cell_is_named(tmp_path):
     nb = nbformat.v4.new_notebook(cells=[nbformat.v4.new_markdown_cell("# A"),
@@ -183,13 +157,15 @@ def test_a_failing_cell_is_named(tmp_path):
 @pytest.mark.slow
 @pytest.mark.timeout(420)
 @pytest.mark.parametrize("path", CHAPTERS, ids=[p.stem for p in CHAPTERS])
-def test_chapter_runs_top_to_bottom(path, tmp_path, record_property):
-    nb = nbformat.read(path, as_version=4)
-    t0 = time.perf_counter()
-    failure = run_notebook(nb, tmp_path, str(path.relative_to(ROOT)))
-    if failure:
-        pytest.fail(failure, pytrace=False)
-    record_property("seconds", round(time.perf_counter() - t0, 1))
+def test_chapter_runs_top_to_bottom(path, record_property):
+    # Executed once per commit (scripts/chapter_cache.py), in a fresh folder, and shared with
+    # the site build: whichever of the two asks first executes, the other waits and reads.
+    run = chapter_cache.execute(path)
+    if run.failure:
+        pytest.fail(run.failure, pytrace=False)
+    record_property("seconds", run.seconds)
+    record_property("cached", run.cached)
+    nb = run.notebook
 
     outputs = [o for c in nb.cells if c.cell_type == "code" for o in c.outputs]
     assert any("image/png" in o.get("data", {}) for o in outputs), \
@@ -197,3 +173,64 @@ def test_chapter_runs_top_to_bottom(path, tmp_path, record_property):
     text = "".join(o.get("text", "") for o in outputs)
     assert "4 CPU device(s)" in text or "GPU" in text or "TPU" in text, \
         "the set-up cell should have given JAX several CPU devices on this machine"
+
+
+# ---------------------------------------------------------------------------------------
+# the shared execution: once per commit, whoever asks first
+# ---------------------------------------------------------------------------------------
+def _cache_repo(tmp_path: Path, code: str) -> tuple[Path, Path]:
+    root = tmp_path / "repo"
+    (root / "chapters").mkdir(parents=True)
+    (root / "minickpt").mkdir()
+    (root / "minickpt" / "__init__.py").write_text("VERSION = 1\n")
+    (root / "pyproject.toml").write_text("[project]\nname = 'x'\n")
+    nb = nbformat.v4.new_notebook(cells=[nbformat.v4.new_markdown_cell("# A"),
+                                         nbformat.v4.new_code_cell(code)])
+    path = root / "chapters" / "01_tiny.ipynb"
+    nbformat.write(nb, path)
+    return root, path
+
+
+@pytest.mark.timeout(240)
+def test_a_chapter_executes_once_per_commit_and_a_second_reader_waits_for_it(tmp_path):
+    import threading
+
+    root, path = _cache_repo(tmp_path, "import time\ntime.sleep(1)\nprint('ran', 6 * 7)")
+    folder = tmp_path / "cache"
+    runs: list = []
+
+    def ask() -> None:
+        runs.append(chapter_cache.execute(path, root=root, folder=folder))
+
+    workers = [threading.Thread(target=ask) for _ in range(2)]
+    for w in workers:
+        w.start()
+    for w in workers:
+        w.join(timeout=200)
+    assert len(runs) == 2 and all(r.failure is None for r in runs), runs
+    assert sorted(r.cached for r in runs) == [False, True], \
+        "two readers at once must execute the chapter once: one executes, the other waits"
+    assert "ran 42" in runs[0].notebook.cells[1].outputs[0]["text"]
+    assert runs[0].path == runs[1].path and runs[0].path.parent == folder
+
+    # while another process executes it, a reader that will not wait is told so
+    with chapter_cache._locked(folder / "01_tiny.lock", wait=True):
+        assert chapter_cache.execute(path, root=root, folder=folder, wait=False) is None
+
+    # a change to the library is a new commit: executed again, the old copy dropped
+    old = runs[0].path
+    (root / "minickpt" / "__init__.py").write_text("VERSION = 2\n")
+    again = chapter_cache.execute(path, root=root, folder=folder)
+    assert not again.cached and again.key != runs[0].key and not old.exists()
+
+
+@pytest.mark.timeout(240)
+def test_a_failed_chapter_is_cached_as_the_message_naming_its_cell(tmp_path):
+    root, path = _cache_repo(tmp_path, "x = 1\nraise ValueError('chapter broke')")
+    folder = tmp_path / "cache"
+    first = chapter_cache.execute(path, root=root, folder=folder)
+    assert first.failure and not first.cached and first.notebook is None
+    assert "chapters/01_tiny.ipynb: cell 2" in first.failure and "chapter broke" in first.failure
+    second = chapter_cache.execute(path, root=root, folder=folder)
+    assert second.cached and second.failure.startswith(first.failure)
+    assert "delete it to execute" in second.failure
