@@ -784,11 +784,11 @@ def carry_out():
 '''
 
 
-def cheat_read_history(release: Any, source: Any) -> Any:
+def cheat_read_history(release: Any, source: Any, base: Edit = perfect) -> Any:
     """Right answers; a cell after the first task installs a hook and an audit hook, and a
     cell at the end reads IPython's input history, the hooks' catch and ``Out``, and prints
     it all compressed and base64-encoded: nothing of a hidden test may be in it."""
-    nb = perfect(release, source)
+    nb = base(release, source)
     _insert_after(nb, _first(nb, "task_"), READ_HISTORY)
     _insert_after(nb, nb.cells[-1], "carry_out()")
     return nb
@@ -836,11 +836,11 @@ print(f"spinners: {len(_mine)} got {_cpu(_mine) - _c0:.2f} CPU-seconds in "
 """
 
 
-def attack_spinners(release: Any, source: Any) -> Any:
+def attack_spinners(release: Any, source: Any, base: Edit = perfect) -> Any:
     """Right answers; a cell after the first task starts 8 spinning children that left its
     session (double fork + setsid) and measures the CPU they get: bounded by the slot's
     cgroup, and every one of them killed after the cell."""
-    nb = perfect(release, source)
+    nb = base(release, source)
     _insert_after(nb, _first(nb, "task_"), SPINNERS)
     return nb
 
@@ -849,18 +849,48 @@ DEEP = 3000
 """Terms of odd_source's string concatenation: nested too deep for Python's parser."""
 
 
-def odd_source(release: Any, source: Any) -> Any:
+def odd_source(release: Any, source: Any, base: Edit = perfect) -> Any:
     """Right answers, but the first quiz answer is a 3000-term string concatenation (Python's
     parser gives up: RecursionError, in the kernel and in the grader's scan) and the first
     task cell holds a lone surrogate character (valid JSON, not text): graded, with reasons;
     the first question scores 0, the rest full marks."""
-    nb = perfect(release, source)
+    nb = base(release, source)
     quiz = _first(nb, "quiz_")
-    name, _, value = quiz.source.partition("=")
-    quiz.source = f"{name.strip()} = " + " + ".join(['""'] * DEEP) + f" + ({value.strip()})"
+    name, _, value = quiz.source.partition("=")  # the value on a line of its own: a blank
+    quiz.source = (f"{name.strip()} = " + " + ".join(['""'] * DEEP)  # lab's ends in a comment
+                   + f" + ({value.strip()}\n)")
     task = _first(nb, "task_")
     task.source += "\n# a lone surrogate: \ud800"
     return nb
+
+
+def blank_read_history(release: Any, source: Any) -> Any:
+    """``cheat_read_history`` on the blank lab: the history holds every test cell the grader
+    sent whether the tests pass or not, so right answers prove nothing more and cost a full
+    grading (labs 2-6: 0 points, nothing hidden in what it printed, the audit hook refused)."""
+    return cheat_read_history(release, source, base=blank)
+
+
+def blank_spinners(release: Any, source: Any) -> Any:
+    """``attack_spinners`` on the blank lab: the spinners burn their slot's share of the
+    cores while the neighbour grades, whatever this submission scores; lab 1's full-marks one
+    shows that its own grade survives them too (labs 2-6: 0 points, the CPU bounded)."""
+    return attack_spinners(release, source, base=blank)
+
+
+def blank_odd_source(release: Any, source: Any) -> Any:
+    """``odd_source`` on the blank lab: what the class asks is a grade with reasons instead of
+    exit 2, which needs no right answer (labs 2-6: 0 points, every cell run, the surrogate
+    noted, the scan's RecursionError in the review column)."""
+    return odd_source(release, source, base=blank)
+
+
+ISSUE_20: dict[str, Edit] = {
+    "cheat_patch_stdlib": cheat_patch_stdlib, "cheat_read_history": blank_read_history,
+    "attack_spinners": blank_spinners, "odd_source": blank_odd_source,
+}
+"""Issue 20's classes for labs 2-6 (each lab's module adds them to its EXAMPLES): all on the
+blank lab, so that each costs a blank's grading (a few seconds) rather than a full one."""
 
 
 WRAPPERS = {
