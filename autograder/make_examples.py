@@ -864,11 +864,22 @@ def odd_source(release: Any, source: Any, base: Edit = perfect) -> Any:
     return nb
 
 
+def first_task(release: Any, source: Any) -> Any:
+    """The blank lab with only the first task's reference code (a base for the cheap examples
+    below): its tests pass, and only a passing test's receipt carries what the referee put
+    back before it (a failing test's report is never read)."""
+    nb = blank(release, source)
+    _first(nb, "task_").source = _first(perfect(release, source), "task_").source
+    return nb
+
+
 def blank_read_history(release: Any, source: Any) -> Any:
-    """``cheat_read_history`` on the blank lab: the history holds every test cell the grader
-    sent whether the tests pass or not, so right answers prove nothing more and cost a full
-    grading (labs 2-6: 0 points, nothing hidden in what it printed, the audit hook refused)."""
-    return cheat_read_history(release, source, base=blank)
+    """``cheat_read_history`` on the blank lab but for its first task: the history holds every
+    test cell the grader sent whether the tests pass or not, so right answers everywhere would
+    prove nothing more and cost a full grading; the first task is right because the refusal
+    of the audit hook is reported in the receipt of the test right after it (labs 2-6: the
+    first task's points only, nothing hidden in what it printed, the audit hook refused)."""
+    return cheat_read_history(release, source, base=first_task)
 
 
 def blank_spinners(release: Any, source: Any) -> Any:
@@ -889,8 +900,10 @@ ISSUE_20: dict[str, Edit] = {
     "cheat_patch_stdlib": cheat_patch_stdlib, "cheat_read_history": blank_read_history,
     "attack_spinners": blank_spinners, "odd_source": blank_odd_source,
 }
-"""Issue 20's classes for labs 2-6 (each lab's module adds them to its EXAMPLES): all on the
-blank lab, so that each costs a blank's grading (a few seconds) rather than a full one."""
+"""Issue 20's classes for labs 2-6 (each lab's module adds them to its EXAMPLES): on the blank
+lab (``cheat_read_history``: but for the first task), so that each costs about a blank's
+grading rather than a full one; lab 1's (on ``perfect``) show that right answers keep their
+points beside each class."""
 
 
 WRAPPERS = {
