@@ -750,11 +750,11 @@ numpy.array_equal = numpy._core.numeric.array_equal
 """
 
 
-def cheat_patch_stdlib(release: Any, source: Any) -> Any:
+def cheat_patch_stdlib(release: Any, source: Any, base: Edit = blank) -> Any:
     """The blank lab, and a cell after the first task that patches the standard library
     (``contextlib._GeneratorContextManager.__exit__`` swallows every error, by attribute and
     by code object) and numpy's ``array_equal``: nothing may pass that did not."""
-    nb = copy.deepcopy(release)
+    nb = base(release, source)
     _insert_after(nb, _first(nb, "task_"), PATCH_STDLIB)
     return nb
 
@@ -865,45 +865,39 @@ def odd_source(release: Any, source: Any, base: Edit = perfect) -> Any:
 
 
 def first_task(release: Any, source: Any) -> Any:
-    """The blank lab with only the first task's reference code (a base for the cheap examples
-    below): its tests pass, and only a passing test's receipt carries what the referee put
-    back before it (a failing test's report is never read)."""
+    """The blank lab with only the first task's reference code (``attack_issue_20``'s base):
+    its tests pass, and only a passing test's receipt carries what the referee put back
+    before it (a failing test's report is never read)."""
     nb = blank(release, source)
     _first(nb, "task_").source = _first(perfect(release, source), "task_").source
     return nb
 
 
-def blank_read_history(release: Any, source: Any) -> Any:
-    """``cheat_read_history`` on the blank lab but for its first task: the history holds every
-    test cell the grader sent whether the tests pass or not, so right answers everywhere would
-    prove nothing more and cost a full grading; the first task is right because the refusal
-    of the audit hook is reported in the receipt of the test right after it (labs 2-6: the
-    first task's points only, nothing hidden in what it printed, the audit hook refused)."""
-    return cheat_read_history(release, source, base=first_task)
+def attack_issue_20(release: Any, source: Any) -> Any:
+    """Issue 20's four classes in one submission, for labs 2-6 (lab 1 has one example of each,
+    on ``perfect``: right answers keep their points beside each). Each class is lab-independent
+    grader code and needs no right answer, and every example costs a grading of the whole lab
+    (a blank's about half a full one's), so one per lab does it: the first task right (only a
+    passing test's receipt reports what the referee put back: the refused audit hook), then,
+    after it, the history hooks, the standard library patched, 8 spinners burning the slot's
+    share while the neighbour grades, the odd source (a 3000-term first quiz answer, a lone
+    surrogate), and the history carried out at the end. Expected: the first task's points, the
+    rest 0, every cell run, each class flagged."""
+    def odd(r: Any, s: Any) -> Any:
+        return odd_source(r, s, base=first_task)
+
+    def spinning(r: Any, s: Any) -> Any:
+        return attack_spinners(r, s, base=odd)
+
+    def patched(r: Any, s: Any) -> Any:
+        return cheat_patch_stdlib(r, s, base=spinning)
+
+    return cheat_read_history(release, source, base=patched)  # its hooks first: they see all
 
 
-def blank_spinners(release: Any, source: Any) -> Any:
-    """``attack_spinners`` on the blank lab: the spinners burn their slot's share of the
-    cores while the neighbour grades, whatever this submission scores; lab 1's full-marks one
-    shows that its own grade survives them too (labs 2-6: 0 points, the CPU bounded)."""
-    return attack_spinners(release, source, base=blank)
-
-
-def blank_odd_source(release: Any, source: Any) -> Any:
-    """``odd_source`` on the blank lab: what the class asks is a grade with reasons instead of
-    exit 2, which needs no right answer (labs 2-6: 0 points, every cell run, the surrogate
-    noted, the scan's RecursionError in the review column)."""
-    return odd_source(release, source, base=blank)
-
-
-ISSUE_20: dict[str, Edit] = {
-    "cheat_patch_stdlib": cheat_patch_stdlib, "cheat_read_history": blank_read_history,
-    "attack_spinners": blank_spinners, "odd_source": blank_odd_source,
-}
-"""Issue 20's classes for labs 2-6 (each lab's module adds them to its EXAMPLES): on the blank
-lab (``cheat_read_history``: but for the first task), so that each costs about a blank's
-grading rather than a full one; lab 1's (on ``perfect``) show that right answers keep their
-points beside each class."""
+ISSUE_20: dict[str, Edit] = {"attack_issue_20": attack_issue_20}
+"""Issue 20's classes for labs 2-6 (each lab's module adds them to its EXAMPLES); an
+``attack_`` example: graded only in the sandbox (its spinners really spin)."""
 
 
 WRAPPERS = {

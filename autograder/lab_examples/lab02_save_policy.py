@@ -80,5 +80,5 @@ EXAMPLES: dict[str, Edit] = {
     "keeps_oldest": keeps_oldest,
     "commit_without_fsync": commit_without_fsync,
     "cleanup_too_greedy": cleanup_too_greedy,
-    **ISSUE_20,  # issue 20's classes, on the blank lab (cheap: see make_examples)
+    **ISSUE_20,  # issue 20's four classes in one submission (cheap: see make_examples)
 }

@@ -67,5 +67,5 @@ EXAMPLES: dict[str, Edit] = {
     "perfect": perfect, "blank": blank, "partial": partial,
     "falls_back_on_io_error": falls_back_on_io_error, "resumes_at_t_ckpt": resumes_at_t_ckpt,
     "migrates_params_only": migrates_params_only,
-    **ISSUE_20,  # issue 20's classes, on the blank lab (cheap: see make_examples)
+    **ISSUE_20,  # issue 20's four classes in one submission (cheap: see make_examples)
 }

@@ -93,5 +93,5 @@ EXAMPLES: dict[str, Edit] = {
     "every_replica_writes": every_replica_writes,
     "commit_before_barrier": commit_before_barrier,
     "assumes_saving_mesh": assumes_saving_mesh,
-    **ISSUE_20,  # issue 20's classes, on the blank lab (cheap: see make_examples)
+    **ISSUE_20,  # issue 20's four classes in one submission (cheap: see make_examples)
 }

@@ -77,5 +77,5 @@ EXAMPLES: dict[str, Edit] = {
     "perfect": perfect, "blank": blank, "partial": partial, "shares_memory": shares_memory,
     "swallows_errors": swallows_errors, "two_in_flight": two_in_flight,
     "wall_time_overlap": wall_time_overlap,
-    **ISSUE_20,  # issue 20's classes, on the blank lab (cheap: see make_examples)
+    **ISSUE_20,  # issue 20's four classes in one submission (cheap: see make_examples)
 }

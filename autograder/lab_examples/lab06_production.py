@@ -116,5 +116,5 @@ EXAMPLES = {
     "saves_in_handler": saves_in_handler,
     "recover_at_restore": recover_at_restore,
     "loads_every_checkpoint": loads_every_checkpoint,
-    **ISSUE_20,  # issue 20's classes, on the blank lab (cheap: see make_examples)
+    **ISSUE_20,  # issue 20's four classes in one submission (cheap: see make_examples)
 }
