@@ -750,11 +750,11 @@ numpy.array_equal = numpy._core.numeric.array_equal
 """
 
 
-def cheat_patch_stdlib(release: Any, source: Any) -> Any:
+def cheat_patch_stdlib(release: Any, source: Any, base: Edit = blank) -> Any:
     """The blank lab, and a cell after the first task that patches the standard library
     (``contextlib._GeneratorContextManager.__exit__`` swallows every error, by attribute and
     by code object) and numpy's ``array_equal``: nothing may pass that did not."""
-    nb = copy.deepcopy(release)
+    nb = base(release, source)
     _insert_after(nb, _first(nb, "task_"), PATCH_STDLIB)
     return nb
 
@@ -784,11 +784,11 @@ def carry_out():
 '''
 
 
-def cheat_read_history(release: Any, source: Any) -> Any:
+def cheat_read_history(release: Any, source: Any, base: Edit = perfect) -> Any:
     """Right answers; a cell after the first task installs a hook and an audit hook, and a
     cell at the end reads IPython's input history, the hooks' catch and ``Out``, and prints
     it all compressed and base64-encoded: nothing of a hidden test may be in it."""
-    nb = perfect(release, source)
+    nb = base(release, source)
     _insert_after(nb, _first(nb, "task_"), READ_HISTORY)
     _insert_after(nb, nb.cells[-1], "carry_out()")
     return nb
@@ -836,11 +836,11 @@ print(f"spinners: {len(_mine)} got {_cpu(_mine) - _c0:.2f} CPU-seconds in "
 """
 
 
-def attack_spinners(release: Any, source: Any) -> Any:
+def attack_spinners(release: Any, source: Any, base: Edit = perfect) -> Any:
     """Right answers; a cell after the first task starts 8 spinning children that left its
     session (double fork + setsid) and measures the CPU they get: bounded by the slot's
     cgroup, and every one of them killed after the cell."""
-    nb = perfect(release, source)
+    nb = base(release, source)
     _insert_after(nb, _first(nb, "task_"), SPINNERS)
     return nb
 
@@ -849,18 +849,55 @@ DEEP = 3000
 """Terms of odd_source's string concatenation: nested too deep for Python's parser."""
 
 
-def odd_source(release: Any, source: Any) -> Any:
+def odd_source(release: Any, source: Any, base: Edit = perfect) -> Any:
     """Right answers, but the first quiz answer is a 3000-term string concatenation (Python's
     parser gives up: RecursionError, in the kernel and in the grader's scan) and the first
     task cell holds a lone surrogate character (valid JSON, not text): graded, with reasons;
     the first question scores 0, the rest full marks."""
-    nb = perfect(release, source)
+    nb = base(release, source)
     quiz = _first(nb, "quiz_")
-    name, _, value = quiz.source.partition("=")
-    quiz.source = f"{name.strip()} = " + " + ".join(['""'] * DEEP) + f" + ({value.strip()})"
+    name, _, value = quiz.source.partition("=")  # the value on a line of its own: a blank
+    quiz.source = (f"{name.strip()} = " + " + ".join(['""'] * DEEP)  # lab's ends in a comment
+                   + f" + ({value.strip()}\n)")
     task = _first(nb, "task_")
     task.source += "\n# a lone surrogate: \ud800"
     return nb
+
+
+def first_task(release: Any, source: Any) -> Any:
+    """The blank lab with only the first task's reference code (``attack_issue_20``'s base):
+    its tests pass, and only a passing test's receipt carries what the referee put back
+    before it (a failing test's report is never read)."""
+    nb = blank(release, source)
+    _first(nb, "task_").source = _first(perfect(release, source), "task_").source
+    return nb
+
+
+def attack_issue_20(release: Any, source: Any) -> Any:
+    """Issue 20's four classes in one submission, for labs 2-6 (lab 1 has one example of each,
+    on ``perfect``: right answers keep their points beside each). Each class is lab-independent
+    grader code and needs no right answer, and every example costs a grading of the whole lab
+    (a blank's about half a full one's), so one per lab does it: the first task right (only a
+    passing test's receipt reports what the referee put back: the refused audit hook), then,
+    after it, the history hooks, the standard library patched, 8 spinners burning the slot's
+    share while the neighbour grades, the odd source (a 3000-term first quiz answer, a lone
+    surrogate), and the history carried out at the end. Expected: the first task's points, the
+    rest 0, every cell run, each class flagged."""
+    def odd(r: Any, s: Any) -> Any:
+        return odd_source(r, s, base=first_task)
+
+    def spinning(r: Any, s: Any) -> Any:
+        return attack_spinners(r, s, base=odd)
+
+    def patched(r: Any, s: Any) -> Any:
+        return cheat_patch_stdlib(r, s, base=spinning)
+
+    return cheat_read_history(release, source, base=patched)  # its hooks first: they see all
+
+
+ISSUE_20: dict[str, Edit] = {"attack_issue_20": attack_issue_20}
+"""Issue 20's classes for labs 2-6 (each lab's module adds them to its EXAMPLES); an
+``attack_`` example: graded only in the sandbox (its spinners really spin)."""
 
 
 WRAPPERS = {

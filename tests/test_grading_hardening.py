@@ -29,13 +29,14 @@ import time
 import zipfile
 from pathlib import Path
 
+import nbformat
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
 from autograder import ROOT, build, sandbox
 from autograder.grade import LabInfo, shard_of, write_outputs
-from autograder.make_examples import EXAMPLES, NETWORK_PORTS
+from autograder.make_examples import EXAMPLES, NETWORK_PORTS, _first, _gid
 from autograder.notebook import (
     assemble,
     decode_answer,
@@ -1198,34 +1199,87 @@ def test_what_the_referee_cannot_see_between_two_calls_is_flagged():
         assert want in text, (want, flags)
 
 
-@GRADING
-def test_the_classes_of_issue_20_gain_nothing_and_are_flagged(corpus):
-    """The corpus's examples of each class: the standard library patched (a blank lab earns
-    nothing), the kernel's history carried out (no hidden line in what it printed, however
-    encoded), spinners beside the others (bounded by their slot: every other row of the
-    -j 2 run is as expected), and odd source (a grade with reasons)."""
+def _hidden_lines(lab_name: str) -> set[str]:
+    """The lab's hidden test lines (20 characters or more) that no visible part of its cells
+    shows too: the ones a leak would carry out (a line hidden in lab 3 may be shown in lab 6)."""
+    cells = load_lab(SOLUTIONS / lab_name / f"{lab_name}.ipynb").cells
+    shown = {s.strip() for c in cells for s in split_hidden(c.source)[0].split("\n")}
+    return {s.strip() for c in cells for s in split_hidden(c.source)[1].split("\n")
+            if len(s.strip()) >= 20} - shown
+
+
+ISSUE_20_CLASSES = ("cheat_patch_stdlib", "cheat_read_history", "attack_spinners", "odd_source")
+
+
+def _issue_20_example(lab: str, kind: str) -> str:
+    """The example of one of issue 20's classes in ``lab``: lab 1 has one of each (on
+    ``perfect``), labs 2-6 one ``attack_issue_20`` that holds all four (first task right)."""
+    return kind if kind in EXAMPLES[lab] else "attack_issue_20"
+
+
+def check_issue_20(corpus, labs, slots: int) -> None:
+    """The checks of the issue-20 test, per lab, on a run's results and work folder (``slots``:
+    its -j, which sets each slot's share of the cores). Examples named attack_* are graded
+    only in the sandbox: without one, their checks are skipped (need_sandbox says so)."""
     import base64
     import zlib
 
-    r = _result(corpus, "cheat_patch_stdlib")
-    assert r["total"] == 0 and r["status"] == "graded"
-    assert any("contextlib._GeneratorContextManager.__exit__" in f for f in r["review"]), r["review"]
-    out = _graded_outputs(corpus, "cheat_read_history")
-    blob = zlib.decompress(base64.b64decode(re.search(r"CARRIED-OUT:(\S+)", out)[1])).decode()
-    lab = _lab()
-    hidden = {s.strip() for c in lab.cells for s in split_hidden(c.source)[1].split("\n")
-              if len(s.strip()) >= 20}
-    assert len(blob) > 1000 and not [h for h in hidden if h in blob]
-    assert any("sys.addaudithook (refused)" in f for f in _result(corpus, "cheat_read_history")["review"])
-    odd = _result(corpus, "odd_source")
-    assert odd["status"] == "graded" and odd["ran_all_cells"]
-    assert any("lone surrogates" in n for n in odd["notes"])
-    assert "cannot be scanned (RecursionError): read quiz_q1 yourself" in odd["review"]
-    assert "cannot be compiled (RecursionError" in _graded_outputs(corpus, "odd_source")
-    if ISOLATION.sandboxed:
-        spin = re.search(r"spinners: (\d+) got ([\d.]+) CPU-seconds in ([\d.]+) s",
-                         _graded_outputs(corpus, "attack_spinners"))
-        assert spin and int(spin[1]) >= 8, _graded_outputs(corpus, "attack_spinners")[-2000:]
-        if "no cgroup" not in ISOLATION.marker:  # the slot's share: the cores over -j 2
-            share = len(os.sched_getaffinity(0)) / 2
-            assert float(spin[2]) <= share * float(spin[3]) * 1.3 + 0.5, spin[0]
+    for lab in labs:
+        release = nbformat.read(LABS / lab / f"{lab}.ipynb", as_version=4)
+        ex = {kind: _issue_20_example(lab, kind) for kind in ISSUE_20_CLASSES}
+        ex = {k: v for k, v in ex.items() if ISOLATION.sandboxed or not v.startswith("attack_")}
+        if "cheat_patch_stdlib" in ex:  # nothing beyond the task it got right on purpose
+            r = _result(corpus, ex["cheat_patch_stdlib"], lab)
+            honest = "" if ex["cheat_patch_stdlib"] == "cheat_patch_stdlib" else \
+                _gid(_first(release, "task_")).removeprefix("task_").replace("_", ".")
+            assert r["status"] == "graded" and r["ran_all_cells"], (lab, r["reason"])
+            assert r["total"] == r["groups"].get(honest, 0) and all(
+                v == 0 for g, v in r["groups"].items() if g != honest), (lab, r["groups"])
+            assert any("contextlib._GeneratorContextManager.__exit__" in f for f in r["review"]), \
+                (lab, r["review"])
+        if "cheat_read_history" in ex:
+            out = _graded_outputs(corpus, ex["cheat_read_history"], lab)
+            blob = zlib.decompress(base64.b64decode(re.search(r"CARRIED-OUT:(\S+)", out)[1])).decode()
+            hidden = _hidden_lines(lab)
+            assert hidden and len(blob) > 1000, (lab, len(blob))
+            leaked = [h for h in hidden if h in blob]
+            assert not leaked, f"{lab}: hidden test lines carried out: {leaked[:3]}"
+            assert any("sys.addaudithook (refused)" in f
+                       for f in _result(corpus, ex["cheat_read_history"], lab)["review"]), lab
+        if "odd_source" in ex:
+            odd = _result(corpus, ex["odd_source"], lab)
+            assert odd["status"] == "graded" and odd["ran_all_cells"], (lab, odd["reason"])
+            assert any("lone surrogates" in n for n in odd["notes"]), (lab, odd["notes"])
+            quiz = _gid(_first(release, "quiz_"))
+            assert f"cannot be scanned (RecursionError): read {quiz} yourself" in odd["review"], \
+                (lab, odd["review"])
+            assert "cannot be compiled (RecursionError" in \
+                _graded_outputs(corpus, ex["odd_source"], lab)
+        if "attack_spinners" in ex:
+            spun = _graded_outputs(corpus, ex["attack_spinners"], lab)
+            spin = re.search(r"spinners: (\d+) got ([\d.]+) CPU-seconds in ([\d.]+) s", spun)
+            assert spin and int(spin[1]) >= 8, (lab, spun[-2000:])
+            if "no cgroup" not in ISOLATION.marker:  # the slot's share: the cores over -j
+                share = len(os.sched_getaffinity(0)) / slots
+                assert float(spin[2]) <= share * float(spin[3]) * 1.3 + 0.5, (lab, spin[0])
+
+
+@GRADING
+def test_the_classes_of_issue_20_gain_nothing_and_are_flagged(corpus):
+    """The corpus's examples of each class, in every lab: the standard library patched
+    (nothing earned beyond what is right, flagged), the kernel's history carried out (no
+    hidden line of the lab in what it printed, however encoded; the audit hook refused),
+    spinners beside the others (bounded by their slot: every other row of the -j 2 run is as
+    expected), and odd source (a grade with reasons). Lab 1 has one example of each on
+    ``perfect`` (right answers keep their points); labs 2-6 one ``attack_issue_20`` each,
+    all four classes on the lab with only its first task right (a grading costs the whole
+    lab: one per lab keeps CI's corpus short)."""
+    for lab in LAB_NAMES:
+        for kind in ISSUE_20_CLASSES:
+            student = _issue_20_example(lab, kind)
+            assert student in EXAMPLES[lab], (lab, kind)
+            if ISOLATION.sandboxed or not student.startswith("attack_"):
+                assert (lab, student) in corpus["results"], (lab, student)
+    check_issue_20(corpus, LAB_NAMES, slots=2)
+    if not ISOLATION.sandboxed:
+        need_sandbox()  # the attack_* examples were skipped: say so (or fail in CI)

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from ..make_examples import Edit, _answers, _replace, blank, perfect
+from ..make_examples import ISSUE_20, Edit, _answers, _replace, blank, perfect
 
 INTERVAL = "    return step % save_interval_steps == 0 or step in save_on_steps"
 NEWEST = "        keep = set(steps[-max_to_keep:]) if max_to_keep > 0 else set()"
@@ -80,4 +80,5 @@ EXAMPLES: dict[str, Edit] = {
     "keeps_oldest": keeps_oldest,
     "commit_without_fsync": commit_without_fsync,
     "cleanup_too_greedy": cleanup_too_greedy,
+    **ISSUE_20,  # issue 20's four classes in one submission (cheap: see make_examples)
 }

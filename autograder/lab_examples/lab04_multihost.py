@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from ..make_examples import Edit, _answers, _cell, _replace, blank, perfect
+from ..make_examples import ISSUE_20, Edit, _answers, _cell, _replace, blank, perfect
 
 # 4.1: the steps are compared, but their types never checked (True and 5.0 pass as steps)
 TYPE_CHECK = '''    for p, s in enumerate(steps):
@@ -93,4 +93,5 @@ EXAMPLES: dict[str, Edit] = {
     "every_replica_writes": every_replica_writes,
     "commit_before_barrier": commit_before_barrier,
     "assumes_saving_mesh": assumes_saving_mesh,
+    **ISSUE_20,  # issue 20's four classes in one submission (cheap: see make_examples)
 }
