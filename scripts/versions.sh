@@ -74,7 +74,7 @@ EOF
 )"
 echo "versions ($mode): $versions"
 
-library=$(ls tests/test_*.py | grep -v -E 'test_(grading_|course|notebooks)' | tr '\n' ' ')
+library=$(ls tests/test_*.py | grep -v -E 'test_(grading_|course|notebooks|site)' | tr '\n' ' ')
 declare -A result
 run() {  # name, then the pytest arguments
   local name="$1"; shift
