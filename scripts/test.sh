@@ -22,4 +22,5 @@ workers="${MINICKPT_TEST_WORKERS:-$(nproc 2>/dev/null || echo 2)}"
 [ "$workers" -gt 2 ] && workers=2
 dist=()
 [ "$workers" -gt 0 ] && dist=(-n "$workers" --dist loadscope)
-exec .venv/bin/python -m pytest -q -p no:cacheprovider "${dist[@]}" "$@"
+# --durations: the slowest steps, the site build and the graded corpus among them, in the log.
+exec .venv/bin/python -m pytest -q -p no:cacheprovider --durations=25 "${dist[@]}" "$@"
