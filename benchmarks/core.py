@@ -144,6 +144,7 @@ class Row:
     goals: list[Goal] = field(default_factory=list)
     note: str = ""
     section: str = "sync"
+    limit_source: str = "probe"  # "fio": the limit is the disk's, measured by fio
 
     @classmethod
     def from_samples(cls, key: str, figure: str, samples: dict[str, list[float]], **kw: Any

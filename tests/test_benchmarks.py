@@ -188,3 +188,70 @@ def test_multiprocess_save_machinery_runs_one_process(tmp_path):
                              timeout=120)
     assert rep["nproc"] == 1 and rep["devices"] == multihost.DEVICES
     assert len(rep["times"]) == 1 and rep["times"][0] > 0
+
+
+# ---------------------------------------------------------------------------------------
+# the disk's limit by fio (recorded output; no fio needed)
+# ---------------------------------------------------------------------------------------
+FIO_SAMPLE = os.path.join(ROOT, "tests", "data", "fio-write-2jobs.json")
+
+
+def test_fio_report_is_summed_over_jobs_past_its_warnings():
+    """A recorded fio 3.33 report, two O_DIRECT write jobs of 4 MiB (28 and 14 ms), with
+    warning lines before the JSON: the jobs ran side by side, so 8 MiB in 28 ms."""
+    with open(FIO_SAMPLE) as f:
+        r = machine.parse_fio(f.read(), "write")
+    assert r["bytes"] == 8 << 20 and r["seconds"] == pytest.approx(0.028)
+    assert r["bytes_per_s"] == pytest.approx((8 << 20) / 0.028)
+    assert r["fio_version"].startswith("fio-")
+    with pytest.raises(ValueError, match="no JSON"):
+        machine.parse_fio("fio: command not found", "write")
+    with pytest.raises(ValueError, match="failed: error 5"):
+        machine.parse_fio(json.dumps({"jobs": [{"jobname": "limit", "error": 5}]}), "write")
+
+
+def test_fio_limit_is_the_best_case_and_fio_is_asked_to_fsync(tmp_path, monkeypatch):
+    """Every case runs once; the limit of each side is its fastest case; writes end in fsync;
+    reads start from a cold cache."""
+    monkeypatch.setattr(machine, "fio_available", lambda: "/usr/bin/fio")
+    calls = []
+
+    class Done:
+        returncode, stderr = 0, ""
+
+        def __init__(self, args):
+            rw = next(a for a in args if a.startswith("--rw="))[5:]
+            jobs = int(next(a for a in args if a.startswith("--numjobs="))[10:])
+            direct = "--direct=1" in args
+            ms = 100 / jobs / (2 if direct else 1)  # more jobs, O_DIRECT: faster here
+            self.stdout = json.dumps({"fio version": "fio-3.33", "jobs": [
+                {"jobname": "limit", "error": 0, rw: {"io_bytes": 1 << 20, "runtime": ms}}]})
+            calls.append(args)
+
+    disk = machine.fio_limits(str(tmp_path), 4 << 20, run=Done)
+    assert len(calls) == 2 * len(machine.fio_cases("write"))
+    assert disk["write"]["case"] == "write bs=1M O_DIRECT 4 jobs"
+    assert disk["write"]["bytes_per_s"] == pytest.approx((1 << 20) / 0.0125)
+    assert all("--end_fsync=1" in a for a in calls if "--rw=write" in a)
+    assert all("--invalidate=1" in a for a in calls if "--rw=read" in a)
+    assert machine.limit_label("write", disk) == "fio write, best: bs=1M O_DIRECT 4 jobs"
+
+
+def test_without_fio_the_limit_is_labelled_a_probe(tmp_path, monkeypatch):
+    from benchmarks import suite
+
+    monkeypatch.setattr(machine, "fio_available", lambda: None)
+    disk = machine.fio_limits(str(tmp_path), 1 << 20)
+    assert disk["tool"] is None and "not installed" in disk["reason"]
+    assert machine.limit_label("write", disk) == "write+fsync (probe, not fio)"
+    assert "probe, not fio" in suite.disk_statement(disk)
+    r = Row("large.save", "large save", nbytes=1 << 30,
+            values={"minickpt": 1.0, "orbax": 2.0, "limit": 0.5},
+            samples={"limit": [0.5]}, limit_name="write+fsync")
+    suite.disk_limit(r, "write", disk)
+    assert r.values["limit"] == 0.5 and r.limit_name.endswith("(probe, not fio)")
+    fio = {"tool": "fio", "write": {"bytes_per_s": 4 << 30, "case": "write bs=16M O_DIRECT 4 "
+                                    "jobs"}}
+    suite.disk_limit(r, "write", fio)  # with fio: the limit is the disk's, the probe a note
+    assert r.values["limit"] == pytest.approx(0.25) and r.limit_source == "fio"
+    assert r.samples["probe"] == [0.5] and "probe" in r.note
