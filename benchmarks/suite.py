@@ -59,6 +59,11 @@ class Config:
     scaling_reps: int = 5
     memory_bytes: int = 400 * MB
     async_bytes: int = 400 * MB
+    # Young's interval τ = √(2·C·MTBF) for this MTBF: a small one, so that τ is a few
+    # seconds of this machine's steps (a real job's MTBF is hours, its C and step larger)
+    mtbf_s: float = 30.0
+    async_intervals: int = 2  # saves per timed loop
+    async_reps: int = 2  # timed loops per N and library
     multihost_bytes: int = 64 * MB
     multihost_procs: Sequence[int] = (1, 2, 4)
     orbax: bool = True
@@ -83,7 +88,7 @@ class Config:
         base = dict(mode="smoke", reps_small=2, warmup_small=1, reps_medium=2, reps_large=2,
                     large_bytes=2 * MB, wide=None, scaling_sizes=(4_000, 256_000),
                     many_leaves=500, reps_many=2,
-                    scaling_reps=2, async_bytes=1 * MB,
+                    scaling_reps=2, async_bytes=1 * MB, mtbf_s=1.0,
                     # 16 MB in 50 leaves: 320 KB each, above malloc's mmap threshold, so a
                     # restore's arrays are fresh pages (with 4 MB they reused freed heap
                     # and the peak looked like 0.5-0.7× the state)
@@ -444,10 +449,11 @@ def _async(cfg: Config, res: Results) -> None:
         "minickpt": lambda: MinickptManager(cfg.workdir, tree, async_=have)}
     if cfg.orbax:
         factories["orbax"] = lambda: OrbaxManager(cfg.workdir, tree, async_=True)
-    rows, detail = async_figs.rows(tree, factories, reps=cfg.reps_large,
+    rows, detail = async_figs.rows(tree, factories, reps=min(cfg.reps_large, 5),
                                    label=f"{fmt_bytes(states.nbytes(tree))} state",
-                                   nbytes=states.nbytes(tree),
-                                   max_every=1000 if cfg.mode == "full" else 20)
+                                   nbytes=states.nbytes(tree), intervals=cfg.async_intervals,
+                                   max_every=1000 if cfg.mode == "full" else 20,
+                                   mtbf_s=cfg.mtbf_s, thr_reps=cfg.async_reps)
     if not have:
         for r in rows:
             r.note = "; ".join(x for x in ("minickpt has no async checkpointer yet: its "
@@ -477,8 +483,8 @@ def _multihost(cfg: Config, res: Results) -> None:
 def scaling_table(res: Results) -> str:
     if not res.scaling:
         return ""
-    head = "| state | minickpt save | Orbax save | write+fsync | minickpt restore | " \
-           "Orbax restore | read (warm) | read (cold) | memcpy |"
+    head = "| state | minickpt save | Orbax save | write+fsync (probe) | minickpt restore | " \
+           "Orbax restore | read (warm, probe) | read (cold, probe) | memcpy |"
     lines = [head, "|" + "---|" * 9]
     cold = {e["nbytes"]: e.get("cold_read") for e in res.limits}
     for p in res.scaling:

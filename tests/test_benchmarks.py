@@ -56,6 +56,12 @@ def test_smoke_run_measures_every_figure(smoke):
                 continue  # processes against processes: no machine limit of its own
             v = r["values"][who]
             assert v is not None and 0 < v < 60, (r["key"], who, v)
+            if who == "limit" and r["limit_source"] == "fio":  # the disk's limit, by fio;
+                disk = res["machine"]["disk_limit"]  # the probe still ran beside it
+                kind = "write" if "write" in r["limit_name"] else "read"
+                assert v == pytest.approx(r["nbytes"] / disk[kind]["bytes_per_s"])
+                assert len(r["samples"]["probe"]) == SMOKE_REPS and "probe" in r["note"]
+                continue
             assert len(r["samples"][who]) == SMOKE_REPS
             assert r["values"][who] == pytest.approx(float(np.median(r["samples"][who])))
         for g in r["goals"]:
@@ -81,16 +87,26 @@ def test_smoke_run_reports_memory_scaling_machine_and_cache(smoke):
         assert p["memcpy"] > 0
     m = res["machine"]
     assert m["cpu"] and m["filesystem"].get("fstype") and m["versions"]["jax"]
+    disk = m["disk_limit"]  # fio's best cases, or why the probe stands in
+    if disk["tool"] == "fio":
+        assert disk["write"]["bytes_per_s"] > 0 and disk["read"]["bytes_per_s"] > 0
+        assert {c["rw"] for c in disk["cases"]} == {"write", "read"}
+    else:
+        assert disk["reason"]
     assert m["minickpt_crc32"] in ("isal", "zlib")
     assert "page cache" in res["page_cache"]["warm"]
     assert "fadvise" in res["page_cache"]["cold"] or "drop_caches" in res["page_cache"]["cold"]
     skipped = " ".join(res["skipped"])
     keys = {r["key"] for r in res["rows"]}
     if async_figs.minickpt_available():  # blocking vs a host copy; throughput vs no saves
-        assert {"async.blocking", "async.throughput"} <= keys and "async" not in skipped
+        assert {"async.blocking", "async.sustained", "async.overhead_share"} <= keys
+        assert "async" not in skipped
         rows = {r["key"]: r for r in res["rows"]}
         assert rows["async.blocking"]["values"]["limit"] > 0
-        assert 0 < rows["async.throughput"]["values"]["minickpt"] < 2
+        thr = [r for k, r in rows.items() if k.startswith("async.throughput.n")]
+        assert thr and all(0 < r["values"]["minickpt"] < 2 for r in thr)
+        if orbax_available():  # both libraries at the same N, every N
+            assert all(r["values"]["orbax"] is not None for r in thr)
     else:
         assert "async" in skipped
     if multihost.minickpt_available():  # the smoke run's process counts: 1 and 2
@@ -175,11 +191,34 @@ def test_async_figures_run_with_any_manager(tmp_path, async_):
     tree = states.uniform(200_000, 4)
     rows, detail = async_figs.rows(tree, {"minickpt": lambda: MinickptManager(
         str(tmp_path), tree, async_=async_)}, reps=2,
-        label="test", nbytes=states.nbytes(tree), intervals=2, max_every=5)
-    block, thr = rows
+        label="test", nbytes=states.nbytes(tree), intervals=2, max_every=5, mtbf_s=0.5,
+        thr_reps=1)
+    block, *thr, sus, share = rows
     assert block.values["minickpt"] > 0 and block.values["limit"] > 0
-    assert 0 < thr.values["minickpt"] < 2 and detail["minickpt"]["every_n_steps"] <= 5
     assert block.goals[0].met(block) in (True, False)
+    assert [r.key for r in thr] == [f"async.throughput.n{n}" for n in detail["schedule"]]
+    assert all(1 <= n <= 5 for n in detail["schedule"])
+    assert all(0 < r.values["minickpt"] < 2 for r in thr)
+    assert 1 <= sus.values["minickpt"] <= 5 and share.key == "async.overhead_share"
+    assert detail["cost"]["minickpt"]["wall_s"] > 0 and detail["cost"]["minickpt"]["cpu_s"] >= 0
+    if not async_:  # a blocking save is done when save() returns: every step is sustained
+        assert sus.values["minickpt"] == 1
+
+
+def test_equal_n_schedule_runs_both_at_the_same_intervals():
+    """Young's τ = √(2·C·MTBF) in steps; the schedule is the shortest interval both
+    libraries sustain and each one's Young interval — the same N for both, capped."""
+    assert async_figs.young_every(0.5, 100.0, 0.1) == 100  # √(2·0.5·100) = 10 s = 100 steps
+    assert async_figs.young_every(1e-6, 1.0, 10.0) == 1
+    ns = async_figs.schedule({"minickpt": 12, "orbax": 30}, {"minickpt": 75, "orbax": 106},
+                             max_every=100)
+    assert ns == [30, 75, 100]
+    assert async_figs.schedule({"minickpt": 3}, {"minickpt": 3}, max_every=10) == [3]
+    g = Goal("min_x_orbax", 1.0)
+    r = _row(0.8, 0.7, goals=[g])
+    assert g.met(r) and g.verdict(r) == "yes (1.14× Orbax's)"
+    assert Goal("max_x_orbax", 1.0).verdict(_row(40, 20)) == \
+        "NO: 2.00× Orbax's, needs 2.00× less"
 
 
 def test_multiprocess_save_machinery_runs_one_process(tmp_path):
