@@ -52,8 +52,8 @@ def test_smoke_run_measures_every_figure(smoke):
         if r["unit"] != "s":
             continue
         for who in contenders:
-            if who == "limit" and r["section"] == "multihost":
-                continue  # processes against processes: no machine limit of its own
+            if who == "limit" and (r["section"] == "multihost" or r["key"] == "async.sustained"):
+                continue  # processes against processes, an interval: no machine limit
             v = r["values"][who]
             assert v is not None and 0 < v < 60, (r["key"], who, v)
             if who == "limit" and r["limit_source"] == "fio":  # the disk's limit, by fio;
@@ -61,6 +61,8 @@ def test_smoke_run_measures_every_figure(smoke):
                 kind = "write" if "write" in r["limit_name"] else "read"
                 assert v == pytest.approx(r["nbytes"] / disk[kind]["bytes_per_s"])
                 assert len(r["samples"]["probe"]) == SMOKE_REPS and "probe" in r["note"]
+                continue
+            if r["key"] == "async.sustained":  # one median of 3 saves, from one run
                 continue
             assert len(r["samples"][who]) == SMOKE_REPS
             assert r["values"][who] == pytest.approx(float(np.median(r["samples"][who])))
@@ -197,12 +199,12 @@ def test_async_figures_run_with_any_manager(tmp_path, async_):
     assert block.values["minickpt"] > 0 and block.values["limit"] > 0
     assert block.goals[0].met(block) in (True, False)
     assert [r.key for r in thr] == [f"async.throughput.n{n}" for n in detail["schedule"]]
-    assert all(1 <= n <= 5 for n in detail["schedule"])
+    assert all(1 <= n <= 5 for n in detail["schedule"]) and len(detail["schedule"]) >= 2
     assert all(0 < r.values["minickpt"] < 2 for r in thr)
-    assert 1 <= sus.values["minickpt"] <= 5 and share.key == "async.overhead_share"
+    assert sus.values["minickpt"] > 0 and share.key == "async.overhead_share"
     assert detail["cost"]["minickpt"]["wall_s"] > 0 and detail["cost"]["minickpt"]["cpu_s"] >= 0
     if not async_:  # a blocking save is done when save() returns: every step is sustained
-        assert sus.values["minickpt"] == 1
+        assert detail["sustained"]["minickpt"]["steps"] == 1
 
 
 def test_equal_n_schedule_runs_both_at_the_same_intervals():
@@ -213,7 +215,9 @@ def test_equal_n_schedule_runs_both_at_the_same_intervals():
     ns = async_figs.schedule({"minickpt": 12, "orbax": 30}, {"minickpt": 75, "orbax": 106},
                              max_every=100)
     assert ns == [30, 75, 100]
-    assert async_figs.schedule({"minickpt": 3}, {"minickpt": 3}, max_every=10) == [3]
+    # capped into fewer than three: half the cap joins them
+    assert async_figs.schedule({"minickpt": 3}, {"minickpt": 3}, max_every=10) == [3, 5]
+    assert async_figs.schedule({"a": 50, "b": 60}, {"a": 70, "b": 90}, max_every=40) == [20, 40]
     g = Goal("min_x_orbax", 1.0)
     r = _row(0.8, 0.7, goals=[g])
     assert g.met(r) and g.verdict(r) == "yes (1.14× Orbax's)"
