@@ -44,6 +44,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--no-orbax", action="store_true", help="leave Orbax out")
     p.add_argument("--no-managers", action="store_true",
                    help="leave the CheckpointManager rows out")
+    p.add_argument("--no-fio", action="store_true",
+                   help="skip fio: the large rows' limit is the suite's probe (labelled so)")
     p.add_argument("--no-cold", action="store_true", help="leave the cold-cache rows out")
     p.add_argument("--drop-caches", action="store_true",
                    help="evict with the global drop_caches (root only; empties every user's "
@@ -61,6 +63,7 @@ def main(argv: list[str] | None = None) -> int:
     from .suite import Config, print_report, run, write_outputs
 
     kw = dict(out=a.out, workdir=a.dir, only=tuple(a.only), orbax=not a.no_orbax,
+              fio=not a.no_fio,
               managers=not a.no_managers, cold=not a.no_cold,
               evict="drop_caches" if a.drop_caches else "fadvise", run_async=a.run_async,
               run_multihost=a.run_multihost)

@@ -8,9 +8,11 @@ A variant names how the async snapshot and writer run: ``copy`` (every CPU array
 checksums computed in the writer thread instead of a second thread) — the last two are
 experiments that did not help (see the commit log). Each repetition runs every variant once,
 in turn, so that a change of load on a shared machine affects them all alike. The figure is
-the suite's (:func:`benchmarks.async_figs.throughput_row`): steps/s with an async save every N
-steps ÷ steps/s without, N chosen so that one background write takes about half the N steps'
-compute; also printed: the time ``save()`` blocks, median over the repetitions.
+:func:`benchmarks.async_figs.throughput_row`: steps/s with an async save every N steps ÷
+steps/s without, N chosen per variant so that one background write takes about half the N
+steps' compute, or ``--every N`` for all (the suite itself runs both libraries at the same
+N: :func:`benchmarks.async_figs.equal_n_rows`); also printed: the time ``save()`` blocks,
+median over the repetitions.
 """
 
 from __future__ import annotations

@@ -183,6 +183,10 @@ class _Manager:
     def wait(self) -> None:
         self.mngr.wait_until_finished()
 
+    def busy(self) -> bool:
+        """Whether a save is still being written (never blocks)."""
+        return bool(self.async_ and self.mngr.is_saving_in_progress())
+
     def save(self) -> Op:
         """A whole save: for an async manager until it is committed; a background delete
         is not waited for (that is the point of the option), only before the next one."""

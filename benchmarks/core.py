@@ -78,6 +78,8 @@ class Goal:
     * ``of_limit``  — the limit's time ÷ minickpt's time ≥ target ("0.9 of the disk's speed")
     * ``x_limit_max`` — minickpt's time ÷ the limit's time ≤ target ("blocks ≤ 1.5× a copy")
     * ``max`` / ``min`` — minickpt's value itself ≤ / ≥ target (memory ÷ state, throughput)
+    * ``min_x_orbax`` / ``max_x_orbax`` — minickpt's value ÷ Orbax's ≥ / ≤ target, for
+      values that are not times ("throughput ≥ Orbax's", "sustains intervals ≤ Orbax's")
     """
 
     kind: str
@@ -86,7 +88,10 @@ class Goal:
     def describe(self) -> str:
         t = f"{self.target:g}"
         return {"x_orbax": f"≥ {t}× Orbax", "of_limit": f"≥ {t} of limit",
-                "x_limit_max": f"≤ {t}× limit", "max": f"≤ {t}", "min": f"≥ {t}"}[self.kind]
+                "x_limit_max": f"≤ {t}× limit", "max": f"≤ {t}", "min": f"≥ {t}",
+                "min_x_orbax": f"≥ {t}× Orbax's" if self.target != 1 else "≥ Orbax's",
+                "max_x_orbax": f"≤ {t}× Orbax's" if self.target != 1 else "≤ Orbax's",
+                }[self.kind]
 
     def value(self, row: Row) -> float | None:
         m, o, lim = (row.values.get(k) for k in CONTENDERS)
@@ -98,13 +103,16 @@ class Goal:
             return None if lim is None or m <= 0 else lim / m
         if self.kind == "x_limit_max":
             return None if lim is None or lim <= 0 else m / lim
+        if self.kind in ("min_x_orbax", "max_x_orbax"):
+            return None if o is None or o <= 0 else m / o
         return m
 
     def met(self, row: Row) -> bool | None:
         v = self.value(row)
         if v is None:
             return None
-        return v <= self.target if self.kind in ("x_limit_max", "max") else v >= self.target
+        low = ("x_limit_max", "max", "max_x_orbax")
+        return v <= self.target if self.kind in low else v >= self.target
 
     def verdict(self, row: Row) -> str:
         v = self.value(row)
@@ -112,14 +120,16 @@ class Goal:
             return f"{self.describe()}: not measured"
         ok = self.met(row)
         shown = _ratio(v) if self.kind in ("x_orbax", "x_limit_max") else f"{v:.2f}"
+        if self.kind in ("min_x_orbax", "max_x_orbax"):
+            shown = f"{v:.2f}× Orbax's"
         if ok:
             return f"yes ({shown})"
-        if self.kind in ("x_orbax", "of_limit", "min"):
+        if self.kind in ("x_orbax", "of_limit", "min", "min_x_orbax"):
             short = self.target / v if v > 0 else math.inf
         else:
             short = v / self.target
-        need = "faster" if self.kind != "max" and self.kind != "min" else (
-            "less" if self.kind == "max" else "more")
+        need = {"max": "less", "min": "more", "min_x_orbax": "more",
+                "max_x_orbax": "less"}.get(self.kind, "faster")
         return f"NO: {shown}, needs {short:.2f}× {need}"
 
 
@@ -144,6 +154,7 @@ class Row:
     goals: list[Goal] = field(default_factory=list)
     note: str = ""
     section: str = "sync"
+    limit_source: str = "probe"  # "fio": the limit is the disk's, measured by fio
 
     @classmethod
     def from_samples(cls, key: str, figure: str, samples: dict[str, list[float]], **kw: Any
@@ -159,6 +170,8 @@ class Row:
             return f"{v:.2f}× state"
         if self.unit == "r":
             return f"{v:.3f}"
+        if self.unit == "steps":
+            return f"{v:.0f} steps"
         text = fmt_time(v)
         if self.nbytes >= (16 << 20) and v > 0:
             text += f" · {self.nbytes / v / 1e9:.2f} GB/s"

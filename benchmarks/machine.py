@@ -10,14 +10,19 @@ when asked for and only as root, because it empties the cache of every user of t
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import ctypes.util
+import json
+import math
 import mmap
 import os
 import platform
+import shutil
 import subprocess
 import sys
 import time
+from dataclasses import dataclass
 from importlib import metadata as _md
 from typing import Any
 
@@ -228,3 +233,134 @@ def drop_caches_possible() -> bool:
 
 def python_exe() -> str:
     return sys.executable
+
+
+# ---------------------------------------------------------------------------------------
+# the disk's limit, measured with fio
+# ---------------------------------------------------------------------------------------
+PROBE_LABEL = "probe, not fio"
+
+
+@dataclass(frozen=True)
+class FioCase:
+    """One fio job: sequential ``rw`` ("write", ending in fsync, or "read") of ``bs`` blocks
+    by ``jobs`` processes, through the page cache or with ``O_DIRECT``."""
+
+    rw: str
+    bs: str
+    direct: bool
+    jobs: int
+
+    @property
+    def engine(self) -> str:
+        # O_DIRECT with one synchronous request at a time leaves the device idle between
+        # requests; libaio keeps a few in flight, as any tool after the disk's limit does
+        return "libaio" if self.direct else "psync"
+
+    def describe(self) -> str:
+        how = "O_DIRECT" if self.direct else "buffered"
+        return f"{self.rw} bs={self.bs} {how} {self.jobs} job{'s' * (self.jobs > 1)}"
+
+
+def fio_cases(rw: str, smoke: bool = False) -> list[FioCase]:
+    """The cases the limit is the best of: buffered and O_DIRECT, two block sizes, 1–4 jobs."""
+    if smoke:
+        return [FioCase(rw, "1M", False, 1), FioCase(rw, "1M", True, 2)]
+    return ([FioCase(rw, "1M", False, j) for j in (1, 2, 4)] + [FioCase(rw, "16M", False, 1)]
+            + [FioCase(rw, bs, True, j) for bs in ("1M", "16M") for j in (1, 4)])
+
+
+def fio_args(case: FioCase, path: str, total_bytes: int, runtime_s: float) -> list[str]:
+    """fio's command line for ``case`` on ``path`` (a file; each job takes its own slice, so
+    the jobs together move ``total_bytes``), stopping after ``runtime_s``."""
+    block = _bytes(case.bs)
+    per_job = max(block, total_bytes // case.jobs // block * block)
+    args = ["fio", "--name=limit", f"--filename={path}", f"--rw={case.rw}", f"--bs={case.bs}",
+            f"--direct={int(case.direct)}", f"--numjobs={case.jobs}", f"--size={per_job}",
+            f"--offset_increment={per_job}", f"--ioengine={case.engine}",
+            f"--runtime={max(1, math.ceil(runtime_s))}", "--group_reporting",
+            "--output-format=json"]
+    if case.direct:
+        args.append("--iodepth=4")
+    if case.rw == "write":
+        args += ["--end_fsync=1", "--fallocate=none"]  # the fsync is inside the timed run
+    else:
+        args.append("--invalidate=1")  # fio evicts the file's cached pages first: a cold read
+    return args
+
+
+def _bytes(size: str) -> int:
+    units = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
+    return int(size[:-1]) * units[size[-1]] if size[-1] in units else int(size)
+
+
+def parse_fio(text: str, rw: str) -> dict[str, float]:
+    """Bytes/s, bytes moved and seconds of the ``rw`` side of a fio ``--output-format=json``
+    report, summed over its jobs (with or without ``--group_reporting``). Text before the
+    JSON (fio's own warnings) is skipped; a job that failed raises."""
+    start = text.find("{")
+    if start < 0:
+        raise ValueError("no JSON in fio's output: " + text[:200])
+    doc = json.loads(text[start:])
+    jobs = doc.get("jobs") or []
+    if not jobs:
+        raise ValueError("fio's report has no jobs")
+    moved, seconds = 0, 0.0
+    for job in jobs:
+        if job.get("error"):
+            raise ValueError(f"fio job {job.get('jobname')!r} failed: error {job['error']}")
+        side = job[rw]
+        moved += int(side["io_bytes"])
+        seconds = max(seconds, float(side["runtime"]) / 1e3)  # ms; jobs run side by side
+    if moved <= 0 or seconds <= 0:
+        raise ValueError(f"fio moved no bytes ({rw})")
+    return {"bytes_per_s": moved / seconds, "bytes": moved, "seconds": seconds,
+            "fio_version": doc.get("fio version", "?")}
+
+
+def fio_available() -> str | None:
+    return shutil.which("fio")
+
+
+def fio_limits(directory: str, total_bytes: int, *, runtime_s: float = 2.0,
+               smoke: bool = False, run: Any = None) -> dict[str, Any]:
+    """Every case of :func:`fio_cases` for writes and reads on ``directory``'s file system;
+    the limit of each is the best bytes/s a case reached. Without fio (or if it fails):
+    ``{"tool": None, "reason": ...}``, and the suite falls back to its probe."""
+    exe = fio_available()
+    if exe is None:
+        return {"tool": None, "reason": "fio is not installed (scripts/install-fio.sh)"}
+    run = run or (lambda args: subprocess.run(args, capture_output=True, text=True,
+                                              timeout=runtime_s * 4 + 60))
+    path = os.path.join(directory, f"fio-limit-{os.getpid()}")
+    out: dict[str, Any] = {"tool": "fio", "path_fs": mount_of(directory).get("fstype"),
+                           "total_bytes": total_bytes, "cases": []}
+    try:
+        for rw in ("write", "read"):  # fio lays out the reads' file where a write stopped
+            for case in fio_cases(rw, smoke):
+                if rw == "write":  # a save writes a new file, so each write case does
+                    with contextlib.suppress(OSError):  # too (the reads' file fio lays out)
+                        os.unlink(path)
+                proc = run(fio_args(case, path, total_bytes, runtime_s))
+                if proc.returncode != 0:
+                    raise RuntimeError(f"fio {case.describe()}: exit {proc.returncode}: "
+                                       f"{(proc.stderr or proc.stdout)[-500:]}")
+                r = parse_fio(proc.stdout, rw)
+                out["cases"].append({"case": case.describe(), "rw": rw, **r})
+                out["fio_version"] = r["fio_version"]
+    except (OSError, RuntimeError, ValueError, KeyError, subprocess.SubprocessError) as e:
+        return {"tool": None, "reason": f"fio failed: {e}"}
+    finally:
+        with contextlib.suppress(OSError):
+            os.unlink(path)
+    for rw in ("write", "read"):
+        best = max((c for c in out["cases"] if c["rw"] == rw), key=lambda c: c["bytes_per_s"])
+        out[rw] = {"bytes_per_s": best["bytes_per_s"], "case": best["case"]}
+    return out
+
+
+def limit_label(kind: str, fio: dict[str, Any] | None) -> str:
+    """How a large row's limit is named in the table: fio's best case, or the probe."""
+    if fio and fio.get("tool") == "fio":
+        return f"fio {kind}, best: {fio[kind]['case'].split(' ', 1)[1]}"
+    return {"write": "write+fsync", "read": "cold read"}[kind] + f" ({PROBE_LABEL})"

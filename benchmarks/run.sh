@@ -6,4 +6,5 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/bootstrap.sh
+bash scripts/install-fio.sh  # the disk's limit (without it: a probe, labelled so)
 exec .venv/bin/python -m benchmarks "$@"

@@ -25,7 +25,17 @@ from .contenders import (
     OrbaxManager,
     orbax_available,
 )
-from .core import Goal, Op, Row, fmt_bytes, interleaved, markdown_table, median, text_table
+from .core import (
+    Goal,
+    Op,
+    Row,
+    fmt_bytes,
+    fmt_time,
+    interleaved,
+    markdown_table,
+    median,
+    text_table,
+)
 from .plot import plot_scaling
 
 MB = 10**6
@@ -49,9 +59,17 @@ class Config:
     scaling_reps: int = 5
     memory_bytes: int = 400 * MB
     async_bytes: int = 400 * MB
+    # Young's interval τ = √(2·C·MTBF) for this MTBF: a small one, so that τ is a few
+    # seconds of this machine's steps (a real job's MTBF is hours, its C and step larger)
+    mtbf_s: float = 30.0
+    async_intervals: int = 2  # saves per timed loop
+    async_reps: int = 2  # timed loops per N and library
     multihost_bytes: int = 64 * MB
     multihost_procs: Sequence[int] = (1, 2, 4)
     orbax: bool = True
+    fio: bool = True  # the disk's limit by fio (else, or without fio: the probe, labelled)
+    fio_runtime_s: float = 2.0  # at most, per fio case (16 cases)
+    large_row_bytes: int = 16 * MB  # from this size on a row's limit is the disk's (fio)
     cold: bool = True
     evict: str = "fadvise"
     run_async: str = "auto"  # auto: when minickpt has AsyncCheckpointer; on; off
@@ -70,12 +88,13 @@ class Config:
         base = dict(mode="smoke", reps_small=2, warmup_small=1, reps_medium=2, reps_large=2,
                     large_bytes=2 * MB, wide=None, scaling_sizes=(4_000, 256_000),
                     many_leaves=500, reps_many=2,
-                    scaling_reps=2, async_bytes=1 * MB,
+                    scaling_reps=2, async_bytes=1 * MB, mtbf_s=1.0,
                     # 16 MB in 50 leaves: 320 KB each, above malloc's mmap threshold, so a
                     # restore's arrays are fresh pages (with 4 MB they reused freed heap
                     # and the peak looked like 0.5-0.7× the state)
                     memory_bytes=16 * MB,
-                    multihost_bytes=1 * MB, multihost_procs=(1, 2))
+                    multihost_bytes=1 * MB, multihost_procs=(1, 2),
+                    fio_runtime_s=1.0, large_row_bytes=1 * MB)
         base.update(kw)
         return cls(**base)
 
@@ -124,10 +143,17 @@ def log(msg: str) -> None:
 def save_restore_rows(cfg: Config, key: str, label: str, tree: Any, *, reps: int, warmup: int,
                       goals_save: Sequence[Goal] = (), goals_restore: Sequence[Goal] = (),
                       managers: bool = True, cold: Any = None,
-                      background_delete: bool = False) -> list[Row]:
+                      background_delete: bool = False, disk: dict[str, Any] | None = None
+                      ) -> list[Row]:
     """Checkpointer vs StandardCheckpointer (save, restore warm, restore cold) and
     CheckpointManager vs CheckpointManager (save with retention, restore) — plus, with
-    ``background_delete``, both managers' save with that option on."""
+    ``background_delete``, both managers' save with that option on.
+
+    A large row (``cfg.large_row_bytes`` and more) is held to the disk's limit ``disk``
+    measured by fio (:func:`machine.fio_limits`): its save rows to fio's best write ending in
+    fsync, its cold restore to fio's best read; the probe's time, still measured in the same
+    interleaved repetitions, goes to the row's note. Without fio, or for small rows, the limit
+    is the probe, and a large row's limit says so (``probe, not fio``)."""
     wd = cfg.workdir
     size = states.nbytes(tree)
     label = f"{label} ({states.num_leaves(tree)} leaves, {fmt_bytes(size)})"
@@ -135,13 +161,18 @@ def save_restore_rows(cfg: Config, key: str, label: str, tree: Any, *, reps: int
     cks = [MinickptCheckpointer(wd, tree)] + ([OrbaxCheckpointer(wd, tree)] if cfg.orbax else [])
     out = []
 
+    large = size >= cfg.large_row_bytes
+
     def row(kind: str, title: str, ops: list[Op], limit_name: str,
             goals: Sequence[Goal]) -> Row:
         t0 = time.perf_counter()
         samples = interleaved(ops, reps, warmup)
         log(f"  {key}.{kind}: {time.perf_counter() - t0:.1f} s")
-        return Row.from_samples(f"{key}.{kind}", f"{label} {title}", samples, nbytes=size,
-                                limit_name=limit_name, goals=list(goals))
+        r = Row.from_samples(f"{key}.{kind}", f"{label} {title}", samples, nbytes=size,
+                             limit_name=limit_name, goals=list(goals))
+        if large:
+            disk_limit(r, {"write+fsync": "write", "cold read": "read"}.get(limit_name), disk)
+        return r
 
     try:
         ops = [c.save() for c in cks] + [limits.write_fsync()]
@@ -174,6 +205,26 @@ def save_restore_rows(cfg: Config, key: str, label: str, tree: Any, *, reps: int
                 m.close()
     limits.close()
     return out
+
+
+def disk_limit(r: Row, kind: str | None, disk: dict[str, Any] | None) -> None:
+    """Hold a large row to fio's limit (``kind``: "write" or "read"), the probe's time moved
+    to the samples' ``probe`` and the note; without fio, label the probe as what it is. A warm
+    restore (``kind`` None) reads the page cache: its limit stays the probe's read of it."""
+    if kind is None:
+        r.limit_name = "read, page cache (probe)"
+        return
+    probe = r.values.get("limit")
+    if disk and disk.get("tool") == "fio" and probe is not None:
+        r.samples["probe"] = r.samples.pop("limit")
+        r.values["limit"] = r.nbytes / disk[kind]["bytes_per_s"]
+        r.limit_name = machine.limit_label(kind, disk)
+        r.limit_source = "fio"
+        what = "write+fsync" if kind == "write" else "cold read"
+        r.note = "; ".join(x for x in (r.note, f"limit by fio; the probe ({what}, one "
+                                       f"stream) took {fmt_time(probe)}") if x)
+    else:
+        r.limit_name = machine.limit_label(kind, None)
 
 
 def scaling(cfg: Config, cache: Any) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
@@ -282,6 +333,7 @@ def run(cfg: Config) -> Results:
         log("orbax-checkpoint is not installed: Orbax columns will be empty")
         cfg.orbax = False
     res = Results(machine.describe(cfg.workdir), asdict(cfg))
+    res.machine["disk_limit"] = disk_limits(cfg)
     cache = None
     if cfg.cold:
         try:
@@ -305,7 +357,27 @@ def run(cfg: Config) -> Results:
     return res
 
 
+def disk_limits(cfg: Config) -> dict[str, Any]:
+    """fio on the checkpoints' file system, or why not (then the probe is the limit)."""
+    if not cfg.fio:
+        return {"tool": None, "reason": "fio turned off (--no-fio)"}
+    t0 = time.perf_counter()
+    disk = machine.fio_limits(cfg.workdir, max(cfg.large_bytes, 8 * MB),
+                              runtime_s=cfg.fio_runtime_s, smoke=cfg.mode == "smoke")
+    if disk.get("tool") == "fio":
+        for c in disk["cases"]:
+            log(f"  fio {c['case']}: {c['bytes_per_s'] / 1e9:.2f} GB/s")
+        log(f"disk limit by fio ({time.perf_counter() - t0:.0f} s): write+fsync "
+            f"{disk['write']['bytes_per_s'] / 1e9:.2f} GB/s ({disk['write']['case']}), read "
+            f"{disk['read']['bytes_per_s'] / 1e9:.2f} GB/s ({disk['read']['case']})")
+    else:
+        log(f"no fio: {disk['reason']}; large rows are held to the probe "
+            f"({machine.PROBE_LABEL})")
+    return disk
+
+
 def _run_figures(cfg: Config, res: Results, cache: Any) -> None:
+    disk = res.machine.get("disk_limit")
     x20 = [Goal("x_orbax", 20)]
     small = dict(reps=cfg.reps_small, warmup=cfg.warmup_small, managers=cfg.managers)
     if cfg.wants("tiny"):
@@ -327,7 +399,7 @@ def _run_figures(cfg: Config, res: Results, cache: Any) -> None:
             res.rows += save_restore_rows(
                 cfg, "trainstate_wide", f"TrainState, {layers}×{hidden} MLP",
                 states.train_state(hidden, layers), reps=cfg.reps_medium, warmup=1,
-                managers=cfg.managers)
+                managers=cfg.managers, disk=disk)
     if cfg.wants("leaves100k"):
         log(f"{cfg.many_leaves}-leaf tree")
         tree = jax.block_until_ready(states.many_leaves(cfg.many_leaves))
@@ -347,7 +419,7 @@ def _run_figures(cfg: Config, res: Results, cache: Any) -> None:
             cfg, "large", "large", tree, reps=cfg.reps_large, warmup=1,
             goals_save=[Goal("of_limit", 0.9), Goal("x_orbax", 3)],
             goals_restore=[Goal("of_limit", 0.8), Goal("x_orbax", 2)], managers=cfg.managers,
-            cold=cache)
+            cold=cache, disk=disk)
         del tree
     if cfg.wants("memory"):
         log(f"peak memory ({fmt_bytes(cfg.memory_bytes)})")
@@ -377,10 +449,11 @@ def _async(cfg: Config, res: Results) -> None:
         "minickpt": lambda: MinickptManager(cfg.workdir, tree, async_=have)}
     if cfg.orbax:
         factories["orbax"] = lambda: OrbaxManager(cfg.workdir, tree, async_=True)
-    rows, detail = async_figs.rows(tree, factories, reps=cfg.reps_large,
+    rows, detail = async_figs.rows(tree, factories, reps=min(cfg.reps_large, 5),
                                    label=f"{fmt_bytes(states.nbytes(tree))} state",
-                                   nbytes=states.nbytes(tree),
-                                   max_every=1000 if cfg.mode == "full" else 20)
+                                   nbytes=states.nbytes(tree), intervals=cfg.async_intervals,
+                                   max_every=1000 if cfg.mode == "full" else 20,
+                                   mtbf_s=cfg.mtbf_s, thr_reps=cfg.async_reps)
     if not have:
         for r in rows:
             r.note = "; ".join(x for x in ("minickpt has no async checkpointer yet: its "
@@ -410,8 +483,8 @@ def _multihost(cfg: Config, res: Results) -> None:
 def scaling_table(res: Results) -> str:
     if not res.scaling:
         return ""
-    head = "| state | minickpt save | Orbax save | write+fsync | minickpt restore | " \
-           "Orbax restore | read (warm) | read (cold) | memcpy |"
+    head = "| state | minickpt save | Orbax save | write+fsync (probe) | minickpt restore | " \
+           "Orbax restore | read (warm, probe) | read (cold, probe) | memcpy |"
     lines = [head, "|" + "---|" * 9]
     cold = {e["nbytes"]: e.get("cold_read") for e in res.limits}
     for p in res.scaling:
@@ -439,6 +512,8 @@ def report_markdown(res: Results, *, scaling: bool = True) -> str:
              "Page cache — warm rows: " + res.page_cache.get("warm", "") + "; cold rows: "
              + res.page_cache.get("cold", "") + ".",
              "",
+             disk_statement(m.get("disk_limit")),
+             "",
              markdown_table(res.rows)]
     notes = [f"- {r.figure}: {r.note}" for r in res.rows if r.note]
     if notes:
@@ -449,6 +524,24 @@ def report_markdown(res: Results, *, scaling: bool = True) -> str:
     if st:
         parts += ["", "Scaling (medians; 50 float32 leaves):", "", st]
     return "\n".join(parts) + "\n"
+
+
+def disk_statement(disk: dict[str, Any] | None) -> str:
+    """The disk's limit in one sentence: fio's best cases, or that the probe stands in."""
+    if not disk or disk.get("tool") != "fio":
+        why = (disk or {}).get("reason", "not measured")
+        return (f"Disk limit: {machine.PROBE_LABEL} — {why}; the large rows' limit is one "
+                "stream of write + fsync (like `dd conv=fsync`) and one read, which a "
+                "library can beat.")
+    n = len(disk["cases"])
+    return (f"Disk limit by {disk.get('fio_version', 'fio')} on the checkpoints' file "
+            f"system, best of {n} cases (sequential, {fmt_bytes(disk['total_bytes'])} per "
+            "case, buffered and O_DIRECT, block sizes and 1–4 jobs as in `results.json`): "
+            "write ending "
+            f"in fsync {disk['write']['bytes_per_s'] / 1e9:.2f} GB/s ({disk['write']['case']}), "
+            f"cold read {disk['read']['bytes_per_s'] / 1e9:.2f} GB/s ({disk['read']['case']}). "
+            "Large rows' \"of limit\" is that limit's time ÷ minickpt's; every case is in "
+            "`results.json`.")
 
 
 def fmt_load(v: Any) -> str:

@@ -249,6 +249,35 @@ def _check_skeleton(skel: dict[str, Any], entries: Sequence[Mapping[str, Any]],
 
 
 def _check_entry(e: Any, i: int, where: str, data_file: str | None, data_bytes: int) -> None:
+    """One leaf entry against the format's rules; a bad one raises, naming the leaf."""
+    if not _plain_array_ok(e, data_file, data_bytes):
+        _check_entry_fully(e, i, where, data_file, data_bytes)
+
+
+def _plain_array_ok(e: Any, data_file: str | None, data_bytes: int) -> bool:
+    """True only for a whole array entry that :func:`_check_entry_fully` would pass — the
+    common case, checked without building the leaf's name for messages; anything else (and
+    anything wrong) goes through the full check, which says what is wrong."""
+    if type(e) is not dict or e.get("kind") != "array" or "sharded" in e \
+            or data_file is None:
+        return False
+    path, dt, shape, nbytes = e.get("path"), e.get("dtype"), e.get("shape"), e.get("nbytes")
+    offset, crc = e.get("offset"), e.get("crc32")
+    if type(path) is not list or any(type(p) is not str for p in path):
+        return False
+    dtype = DTYPES.get(dt) if type(dt) is str else None
+    if dtype is None or type(shape) is not list or len(shape) > MAX_NDIM \
+            or any(type(n) is not int or n < 0 for n in shape):
+        return False
+    if type(nbytes) is not int or nbytes != math.prod(shape) * dtype.itemsize:
+        return False
+    if type(offset) is not int or offset < 0 or offset + nbytes > data_bytes:
+        return False
+    return crc is None or (type(crc) is int and 0 <= crc < 2**32)
+
+
+def _check_entry_fully(e: Any, i: int, where: str, data_file: str | None,
+                       data_bytes: int) -> None:
     if not isinstance(e, dict) or not isinstance(e.get("path"), list) \
             or not all(isinstance(p, str) for p in e["path"]):
         raise _corrupt(where, f"leaf entry {i} is malformed")

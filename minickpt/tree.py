@@ -63,7 +63,7 @@ _KEY_PARTS: dict[type, Any] = {jax.tree_util.SequenceKey: lambda k: k.idx,
 
 def path_names(path: Iterable[Any]) -> Names:
     """A JAX key path as a tuple of strings."""
-    return tuple(key_name(k) for k in path)
+    return tuple(map(key_name, path))
 
 
 def path_str(names: Iterable[str]) -> str:

@@ -52,10 +52,18 @@ def test_smoke_run_measures_every_figure(smoke):
         if r["unit"] != "s":
             continue
         for who in contenders:
-            if who == "limit" and r["section"] == "multihost":
-                continue  # processes against processes: no machine limit of its own
+            if who == "limit" and (r["section"] == "multihost" or r["key"] == "async.sustained"):
+                continue  # processes against processes, an interval: no machine limit
             v = r["values"][who]
             assert v is not None and 0 < v < 60, (r["key"], who, v)
+            if who == "limit" and r["limit_source"] == "fio":  # the disk's limit, by fio;
+                disk = res["machine"]["disk_limit"]  # the probe still ran beside it
+                kind = "write" if "write" in r["limit_name"] else "read"
+                assert v == pytest.approx(r["nbytes"] / disk[kind]["bytes_per_s"])
+                assert len(r["samples"]["probe"]) == SMOKE_REPS and "probe" in r["note"]
+                continue
+            if r["key"] == "async.sustained":  # one median of 3 saves, from one run
+                continue
             assert len(r["samples"][who]) == SMOKE_REPS
             assert r["values"][who] == pytest.approx(float(np.median(r["samples"][who])))
         for g in r["goals"]:
@@ -81,16 +89,26 @@ def test_smoke_run_reports_memory_scaling_machine_and_cache(smoke):
         assert p["memcpy"] > 0
     m = res["machine"]
     assert m["cpu"] and m["filesystem"].get("fstype") and m["versions"]["jax"]
+    disk = m["disk_limit"]  # fio's best cases, or why the probe stands in
+    if disk["tool"] == "fio":
+        assert disk["write"]["bytes_per_s"] > 0 and disk["read"]["bytes_per_s"] > 0
+        assert {c["rw"] for c in disk["cases"]} == {"write", "read"}
+    else:
+        assert disk["reason"]
     assert m["minickpt_crc32"] in ("isal", "zlib")
     assert "page cache" in res["page_cache"]["warm"]
     assert "fadvise" in res["page_cache"]["cold"] or "drop_caches" in res["page_cache"]["cold"]
     skipped = " ".join(res["skipped"])
     keys = {r["key"] for r in res["rows"]}
     if async_figs.minickpt_available():  # blocking vs a host copy; throughput vs no saves
-        assert {"async.blocking", "async.throughput"} <= keys and "async" not in skipped
+        assert {"async.blocking", "async.sustained", "async.overhead_share"} <= keys
+        assert "async" not in skipped
         rows = {r["key"]: r for r in res["rows"]}
         assert rows["async.blocking"]["values"]["limit"] > 0
-        assert 0 < rows["async.throughput"]["values"]["minickpt"] < 2
+        thr = [r for k, r in rows.items() if k.startswith("async.throughput.n")]
+        assert thr and all(0 < r["values"]["minickpt"] < 2 for r in thr)
+        if orbax_available():  # both libraries at the same N, every N
+            assert all(r["values"]["orbax"] is not None for r in thr)
     else:
         assert "async" in skipped
     if multihost.minickpt_available():  # the smoke run's process counts: 1 and 2
@@ -175,11 +193,36 @@ def test_async_figures_run_with_any_manager(tmp_path, async_):
     tree = states.uniform(200_000, 4)
     rows, detail = async_figs.rows(tree, {"minickpt": lambda: MinickptManager(
         str(tmp_path), tree, async_=async_)}, reps=2,
-        label="test", nbytes=states.nbytes(tree), intervals=2, max_every=5)
-    block, thr = rows
+        label="test", nbytes=states.nbytes(tree), intervals=2, max_every=5, mtbf_s=0.5,
+        thr_reps=1)
+    block, *thr, sus, share = rows
     assert block.values["minickpt"] > 0 and block.values["limit"] > 0
-    assert 0 < thr.values["minickpt"] < 2 and detail["minickpt"]["every_n_steps"] <= 5
     assert block.goals[0].met(block) in (True, False)
+    assert [r.key for r in thr] == [f"async.throughput.n{n}" for n in detail["schedule"]]
+    assert all(1 <= n <= 5 for n in detail["schedule"]) and len(detail["schedule"]) >= 2
+    assert all(0 < r.values["minickpt"] < 2 for r in thr)
+    assert sus.values["minickpt"] > 0 and share.key == "async.overhead_share"
+    assert detail["cost"]["minickpt"]["wall_s"] > 0 and detail["cost"]["minickpt"]["cpu_s"] >= 0
+    if not async_:  # a blocking save is done when save() returns: every step is sustained
+        assert detail["sustained"]["minickpt"]["steps"] == 1
+
+
+def test_equal_n_schedule_runs_both_at_the_same_intervals():
+    """Young's τ = √(2·C·MTBF) in steps; the schedule is the shortest interval both
+    libraries sustain and each one's Young interval — the same N for both, capped."""
+    assert async_figs.young_every(0.5, 100.0, 0.1) == 100  # √(2·0.5·100) = 10 s = 100 steps
+    assert async_figs.young_every(1e-6, 1.0, 10.0) == 1
+    ns = async_figs.schedule({"minickpt": 12, "orbax": 30}, {"minickpt": 75, "orbax": 106},
+                             max_every=100)
+    assert ns == [30, 75, 100]
+    # capped into fewer than three: half the cap joins them
+    assert async_figs.schedule({"minickpt": 3}, {"minickpt": 3}, max_every=10) == [3, 5]
+    assert async_figs.schedule({"a": 50, "b": 60}, {"a": 70, "b": 90}, max_every=40) == [20, 40]
+    g = Goal("min_x_orbax", 1.0)
+    r = _row(0.8, 0.7, goals=[g])
+    assert g.met(r) and g.verdict(r) == "yes (1.14× Orbax's)"
+    assert Goal("max_x_orbax", 1.0).verdict(_row(40, 20)) == \
+        "NO: 2.00× Orbax's, needs 2.00× less"
 
 
 def test_multiprocess_save_machinery_runs_one_process(tmp_path):
@@ -188,3 +231,70 @@ def test_multiprocess_save_machinery_runs_one_process(tmp_path):
                              timeout=120)
     assert rep["nproc"] == 1 and rep["devices"] == multihost.DEVICES
     assert len(rep["times"]) == 1 and rep["times"][0] > 0
+
+
+# ---------------------------------------------------------------------------------------
+# the disk's limit by fio (recorded output; no fio needed)
+# ---------------------------------------------------------------------------------------
+FIO_SAMPLE = os.path.join(ROOT, "tests", "data", "fio-write-2jobs.json")
+
+
+def test_fio_report_is_summed_over_jobs_past_its_warnings():
+    """A recorded fio 3.33 report, two O_DIRECT write jobs of 4 MiB (28 and 14 ms), with
+    warning lines before the JSON: the jobs ran side by side, so 8 MiB in 28 ms."""
+    with open(FIO_SAMPLE) as f:
+        r = machine.parse_fio(f.read(), "write")
+    assert r["bytes"] == 8 << 20 and r["seconds"] == pytest.approx(0.028)
+    assert r["bytes_per_s"] == pytest.approx((8 << 20) / 0.028)
+    assert r["fio_version"].startswith("fio-")
+    with pytest.raises(ValueError, match="no JSON"):
+        machine.parse_fio("fio: command not found", "write")
+    with pytest.raises(ValueError, match="failed: error 5"):
+        machine.parse_fio(json.dumps({"jobs": [{"jobname": "limit", "error": 5}]}), "write")
+
+
+def test_fio_limit_is_the_best_case_and_fio_is_asked_to_fsync(tmp_path, monkeypatch):
+    """Every case runs once; the limit of each side is its fastest case; writes end in fsync;
+    reads start from a cold cache."""
+    monkeypatch.setattr(machine, "fio_available", lambda: "/usr/bin/fio")
+    calls = []
+
+    class Done:
+        returncode, stderr = 0, ""
+
+        def __init__(self, args):
+            rw = next(a for a in args if a.startswith("--rw="))[5:]
+            jobs = int(next(a for a in args if a.startswith("--numjobs="))[10:])
+            direct = "--direct=1" in args
+            ms = 100 / jobs / (2 if direct else 1)  # more jobs, O_DIRECT: faster here
+            self.stdout = json.dumps({"fio version": "fio-3.33", "jobs": [
+                {"jobname": "limit", "error": 0, rw: {"io_bytes": 1 << 20, "runtime": ms}}]})
+            calls.append(args)
+
+    disk = machine.fio_limits(str(tmp_path), 4 << 20, run=Done)
+    assert len(calls) == 2 * len(machine.fio_cases("write"))
+    assert disk["write"]["case"] == "write bs=1M O_DIRECT 4 jobs"
+    assert disk["write"]["bytes_per_s"] == pytest.approx((1 << 20) / 0.0125)
+    assert all("--end_fsync=1" in a for a in calls if "--rw=write" in a)
+    assert all("--invalidate=1" in a for a in calls if "--rw=read" in a)
+    assert machine.limit_label("write", disk) == "fio write, best: bs=1M O_DIRECT 4 jobs"
+
+
+def test_without_fio_the_limit_is_labelled_a_probe(tmp_path, monkeypatch):
+    from benchmarks import suite
+
+    monkeypatch.setattr(machine, "fio_available", lambda: None)
+    disk = machine.fio_limits(str(tmp_path), 1 << 20)
+    assert disk["tool"] is None and "not installed" in disk["reason"]
+    assert machine.limit_label("write", disk) == "write+fsync (probe, not fio)"
+    assert "probe, not fio" in suite.disk_statement(disk)
+    r = Row("large.save", "large save", nbytes=1 << 30,
+            values={"minickpt": 1.0, "orbax": 2.0, "limit": 0.5},
+            samples={"limit": [0.5]}, limit_name="write+fsync")
+    suite.disk_limit(r, "write", disk)
+    assert r.values["limit"] == 0.5 and r.limit_name.endswith("(probe, not fio)")
+    fio = {"tool": "fio", "write": {"bytes_per_s": 4 << 30, "case": "write bs=16M O_DIRECT 4 "
+                                    "jobs"}}
+    suite.disk_limit(r, "write", fio)  # with fio: the limit is the disk's, the probe a note
+    assert r.values["limit"] == pytest.approx(0.25) and r.limit_source == "fio"
+    assert r.samples["probe"] == [0.5] and "probe" in r.note
