@@ -8,8 +8,10 @@ or ``$MINICKPT_CHAPTER_CACHE``) under a key that hashes everything the outputs d
 
 * the chapter notebook itself,
 * every source file of ``minickpt`` (what the chapter imports),
-* the pinned environment (``pyproject.toml``, ``constraints.txt``, the Python version,
-  ``JAX_PLATFORMS``), and this file (how the chapter is executed).
+* the environment (``pyproject.toml``, ``constraints.txt``, the Python version, the installed
+  versions of what the chapters import — ``scripts/versions.sh`` runs them in environments
+  that ``constraints.txt`` does not describe — and ``JAX_PLATFORMS``), and this file (how the
+  chapter is executed).
 
 A different commit of any of these is a different key, so a stale output is never reused. A
 chapter that fails is cached too, as the message that names the failing cell: the second
@@ -31,6 +33,7 @@ import argparse
 import contextlib
 import fcntl
 import hashlib
+import importlib.metadata
 import json
 import os
 import re
@@ -49,6 +52,8 @@ ROOT = Path(__file__).resolve().parent.parent
 ANSI = re.compile(r"\x1b\[[0-9;]*m")  # colours in IPython tracebacks
 CELL_TIMEOUT_S = 180  # JAX compiles on first use; no single cell should come near this
 ENV_FILES = ("pyproject.toml", "constraints.txt")
+IMPORTED = ("jax", "jaxlib", "flax", "optax", "orbax-checkpoint", "numpy", "ml_dtypes",
+            "matplotlib", "msgpack", "isal")
 
 
 def cache_dir(root: Path = ROOT) -> Path:
@@ -77,8 +82,16 @@ def key(chapter: Path, root: Path = ROOT) -> str:
         add(name, f.read_bytes() if f.exists() else b"")
     add("executor", Path(__file__).read_bytes())
     add("python", sys.version.encode())
+    add("installed", " ".join(f"{n}={_installed(n)}" for n in IMPORTED).encode())
     add("JAX_PLATFORMS", os.environ.get("JAX_PLATFORMS", "").encode())
     return h.hexdigest()[:20]
+
+
+def _installed(name: str) -> str:
+    try:
+        return importlib.metadata.version(name)
+    except importlib.metadata.PackageNotFoundError:
+        return "-"
 
 
 # ---------------------------------------------------------------------------------------

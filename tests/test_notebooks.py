@@ -234,3 +234,15 @@ def test_a_failed_chapter_is_cached_as_the_message_naming_its_cell(tmp_path):
     second = chapter_cache.execute(path, root=root, folder=folder)
     assert second.cached and second.failure.startswith(first.failure)
     assert "delete it to execute" in second.failure
+
+
+def test_a_chapter_run_under_other_versions_is_not_reused(tmp_path, monkeypatch):
+    """scripts/versions.sh runs the chapters at the floors and at the newest releases, with
+    the same pyproject.toml and constraints.txt: a chapter executed under the pinned jax must
+    not pass for one executed under another."""
+    root, path = _cache_repo(tmp_path, "print(1)")
+    here = chapter_cache.key(path, root)
+    real = chapter_cache._installed
+    monkeypatch.setattr(chapter_cache, "_installed",
+                        lambda name: "0.6.2" if name == "jax" else real(name))
+    assert chapter_cache.key(path, root) != here
