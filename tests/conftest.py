@@ -108,7 +108,7 @@ def pytest_collection_modifyitems(config, items):
         return item.module.__name__.endswith("test_grading_hardening") and \
             bool({"corpus", "sliced"} & set(getattr(item, "fixturenames", ())))
 
-    for item in items:
-        group = item.module.__name__ + ("[corpus]" if in_corpus(item) else "")
+    for item in items:  # (no brackets in a group's name: xdist would read them as a test id's)
+        group = item.module.__name__ + ("-corpus" if in_corpus(item) else "")
         item.add_marker(pytest.mark.xdist_group(group))
     items.sort(key=lambda item: not in_corpus(item))  # stable: the rest keep their order
