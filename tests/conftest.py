@@ -97,6 +97,7 @@ def pytest_terminal_summary(terminalreporter):
             terminalreporter.write_line(f"{name:<40} {value}")
 
 
+@pytest.hookimpl(tryfirst=True)  # before xdist's own hook, which reads the groups
 def pytest_collection_modifyitems(config, items):
     """Which tests share a pytest-xdist worker (scripts/test.sh runs ``--dist loadgroup``):
     each module's tests together, so that its module and session fixtures are built once —
