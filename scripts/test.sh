@@ -15,13 +15,13 @@ if [ "$(id -u)" = 0 ]; then         # CI runs as root: the sandbox must work, no
   export MINICKPT_REQUIRE_SANDBOX="${MINICKPT_REQUIRE_SANDBOX:-1}"
 fi
 .venv/bin/ruff check .
-# Both cores: each test module runs on one worker (its module fixtures built once; the groups
-# are set in tests/conftest.py); the graded corpus of tests/test_grading_hardening.py, the
-# longest part, starts first on one worker while the other takes the rest.
+# Both cores: each test module runs on one worker (its module fixtures built once); the
+# graded corpus of tests/test_grading_hardening.py, the longest part, is collected first
+# (tests/conftest.py), so one worker starts on it at once while the other takes the rest.
 # MINICKPT_TEST_WORKERS=0 runs everything in this process.
 workers="${MINICKPT_TEST_WORKERS:-$(nproc 2>/dev/null || echo 2)}"
 [ "$workers" -gt 2 ] && workers=2
 dist=()
-[ "$workers" -gt 0 ] && dist=(-n "$workers" --dist loadgroup)
+[ "$workers" -gt 0 ] && dist=(-n "$workers" --dist loadscope)
 # --durations: the slowest steps, the site build and the graded corpus among them, in the log.
 exec .venv/bin/python -m pytest -q -p no:cacheprovider --durations=25 "${dist[@]}" "$@"

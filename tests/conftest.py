@@ -97,19 +97,13 @@ def pytest_terminal_summary(terminalreporter):
             terminalreporter.write_line(f"{name:<40} {value}")
 
 
-@pytest.hookimpl(tryfirst=True)  # before xdist's own hook, which reads the groups
 def pytest_collection_modifyitems(config, items):
-    """Which tests share a pytest-xdist worker (scripts/test.sh runs ``--dist loadgroup``):
-    each module's tests together, so that its module and session fixtures are built once —
-    except test_grading_hardening's graded corpus (the tests on ``corpus`` and ``sliced``:
-    the longest part of the suite), a group of its own that is collected first, so that one
-    worker starts on it at once while the other takes the rest, that module's other tests
-    included."""
+    """test_grading_hardening's graded corpus (the tests on ``corpus`` and ``sliced``), the
+    longest part of the suite, is collected first: under ``--dist loadscope``
+    (scripts/test.sh) its module is then the first scope handed out, so one worker starts on
+    it at once while the other takes the rest."""
     def in_corpus(item) -> bool:
         return item.module.__name__.endswith("test_grading_hardening") and \
             bool({"corpus", "sliced"} & set(getattr(item, "fixturenames", ())))
 
-    for item in items:  # (no brackets in a group's name: xdist would read them as a test id's)
-        group = item.module.__name__ + ("-corpus" if in_corpus(item) else "")
-        item.add_marker(pytest.mark.xdist_group(group))
     items.sort(key=lambda item: not in_corpus(item))  # stable: the rest keep their order
