@@ -5,10 +5,11 @@
 # Without fio the suite still runs: its limit is then a single write+fsync stream, labelled
 # "probe, not fio" in the table.
 set -euo pipefail
+. "$(dirname "$0")/apt.sh"
 if command -v fio >/dev/null 2>&1; then
   exit 0
 fi
-if [ "$(id -u)" != 0 ] || ! command -v apt-get >/dev/null 2>&1; then
+if ! can_apt; then
   echo "install-fio: fio is missing; install it as root, e.g." >&2
   echo "  sudo apt-get install fio      (Debian/Ubuntu)" >&2
   echo "  sudo dnf install fio          (Fedora)" >&2
@@ -16,11 +17,7 @@ if [ "$(id -u)" != 0 ] || ! command -v apt-get >/dev/null 2>&1; then
   exit 0
 fi
 echo "install-fio: installing fio with apt-get" >&2
-export DEBIAN_FRONTEND=noninteractive
-apt-get install -y -q --no-install-recommends fio >/dev/null 2>&1 ||
-  { apt-get update -q >/dev/null 2>&1 &&
-    apt-get install -y -q --no-install-recommends fio >/dev/null 2>&1; } ||
-  true
+apt_install fio
 if command -v fio >/dev/null 2>&1; then
   echo "install-fio: $(fio --version)" >&2
 else

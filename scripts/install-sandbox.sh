@@ -3,6 +3,7 @@
 # (util-linux, present on Debian/Ubuntu). Needs root and apt-get; elsewhere it says what to do.
 # Idempotent: does nothing when bwrap is already installed. CI runs it (scripts/test.sh).
 set -euo pipefail
+. "$(dirname "$0")/apt.sh"
 # cgroups: grade.sh makes one per parallel slot itself (autograder/cgroups.py, as root): cgroup v2
 # with the cpu, memory and pids controllers, or v1's cpu, memory and pids hierarchies. Say so
 # when neither is there (grade.sh then marks every result: CPU and memory bounded per process).
@@ -15,7 +16,7 @@ fi
 if command -v bwrap >/dev/null 2>&1; then
   exit 0
 fi
-if [ "$(id -u)" != 0 ] || ! command -v apt-get >/dev/null 2>&1; then
+if ! can_apt; then
   echo "install-sandbox: bubblewrap is missing; install it as root, e.g." >&2
   echo "  sudo apt-get install bubblewrap      (Debian/Ubuntu)" >&2
   echo "  sudo dnf install bubblewrap          (Fedora)" >&2
@@ -23,10 +24,7 @@ if [ "$(id -u)" != 0 ] || ! command -v apt-get >/dev/null 2>&1; then
   exit 0
 fi
 echo "install-sandbox: installing bubblewrap with apt-get" >&2
-export DEBIAN_FRONTEND=noninteractive
-apt-get install -y -q bubblewrap >/dev/null 2>&1 ||
-  { apt-get update -q >/dev/null 2>&1 && apt-get install -y -q bubblewrap >/dev/null 2>&1; } ||
-  true
+apt_install bubblewrap
 if command -v bwrap >/dev/null 2>&1; then
   echo "install-sandbox: $(bwrap --version)" >&2
 else

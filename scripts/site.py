@@ -16,13 +16,11 @@
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import re
 import shutil
 import subprocess
 import sys
 import time
-import types
 from pathlib import Path
 
 import jupytext
@@ -33,17 +31,11 @@ SITE = ROOT / "site"
 GENERATED = ("chapters", "labs", "api")  # under site/, written by this build (git-ignored)
 
 
-def _load(name: str, file: str) -> types.ModuleType:
-    spec = importlib.util.spec_from_file_location(name, ROOT / "scripts" / file)
-    assert spec is not None and spec.loader is not None
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = mod
-    spec.loader.exec_module(mod)
-    return mod
-
-
-notebooks = _load("course_notebooks", "notebooks.py")  # the badge's Colab URL, the repo URL
-chapter_cache = _load("course_chapter_cache", "chapter_cache.py")
+try:  # imported from the repository's root (the tests: pytest puts it on sys.path)
+    from scripts import chapter_cache, notebooks  # notebooks: the badge's Colab URL, the repo URL
+except ImportError:  # run as a script: python scripts/site.py puts scripts/ on sys.path
+    import chapter_cache  # type: ignore[no-redef]
+    import notebooks  # type: ignore[no-redef]
 
 
 def colab_url(nb: notebooks.Notebook, url: str) -> str:

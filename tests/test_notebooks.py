@@ -3,7 +3,6 @@
 
 from __future__ import annotations
 
-import importlib.util
 import os
 import shutil
 import sys
@@ -14,22 +13,15 @@ from pathlib import Path
 import nbformat
 import pytest
 
+# One execution per chapter per commit, shared with the site build (scripts/site.py); the
+# repository root is on sys.path (pyproject: pythonpath).
+from scripts import chapter_cache
+from scripts import notebooks as tool
+
 ROOT = Path(__file__).resolve().parent.parent
 CHAPTERS = sorted((ROOT / "chapters").glob("*.ipynb"))
 
 
-def _load_tool(name: str, file: str) -> types.ModuleType:
-    spec = importlib.util.spec_from_file_location(name, ROOT / "scripts" / file)
-    assert spec is not None and spec.loader is not None
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = mod  # dataclasses look their module up while it loads
-    spec.loader.exec_module(mod)
-    return mod
-
-
-tool = _load_tool("course_notebooks", "notebooks.py")
-# One execution per chapter per commit, shared with the site build (scripts/site.py).
-chapter_cache = _load_tool("course_chapter_cache", "chapter_cache.py")
 run_notebook = chapter_cache.run_notebook
 
 

@@ -11,7 +11,6 @@ from __future__ import annotations
 import contextlib
 import functools
 import http.server
-import importlib.util
 import os
 import re
 import shutil
@@ -19,7 +18,6 @@ import sys
 import tempfile
 import threading
 import time
-import types
 from collections.abc import Iterator
 from html import unescape
 from pathlib import Path
@@ -29,6 +27,7 @@ import pytest
 from bs4 import BeautifulSoup
 
 from autograder import notebook as grader_nb
+from scripts import site  # the repository root is on sys.path (pyproject: pythonpath)
 
 ROOT = Path(__file__).resolve().parent.parent
 OUT = ROOT / "site" / "_build" / "html"
@@ -41,16 +40,6 @@ PAGE_TIMEOUT_S = 60
 pytestmark = pytest.mark.slow
 
 
-def _load(name: str, file: str) -> types.ModuleType:
-    spec = importlib.util.spec_from_file_location(name, ROOT / "scripts" / file)
-    assert spec is not None and spec.loader is not None
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = mod
-    spec.loader.exec_module(mod)
-    return mod
-
-
-site = _load("course_site", "site.py")
 
 
 @pytest.fixture(scope="module")
