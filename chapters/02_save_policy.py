@@ -238,17 +238,24 @@ def throughput(interval, steps=48):
     return steps / elapsed
 
 
+intervals = [1, 3, 6, 12, 24, 48]
+measured, no_saves = [], [throughput(None)]
+for i in intervals:  # a no-save run between the saving ones: the machine's speed drifts
+    measured.append(throughput(i))
+    no_saves.append(throughput(None))
+ceiling = float(np.median(no_saves))
+T_loop = 1 / ceiling  # a step as this loop runs it, measured around the saving runs
+
+
 def model(interval, steps=48):
-    """steps / (steps * T_step + n_saves * C), n_saves counted by the same rule (the first
+    """steps / (steps * T_loop + n_saves * C), n_saves counted by the same rule (the first
     step always saves)."""
     n = len(saved_steps_minickpt(range(1, steps + 1), save_interval_steps=interval))
-    return steps / (steps * T_step + n * C_mc)
+    return steps / (steps * T_loop + n * C_mc)
 
 
-intervals = [1, 3, 6, 12, 24, 48]
-ceiling = throughput(None)
-measured = [throughput(i) for i in intervals]
-print(f"no saves at all: {ceiling:7.1f} steps/s")
+print(f"no saves at all: {ceiling:7.1f} steps/s (median of {len(no_saves)} runs, "
+      f"{min(no_saves):.0f} to {max(no_saves):.0f}): T_step = {T_loop * 1e3:.1f} ms in this loop")
 for i, r in zip(intervals, measured):
     print(f"save every {i:3d} steps: {r:7.1f} steps/s   (model: {model(i):7.1f})")
 
@@ -267,7 +274,11 @@ plt.show()
 
 # %% [markdown]
 # *Figure: training throughput against the save interval, measured on this machine, with the
-# model $I/(I\,T_{\text{step}}+C)$ from the measured $C$ and $T_{\text{step}}$.* Saving at
+# model $I/(I\,T_{\text{step}}+C)$ from the measured $C$ and the $T_{\text{step}}$ of the
+# no-save runs.* The model takes $T_{\text{step}}$ from the same 48-step loop, run between the
+# saving runs, rather than from the single steps timed above: on a shared machine a step's
+# time moves by a factor of two or more from one minute to the next, and the model is only
+# as good as the $T_{\text{step}}$ measured next to the points it is compared with. Saving at
 # every step ($I = 1$) runs at a fraction of the speed; the curve approaches the no-save
 # ceiling as $I$ grows, and past the point where $C \ll I\,T_{\text{step}}$ a longer interval
 # buys almost nothing while losing more work in a crash (chapter 6 picks $I$ from $C$ and the
