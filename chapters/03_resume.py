@@ -463,7 +463,9 @@ print(f"final fingerprint {final}; uninterrupted run {fingerprint(train(fresh, k
 
 # %% [markdown]
 # Each row is one kill: the last step the killed process had printed, the step it resumed from
-# (always a multiple of 10: the newest committed checkpoint), the steps computed twice, and the
+# (the newest committed checkpoint: a multiple of 10, or step 1, which `should_save` saves
+# first because nothing is saved yet; a kill just after a multiple of 10 was printed may
+# land before that save committed), the steps computed twice, and the
 # time from the kill until the restarted process had restored (`restore`) and had computed its
 # first new step (`recover`: starting Python, importing JAX, compiling — the compilation cache
 # in `ch03-work/jax-cache` shortens the second and later starts — and restoring). On a CPU the
