@@ -5,19 +5,26 @@
   fresh host memory: the least any snapshot that is safe against donation must do). Goal:
   ≤ 1.5× the copy.
 * **Throughput at equal N** — a training loop whose every step touches the whole state (a
-  jitted update that donates its input, like an optimizer step) runs ``k·N`` steps without
-  saves and with a save every ``N`` steps; the figure is (steps/s with saves) ÷ (steps/s
-  without). Both libraries run at the *same* N, for each N of :func:`schedule`: the shortest
-  interval both sustain, and Young's interval τ = √(2·C·MTBF) for a stated MTBF and each
-  library's measured save cost C (one whole save, alone). Goals: ≥ Orbax at every N, and
-  ≥ 0.97 (CheckFreq reports ≤ 3.5 % overhead).
+  jitted update that donates its input, like an optimizer step) runs intervals of ``N``
+  steps without a save and with a save at the interval's first step (and, at its end, the
+  wait until that save is written); the figure is (time without) ÷ (time with). Both
+  libraries run at the *same* N, for each N of :func:`schedule`: the shortest interval both
+  sustain, and Young's interval τ = √(2·C·MTBF) for a stated MTBF and each library's
+  measured save cost C (one whole save, alone). The intervals run in rounds — no saves,
+  then each library's, the order turning from round to round — so that a load spike on a
+  shared machine falls on a round's baseline and its saving intervals alike; a round's
+  ratio is its own, the row the median over rounds, the note the range. Goals: ≥ Orbax at
+  every N, and ≥ 0.97 (CheckFreq reports ≤ 3.5 % overhead).
 * **Shortest interval sustained** — how long (and how many steps) after a save, with
   training running, its background write is done (``is_saving_in_progress()`` polled after
-  every step): a save every fewer steps than that waits for the previous one.
+  every step): a save every fewer steps than that waits for the previous one. The
+  libraries' saves in turn; medians and ranges.
 * **Writer's CPU share** — the CPU seconds one save costs the process (measured alone, the
-  main thread asleep in ``wait``) ÷ the CPU seconds N training steps use. On a CPU backend the
-  writer and XLA share the cores, so the overhead cannot be much below that share; the row
-  gives overhead ÷ share at Young's N (goal ≤ 1.2).
+  main thread asleep in ``wait``, the libraries in turn, the median) ÷ the CPU seconds of
+  the round's own no-save interval. On a CPU backend the writer and XLA share the cores, so
+  the overhead cannot be much below that share; the row gives overhead ÷ share at Young's
+  N, per round (goal ≤ 1.2), and its note the extra CPU a saving interval used over the
+  no-save one beside it.
 
 minickpt's figures run once minickpt has its asynchronous checkpointer
 (``hasattr(minickpt, "AsyncCheckpointer")``); the functions here take any manager adapter

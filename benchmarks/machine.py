@@ -294,6 +294,9 @@ class FioCase:
     bs: str
     direct: bool
     jobs: int
+    # buffered writes that start the disk's writeback after every block (fio's
+    # sync_file_range=write:1), as minickpt does, instead of leaving it all to the fsync
+    writeback: bool = False
 
     @property
     def engine(self) -> str:
@@ -303,15 +306,22 @@ class FioCase:
 
     def describe(self) -> str:
         how = "O_DIRECT" if self.direct else "buffered"
+        if self.writeback:
+            how += "+sync_file_range"
         return f"{self.rw} bs={self.bs} {how} {self.jobs} job{'s' * (self.jobs > 1)}"
 
 
 def fio_cases(rw: str, smoke: bool = False) -> list[FioCase]:
-    """The cases the limit is the best of: buffered and O_DIRECT, two block sizes, 1–4 jobs."""
+    """The cases the limit is the best of: buffered and O_DIRECT, two block sizes, 1–4 jobs;
+    for writes also buffered with the writeback started after every block (a plain buffered
+    write leaves it all to the final fsync, which a save that starts it early beats)."""
+    wb = rw == "write"
     if smoke:
-        return [FioCase(rw, "1M", False, 1), FioCase(rw, "1M", True, 2)]
+        return [FioCase(rw, "1M", False, 1), FioCase(rw, "1M", True, 2)] + (
+            [FioCase(rw, "1M", False, 2, writeback=True)] if wb else [])
     return ([FioCase(rw, "1M", False, j) for j in (1, 2, 4)] + [FioCase(rw, "16M", False, 1)]
-            + [FioCase(rw, bs, True, j) for bs in ("1M", "16M") for j in (1, 4)])
+            + [FioCase(rw, bs, True, j) for bs in ("1M", "16M") for j in (1, 4)]
+            + ([FioCase(rw, "16M", False, j, writeback=True) for j in (1, 4)] if wb else []))
 
 
 def fio_args(case: FioCase, path: str, total_bytes: int, runtime_s: float) -> list[str]:
@@ -326,6 +336,8 @@ def fio_args(case: FioCase, path: str, total_bytes: int, runtime_s: float) -> li
             "--output-format=json"]
     if case.direct:
         args.append("--iodepth=4")
+    if case.writeback:
+        args.append("--sync_file_range=write:1")
     if case.rw == "write":
         args += ["--end_fsync=1", "--fallocate=none"]  # the fsync is inside the timed run
     else:

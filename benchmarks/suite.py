@@ -69,7 +69,7 @@ class Config:
     multihost_procs: Sequence[int] = (1, 2, 4)
     orbax: bool = True
     fio: bool = True  # the disk's limit by fio (else, or without fio: the probe, labelled)
-    fio_runtime_s: float = 2.0  # at most, per fio case (16 cases)
+    fio_runtime_s: float = 2.0  # at most, per fio case of the sweep (18 cases)
     large_row_bytes: int = 16 * MB  # from this size on a row's limit is the disk's (fio)
     cold: bool = True
     evict: str = "fadvise"
@@ -259,19 +259,11 @@ def disk_limit(r: Row, kind: str | None, disk: dict[str, Any] | None) -> None:
 
 
 def above_limit_reason(r: Row, kind: str) -> str:
-    """Why minickpt beat fio's best case in this row (set by what the measurements show)."""
+    """That minickpt beat fio's best case in this row, and how often, pair by pair."""
     m = r.samples.get("minickpt") or []
     lim = r.samples.get("limit") or []
     faster = sum(a < b for a, b in zip(m, lim, strict=False))
-    base = f"above 1.0 of limit: minickpt faster than fio in {faster} of {len(m)} repetitions"
-    return base + ABOVE_LIMIT.get(kind, "")
-
-
-# What a row above fio's limit means, per side (see the README's Performance section).
-ABOVE_LIMIT = {
-    "write": "",
-    "read": "",
-}
+    return f"above 1.0 of limit: minickpt faster than fio in {faster} of {len(m)} repetitions"
 
 
 def scaling(cfg: Config, cache: Any, warm: Any = None
