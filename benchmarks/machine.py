@@ -319,7 +319,8 @@ def fio_cases(rw: str, smoke: bool = False) -> list[FioCase]:
     if smoke:
         return [FioCase(rw, "1M", False, 1), FioCase(rw, "1M", True, 2)] + (
             [FioCase(rw, "1M", False, 2, writeback=True)] if wb else [])
-    return ([FioCase(rw, "1M", False, j) for j in (1, 2, 4)] + [FioCase(rw, "16M", False, 1)]
+    return ([FioCase(rw, "1M", False, j) for j in (1, 2, 4)]
+            + [FioCase(rw, "16M", False, j) for j in (1, 4)]
             + [FioCase(rw, bs, True, j) for bs in ("1M", "16M") for j in (1, 4)]
             + ([FioCase(rw, "16M", False, j, writeback=True) for j in (1, 4)] if wb else []))
 
