@@ -400,12 +400,15 @@ def run(cfg: Config) -> Results:
     return res
 
 
+NO_DISK_ROWS = "no row of this run is held to the disk's limit"
+
+
 def disk_limits(cfg: Config) -> dict[str, Any]:
     """fio on the checkpoints' file system, or why not (then the probe is the limit)."""
     if not cfg.fio:
         return {"tool": None, "reason": "fio turned off (--no-fio)"}
     if not (cfg.wants("large") or (cfg.wants("trainstate") and cfg.wide is not None)):
-        return {"tool": None, "reason": "no row of this run is held to the disk's limit"}
+        return {"tool": None, "reason": NO_DISK_ROWS}
     t0 = time.perf_counter()
     disk = machine.fio_limits(cfg.workdir, max(cfg.large_bytes, 8 * MB),
                               runtime_s=cfg.fio_runtime_s, smoke=cfg.mode == "smoke")
@@ -576,6 +579,8 @@ def disk_statement(disk: dict[str, Any] | None) -> str:
     """The disk's limit in one sentence: fio's best cases, or that the probe stands in."""
     if not disk or disk.get("tool") != "fio":
         why = (disk or {}).get("reason", "not measured")
+        if why == NO_DISK_ROWS:
+            return f"Disk limit: not measured ({why})."
         return (f"Disk limit: {machine.PROBE_LABEL} — {why}; the large rows' limit is one "
                 "stream of write + fsync (like `dd conv=fsync`) and one read, which a "
                 "library can beat.")
