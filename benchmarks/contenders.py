@@ -21,9 +21,9 @@ from typing import Any
 import jax
 import numpy as np
 
-from . import states
+from . import machine, states
 from .core import Op
-from .machine import PageCache
+from .machine import PageCache, WarmCache
 
 ITEM = "state"
 _counter = itertools.count()
@@ -100,7 +100,7 @@ class Limits:
         return Op("limit", lambda: self._write(self._path), prepare,
                   lambda: remove(self._path))
 
-    def read(self, cache: PageCache | None = None) -> Op:
+    def read(self, cache: PageCache | None = None, warm: WarmCache | None = None) -> Op:
         def run() -> None:
             fd = os.open(self.read_path, os.O_RDONLY)
             try:
@@ -113,7 +113,8 @@ class Limits:
             finally:
                 os.close(fd)
 
-        prepare = (lambda: cache.evict(self.read_path)) if cache is not None else None
+        prepare = ((lambda: cache.evict(self.read_path)) if cache is not None else
+                   (lambda: warm.warm(self.read_path)) if warm is not None else None)
         return Op("limit", run, prepare)
 
     def memcpy(self) -> Op:
@@ -121,6 +122,57 @@ class Limits:
 
     def close(self) -> None:
         remove(self.read_path)
+
+
+class FioLimit:
+    """The disk's limit for one row, measured at the row's own moments: fio's best case of
+    the sweep at the start (``disk[kind]``, see :func:`machine.fio_limits`) run once per
+    repetition, on this row's bytes, in turn with the libraries. The timed op is fio's whole
+    process; what counts is fio's own time for the bytes it moved (:attr:`seconds`, the
+    row's ``nbytes`` ÷ fio's bytes/s), not its start-up. A write case writes a fresh file each
+    time (removed, untimed, after); a read case reads one file, evicted before each read."""
+
+    def __init__(self, workdir: str, nbytes: int, disk: dict[str, Any], kind: str,
+                 cache: PageCache | None = None, *, run: Any = None):
+        self.workdir, self.nbytes, self.kind, self.cache = workdir, max(int(nbytes), 1), \
+            kind, cache
+        self.case = machine.FioCase(**disk[kind]["spec"])
+        self.run = run
+        self.seconds: list[float] = []
+        self.bytes_per_s: list[float] = []
+        self.read_path = fresh(workdir, "fio-read") if kind == "read" else ""
+        self._path = ""
+
+    def _once(self, path: str) -> None:
+        r = machine.fio_once(self.case, path, self.nbytes, run=self.run)
+        self.bytes_per_s.append(r["bytes_per_s"])
+        self.seconds.append(self.nbytes / r["bytes_per_s"])
+
+    def op(self) -> Op:
+        if self.kind == "write":
+            def prepare() -> None:
+                self._path = fresh(self.workdir, "fio-write")
+
+            return Op("limit", lambda: self._once(self._path), prepare,
+                      lambda: remove(self._path))
+
+        def prepare_read() -> None:
+            if not os.path.exists(self.read_path):  # fio lays it out; written back here
+                self._once(self.read_path)
+                self.seconds.pop()
+                self.bytes_per_s.pop()
+            if self.cache is not None:  # fio evicts too (--invalidate=1); this checks it
+                self.cache.evict(self.read_path)
+
+        return Op("limit", lambda: self._once(self.read_path), prepare_read)
+
+    def last(self, reps: int) -> tuple[list[float], list[float]]:
+        """The seconds and bytes/s of the last ``reps`` runs (the warm-up ones dropped)."""
+        return self.seconds[-reps:], self.bytes_per_s[-reps:]
+
+    def close(self) -> None:
+        if self.read_path:
+            remove(self.read_path)
 
 
 # ---------------------------------------------------------------------------------------
@@ -145,11 +197,14 @@ class _Checkpointer:
         return Op(self.label, lambda: self._save(self._path), prepare,
                   lambda: remove(self._path))
 
-    def restore(self, cache: PageCache | None = None) -> Op:
+    def restore(self, cache: PageCache | None = None, warm: WarmCache | None = None) -> Op:
+        """A restore of the checkpoint written up front: cold (``cache`` evicts its files
+        first) or warm (``warm`` reads them into the page cache first), both untimed."""
         def run() -> None:
             _ready(self._restore(self.saved))
 
-        prepare = (lambda: cache.evict(self.saved)) if cache is not None else None
+        prepare = ((lambda: cache.evict(self.saved)) if cache is not None else
+                   (lambda: warm.warm(self.saved)) if warm is not None else None)
         return Op(self.label, run, prepare)
 
     def close(self) -> None:
@@ -194,8 +249,17 @@ class _Manager:
             return Op(self.label, lambda: (self.save_now(self.tree), self.wait()))
         return Op(self.label, lambda: self.save_now(self.tree), after=self.wait)
 
-    def restore(self) -> Op:
-        return Op(self.label, lambda: _ready(self._restore_step(self.mngr.latest_step())))
+    def restore(self, warm: WarmCache | None = None) -> Op:
+        """A restore of the latest step; with ``warm``, its files are read into the page
+        cache first (untimed)."""
+        prepare = ((lambda: warm.warm(self.step_dir(self.mngr.latest_step())))
+                   if warm is not None else None)
+        return Op(self.label, lambda: _ready(self._restore_step(self.mngr.latest_step())),
+                  prepare)
+
+    def step_dir(self, step: int) -> str:
+        """The directory holding ``step`` (the manager's whole directory if not known)."""
+        return self.dir
 
     def close(self) -> None:
         self.mngr.close()
@@ -240,6 +304,9 @@ class MinickptManager(_Manager):
     def _restore_step(self, step: int) -> Any:
         return self.mngr.restore(step, target={ITEM: self.target})
 
+    def step_dir(self, step: int) -> str:
+        return self.mngr.step_path(step)
+
 
 # ---------------------------------------------------------------------------------------
 # Orbax
@@ -283,3 +350,7 @@ class OrbaxManager(_Manager):
 
     def _restore_step(self, step: int) -> Any:
         return self.mngr.restore(step, args=self.ocp.args.StandardRestore(self.target))
+
+    def step_dir(self, step: int) -> str:
+        path = os.path.join(self.dir, str(step))  # Orbax's default step name
+        return path if os.path.isdir(path) else self.dir

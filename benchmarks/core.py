@@ -183,11 +183,16 @@ class Row:
             return "—"
         return f"{_ratio(o / m)} faster" if o >= m else f"{_ratio(m / o)} slower"
 
-    def vs_limit(self) -> str:
+    def vs_limit_value(self) -> float | None:
+        """The limit's time ÷ minickpt's ("of limit"), or None."""
         m, lim = self.values.get("minickpt"), self.values.get("limit")
         if m is None or lim is None or m <= 0 or self.unit != "s":
-            return "—"
-        return f"{lim / m:.2f}"
+            return None
+        return lim / m
+
+    def vs_limit(self) -> str:
+        v = self.vs_limit_value()
+        return "—" if v is None else f"{v:.2f}"
 
     def verdict(self) -> str:
         if not self.goals:

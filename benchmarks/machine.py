@@ -22,7 +22,7 @@ import shutil
 import subprocess
 import sys
 import time
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from importlib import metadata as _md
 from typing import Any
 
@@ -227,6 +227,50 @@ class PageCache:
         return how
 
 
+def read_whole(path: str, chunk: int = 16 << 20) -> int:
+    """Read every byte of every file under ``path`` (through the page cache); bytes read."""
+    total = 0
+    buf = bytearray(chunk)
+    for name in _files(path):
+        with open(name, "rb", buffering=0) as f:
+            while n := f.readinto(buf):
+                total += n
+    return total
+
+
+class WarmCache:
+    """Puts a checkpoint's files in the page cache before a warm restore is timed.
+
+    A warm row must not rely on a file being cached by accident (a save written with
+    ``O_DIRECT`` leaves nothing behind): every file the restore reads is read once, untimed,
+    and ``mincore`` checks that the largest one is resident."""
+
+    def __init__(self) -> None:
+        self.warmings = 0
+        self.checked: list[float] = []  # resident fraction after each warming we checked
+
+    def warm(self, path: str) -> None:
+        read_whole(path)
+        self.warmings += 1
+        big = max(_files(path), key=os.path.getsize, default=None)
+        if big is not None and len(self.checked) < 200:
+            frac = resident_fraction(big)
+            if frac is not None:
+                self.checked.append(frac)
+
+    def statement(self) -> str:
+        if not self.warmings:
+            return "no warm-cache figure in this run"
+        how = ("each library's checkpoint files (and the probe's file) read once, untimed, "
+               "before each warm repetition")
+        if self.checked:
+            how += (f"; mincore after warming: at least {min(self.checked):.1%} of the largest "
+                    "file cached")
+        else:
+            how += "; not verified (mincore unavailable)"
+        return how
+
+
 def drop_caches_possible() -> bool:
     return os.geteuid() == 0 and os.access("/proc/sys/vm/drop_caches", os.W_OK)
 
@@ -250,6 +294,9 @@ class FioCase:
     bs: str
     direct: bool
     jobs: int
+    # buffered writes that start the disk's writeback after every block (fio's
+    # sync_file_range=write:1), as minickpt does, instead of leaving it all to the fsync
+    writeback: bool = False
 
     @property
     def engine(self) -> str:
@@ -259,15 +306,23 @@ class FioCase:
 
     def describe(self) -> str:
         how = "O_DIRECT" if self.direct else "buffered"
+        if self.writeback:
+            how += "+sync_file_range"
         return f"{self.rw} bs={self.bs} {how} {self.jobs} job{'s' * (self.jobs > 1)}"
 
 
 def fio_cases(rw: str, smoke: bool = False) -> list[FioCase]:
-    """The cases the limit is the best of: buffered and O_DIRECT, two block sizes, 1–4 jobs."""
+    """The cases the limit is the best of: buffered and O_DIRECT, two block sizes, 1–4 jobs;
+    for writes also buffered with the writeback started after every block (a plain buffered
+    write leaves it all to the final fsync, which a save that starts it early beats)."""
+    wb = rw == "write"
     if smoke:
-        return [FioCase(rw, "1M", False, 1), FioCase(rw, "1M", True, 2)]
-    return ([FioCase(rw, "1M", False, j) for j in (1, 2, 4)] + [FioCase(rw, "16M", False, 1)]
-            + [FioCase(rw, bs, True, j) for bs in ("1M", "16M") for j in (1, 4)])
+        return [FioCase(rw, "1M", False, 1), FioCase(rw, "1M", True, 2)] + (
+            [FioCase(rw, "1M", False, 2, writeback=True)] if wb else [])
+    return ([FioCase(rw, "1M", False, j) for j in (1, 2, 4)]
+            + [FioCase(rw, "16M", False, j) for j in (1, 4)]
+            + [FioCase(rw, bs, True, j) for bs in ("1M", "16M") for j in (1, 4)]
+            + ([FioCase(rw, "16M", False, j, writeback=True) for j in (1, 4)] if wb else []))
 
 
 def fio_args(case: FioCase, path: str, total_bytes: int, runtime_s: float) -> list[str]:
@@ -282,6 +337,8 @@ def fio_args(case: FioCase, path: str, total_bytes: int, runtime_s: float) -> li
             "--output-format=json"]
     if case.direct:
         args.append("--iodepth=4")
+    if case.writeback:
+        args.append("--sync_file_range=write:1")
     if case.rw == "write":
         args += ["--end_fsync=1", "--fallocate=none"]  # the fsync is inside the timed run
     else:
@@ -346,7 +403,8 @@ def fio_limits(directory: str, total_bytes: int, *, runtime_s: float = 2.0,
                     raise RuntimeError(f"fio {case.describe()}: exit {proc.returncode}: "
                                        f"{(proc.stderr or proc.stdout)[-500:]}")
                 r = parse_fio(proc.stdout, rw)
-                out["cases"].append({"case": case.describe(), "rw": rw, **r})
+                out["cases"].append({"case": case.describe(), "rw": rw,
+                                     "spec": asdict(case), **r})
                 out["fio_version"] = r["fio_version"]
     except (OSError, RuntimeError, ValueError, KeyError, subprocess.SubprocessError) as e:
         return {"tool": None, "reason": f"fio failed: {e}"}
@@ -355,8 +413,25 @@ def fio_limits(directory: str, total_bytes: int, *, runtime_s: float = 2.0,
             os.unlink(path)
     for rw in ("write", "read"):
         best = max((c for c in out["cases"] if c["rw"] == rw), key=lambda c: c["bytes_per_s"])
-        out[rw] = {"bytes_per_s": best["bytes_per_s"], "case": best["case"]}
+        out[rw] = {"bytes_per_s": best["bytes_per_s"], "case": best["case"],
+                   "spec": best["spec"]}
     return out
+
+
+def fio_once(case: FioCase, path: str, nbytes: int, *, runtime_s: float = 120.0,
+             run: Any = None) -> dict[str, float]:
+    """One run of ``case`` on ``path`` moving ``nbytes`` (the row's own bytes), parsed as
+    :func:`parse_fio` does: the suite times the sweep's best case again inside each large
+    row's repetitions, so that the row and its limit are measured at the same moments. A
+    write case must be given a path that does not exist (a save writes a new file); a read
+    case reads what is there (fio lays the file out if it is missing) with a cold cache."""
+    run = run or (lambda args: subprocess.run(args, capture_output=True, text=True,
+                                              timeout=runtime_s + 60))
+    proc = run(fio_args(case, path, nbytes, runtime_s))
+    if proc.returncode != 0:
+        raise RuntimeError(f"fio {case.describe()}: exit {proc.returncode}: "
+                           f"{(proc.stderr or proc.stdout)[-500:]}")
+    return parse_fio(proc.stdout, case.rw)
 
 
 def limit_label(kind: str, fio: dict[str, Any] | None) -> str:

@@ -11,13 +11,14 @@ import tempfile
 import time
 import warnings
 from collections.abc import Callable, Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
 import jax
 
 from . import async_figs, machine, multihost, states
 from .contenders import (
+    FioLimit,
     Limits,
     MinickptCheckpointer,
     MinickptManager,
@@ -62,13 +63,13 @@ class Config:
     # Young's interval τ = √(2·C·MTBF) for this MTBF: a small one, so that τ is a few
     # seconds of this machine's steps (a real job's MTBF is hours, its C and step larger)
     mtbf_s: float = 30.0
-    async_intervals: int = 2  # saves per timed loop
-    async_reps: int = 2  # timed loops per N and library
+    # rounds per N of one-interval segments, no saves and each library's, in turn (medians)
+    async_rounds: int = 5
     multihost_bytes: int = 64 * MB
     multihost_procs: Sequence[int] = (1, 2, 4)
     orbax: bool = True
     fio: bool = True  # the disk's limit by fio (else, or without fio: the probe, labelled)
-    fio_runtime_s: float = 2.0  # at most, per fio case (16 cases)
+    fio_runtime_s: float = 2.0  # at most, per fio case of the sweep (20 cases)
     large_row_bytes: int = 16 * MB  # from this size on a row's limit is the disk's (fio)
     cold: bool = True
     evict: str = "fadvise"
@@ -94,7 +95,7 @@ class Config:
                     # and the peak looked like 0.5-0.7× the state)
                     memory_bytes=16 * MB,
                     multihost_bytes=1 * MB, multihost_procs=(1, 2),
-                    fio_runtime_s=1.0, large_row_bytes=1 * MB)
+                    fio_runtime_s=1.0, large_row_bytes=1 * MB, async_rounds=2)
         base.update(kw)
         return cls(**base)
 
@@ -142,18 +143,22 @@ def log(msg: str) -> None:
 # ---------------------------------------------------------------------------------------
 def save_restore_rows(cfg: Config, key: str, label: str, tree: Any, *, reps: int, warmup: int,
                       goals_save: Sequence[Goal] = (), goals_restore: Sequence[Goal] = (),
-                      managers: bool = True, cold: Any = None,
+                      managers: bool = True, cold: Any = None, warm: Any = None,
                       background_delete: bool = False, disk: dict[str, Any] | None = None
                       ) -> list[Row]:
     """Checkpointer vs StandardCheckpointer (save, restore warm, restore cold) and
     CheckpointManager vs CheckpointManager (save with retention, restore) — plus, with
     ``background_delete``, both managers' save with that option on.
 
-    A large row (``cfg.large_row_bytes`` and more) is held to the disk's limit ``disk``
-    measured by fio (:func:`machine.fio_limits`): its save rows to fio's best write ending in
-    fsync, its cold restore to fio's best read; the probe's time, still measured in the same
-    interleaved repetitions, goes to the row's note. Without fio, or for small rows, the limit
-    is the probe, and a large row's limit says so (``probe, not fio``)."""
+    A large row (``cfg.large_row_bytes`` and more) is held to the disk's limit by fio: the
+    sweep's best case (``disk``, :func:`machine.fio_limits`) runs again on the row's own
+    bytes inside the row's interleaved repetitions (minickpt, Orbax, probe, fio, minickpt,
+    …), so that the row and its limit are sampled at the same moments; the save rows against
+    fio's best write ending in fsync, the cold restore against its best cold read. The
+    probe, still timed beside them, goes to the row's note. Without fio, or for small rows,
+    the limit is the probe, and a large row's limit says so (``probe, not fio``). A warm
+    restore (``warm``, a :class:`machine.WarmCache`) reads the checkpoint's files into the
+    page cache before each repetition, for every library alike."""
     wd = cfg.workdir
     size = states.nbytes(tree)
     label = f"{label} ({states.num_leaves(tree)} leaves, {fmt_bytes(size)})"
@@ -162,22 +167,35 @@ def save_restore_rows(cfg: Config, key: str, label: str, tree: Any, *, reps: int
     out = []
 
     large = size >= cfg.large_row_bytes
+    with_fio = large and bool(disk) and disk.get("tool") == "fio"
 
     def row(kind: str, title: str, ops: list[Op], limit_name: str,
             goals: Sequence[Goal]) -> Row:
+        side = {"write+fsync": "write", "cold read": "read"}.get(limit_name)
+        fio = None
+        if with_fio and side is not None:
+            fio = FioLimit(wd, size, disk, side, cold if side == "read" else None)
+            ops = [*ops[:-1], replace(ops[-1], label="probe"), fio.op()]
         t0 = time.perf_counter()
-        samples = interleaved(ops, reps, warmup)
+        try:
+            samples = interleaved(ops, reps, warmup)
+        finally:
+            if fio is not None:
+                fio.close()
         log(f"  {key}.{kind}: {time.perf_counter() - t0:.1f} s")
+        if fio is not None:
+            samples["fio_wall"] = samples.pop("limit")
+            samples["limit"], samples["fio_bytes_per_s"] = fio.last(reps)
         r = Row.from_samples(f"{key}.{kind}", f"{label} {title}", samples, nbytes=size,
                              limit_name=limit_name, goals=list(goals))
         if large:
-            disk_limit(r, {"write+fsync": "write", "cold read": "read"}.get(limit_name), disk)
+            disk_limit(r, side, disk if fio is not None else None)
         return r
 
     try:
         ops = [c.save() for c in cks] + [limits.write_fsync()]
         out.append(row("save", "save", ops, "write+fsync", goals_save))
-        ops = [c.restore() for c in cks] + [limits.read()]
+        ops = [c.restore(warm=warm) for c in cks] + [limits.read(warm=warm)]
         out.append(row("restore", "restore", ops, "read", goals_restore))
         if cold is not None:
             ops = [c.restore(cold) for c in cks] + [limits.read(cold)]
@@ -197,7 +215,7 @@ def save_restore_rows(cfg: Config, key: str, label: str, tree: Any, *, reps: int
             out.append(row("manager_save" + ("_bg" if bg else ""), title, ops, "write+fsync",
                            goals_save))
             if not bg:
-                ops = [m.restore() for m in mms] + [limits.read()]
+                ops = [m.restore(warm) for m in mms] + [limits.read(warm=warm)]
                 out.append(row("manager_restore", "manager restore", ops, "read",
                                goals_restore))
         finally:
@@ -207,27 +225,50 @@ def save_restore_rows(cfg: Config, key: str, label: str, tree: Any, *, reps: int
     return out
 
 
+def spread(xs: Sequence[float], fmt: Callable[[float], str]) -> str:
+    """A median with the range of its samples: ``0.85 (0.71–0.93, 9 runs)``."""
+    if not xs:
+        return "—"
+    return (f"{fmt(median(xs) or 0)} ({fmt(min(xs))}–{fmt(max(xs))}, {len(xs)} "
+            f"run{'s' * (len(xs) != 1)})")
+
+
 def disk_limit(r: Row, kind: str | None, disk: dict[str, Any] | None) -> None:
-    """Hold a large row to fio's limit (``kind``: "write" or "read"), the probe's time moved
-    to the samples' ``probe`` and the note; without fio, label the probe as what it is. A warm
-    restore (``kind`` None) reads the page cache: its limit stays the probe's read of it."""
+    """Name a large row's limit: fio's (its median time, sampled in the row's own
+    repetitions, already in ``values["limit"]``; fio's bytes/s and the probe's time go to
+    the note), or the probe labelled as what it is. A warm restore (``kind`` None) reads the
+    page cache: its limit stays the probe's read of it."""
     if kind is None:
         r.limit_name = "read, page cache (probe)"
         return
-    probe = r.values.get("limit")
-    if disk and disk.get("tool") == "fio" and probe is not None:
-        r.samples["probe"] = r.samples.pop("limit")
-        r.values["limit"] = r.nbytes / disk[kind]["bytes_per_s"]
+    probe = r.samples.get("probe")
+    if disk and disk.get("tool") == "fio" and probe:
         r.limit_name = machine.limit_label(kind, disk)
         r.limit_source = "fio"
         what = "write+fsync" if kind == "write" else "cold read"
-        r.note = "; ".join(x for x in (r.note, f"limit by fio; the probe ({what}, one "
-                                       f"stream) took {fmt_time(probe)}") if x)
+        bw = r.samples.get("fio_bytes_per_s") or []
+        r.note = "; ".join(x for x in (r.note, (
+            f"limit: fio {disk[kind]['case']} in this row's repetitions, "
+            f"{spread([b / 1e9 for b in bw], lambda v: f'{v:.2f}')} GB/s; the probe "
+            f"({what}, one stream) took {spread(probe, fmt_time)}")) if x)
+        over = r.vs_limit_value()
+        if over is not None and over > 1.0:
+            r.note += "; " + above_limit_reason(r, kind)
     else:
         r.limit_name = machine.limit_label(kind, None)
 
 
-def scaling(cfg: Config, cache: Any) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+def above_limit_reason(r: Row, kind: str) -> str:
+    """That minickpt beat fio's best case in this row, and how often, pair by pair."""
+    m = r.samples.get("minickpt") or []
+    lim = r.samples.get("limit") or []
+    faster = sum(a < b for a, b in zip(m, lim, strict=False))
+    return (f"above 1.0 of limit by the medians: minickpt faster than fio in {faster} of "
+            f"{len(m)} repetitions side by side")
+
+
+def scaling(cfg: Config, cache: Any, warm: Any = None
+            ) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
     """Save/restore time and the machine's limits over state sizes (50 leaves each)."""
     points, lims = [], []
     for size in cfg.scaling_sizes:
@@ -240,7 +281,8 @@ def scaling(cfg: Config, cache: Any) -> tuple[list[dict[str, Any]], list[dict[st
         try:
             save = interleaved([c.save() for c in cks] + [limits.write_fsync()],
                                cfg.scaling_reps, 1)
-            restore = interleaved([c.restore() for c in cks] + [limits.read()],
+            restore = interleaved([c.restore(warm=warm) for c in cks]
+                                  + [limits.read(warm=warm)],
                                   cfg.scaling_reps, 1)
             lim = interleaved([limits.memcpy()], cfg.scaling_reps, 1)
             entry: dict[str, Any] = {"nbytes": n}
@@ -341,14 +383,15 @@ def run(cfg: Config) -> Results:
         except PermissionError as e:
             log(f"cold-cache figures skipped: {e}")
             res.skipped.append(f"cold cache: {e}")
+    warm = machine.WarmCache()
     warnings.filterwarnings("ignore", message=".*donated buffers were not usable.*")
     try:
-        _run_figures(cfg, res, cache)
+        _run_figures(cfg, res, cache, warm)
     finally:
         if own_workdir:
             shutil.rmtree(cfg.workdir, ignore_errors=True)
     res.page_cache = {
-        "warm": "restores read a checkpoint written just before (its pages in the page cache)",
+        "warm": warm.statement(),
         "cold": cache.statement() if cache is not None else "not measured",
         "drop_caches_possible": str(machine.drop_caches_possible()),
     }
@@ -357,10 +400,15 @@ def run(cfg: Config) -> Results:
     return res
 
 
+NO_DISK_ROWS = "no row of this run is held to the disk's limit"
+
+
 def disk_limits(cfg: Config) -> dict[str, Any]:
     """fio on the checkpoints' file system, or why not (then the probe is the limit)."""
     if not cfg.fio:
         return {"tool": None, "reason": "fio turned off (--no-fio)"}
+    if not (cfg.wants("large") or (cfg.wants("trainstate") and cfg.wide is not None)):
+        return {"tool": None, "reason": NO_DISK_ROWS}
     t0 = time.perf_counter()
     disk = machine.fio_limits(cfg.workdir, max(cfg.large_bytes, 8 * MB),
                               runtime_s=cfg.fio_runtime_s, smoke=cfg.mode == "smoke")
@@ -376,10 +424,11 @@ def disk_limits(cfg: Config) -> dict[str, Any]:
     return disk
 
 
-def _run_figures(cfg: Config, res: Results, cache: Any) -> None:
+def _run_figures(cfg: Config, res: Results, cache: Any, warm: Any) -> None:
     disk = res.machine.get("disk_limit")
     x20 = [Goal("x_orbax", 20)]
-    small = dict(reps=cfg.reps_small, warmup=cfg.warmup_small, managers=cfg.managers)
+    small = dict(reps=cfg.reps_small, warmup=cfg.warmup_small, managers=cfg.managers,
+                 warm=warm)
     if cfg.wants("tiny"):
         log("tiny tree")
         res.rows += save_restore_rows(cfg, "tiny", "tiny", states.tiny(), goals_save=x20,
@@ -399,14 +448,14 @@ def _run_figures(cfg: Config, res: Results, cache: Any) -> None:
             res.rows += save_restore_rows(
                 cfg, "trainstate_wide", f"TrainState, {layers}×{hidden} MLP",
                 states.train_state(hidden, layers), reps=cfg.reps_medium, warmup=1,
-                managers=cfg.managers, disk=disk)
+                managers=cfg.managers, disk=disk, warm=warm)
     if cfg.wants("leaves100k"):
         log(f"{cfg.many_leaves}-leaf tree")
         tree = jax.block_until_ready(states.many_leaves(cfg.many_leaves))
         x1 = [Goal("x_orbax", 1)]
         res.rows += save_restore_rows(cfg, "leaves100k", "many small leaves", tree,
                                       reps=cfg.reps_many, warmup=0, goals_save=x1,
-                                      goals_restore=x1, managers=False)
+                                      goals_restore=x1, managers=False, warm=warm)
         del tree
         log("peak memory, many small leaves")
         rows, reports = memory_rows(cfg, leaves=cfg.many_leaves)
@@ -419,7 +468,7 @@ def _run_figures(cfg: Config, res: Results, cache: Any) -> None:
             cfg, "large", "large", tree, reps=cfg.reps_large, warmup=1,
             goals_save=[Goal("of_limit", 0.9), Goal("x_orbax", 3)],
             goals_restore=[Goal("of_limit", 0.8), Goal("x_orbax", 2)], managers=cfg.managers,
-            cold=cache, disk=disk)
+            cold=cache, disk=disk, warm=warm)
         del tree
     if cfg.wants("memory"):
         log(f"peak memory ({fmt_bytes(cfg.memory_bytes)})")
@@ -427,7 +476,7 @@ def _run_figures(cfg: Config, res: Results, cache: Any) -> None:
         res.rows += rows
         res.memory = reports
     if cfg.wants("scaling"):
-        res.scaling, res.limits = scaling(cfg, cache)
+        res.scaling, res.limits = scaling(cfg, cache, warm)
         title = machine.one_line(res.machine)
         res.extra["plot"] = plot_scaling(res.scaling, os.path.join(cfg.out, "scaling.png"),
                                          title)
@@ -451,9 +500,9 @@ def _async(cfg: Config, res: Results) -> None:
         factories["orbax"] = lambda: OrbaxManager(cfg.workdir, tree, async_=True)
     rows, detail = async_figs.rows(tree, factories, reps=min(cfg.reps_large, 5),
                                    label=f"{fmt_bytes(states.nbytes(tree))} state",
-                                   nbytes=states.nbytes(tree), intervals=cfg.async_intervals,
+                                   nbytes=states.nbytes(tree), rounds=cfg.async_rounds,
                                    max_every=1000 if cfg.mode == "full" else 20,
-                                   mtbf_s=cfg.mtbf_s, thr_reps=cfg.async_reps)
+                                   mtbf_s=cfg.mtbf_s)
     if not have:
         for r in rows:
             r.note = "; ".join(x for x in ("minickpt has no async checkpointer yet: its "
@@ -530,18 +579,24 @@ def disk_statement(disk: dict[str, Any] | None) -> str:
     """The disk's limit in one sentence: fio's best cases, or that the probe stands in."""
     if not disk or disk.get("tool") != "fio":
         why = (disk or {}).get("reason", "not measured")
+        if why == NO_DISK_ROWS:
+            return f"Disk limit: not measured ({why})."
         return (f"Disk limit: {machine.PROBE_LABEL} — {why}; the large rows' limit is one "
                 "stream of write + fsync (like `dd conv=fsync`) and one read, which a "
                 "library can beat.")
     n = len(disk["cases"])
     return (f"Disk limit by {disk.get('fio_version', 'fio')} on the checkpoints' file "
-            f"system, best of {n} cases (sequential, {fmt_bytes(disk['total_bytes'])} per "
-            "case, buffered and O_DIRECT, block sizes and 1–4 jobs as in `results.json`): "
-            "write ending "
-            f"in fsync {disk['write']['bytes_per_s'] / 1e9:.2f} GB/s ({disk['write']['case']}), "
-            f"cold read {disk['read']['bytes_per_s'] / 1e9:.2f} GB/s ({disk['read']['case']}). "
-            "Large rows' \"of limit\" is that limit's time ÷ minickpt's; every case is in "
-            "`results.json`.")
+            f"system. A sweep at the start, {n} cases (sequential, "
+            f"{fmt_bytes(disk['total_bytes'])} per case, buffered and O_DIRECT, block sizes "
+            "and 1–4 jobs as in `results.json`), picks the best case of each side: write "
+            f"ending in fsync {disk['write']['case']} "
+            f"({disk['write']['bytes_per_s'] / 1e9:.2f} GB/s there), cold read "
+            f"{disk['read']['case']} ({disk['read']['bytes_per_s'] / 1e9:.2f} GB/s there). "
+            "Each large row then runs that case on its own bytes inside its interleaved "
+            "repetitions (minickpt, Orbax, probe, fio, minickpt, …), so that the row and its "
+            "limit are sampled at the same moments: the row's limit is fio's median time "
+            "there, its \"of limit\" that ÷ minickpt's median, and its note gives fio's "
+            "median GB/s with the range of its runs.")
 
 
 def fmt_load(v: Any) -> str:

@@ -4,6 +4,7 @@ really is evicted; the async and multi-process machinery runs."""
 
 import json
 import os
+import re
 import subprocess
 import sys
 
@@ -56,11 +57,14 @@ def test_smoke_run_measures_every_figure(smoke):
                 continue  # processes against processes, an interval: no machine limit
             v = r["values"][who]
             assert v is not None and 0 < v < 60, (r["key"], who, v)
-            if who == "limit" and r["limit_source"] == "fio":  # the disk's limit, by fio;
-                disk = res["machine"]["disk_limit"]  # the probe still ran beside it
-                kind = "write" if "write" in r["limit_name"] else "read"
-                assert v == pytest.approx(r["nbytes"] / disk[kind]["bytes_per_s"])
-                assert len(r["samples"]["probe"]) == SMOKE_REPS and "probe" in r["note"]
+            if who == "limit" and r["limit_source"] == "fio":  # the disk's limit, by fio
+                # run in the row's own repetitions, the probe still beside it
+                for k in ("limit", "probe", "fio_bytes_per_s", "fio_wall"):
+                    assert len(r["samples"][k]) == SMOKE_REPS, (r["key"], k)
+                assert v == pytest.approx(float(np.median(r["samples"]["limit"])))
+                assert r["samples"]["limit"] == pytest.approx(
+                    [r["nbytes"] / b for b in r["samples"]["fio_bytes_per_s"]])
+                assert "fio" in r["note"] and "GB/s" in r["note"] and "probe" in r["note"]
                 continue
             if r["key"] == "async.sustained":  # one median of 3 saves, from one run
                 continue
@@ -96,7 +100,10 @@ def test_smoke_run_reports_memory_scaling_machine_and_cache(smoke):
     else:
         assert disk["reason"]
     assert m["minickpt_crc32"] in ("isal", "zlib")
-    assert "page cache" in res["page_cache"]["warm"]
+    warm = res["page_cache"]["warm"]  # warm rows are warmed on purpose, and checked
+    assert "read once" in warm
+    if "mincore" in warm:
+        assert float(re.search(r"at least ([\d.]+)%", warm).group(1)) >= 90, warm
     assert "fadvise" in res["page_cache"]["cold"] or "drop_caches" in res["page_cache"]["cold"]
     skipped = " ".join(res["skipped"])
     keys = {r["key"] for r in res["rows"]}
@@ -193,8 +200,8 @@ def test_async_figures_run_with_any_manager(tmp_path, async_):
     tree = states.uniform(200_000, 4)
     rows, detail = async_figs.rows(tree, {"minickpt": lambda: MinickptManager(
         str(tmp_path), tree, async_=async_)}, reps=2,
-        label="test", nbytes=states.nbytes(tree), intervals=2, max_every=5, mtbf_s=0.5,
-        thr_reps=1)
+        label="test", nbytes=states.nbytes(tree), rounds=2, max_every=5, mtbf_s=0.5,
+        cost_reps=2, sustained_saves=2)
     block, *thr, sus, share = rows
     assert block.values["minickpt"] > 0 and block.values["limit"] > 0
     assert block.goals[0].met(block) in (True, False)
@@ -272,7 +279,9 @@ def test_fio_limit_is_the_best_case_and_fio_is_asked_to_fsync(tmp_path, monkeypa
             calls.append(args)
 
     disk = machine.fio_limits(str(tmp_path), 4 << 20, run=Done)
-    assert len(calls) == 2 * len(machine.fio_cases("write"))
+    assert len(calls) == len(machine.fio_cases("write")) + len(machine.fio_cases("read"))
+    # buffered writes that start their writeback early, as a save does, are a case too
+    assert sum("--sync_file_range=write:1" in a for a in calls) == 2
     assert disk["write"]["case"] == "write bs=1M O_DIRECT 4 jobs"
     assert disk["write"]["bytes_per_s"] == pytest.approx((1 << 20) / 0.0125)
     assert all("--end_fsync=1" in a for a in calls if "--rw=write" in a)
@@ -293,8 +302,149 @@ def test_without_fio_the_limit_is_labelled_a_probe(tmp_path, monkeypatch):
             samples={"limit": [0.5]}, limit_name="write+fsync")
     suite.disk_limit(r, "write", disk)
     assert r.values["limit"] == 0.5 and r.limit_name.endswith("(probe, not fio)")
-    fio = {"tool": "fio", "write": {"bytes_per_s": 4 << 30, "case": "write bs=16M O_DIRECT 4 "
-                                    "jobs"}}
-    suite.disk_limit(r, "write", fio)  # with fio: the limit is the disk's, the probe a note
-    assert r.values["limit"] == pytest.approx(0.25) and r.limit_source == "fio"
-    assert r.samples["probe"] == [0.5] and "probe" in r.note
+    assert r.limit_source == "probe" and "fio" not in r.note
+
+
+def _fake_fio(events, gbps=1.0):
+    """A stand-in for one fio run: records the call, moves the bytes at ``gbps``."""
+    def fio_once(case, path, nbytes, **_kw):
+        events.append(("fio", case.rw))
+        if case.rw == "write":
+            assert not os.path.exists(path)  # a save writes a new file, so does fio
+            open(path, "wb").close()
+        else:
+            with open(path, "ab"):
+                pass
+        return {"bytes_per_s": gbps * 1e9, "bytes": nbytes, "seconds": nbytes / gbps / 1e9,
+                "fio_version": "fio-test"}
+    return fio_once
+
+
+def _fio_disk():
+    disk = {"tool": "fio", "total_bytes": 1 << 20, "fio_version": "fio-test", "cases": []}
+    for rw, direct in (("write", True), ("read", False)):
+        case = machine.FioCase(rw, "1M", direct, 2)
+        disk[rw] = {"bytes_per_s": 5e9, "case": case.describe(),
+                    "spec": {"rw": rw, "bs": "1M", "direct": direct, "jobs": 2}}
+    return disk
+
+
+def test_large_rows_time_fio_in_their_own_repetitions(tmp_path, monkeypatch):
+    """fio's best case runs once per repetition of a large row, in turn with the library and
+    the probe (minickpt, probe, fio, minickpt, …); the row's limit is fio's median there
+    (not the sweep's figure at the start), its note gives fio's GB/s and the probe's time.
+    Warm restores read every library's files into the page cache first (mincore says so);
+    cold ones evict fio's file as they evict the libraries'. No fio, no timing: a stand-in
+    fio and a tiny state."""
+    from benchmarks import contenders, suite
+
+    events = []
+    monkeypatch.setattr(machine, "fio_once", _fake_fio(events, gbps=2.0))
+    save = contenders.MinickptCheckpointer._save
+    restore = contenders.MinickptCheckpointer._restore
+    monkeypatch.setattr(contenders.MinickptCheckpointer, "_save",
+                        lambda self, p: (events.append(("minickpt", "save")), save(self, p)))
+    monkeypatch.setattr(contenders.MinickptCheckpointer, "_restore",
+                        lambda self, p: (events.append(("minickpt", "restore")),
+                                         restore(self, p))[1])
+    write = contenders.Limits._write
+    monkeypatch.setattr(contenders.Limits, "_write",
+                        lambda self, p: (events.append(("probe", "write")), write(self, p)))
+    cfg = suite.Config.smoke(workdir=str(tmp_path), orbax=False, large_row_bytes=1)
+    warm, cold = machine.WarmCache(), machine.PageCache()
+    tree = states.uniform(64_000, 4)
+    rows = {r.key.split(".")[1]: r for r in suite.save_restore_rows(
+        cfg, "t", "t", tree, reps=3, warmup=1, managers=False, cold=cold, warm=warm,
+        disk=_fio_disk())}
+    saves = [who for who, what in events if what in ("save", "write")][2:]  # past set-up
+    assert saves[:9] == ["minickpt", "probe", "fio"] * 3, saves
+    for kind, side in (("save", "write"), ("restore_cold", "read")):
+        r = rows[kind]
+        assert r.limit_source == "fio" and r.limit_name.startswith(f"fio {side}, best:")
+        assert r.samples["limit"] == pytest.approx([r.nbytes / 2e9] * 3)  # not the sweep's
+        assert len(r.samples["probe"]) == len(r.samples["fio_wall"]) == 3
+        assert r.values["limit"] == pytest.approx(r.nbytes / 2e9)
+        assert "2.00 (2.00–2.00, 3 runs) GB/s" in r.note and "probe" in r.note
+    assert rows["restore"].limit_name == "read, page cache (probe)"  # warm: no fio
+    assert ("fio", "read") in events and not list(tmp_path.glob("fio-*"))  # cleaned up
+    # warm restores: the library's files and the probe's, each repetition, all resident
+    assert warm.warmings == 2 * (3 + 1)
+    if warm.checked:
+        assert min(warm.checked) == 1.0 and "at least 100.0%" in warm.statement()
+    assert cold.evictions >= 3 * (3 + 1)  # minickpt, probe, fio's file
+
+
+def test_large_rows_without_fio_keep_the_probe_labelled(tmp_path):
+    from benchmarks import suite
+
+    cfg = suite.Config.smoke(workdir=str(tmp_path), orbax=False, large_row_bytes=1)
+    rows = suite.save_restore_rows(cfg, "t", "t", states.uniform(64_000, 4), reps=2, warmup=0,
+                                   managers=False, disk={"tool": None, "reason": "none"})
+    save = rows[0]
+    assert save.limit_name == "write+fsync (probe, not fio)" and save.limit_source == "probe"
+    assert len(save.samples["limit"]) == 2 and "probe" not in save.samples
+
+
+def test_warming_puts_an_evicted_file_back_in_the_page_cache(tmp_path):
+    path = tmp_path / "ck" / "f.bin"
+    path.parent.mkdir()
+    path.write_bytes(os.urandom(1 << 20))
+    if machine.resident_fraction(str(path)) is None:
+        pytest.skip("mincore is not available here")
+    machine.PageCache().evict(str(path.parent))
+    warm = machine.WarmCache()
+    warm.warm(str(path.parent))
+    assert warm.checked == [1.0] and "read once" in warm.statement()
+
+
+def test_a_row_above_fios_limit_says_so():
+    from benchmarks import suite
+
+    r = Row("large.save", "large save", nbytes=1 << 30,
+            values={"minickpt": 0.4, "orbax": 2.0, "limit": 0.5},
+            samples={"minickpt": [0.4, 0.6], "limit": [0.5, 0.5], "probe": [0.3, 0.3],
+                     "fio_bytes_per_s": [2e9, 2e9]})
+    suite.disk_limit(r, "write", _fio_disk())
+    assert r.limit_source == "fio" and "above 1.0 of limit" in r.note
+    assert "1 of 2 repetitions" in r.note
+
+
+def test_equal_n_interleaves_no_save_and_saving_intervals(monkeypatch):
+    """Each round runs one interval without saves and one per library, the order turning
+    from round to round; a round's ratio is its own no-save time ÷ the saving one's; the
+    row is the median over rounds and the note gives the range; the writer's share is a
+    save's CPU ÷ the no-save interval's CPU, for every library alike. No timing: the
+    loop is a stand-in that reports the times a load spike would give."""
+    calls = []
+    slow = {"minickpt": 1.25, "orbax": 2.0}
+    clock = {"cpu": 0.0}
+
+    def run_loop(tree, steps, every, adapter):
+        who = adapter if adapter is None else adapter.name
+        calls.append((who, steps))
+        spike = 3.0 if len(calls) in (5, 6, 7) else 1.0  # one round under load, all alike
+        wall = steps * 0.01 * spike * (slow[who] if who else 1.0)
+        clock["cpu"] += wall
+        return wall
+
+    class Ad:
+        def __init__(self, name):
+            self.name = name
+
+    monkeypatch.setattr(async_figs, "run_loop", run_loop)
+    monkeypatch.setattr(async_figs, "cpu_seconds", lambda: clock["cpu"])
+    ads = {"minickpt": Ad("minickpt"), "orbax": Ad("orbax")}
+    cost = {"minickpt": {"cpu_s": 0.1}, "orbax": {"cpu_s": 0.2}}
+    rows, detail = async_figs.equal_n_rows(None, ads, [10], rounds=4, label="x", nbytes=1,
+                                           why={10: "test"}, cost=cost)
+    rounds = [c[0] for c in calls[1:]]  # past the warm-up
+    assert rounds == [None, "minickpt", "orbax", "minickpt", "orbax", None,
+                      "orbax", None, "minickpt", None, "minickpt", "orbax"]
+    r = rows[0]
+    assert r.samples["minickpt"] == pytest.approx([0.8] * 4)  # the spike cancels out
+    assert r.values["orbax"] == pytest.approx(0.5)
+    assert "median (range) of 4 rounds" in r.note and "0.800 (0.800–0.800)" in r.note
+    share = detail[10]["writer_share_samples"]["minickpt"]
+    assert share[0] == pytest.approx(0.1 / 0.1) and share[1] == pytest.approx(0.1 / 0.3)
+    over = detail[10]["overhead_share_samples"]["orbax"]
+    assert over[0] == pytest.approx(0.5 / (0.2 / 0.1))
