@@ -208,6 +208,7 @@ def _calls_of_a_save(root: str, tree) -> int:
     return n
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("crash", [False, True], ids=["EIO", "crash"])
 def test_a_fault_at_any_call_of_a_direct_save_commits_nothing_corrupt(crash, tmp_path):
@@ -251,6 +252,7 @@ def _big_items(step: int, size: int = 300):
     return out
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(240)
 def test_every_crash_point_of_a_direct_save_leaves_the_old_or_the_new_checkpoint(tmp_path,
                                                                                  monkeypatch):
