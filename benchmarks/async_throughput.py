@@ -6,7 +6,9 @@ A variant names how the async snapshot and writer run: ``copy`` (every CPU array
 ``MINICKPT_ASYNC_SNAPSHOT=copy``), ``pinned`` (zero-copy pinned views, the default) and
 ``pinned-nice<K>`` (pinned, writer thread at nice +K, Linux) and ``pinned-1thread`` (pinned,
 checksums computed in the writer thread instead of a second thread) — the last two are
-experiments that did not help (see the commit log). Each repetition runs every variant once,
+experiments that did not help (see the commit log) — and ``pinned-buffered`` (pinned, data
+files written through the page cache: ``MINICKPT_DIRECT_IO=off``; the default writes large
+files with O_DIRECT). Each repetition runs every variant once,
 in turn, so that a change of load on a shared machine affects them all alike. The figure is
 :func:`benchmarks.async_figs.throughput_row`: steps/s with an async save every N steps ÷
 steps/s without, N chosen per variant so that one background write takes about half the N
@@ -64,14 +66,21 @@ def setup(variant: str) -> Iterator[None]:
     """Process-wide settings of a variant, for the time it is measured."""
     mods = (item_encode, item_read)  # each reads the threshold from its own globals
     old = [m._CRC_IN_THREAD_BYTES for m in mods]
+    old_direct = os.environ.get(item_encode.DIRECT_IO_ENV)
     if variant.endswith("1thread"):
         for m in mods:
             m._CRC_IN_THREAD_BYTES = 1 << 62
+    if variant.endswith("buffered"):
+        os.environ[item_encode.DIRECT_IO_ENV] = "off"
     try:
         yield
     finally:
         for m, v in zip(mods, old, strict=True):
             m._CRC_IN_THREAD_BYTES = v
+        if old_direct is None:
+            os.environ.pop(item_encode.DIRECT_IO_ENV, None)
+        else:
+            os.environ[item_encode.DIRECT_IO_ENV] = old_direct
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -92,6 +101,7 @@ def main(argv: list[str] | None = None) -> int:
     ratios: dict[str, list[float]] = {v: [] for v in a.variants}
     blocked: dict[str, list[float]] = {v: [] for v in a.variants}
     every: dict[str, list[int]] = {v: [] for v in a.variants}
+    writer_cpu: dict[str, list[float]] = {v: [] for v in a.variants}
     try:
         adapters = {v: make_adapter(os.path.join(root, v), tree, v) for v in a.variants}
         tc = async_figs.step_time(tree)
@@ -99,6 +109,7 @@ def main(argv: list[str] | None = None) -> int:
               f"{tc * 1e3:.1f} ms; load {os.getloadavg()[0]:.1f}", flush=True)
         def measure(v: str, ad: MinickptManager, rep: int) -> None:
             wt = {v: async_figs.background_write_time(tree, ad)}
+            writer_cpu[v].append(async_figs.save_cost(tree, ad)["cpu_s"])  # alone, as the suite
             measured = wt[v]
             if a.every:  # capped by max_every below: N = a.every exactly
                 wt = {v: 1e9}
@@ -116,7 +127,8 @@ def main(argv: list[str] | None = None) -> int:
             ratios[v].append(r)
             every[v].append(detail[v]["every_n_steps"])
             print(f"rep {rep} {v:16s} ratio {r:.3f}  N {detail[v]['every_n_steps']}  "
-                  f"write {measured * 1e3:.0f} ms  load {os.getloadavg()[0]:.1f}", flush=True)
+                  f"write {measured * 1e3:.0f} ms  writer CPU {writer_cpu[v][-1] * 1e3:.0f} ms  "
+                  f"load {os.getloadavg()[0]:.1f}", flush=True)
 
         for rep in range(a.reps):
             for v, ad in adapters.items():
@@ -127,11 +139,11 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         shutil.rmtree(root, ignore_errors=True)
     print(f"\n{'variant':16s} {'ratio median':>12s} {'min':>6s} {'max':>6s} "
-          f"{'blocked median':>15s}  N")
+          f"{'blocked median':>15s} {'writer CPU/save':>16s}  N")
     for v in a.variants:
         print(f"{v:16s} {statistics.median(ratios[v]):12.3f} {min(ratios[v]):6.3f} "
-              f"{max(ratios[v]):6.3f} {statistics.median(blocked[v]) * 1e3:12.1f} ms  "
-              f"{sorted(set(every[v]))}")
+              f"{max(ratios[v]):6.3f} {statistics.median(blocked[v]) * 1e3:12.1f} ms "
+              f"{statistics.median(writer_cpu[v]) * 1e3:13.0f} ms  {sorted(set(every[v]))}")
     return 0
 
 

@@ -213,9 +213,11 @@ plt.show()
 # small state the spikes are small; on a network disk or a 10 GB state they are seconds — per
 # save. Look also at the steps *after* an async save: the background writer is not free either.
 # It needs a CPU core to checksum the bytes and copy them into the operating system's page
-# cache, so on a busy 2-core laptop the next few steps can be slower while it writes (on a
-# machine with idle cores, or with the compute on a GPU/TPU, much less so). That is the part
-# of the save async hides only partly.
+# cache (a data file of 32 MiB or more minickpt writes past the page cache, with `O_DIRECT`:
+# one copy into its own aligned buffer, and much less work for the kernel; the 8 MB state
+# here goes through the page cache), so on a busy 2-core laptop the next few steps can be
+# slower while it writes (on a machine with idle cores, or with the compute on a GPU/TPU,
+# much less so). That is the part of the save async hides only partly.
 
 # %% [markdown]
 # ## 2. Two phases: the photo and the write

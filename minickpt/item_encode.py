@@ -7,6 +7,7 @@ the per-process shard writer share them."""
 from __future__ import annotations
 
 import json
+import logging
 import os
 import time
 from collections.abc import Iterable, Mapping, Sequence
@@ -31,7 +32,7 @@ from .format_spec import (
     crc32,
     dtype_name,
 )
-from .fs import FileSystem, SyncBatch
+from .fs import DirectIORefused, FileSystem, SyncBatch
 from .tree import (
     HostKey,
     Names,
@@ -353,12 +354,64 @@ def _crc_in_thread(plan: ItemPlan) -> Future[list[int | None]] | None:
         pool.shutdown(wait=False)  # the submitted task still runs to completion
 
 
+DIRECT_IO_ENV = "MINICKPT_DIRECT_IO"
+DIRECT_IO_MIN_BYTES = 32 << 20  # data files from this size on bypass the page cache
+
+
+def direct_io_enabled() -> bool:
+    """Whether large data files are written with O_DIRECT: yes, unless the environment
+    variable ``MINICKPT_DIRECT_IO`` is ``0``/``off``/``false``/``no`` (read at every save)."""
+    return os.environ.get(DIRECT_IO_ENV, "").strip().lower() not in ("0", "off", "false", "no")
+
+
+_log = logging.getLogger("minickpt")
+_REFUSALS_LOGGED: set[tuple[int, str]] = set()
+
+
+def _direct_refused(path: str, e: DirectIORefused) -> None:
+    """A refusal of O_DIRECT is silent for the user (the file is written buffered, as
+    durable as ever): logged at debug level, once per process per kind of refusal."""
+    key = (e.errno, str(e))
+    if key not in _REFUSALS_LOGGED:
+        _REFUSALS_LOGGED.add(key)
+        _log.debug("minickpt: %s for %s; large files are written through the page cache",
+                   e, os.path.dirname(path))
+
+
+def _write_direct(fs: FileSystem, path: str, plan: ItemPlan) -> int | None:
+    """Write the data file ``path`` (just created, empty) with O_DIRECT; return the
+    descriptor to fsync and close, or None where O_DIRECT is refused (nothing written)."""
+    try:
+        dfd = fs.open_direct(path)
+    except DirectIORefused as e:
+        _direct_refused(path, e)
+        return None
+    try:
+        fs.write_all_direct(dfd, _data_chunks(plan))
+    except BaseException as e:
+        try:
+            fs.close(dfd)
+        except OSError:
+            pass  # the write's error (or the refusal) is the one that matters
+        if isinstance(e, DirectIORefused):
+            _direct_refused(path, e)
+            return None
+        raise
+    return dfd
+
+
 def _write_data(fs: FileSystem, path: str, plan: ItemPlan, fsync: bool,
                 sync: SyncBatch | None = None) -> float:
     fd = fs.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL)
     try:
+        dfd = None
         if plan.nbytes < _JOIN_BELOW:  # many small leaves: one buffer, one write
             fs.write_all(fd, [b"".join(_data_chunks(plan))])
+        elif ((fsync or sync) and plan.nbytes >= DIRECT_IO_MIN_BYTES and direct_io_enabled()
+              and (dfd := _write_direct(fs, path, plan)) is not None):
+            # written past the page cache; the O_DIRECT descriptor is the one to fsync
+            buffered, fd = fd, dfd
+            fs.close(buffered)
         else:  # large: let the disk start while the rest is still being copied
             fs.write_all(fd, _data_chunks(plan),
                          writeback_every=_WRITEBACK_EVERY if fsync or sync else 0)
