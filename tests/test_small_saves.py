@@ -142,3 +142,105 @@ def test_a_subclass_that_watches_fsync_sees_every_one(tmp_path):
         batch.add_dir(str(tmp_path))
         batch.flush()
     assert fs.fsyncs == 5
+
+
+# ---------------------------------------------------------------------------------------
+# the skeleton cache: same structure, same skeleton; a changed structure is never served
+# the old one
+# ---------------------------------------------------------------------------------------
+import collections  # noqa: E402
+
+import jax  # noqa: E402
+from hypothesis import given, settings  # noqa: E402
+from hypothesis import strategies as st  # noqa: E402
+
+from minickpt import tree as mtree  # noqa: E402
+from minickpt.tree import skeleton  # noqa: E402
+
+Pair = collections.namedtuple("Pair", "first second")
+Other = collections.namedtuple("Other", "first second")
+
+_leaves = st.one_of(st.integers(-3, 3), st.just(np.zeros(2, np.float32)), st.just(None),
+                    st.just(np.float32(1.5)), st.text("xy", max_size=2))
+
+
+def _containers(children):
+    return st.one_of(
+        st.dictionaries(st.text("abc", min_size=1, max_size=2), children, max_size=3),
+        st.dictionaries(st.integers(0, 5), children, max_size=3),
+        st.lists(children, max_size=3),
+        st.lists(children, max_size=3).map(tuple),
+        st.tuples(children, children).map(lambda t: Pair(*t)),
+        st.tuples(children, children).map(lambda t: Other(*t)),
+        st.dictionaries(st.text("abc", min_size=1, max_size=2), children,
+                        max_size=3).map(collections.OrderedDict),
+    )
+
+
+_trees = st.recursive(_leaves, _containers, max_leaves=12)
+
+
+def _reference(tree):
+    return skeleton(tree, fast=False)
+
+
+@settings(max_examples=150, deadline=None)
+@given(_trees, _trees)
+def test_a_cached_skeleton_is_the_walks_for_every_structure(a, b):
+    for tree in (a, b, a, {"wrapped": a}, [a, b], b):  # repeats are served from the cache
+        try:
+            ref = _reference(tree)
+        except (TypeError, ValueError) as e:
+            with pytest.raises(type(e)):
+                skeleton(tree)
+            continue
+        got = skeleton(tree)
+        assert got[0] == ref[0], "the cache served a skeleton of another structure"
+        assert [n for n, _ in got[1]] == [n for n, _ in ref[1]]
+        assert all(x is y for (_, x), (_, y) in zip(got[1], ref[1], strict=True)), \
+            "the leaves must be this tree's, never the cached call's"
+
+
+def test_each_caller_gets_its_own_skeleton():
+    tree = {"a": np.ones(2), "b": [np.zeros(1), 3]}
+    first, _ = skeleton(tree)
+    first["c"][0][1]["t"] = "changed by a caller"
+    second, _ = skeleton(tree)
+    assert second == _reference(tree)[0]
+
+
+def test_changing_one_key_type_or_class_changes_the_skeleton():
+    base = {"p": Pair(np.ones(1), np.ones(2)), "k": [1, 2]}
+    variants = [
+        {"p": Other(np.ones(1), np.ones(2)), "k": [1, 2]},  # another node class
+        {"p": Pair(np.ones(1), np.ones(2)), "k": (1, 2)},  # list -> tuple
+        {"p": Pair(np.ones(1), np.ones(2)), "K": [1, 2]},  # a renamed key
+        {"p": Pair(np.ones(1), None), "k": [1, 2]},  # a leaf became None
+        {"p": Pair(np.ones(1), np.ones(2)), "k": [1, 2, 3]},  # one more leaf
+        collections.OrderedDict(base),  # the container's type
+    ]
+    skeleton(base)
+    for v in variants:
+        assert skeleton(v)[0] == _reference(v)[0]
+        assert skeleton(base)[0] == _reference(base)[0]
+
+
+def test_a_students_flatten_is_never_served_from_the_cache(monkeypatch):
+    """labkit.plugged_in swaps flatten_with_names: a wrong version must still be caught,
+    even for a tree whose skeleton the library's own version cached."""
+    tree = {"a": np.ones(1), "b": np.ones(2)}
+    skeleton(tree)
+
+    def flatten_with_names(t):  # names right, leaves swapped
+        leaves = jax.tree_util.tree_leaves(t)
+        return [(("a",), leaves[1]), (("b",), leaves[0])]
+
+    monkeypatch.setattr(mtree, "flatten_with_names", flatten_with_names)
+    with pytest.raises(ValueError, match="leaves must be named by their key paths"):
+        skeleton(tree)
+
+
+def test_the_cache_stays_bounded():
+    for i in range(mtree._SKELETONS_MAX * 2):
+        skeleton({f"k{i}": np.ones(1)})
+    assert len(mtree._SKELETONS) <= mtree._SKELETONS_MAX
