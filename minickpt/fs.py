@@ -417,7 +417,7 @@ _SYNC_THREADS = 8  # fsyncs wait on the disk, not the CPU: more threads than cor
 # ---- kernel AIO fsync (Linux): a group commit without starting threads -----------------
 _AIO_SYSCALLS = {"x86_64": (206, 208, 209), "aarch64": (0, 4, 2)}  # setup, getevents, submit
 _IOCB_CMD_FSYNC = 2
-_AIO_DEPTH = 128  # fsyncs in flight per ring; more are submitted as earlier ones finish
+_AIO_DEPTH = 128  # fsyncs in flight per ring; a larger batch goes in chunks of this many
 
 
 class _Iocb(ctypes.Structure):  # struct iocb, <linux/aio_abi.h>, little-endian layout
