@@ -108,6 +108,12 @@ def flatten_with_names(tree: Any) -> list[tuple[Names, Any]]:
     return out
 
 
+# the library's own task 1.1 function, in a tuple: labkit.plugged_in swaps every module
+# attribute that *is* it, and skeleton() must keep telling the two apart (a student's
+# version is always walked and checked, never served from the cache)
+_LIBRARY_FLATTEN = (flatten_with_names,)
+
+
 def unflatten_like(target: Any, values: Mapping[Names, Any]) -> Any:
     """Task 1.1 (back) — a tree shaped like ``target`` whose leaves come from ``values``.
 
@@ -169,8 +175,30 @@ def skeleton(tree: Any, *, fast: bool = True) -> tuple[dict[str, Any], list[tupl
     them (dict keys sorted); every other node goes through JAX's own flattening.
     ``fast=False`` sends every node through JAX — the reference the fast path is tested
     against.
+
+    The structure of a tree a training loop saves again and again does not change: with the
+    library's own :func:`flatten_with_names`, the walk's result is cached under JAX's
+    ``treedef`` and the leaves' names (a changed key, container type, node class or leaf
+    count changes one of them) and handed out as a fresh copy each time.
     """
-    leaves = flatten_with_names(tree)
+    own = fast and flatten_with_names is _LIBRARY_FLATTEN[0]
+    if own:  # flatten_with_names, keeping JAX's treedef for the cache's key
+        flat, treedef = jax.tree_util.tree_flatten_with_path(tree)
+        leaves = [(path_names(p), leaf) for p, leaf in flat]
+        key = (treedef, tuple(names for names, _leaf in leaves))
+        if len(set(key[1])) != len(leaves):  # flatten_with_names' own error
+            seen: set[Names] = set()
+            dup = next(n for n in key[1] if n in seen or seen.add(n))
+            raise ValueError(f"two leaves share the key path {path_str(dup)!r}; "
+                             "a checkpoint needs every path to be unique")
+        try:
+            cached = _SKELETONS.get(key)
+        except Exception:  # a node whose aux data cannot be hashed or compared: no cache
+            own, cached = False, None
+        if cached is not None:
+            return json.loads(cached), leaves
+    else:
+        leaves = flatten_with_names(tree)
     index = {names: i for i, (names, _leaf) in enumerate(leaves)}
     if len(index) != len(leaves):
         raise ValueError("two leaves share a key path; a checkpoint needs every path to be "
@@ -225,8 +253,17 @@ def skeleton(tree: Any, *, fast: bool = True) -> tuple[dict[str, Any], list[tupl
     skel = walk(tree, ())
     if visited != len(leaves):
         raise ValueError(f"flatten_with_names gave {len(leaves)} leaves, the tree has {visited}")
+    if own:
+        if len(_SKELETONS) >= _SKELETONS_MAX:
+            _SKELETONS.clear()  # many structures in one process: start over, never grow
+        _SKELETONS[key] = json.dumps(skel)
     return skel, leaves
 
+
+# (treedef, leaf names) -> the skeleton as JSON: json.loads rebuilds it in C, several times
+# faster than the walk, and every caller gets its own copy to keep or change
+_SKELETONS: dict[tuple[Any, tuple[Names, ...]], str] = {}
+_SKELETONS_MAX = 64
 
 MAX_DEPTH = 200
 
