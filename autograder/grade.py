@@ -686,7 +686,12 @@ def main(argv: list[str] | None = None) -> int:
             print(f"grade: compilation cache failed, grading without it: {type(e).__name__}: "
                   f"{e}", file=sys.stderr)
             caches = {s.lab: {"state": f"off: {type(e).__name__}: {e}"} for s in subs}
-        cfg["caches"] = {c["folder"]: c["entries"] for c in caches.values() if c.get("entries")}
+        if not iso.sandboxed:  # the digests an unsandboxed kernel's private copy is made from
+            digests = work / "compile-cache" / "digests.json"
+            digests.parent.mkdir(parents=True, exist_ok=True)
+            digests.write_text(json.dumps({c["folder"]: c["entries"] for c in caches.values()
+                                           if c.get("entries")}))
+            cfg["cache_digests"] = str(digests)
         readable = {lab: c["folder"] for lab, c in caches.items() if c.get("entries") is not None}
         jobs = [Job(k, s.student, s.lab, str(s.notebook), str(work / "subs" / s.lab / s.student),
                     cache=readable.get(s.lab, ""))
