@@ -15,6 +15,16 @@ private copy whose hidden tests students never saw), run in a fresh kernel in a 
 that ran to its end; the grade is read from those signatures. ``-j N`` runs N such kernels at
 once; the results do not depend on N, nor on the order, nor on the slot.
 
+**A compilation cache no submission can write to** (:mod:`autograder.compile_cache`): most
+of a grading is JAX compiling the training steps every submission compiles. Before a lab's
+submissions, grade.sh grades the lab's source notebook (student ``reference``, its row with
+``--include-solutions``) with a JAX compilation cache that only this kernel may write; every
+submission then gets it read-only (a read-only mount in the sandbox; a private copy without
+one) and never writes. The cache lives in ``.cache/grading-jax/``, one folder per lab keyed by
+the lab's files, ``minickpt/``, the JAX packages and the kernel's environment, so later runs
+reuse it; a folder that fails its check is filled again. ``--compile-cache off`` (or
+``MINICKPT_GRADE_CACHE=off``) grades without it: slower, the same grades.
+
 A student's broken notebook is a grade (0 for what did not pass, and why), never a crash:
 the exit code is 2 only when grading itself failed for some submission.
 
@@ -441,6 +451,92 @@ def refuse_unsandboxed(iso: Any, folder: Path) -> str | None:
             "add --unsandboxed, or set MINICKPT_SANDBOX=off")
 
 
+def prepare_caches(labs: list[str], source: Path, iso: Any, work: Path, cfg: dict[str, Any],
+                   jobs: int, option: str | None, wanted: set[tuple[str, str]],
+                   done: set[tuple[str, str]], on_result: Any) -> dict[str, dict[str, Any]]:
+    """Every lab's grading compilation cache (:mod:`autograder.compile_cache`), checked, and
+    filled first where it is missing: by grading the lab's source notebook as student
+    ``reference`` with the cache writable for that one kernel. Returns per lab what run.json
+    records (``folder``, ``state``, ``entries``: name -> digest, absent when there is none).
+    A fill *is* the reference's grading: with ``--include-solutions`` its result is the
+    reference's row (``on_result`` gets it, and the pair goes into ``done``)."""
+    from . import compile_cache as cc
+    from . import sandbox
+    from .runner import Job, run_pool
+
+    root = cc.where(option)
+    if root is None:
+        return {lab: {"state": "off"} for lab in labs}
+    why = cc.prepare_root(root)
+    if why:
+        print(f"grade: compilation cache unusable, grading without it: {why}", file=sys.stderr)
+        return {lab: {"state": f"off: {why}"} for lab in labs}
+    env = sandbox.kernel_env()
+    keys = {lab: cc.cache_key(source / lab, env) for lab in labs}
+    out: dict[str, dict[str, Any]] = {lab: {"folder": str(root / keys[lab]), "key": keys[lab]}
+                                      for lab in labs}
+    with cc.Lock(root) as held:
+        if not held:
+            print("grade: another grade.sh is filling the compilation cache for too long; "
+                  "grading without it", file=sys.stderr)
+            return {lab: {"state": "off: lock not free"} for lab in labs}
+        cc.tidy(root, set(keys.values()))
+        ready: dict[str, dict[str, str]] = {}
+        for key in sorted(set(keys.values())):
+            folder = root / key
+            if not folder.exists():
+                continue
+            try:
+                ready[key] = cc.check(folder)
+            except (ValueError, OSError) as e:
+                print(f"grade: compilation cache {folder} fails its check ({e}); filling it "
+                      "again", file=sys.stderr)
+                cc.discard(folder)
+        fills: list[Job] = []
+        for key in sorted(set(keys.values()) - set(ready)):
+            lab = min(lab for lab in labs if keys[lab] == key)
+            fills.append(Job(len(fills), REFERENCE_STUDENT, lab, str(source / lab / f"{lab}.ipynb"),
+                             str(work / "subs" / lab / REFERENCE_STUDENT),
+                             cache=str(cc.fill_folder(work, key)), fill=True))
+        filled: dict[str, tuple[dict[str, Any], float]] = {}
+
+        def on_fill(job: Job, result: dict[str, Any], seconds: float) -> None:
+            filled[job.lab] = (result, seconds)
+            if (job.student, job.lab) in wanted:
+                done.add((job.student, job.lab))
+                on_result(job, result, seconds)
+
+        if fills:
+            print(f"grade: compilation cache: filling it for {', '.join(j.lab for j in fills)} "
+                  "by grading each lab's source notebook (once; later runs reuse it)", flush=True)
+            run_pool(fills, cfg, min(jobs, len(fills)), work / "logs", on_fill)
+        for job in fills:
+            key = keys[job.lab]
+            result, seconds = filled.get(job.lab, ({}, 0.0))
+            if result.get("status") != "graded" or not result.get("ran_all_cells"):
+                print(f"grade: compilation cache of {job.lab} not kept: grading its source "
+                      f"notebook did not run to the end ({result.get('reason') or 'no result'})",
+                      file=sys.stderr)
+                continue
+            try:
+                cc.install(Path(job.cache), root / key, lab=job.lab,
+                           source=source / job.lab / f"{job.lab}.ipynb")
+                ready[key] = cc.check(root / key)
+            except (OSError, ValueError) as e:
+                print(f"grade: compilation cache of {job.lab} not kept: {e}", file=sys.stderr)
+                continue
+            out[job.lab]["fill_seconds"] = round(seconds, 1)
+            shutil.rmtree(job.cache, ignore_errors=True)
+    for lab in labs:
+        key = keys[lab]
+        if key in ready:
+            out[lab]["entries"] = ready[key]
+            out[lab]["state"] = "filled" if "fill_seconds" in out[lab] else "reused"
+        else:
+            out[lab]["state"] = "none (its fill failed)"
+    return out
+
+
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="autograder/grade.sh", description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter,
@@ -476,6 +572,11 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--unsandboxed", action="store_true",
                    help="grade even where the sandbox cannot be used (student code then runs "
                         "with your rights; results are marked). Same as MINICKPT_SANDBOX=off")
+    p.add_argument("--compile-cache", default=None, metavar="DIR|off",
+                   help="the JAX compilation cache of the grading (default .cache/grading-jax/, "
+                        "or $MINICKPT_GRADE_CACHE): filled once per lab by grading the lab's "
+                        "source notebook, read-only to every submission, reused by later runs; "
+                        "'off' grades without it (slower, same grades)")
     p.add_argument("--include-solutions", action="store_true",
                    help=f"also grade each lab's source notebook as student "
                         f"'{REFERENCE_STUDENT}' (a self-check: it must score full marks)")
@@ -566,30 +667,51 @@ def main(argv: list[str] | None = None) -> int:
                "prlimit": iso.prlimit, "lost": list(iso.lost), "detail": iso.detail},
            "limits": limits.as_dict(), "keep_output": 1 << 20, "max_output": 64 << 20,
            "max_message": 32 << 20, "uid_base": a.sandbox_uid or sandbox.UID_BASE}
-    jobs = [Job(k, s.student, s.lab, str(s.notebook), str(work / "subs" / s.lab / s.student))
-            for k, s in enumerate(subs)]
     (work / "logs").mkdir(parents=True, exist_ok=True)
     results: list[dict[str, Any]] = []
     timings: list[tuple[str, str, float]] = []
-    progress = Progress(len(jobs))
+    progress = Progress(len(subs))
 
     def on_result(job: Job, result: dict[str, Any], seconds: float) -> None:
         results.append(result)
         timings.append((job.student, job.lab, seconds))
         progress.update(result, seconds)
 
+    wanted, done = {(s.student, s.lab) for s in subs}, set()
     try:
+        try:
+            caches = prepare_caches(sorted({s.lab for s in subs}), source, iso, work, cfg,
+                                    a.jobs, a.compile_cache, wanted, done, on_result)
+        except Exception as e:  # a cache only makes grading faster: never a reason to fail
+            print(f"grade: compilation cache failed, grading without it: {type(e).__name__}: "
+                  f"{e}", file=sys.stderr)
+            caches = {s.lab: {"state": f"off: {type(e).__name__}: {e}"} for s in subs}
+        if not iso.sandboxed:  # the digests an unsandboxed kernel's private copy is made from
+            digests = work / "compile-cache" / "digests.json"
+            digests.parent.mkdir(parents=True, exist_ok=True)
+            digests.write_text(json.dumps({c["folder"]: c["entries"] for c in caches.values()
+                                           if c.get("entries")}))
+            cfg["cache_digests"] = str(digests)
+        readable = {lab: c["folder"] for lab, c in caches.items() if c.get("entries") is not None}
+        jobs = [Job(k, s.student, s.lab, str(s.notebook), str(work / "subs" / s.lab / s.student),
+                    cache=readable.get(s.lab, ""))
+                for k, s in enumerate(subs) if (s.student, s.lab) not in done]
         if jobs:
             run_pool(jobs, cfg, min(a.jobs, len(jobs)), work / "logs", on_result)
     finally:
         progress.close()
+    jobs = [Job(k, s.student, s.lab, str(s.notebook), str(work / "subs" / s.lab / s.student))
+            for k, s in enumerate(subs)]
     files = {}
     for job in jobs:
         d = Path(job.dir)
         files[job.lab, job.student] = {"feedback": d / "feedback.html", "log": d / "kernel.log",
                                        "grader": d / "grader.log"}
     meta = {"shard": list(a.shard) if a.shard else None, "timeout": a.timeout, "wall": a.wall,
-            "source": str(source), "isolation": sandbox.describe(iso, limits)}
+            "source": str(source), "isolation": sandbox.describe(iso, limits),
+            "compile_cache": {lab: {k: v for k, v in c.items() if k != "entries"}
+                              | {"entries": len(c.get("entries") or {})}
+                              for lab, c in caches.items()}}
     text = write_outputs(out, results, infos, files, meta)
     with open(out / "timings.csv", "w", newline="") as f:
         w = csv.writer(f)

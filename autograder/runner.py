@@ -61,10 +61,15 @@ class Job:
     lab: str
     notebook: str
     dir: str
+    cache: str = ""
+    """The lab's grading compilation cache (a folder; "" for none): read-only to the kernel,
+    unless ``fill``: then it is the empty folder the reference's kernel fills."""
+    fill: bool = False
 
 
 def job_from(d: dict[str, Any]) -> Job:
-    return Job(int(d["id"]), str(d["student"]), str(d["lab"]), str(d["notebook"]), str(d["dir"]))
+    return Job(int(d["id"]), str(d["student"]), str(d["lab"]), str(d["notebook"]), str(d["dir"]),
+               str(d.get("cache", "")), bool(d.get("fill", False)))
 
 
 # ---------------------------------------------------------------------------------------
@@ -179,10 +184,11 @@ def _run(job: Job, cfg: dict[str, Any], lab: Lab, student: list[Any], iso: sandb
         Path(key_file).unlink(missing_ok=True)
 
     slot_cgroup = cgroups.from_list(cfg.get("cgroup"))
+    cache, cache_vars = _compile_cache(job, cfg, iso, uid, root)
     km = sandbox.make_kernel_manager(iso, uid=uid or 0, ipc_dir=str(ipc), cwd=cwd,
                                      limits=limits, extra_ro=extra_ro, kernel_args=KERNEL_ARGS,
                                      max_message_bytes=int(cfg["max_message"]),
-                                     cgroup=slot_cgroup)
+                                     cgroup=slot_cgroup, cache=cache)
     client = GradingClient(nb, km, timeout=int(cfg["timeout"]),
                            setup_timeout=int(cfg["setup_timeout"]),
                            keep_output_bytes=int(cfg["keep_output"]),
@@ -191,6 +197,7 @@ def _run(job: Job, cfg: dict[str, Any], lab: Lab, student: list[Any], iso: sandb
                            deadline=t0 + int(cfg["wall"]), on_ready=lock_ipc,
                            after_first_cell=drop_key)
     env = None if iso.sandboxed else {**sandbox.without_shared_caches(dict(os.environ)),
+                                      **cache_vars,
                                       "IPYTHONDIR": str(root / "scratch" / ".ipython"),
                                       "TMPDIR": str(root / "scratch" / "tmp")}
     started = False
@@ -227,6 +234,34 @@ def _run(job: Job, cfg: dict[str, Any], lab: Lab, student: list[Any], iso: sandb
     if report.strays_killed:
         result["killed_processes"] = report.strays_killed
     _finish(root, result, lab, asm, executed, t0)
+
+
+def _compile_cache(job: Job, cfg: dict[str, Any], iso: sandbox.Isolation, uid: int | None,
+                   root: Path) -> tuple[tuple[str, bool] | None, dict[str, str]]:
+    """The grading compilation cache of this kernel (:mod:`autograder.compile_cache`): for a
+    sandboxed kernel the folder and whether it may write (only the reference's fill); for an
+    unsandboxed one, which has the grader's rights, the variables pointing at the fill folder
+    or at a private copy made from the digests the grader checked (none if they differ)."""
+    from .compile_cache import cache_env, private_copy
+
+    if not job.cache:
+        return None, {}
+    if job.fill and iso.mode == "bwrap-root" and uid:
+        os.chown(job.cache, uid, uid)  # the reference's kernel runs as the slot's uid
+    if iso.sandboxed:
+        return (job.cache, job.fill), {}
+    if job.fill:
+        return None, cache_env(job.cache, fill=True)
+    copy = root / "scratch" / "jax-cache"
+    try:
+        digests = json.loads(Path(cfg["cache_digests"]).read_text())[job.cache]
+    except (KeyError, OSError, ValueError):
+        digests = None
+    if digests is None or not private_copy(job.cache, digests, copy):
+        (root / "grader.log").write_text(f"the compilation cache {job.cache} no longer matches "
+                                         "its digests: graded without it\n")
+        return None, {}
+    return None, cache_env(str(copy), fill=False)
 
 
 def _compilable(source: str) -> str:

@@ -267,9 +267,12 @@ def python_paths(python: str = sys.executable) -> list[str]:
 # ---------------------------------------------------------------------------------------
 def kernel_command(iso: Isolation, argv: list[str], *, uid: int, cwd: str, ipc_dir: str,
                    read_only: list[str], limits: Limits, env: dict[str, str],
-                   extra_ro: dict[str, str] | None = None) -> list[str]:
+                   extra_ro: dict[str, str] | None = None,
+                   cache: tuple[str, bool] | None = None) -> list[str]:
     """``argv`` wrapped in the sandbox: bwrap (namespaces, mounts) → setpriv (as root) →
-    prlimit. ``extra_ro`` binds single files (source → path inside) read-only."""
+    prlimit. ``extra_ro`` binds single files (source → path inside) read-only; ``cache``
+    (a folder, writable?) is the grading compilation cache, seen at
+    :data:`autograder.compile_cache.IN_SANDBOX`: read-only unless this kernel fills it."""
     if not iso.sandboxed:  # no namespaces; the rlimits at least (not the process limit: our uid)
         if not iso.prlimit:
             return list(argv)
@@ -312,6 +315,10 @@ def kernel_command(iso: Isolation, argv: list[str], *, uid: int, cwd: str, ipc_d
 
     binds = [(p, p, "--ro-bind") for p in read_only] + [(ipc_dir, ipc_dir, "--bind")]
     binds += [(src, dst, "--ro-bind") for src, dst in (extra_ro or {}).items()]
+    if cache is not None:
+        from .compile_cache import IN_SANDBOX
+
+        binds.append((cache[0], IN_SANDBOX, "--bind" if cache[1] else "--ro-bind"))
     inside = [b for b in binds if b[1].startswith(cwd.rstrip("/") + "/")]
     for src, dst, how in [b for b in binds if b not in inside]:
         parents(dst)
@@ -342,19 +349,29 @@ def kernel_command(iso: Isolation, argv: list[str], *, uid: int, cwd: str, ipc_d
     return a + list(argv)
 
 
-SHARED_CACHE_ENV = ("JAX_COMPILATION_CACHE_DIR", "JAX_PERSISTENT_CACHE_")
-"""JAX's persistent compilation cache: a folder every process that has it set reads compiled
-programs from and writes them to. The test suite shares one (scripts/test.sh); a submission
-must never get it: what one submission wrote there, the next one's tests (and their fresh
-subprocesses) would load and run as their own compiled code."""
+SHARED_CACHE_ENV = ("JAX_COMPILATION_CACHE", "JAX_PERSISTENT_CACHE_", "JAX_ENABLE_COMPILATION_CACHE",
+                    "JAX_RAISE_PERSISTENT_CACHE_ERRORS", "JAX_EXPLAIN_CACHE_MISSES")
+"""JAX's persistent compilation cache and what steers it: a folder every process that has it
+set reads compiled programs from and writes them to. The test suite shares one
+(scripts/test.sh); a submission must never get it: what one submission wrote there, the next
+one's tests (and their fresh subprocesses) would load and run as their own compiled code.
+The grader's own cache (:mod:`autograder.compile_cache`: filled by the reference, read-only
+to submissions) is set by the grader, never taken from its environment."""
 
 
-def kernel_env(environ: dict[str, str] | None = None) -> dict[str, str]:
+def kernel_env(environ: dict[str, str] | None = None,
+               cache: tuple[str, bool] | None = None) -> dict[str, str]:
     """The grader's environment variables that the kernel keeps (JAX/XLA/accelerator ones),
-    without a shared compilation cache."""
+    without a shared compilation cache; with ``cache`` (its path as the kernel sees it, and
+    whether this kernel fills it), the grading cache's variables."""
+    from .compile_cache import cache_env
+
     environ = os.environ if environ is None else environ
-    return {k: v for k, v in environ.items()
-            if k.startswith(PASS_ENV_PREFIXES) and not k.startswith(SHARED_CACHE_ENV)}
+    env = {k: v for k, v in environ.items()
+           if k.startswith(PASS_ENV_PREFIXES) and not k.startswith(SHARED_CACHE_ENV)}
+    if cache is not None:
+        env.update(cache_env(cache[0], fill=cache[1]))
+    return env
 
 
 def without_shared_caches(environ: dict[str, str]) -> dict[str, str]:
@@ -532,9 +549,11 @@ class SlotUids:
 # ---------------------------------------------------------------------------------------
 def make_kernel_manager(iso: Isolation, *, uid: int, ipc_dir: str, cwd: str, limits: Limits,
                         extra_ro: dict[str, str], kernel_args: list[str],
-                        max_message_bytes: int, cgroup: Any = None) -> Any:
+                        max_message_bytes: int, cgroup: Any = None,
+                        cache: tuple[str, bool] | None = None) -> Any:
     """An AsyncKernelManager whose kernel is ipykernel run in the sandbox (``iso``), over ZMQ
-    ipc sockets in ``ipc_dir`` (owned by ``uid``); interrupts go over the control channel."""
+    ipc sockets in ``ipc_dir`` (owned by ``uid``); interrupts go over the control channel.
+    ``cache``: the grading compilation cache (a folder, writable?) for a sandboxed kernel."""
     import zmq.asyncio
     from jupyter_client.kernelspec import KernelSpec
     from jupyter_client.manager import AsyncKernelManager
@@ -556,9 +575,15 @@ def make_kernel_manager(iso: Isolation, *, uid: int, ipc_dir: str, cwd: str, lim
             if iso.sandboxed:
                 os.chown(self.connection_file, uid if iso.mode == "bwrap-root" else -1, -1)
                 os.chmod(self.connection_file, 0o600)
+            inside = None
+            if cache is not None:
+                from .compile_cache import IN_SANDBOX
+
+                inside = (IN_SANDBOX, cache[1])
             cmd = kernel_command(iso, cmd, uid=uid, cwd=cwd, ipc_dir=ipc_dir,
-                                 read_only=read_only, limits=limits, env=kernel_env(),
-                                 extra_ro=extra_ro)
+                                 read_only=read_only, limits=limits,
+                                 env=kernel_env(cache=inside), extra_ro=extra_ro,
+                                 cache=cache)
             return cgroup.join_command(cmd) if cgroup is not None else cmd
 
     context = zmq.asyncio.Context()

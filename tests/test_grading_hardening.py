@@ -34,7 +34,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from autograder import ROOT, build, sandbox
+from autograder import ROOT, build, compile_cache, sandbox
 from autograder.grade import LabInfo, shard_of, write_outputs
 from autograder.make_examples import EXAMPLES, NETWORK_PORTS, _first, _gid
 from autograder.notebook import (
@@ -188,9 +188,10 @@ def sliced(corpus, tmp_path_factory):
     for student in SLICE:
         shutil.copytree(EXAMPLES_DIR / student / "lab01_basics",  # lab 1's: the slice's kinds
                         subs / student / "lab01_basics")
-    running = [subprocess.Popen(  # side by side: each run locks its own uid
-        ["bash", str(GRADE_SH), str(subs), "--shard", f"{i}/2", "-j", "1", "--timeout",
-         str(CI_TIMEOUT), "--out", str(tmp / f"out{i}"), "--work", str(tmp / f"work{i}")],
+    running = [subprocess.Popen(  # side by side: each run locks its own uid; shard 1 without
+        ["bash", str(GRADE_SH), str(subs), "--shard", f"{i}/2", "-j", "1", "--timeout",  # the
+         str(CI_TIMEOUT), "--out", str(tmp / f"out{i}"), "--work", str(tmp / f"work{i}"),  # cache
+         *(["--compile-cache", "off"] if i == 1 else [])],
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=_env()) for i in (1, 2)]
     procs = []
     for p in running:
@@ -404,14 +405,19 @@ def test_class_summary_says_which_tasks_most_students_failed(corpus):
 
 @GRADING
 def test_one_at_a_time_in_two_shards_gives_the_same_grades_as_two_at_a_time(corpus, sliced):
-    """What is compared: the merged --out of `--shard 1/2 -j 1` and `--shard 2/2 -j 1` over
-    four examples, against the corpus run (-j 2, all examples): grades-<lab>.csv must hold
-    byte for byte the corpus run's header and rows for those four students; results.json the
-    same entries; class-summary-<lab>.csv and grades.csv what the corpus results for those
-    four make (write_outputs, the code both runs end in)."""
+    """What is compared: the merged --out of `--shard 1/2 -j 1` (without the compilation
+    cache) and `--shard 2/2 -j 1` (with it) over a few examples, against the corpus run (-j 2,
+    all examples, the cache): grades-<lab>.csv must hold byte for byte the corpus run's header
+    and rows for those students; results.json the same entries; class-summary-<lab>.csv and
+    grades.csv what the corpus results for those make (write_outputs, the code both runs end
+    in)."""
     for proc in sliced["procs"]:
         assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
     merged, tmp = sliced["tmp"] / "merged", sliced["tmp"]
+    cache = {i: json.loads((tmp / f"out{i}" / "run.json").read_text())["compile_cache"]
+             for i in (1, 2)}
+    assert cache[1]["lab01_basics"]["state"] == "off"
+    assert cache[2]["lab01_basics"]["state"] in ("reused", "filled")
     for i in (1, 2):
         graded = json.loads((tmp / f"out{i}" / "results.json").read_text())
         assert sorted(r["student"] for r in graded) == sorted(s for s, k in SLICE.items() if k == i)
@@ -430,6 +436,31 @@ def test_one_at_a_time_in_two_shards_gives_the_same_grades_as_two_at_a_time(corp
         assert (merged / name).read_bytes() == (again / name).read_bytes(), name
     for student in SLICE:
         assert (merged / "feedback" / student / "lab01_basics.html").exists()
+
+
+@GRADING
+def test_the_compilation_cache_holds_what_the_references_wrote_and_no_submission_changed_it(
+        corpus):
+    """Every lab's cache was filled by grading its source notebook (here or in an earlier
+    run: the manifest names the source's digest) and still matches the digests recorded at
+    the fill after every example, the hostile ones included, ran with it mounted read-only."""
+    proc = corpus["proc"]
+    caches = json.loads((corpus["out"] / "run.json").read_text())["compile_cache"]
+    assert set(caches) == set(LAB_NAMES)
+    for lab, c in caches.items():
+        assert c["state"] in ("filled", "reused") and c["entries"] > 0, (lab, c)
+        folder = Path(c["folder"])
+        entries = compile_cache.check(folder)  # ours, not writable by others, unchanged
+        assert len(entries) == c["entries"] or c["state"] == "reused"
+        manifest = json.loads((folder / compile_cache.MANIFEST).read_text())
+        source = SOLUTIONS / lab / f"{lab}.ipynb"
+        assert manifest["source_sha256"] == hashlib.sha256(source.read_bytes()).hexdigest()
+        assert Path(manifest["filled_from"]).name == source.name or \
+            manifest["lab"] != lab  # (a lab with the same files shares the folder)
+        if c["state"] == "filled":  # the fill was the reference's grading: reported once
+            assert c["fill_seconds"] > 0 and lab in proc.stdout.split("filling it for")[1]
+    graded = re.findall(r"^\s*\[\s*\d+/\d+\] reference/(\w+): ", proc.stdout, re.M)
+    assert sorted(graded) == sorted(LAB_NAMES)  # each source graded once, fill or not
 
 
 def _info() -> LabInfo:
