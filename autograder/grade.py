@@ -451,7 +451,7 @@ def refuse_unsandboxed(iso: Any, folder: Path) -> str | None:
             "add --unsandboxed, or set MINICKPT_SANDBOX=off")
 
 
-def prepare_caches(labs: list[str], source: Path, iso: Any, work: Path, cfg: dict[str, Any],
+def prepare_caches(labs: list[str], source: Path, work: Path, cfg: dict[str, Any],
                    jobs: int, option: str | None, wanted: set[tuple[str, str]],
                    done: set[tuple[str, str]], on_result: Any) -> dict[str, dict[str, Any]]:
     """Every lab's grading compilation cache (:mod:`autograder.compile_cache`), checked, and
@@ -680,7 +680,7 @@ def main(argv: list[str] | None = None) -> int:
     wanted, done = {(s.student, s.lab) for s in subs}, set()
     try:
         try:
-            caches = prepare_caches(sorted({s.lab for s in subs}), source, iso, work, cfg,
+            caches = prepare_caches(sorted({s.lab for s in subs}), source, work, cfg,
                                     a.jobs, a.compile_cache, wanted, done, on_result)
         except Exception as e:  # a cache only makes grading faster: never a reason to fail
             print(f"grade: compilation cache failed, grading without it: {type(e).__name__}: "

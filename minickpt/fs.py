@@ -502,11 +502,10 @@ class FileSystem:
             clean = True
             if errors is None:  # the kernel refused the opcode: the threads do it all
                 return False
-            for i, (fn, arg) in enumerate([(self.fsync, fd) for fd in fds] +
-                                          [(self.fsync, fd) for fd in dir_fds]):
+            for i, fd in enumerate(all_fds):
                 if errors[i] == "unsubmitted":  # io_submit refused this one (a bad fd):
                     try:  # the plain call gives its error, exactly
-                        fn(arg)
+                        self.fsync(fd)
                         errors[i] = None
                     except OSError as e:
                         errors[i] = e
