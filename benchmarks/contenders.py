@@ -16,6 +16,7 @@ from __future__ import annotations
 import itertools
 import os
 import shutil
+import time
 from typing import Any
 
 import jax
@@ -225,6 +226,7 @@ class _Manager:
                                enable_async_checkpointing=async_,
                                enable_background_delete=background_delete)
         self.async_ = async_
+        self.keep, self.background_delete = max_to_keep, background_delete
         self.tree, self.target = tree, states.abstract(tree)
         self.step = 0
         for _ in range(max_to_keep):  # steady state: from now on every save deletes one
@@ -338,6 +340,19 @@ class OrbaxManager(_Manager):
     """``orbax.checkpoint.CheckpointManager`` with the same options as minickpt's."""
 
     label, stem = "orbax", "ox"
+
+    def wait(self) -> None:
+        """Until the save is finished and, with background delete, the step it retired is
+        gone: Orbax's ``wait_until_finished`` does not wait for its deleter thread (0.12.8),
+        whose deleting would otherwise overlap the next contender's timed run."""
+        super().wait()
+        doomed = self.step - 1 - self.keep
+        if not self.background_delete or doomed < 0:
+            return
+        path = os.path.join(self.dir, str(doomed))  # Orbax's default step name
+        deadline = time.monotonic() + 60
+        while os.path.exists(path) and time.monotonic() < deadline:
+            time.sleep(0.0005)
 
     def _open(self, directory: str, **options: Any) -> Any:
         import orbax.checkpoint as ocp

@@ -215,7 +215,8 @@ class _Addressable:
         return hit[1]
 
 
-def put_many(arrays: Sequence[np.ndarray], shardings: Sequence[Any]) -> list[jax.Array]:
+def put_many(arrays: Sequence[np.ndarray], shardings: Sequence[Any],
+             addressable: _Addressable | None = None) -> list[jax.Array]:
     """:func:`put` for many arrays: those that go whole to addressable devices travel in one
     batched ``device_put`` (one dispatch instead of one per leaf — most of the cost of
     restoring many small leaves); the others go one by one through :func:`put`.
@@ -225,7 +226,7 @@ def put_many(arrays: Sequence[np.ndarray], shardings: Sequence[Any]) -> list[jax
     """
     out: list[Any] = [None] * len(arrays)
     groups: dict[Any, list[int]] = {}  # one device_put per distinct sharding (usually one)
-    local = _Addressable()
+    local = addressable or _Addressable()  # the caller's, when it asked already
     for i, s in enumerate(shardings):
         if s is None or isinstance(s, jax.Device) or local(s):
             groups.setdefault(s, []).append(i)
@@ -361,7 +362,8 @@ def finish_item(values: Sequence[Any], skel: Any, target: Any = None,
 
 
 def _outputs(values: Sequence[Any], leaves: Sequence[Any], sharding: Any,
-             wants: Sequence[Expect] | None = None) -> list[Any]:
+             wants: Sequence[Expect] | None = None,
+             addressable: _Addressable | None = None) -> list[Any]:
     """Each host value as its target leaf asks (``wants``: the leaves' :func:`expect_of`,
     when the caller has them already); plain arrays bound for devices are placed together
     (:func:`put_many`)."""
@@ -375,7 +377,8 @@ def _outputs(values: Sequence[Any], leaves: Sequence[Any], sharding: Any,
         else:
             outs[k] = to_output(v, want, sharding)
     if to_device:
-        placed = put_many([values[k] for k in to_device], [outs[k] for k in to_device])
+        placed = put_many([values[k] for k in to_device], [outs[k] for k in to_device],
+                          addressable)
         for k, arr in zip(to_device, placed, strict=True):
             outs[k] = arr
     return outs
@@ -410,7 +413,7 @@ def restore_item(fs: FileSystem, manifest: Manifest, target: Any = None, *, item
         else:
             rest.append((names, i, leaf, want))
     values = read_leaves(fs, manifest, [r[1] for r in rest], verify=verify)
-    placed = _outputs(values, [r[2] for r in rest], sharding, [r[3] for r in rest])
+    placed = _outputs(values, [r[2] for r in rest], sharding, [r[3] for r in rest], local)
     for r, out in zip(rest, placed, strict=True):
         outs[r[0]] = out
     return unflatten_like(target, outs)

@@ -448,3 +448,33 @@ def test_equal_n_interleaves_no_save_and_saving_intervals(monkeypatch):
     assert share[0] == pytest.approx(0.1 / 0.1) and share[1] == pytest.approx(0.1 / 0.3)
     over = detail[10]["overhead_share_samples"]["orbax"]
     assert over[0] == pytest.approx(0.5 / (0.2 / 0.1))
+
+
+@pytest.mark.skipif(not orbax_available(), reason="Orbax is not installed")
+def test_an_orbax_save_with_background_delete_is_over_once_its_step_is_deleted(tmp_path,
+                                                                              monkeypatch):
+    """Orbax's wait_until_finished does not wait for its deleter thread: the harness must,
+    or a background delete still running overlaps the next contender's timed run."""
+    from orbax.checkpoint._src.path import deleter
+
+    from benchmarks.contenders import OrbaxManager
+
+    slow = deleter.StandardCheckpointDeleter.delete
+
+    def delete_slowly(self, step):
+        import time
+
+        time.sleep(0.5)
+        return slow(self, step)
+
+    monkeypatch.setattr(deleter.StandardCheckpointDeleter, "delete", delete_slowly)
+    tree = {"w": np.arange(8, dtype=np.float32)}
+    m = OrbaxManager(str(tmp_path), tree, background_delete=True)  # saves steps 0 and 1
+    try:
+        op = m.save()
+        op.run()  # step 2: retires step 0 in Orbax's deleter thread
+        op.after()
+        assert not os.path.exists(os.path.join(m.dir, "0")), \
+            "the save counted as over while its background delete was still running"
+    finally:
+        m.close()
