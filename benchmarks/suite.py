@@ -254,6 +254,15 @@ def disk_limit(r: Row, kind: str | None, disk: dict[str, Any] | None) -> None:
         over = r.vs_limit_value()
         if over is not None and over > 1.0:
             r.note += "; " + above_limit_reason(r, kind)
+        direct = disk.get(f"{kind}_direct")
+        mine = median(r.samples.get("minickpt"))
+        if kind == "write" and direct and mine and r.nbytes \
+                and not disk[kind]["spec"].get("direct"):
+            gbps = r.nbytes / mine / 1e9
+            r.note += (f"; fio's best O_DIRECT write in the sweep (the path minickpt's large "
+                       f"files take): {direct['case']}, {direct['bytes_per_s'] / 1e9:.2f} GB/s, "
+                       f"minickpt {gbps:.2f} GB/s ({gbps * 1e9 / direct['bytes_per_s']:.2f} "
+                       "of it)")
     else:
         r.limit_name = machine.limit_label(kind, None)
 

@@ -284,6 +284,7 @@ def test_fio_limit_is_the_best_case_and_fio_is_asked_to_fsync(tmp_path, monkeypa
     assert sum("--sync_file_range=write:1" in a for a in calls) == 2
     assert disk["write"]["case"] == "write bs=1M O_DIRECT 4 jobs"
     assert disk["write"]["bytes_per_s"] == pytest.approx((1 << 20) / 0.0125)
+    assert disk["write_direct"]["case"] == disk["write"]["case"]  # the best is O_DIRECT here
     assert all("--end_fsync=1" in a for a in calls if "--rw=write" in a)
     assert all("--invalidate=1" in a for a in calls if "--rw=read" in a)
     assert machine.limit_label("write", disk) == "fio write, best: bs=1M O_DIRECT 4 jobs"
@@ -407,6 +408,28 @@ def test_a_row_above_fios_limit_says_so():
     suite.disk_limit(r, "write", _fio_disk())
     assert r.limit_source == "fio" and "above 1.0 of limit" in r.note
     assert "1 of 2 repetitions" in r.note
+
+
+def test_a_large_save_row_compares_fios_best_o_direct_write_when_the_best_is_buffered():
+    """minickpt writes large files with O_DIRECT; where fio's fastest write is buffered the
+    note also holds the row to fio's fastest O_DIRECT write of the sweep."""
+    from benchmarks import suite
+
+    disk = _fio_disk()
+    disk["write"]["spec"]["direct"] = False
+    disk["write_direct"] = {"bytes_per_s": 1e9, "case": "write bs=1M O_DIRECT 4 jobs"}
+    r = Row("large.save", "large save", nbytes=10**9,
+            values={"minickpt": 0.8, "orbax": 2.0, "limit": 0.5},
+            samples={"minickpt": [0.8, 0.8], "limit": [0.5, 0.5], "probe": [0.9, 0.9],
+                     "fio_bytes_per_s": [2e9, 2e9]})
+    suite.disk_limit(r, "write", disk)
+    assert "best O_DIRECT write in the sweep" in r.note
+    assert "minickpt 1.25 GB/s (1.25 of it)" in r.note
+    disk["write"]["spec"]["direct"] = True  # the limit is O_DIRECT already: nothing to add
+    r2 = Row("large.save", "large save", nbytes=10**9, values={"minickpt": 0.8},
+             samples={"minickpt": [0.8], "limit": [0.5], "probe": [0.9]})
+    suite.disk_limit(r2, "write", disk)
+    assert "O_DIRECT write in the sweep" not in r2.note
 
 
 def test_equal_n_interleaves_no_save_and_saving_intervals(monkeypatch):
