@@ -866,8 +866,8 @@ def odd_source(release: Any, source: Any, base: Edit = perfect) -> Any:
 
 def first_task(release: Any, source: Any) -> Any:
     """The blank lab with only the first task's reference code (``attack_issue_20``'s base):
-    its tests pass, and only a passing test's receipt carries what the referee put back
-    before it (a failing test's report is never read)."""
+    its tests pass (their points stay beside the attack's zeros), and what the referee puts
+    back before a test reaches the review column whether that test passes or fails."""
     nb = blank(release, source)
     _first(nb, "task_").source = _first(perfect(release, source), "task_").source
     return nb
@@ -877,8 +877,8 @@ def attack_issue_20(release: Any, source: Any) -> Any:
     """Issue 20's four classes in one submission, for labs 2-6 (lab 1 has one example of each,
     on ``perfect``: right answers keep their points beside each). Each class is lab-independent
     grader code and needs no right answer, and every example costs a grading of the whole lab
-    (a blank's about half a full one's), so one per lab does it: the first task right (only a
-    passing test's receipt reports what the referee put back: the refused audit hook), then,
+    (a blank's about half a full one's), so one per lab does it: the first task right (its
+    points stay; the refused audit hook is reported as put back before its tests), then,
     after it, the history hooks, the standard library patched, 8 spinners burning the slot's
     share while the neighbour grades, the odd source (a 3000-term first quiz answer, a lone
     surrogate), and the history carried out at the end. Expected: the first task's points, the

@@ -710,6 +710,23 @@ def _verdict(asm: Assembled, gid: str, outputs: list[dict[str, Any]]) -> tuple[s
                   else "the test did not run to its end (no sign from the referee)")
 
 
+def _restored_before_failure(asm: Assembled, gid: str,
+                             outputs: list[dict[str, Any]]) -> tuple[str, ...]:
+    """What the referee put back before test ``gid`` that then failed: its signed
+    ``restored`` line (never worth points; only for the review column), or nothing."""
+    for got_gid, mac, payload in receipts(outputs):
+        if got_gid != gid or not hmac.compare_digest(
+                sign(asm.key, f"{asm.nonce}|restored|{gid}|{payload}"), mac):
+            continue
+        try:
+            what = ast.literal_eval(payload)
+        except (ValueError, SyntaxError, TypeError, MemoryError, RecursionError):
+            return ()
+        if isinstance(what, list) and all(isinstance(w, str) for w in what):
+            return tuple(what)
+    return ()
+
+
 def grade_cells(asm: Assembled, executed: list[list[dict[str, Any]]],
                 notes_by_cell: dict[int, str], points: dict[str, float]) -> list[CellGrade]:
     """Scores of the graded cells from the executed outputs (one list per RunCell)."""
@@ -730,6 +747,7 @@ def grade_cells(asm: Assembled, executed: list[list[dict[str, Any]]],
         g = CellGrade(gid, points[gid], 0.0)
         if valid is None:
             g.message = (error_message(outputs) or notes_by_cell.get(index) or why)
+            g.restored = _restored_before_failure(asm, gid, outputs)
             grades.append(g)
             continue
         try:

@@ -546,6 +546,37 @@ def test_a_test_scores_only_with_its_own_valid_receipt():
     assert grades["test_quiz_q2"].score == 0 and "save_checkpoint" in grades["test_quiz_q2"].message
 
 
+def test_what_was_put_back_before_a_failing_test_reaches_review_and_earns_nothing():
+    """The referee signs, for a failing test, what it had to put back before it: that goes
+    to the review column; a ``restored`` line forged with another key, or for another test,
+    or signed as ``restored`` but offered as a pass, goes nowhere and earns nothing."""
+    from autograder.notebook import sign
+
+    lab = _lab()
+    asm = assemble(lab, [], referee_path="/r.py", key_file="/k", key=b"k" * 32, nonce="n1")
+    idx = {c.grade_id: i for i, c in enumerate(asm.cells) if c.role in ("test", "quiz")}
+    executed: list[list] = [[] for _ in asm.cells]
+    error = {"output_type": "error", "ename": "LabCheckError", "evalue": "wrong", "traceback": []}
+
+    def put_back(gid, what, key=asm.key, signed_gid=None):
+        note = repr(what)
+        mac = sign(key, f"{asm.nonce}|restored|{signed_gid or gid}|{note}")
+        return {"output_type": "stream", "name": "stdout", "text": f"{RECEIPT} {gid} {mac} {note}\n"}
+
+    executed[idx["test_1_1_names"]] = [put_back("test_1_1_names", ["numpy.isclose"]), error]
+    executed[idx["test_1_1_minickpt"]] = [put_back("test_1_1_minickpt", ["x"], key=b"y" * 32),
+                                          error]
+    executed[idx["test_1_2_host"]] = [put_back("test_1_2_host", ["y"],
+                                               signed_gid="test_1_1_names"), error]
+    executed[idx["test_1_3_leaf"]] = [put_back("test_1_3_leaf", ["z"])]  # no error: no pass
+    grades = {g.grade_id: g for g in grade_cells(asm, executed, {}, lab.grade_cells)}
+    assert grades["test_1_1_names"].restored == ("numpy.isclose",)
+    assert grades["test_1_1_names"].score == 0 and grades["test_1_1_names"].message
+    assert grades["test_1_1_minickpt"].restored == () and grades["test_1_2_host"].restored == ()
+    assert grades["test_1_3_leaf"].score == 0  # a restored line is never a pass
+    assert grades["test_1_3_leaf"].restored == ("z",)
+
+
 answers = st.recursive(
     st.none() | st.booleans() | st.integers(-2**70, 2**70) | st.text(max_size=20)
     | st.floats(allow_nan=False, allow_infinity=False),
@@ -640,7 +671,8 @@ def test_the_referee_restores_what_student_code_patched_and_signs_only_passing_t
     labkit.check, builtins and reference do not make a wrong function pass; a function that
     patches while under test fails; a test whose text was changed is refused; and a student
     function cannot sign: ``__referee__`` has nothing to sign with, a test started inside a
-    test and a test run twice are refused."""
+    test and a test run twice are refused. A failing test still reports, signed, what the
+    referee put back before it (for the review column; it earns nothing)."""
     script = tmp_path / "run.py"
     script.write_text(REFEREE_SCRIPT)
     proc = subprocess.run([sys.executable, str(script), str(ROOT / "autograder" / "referee.py"),
@@ -649,7 +681,9 @@ def test_the_referee_restores_what_student_code_patched_and_signs_only_passing_t
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     lines = dict(line.split(": ", 1) for line in proc.stdout.splitlines() if ": " in line)
     assert lines["right"].startswith("receipt") and "minickpt.labkit.check" in lines["right"]
-    assert lines["wrong"] == "LabCheckError: plan_leaf is wrong (printed: no receipt)"
+    # a failing test earns nothing, but what was put back before it still reaches review
+    assert lines["wrong"] == "LabCheckError: plan_leaf is wrong (printed: no receipt) " \
+        "(put back: ['minickpt.labkit.check', 'minickpt.labkit.reference'])"
     assert lines["patches while tested"].startswith("TamperedError: plan_leaf changed")
     assert lines["changed text"].startswith("TamperedError: the text of test t4 was changed")
     assert lines["builtins in test"] == "receipt ['builtins.isinstance']}"
@@ -695,6 +729,20 @@ def sealed(gid, src):
                       for i in range((len(data) + 31) // 32))
     return bytes(a ^ b for a, b in zip(data, stream)).hex()
 
+def put_back(text, gid):
+    """The text without the referee's signed "put back before a failing test" line, and
+    that line's list (or None)."""
+    kept, what = [], None
+    for line in text.split("\n"):
+        parts = line.split(" ", 3)
+        if len(parts) == 4 and parts[0] == mod.RECEIPT and parts[1] == gid and hmac.compare_digest(
+                parts[2], hmac.new(b"k" * 32, f"n|restored|{gid}|{parts[3]}".encode(),
+                                   "sha256").hexdigest()):
+            what = parts[3]
+            continue
+        kept.append(line)
+    return "\n".join(kept), what
+
 def run(label, gid, src, mac=None):
     captured.clear()
     try:
@@ -702,9 +750,11 @@ def run(label, gid, src, mac=None):
         text = "".join(captured)
         result = "receipt" + (" " + text.split("'restored': ")[1] if mod.RECEIPT in text else " MISSING")
     except BaseException as e:
-        text = "".join(captured)
+        text, what = put_back("".join(captured), gid)
         result = f"{type(e).__name__}: {e}" + (" (printed: a receipt)" if mod.RECEIPT in text
                                                else " (printed: no receipt)")
+        if what is not None:
+            result += f" (put back: {what})"
     print(f"{label}: {result.strip()}", file=out)
 
 # the student's cells: a wrong plan_leaf, and patches that would make any check pass
@@ -907,8 +957,11 @@ def test_patching_the_standard_library_silences_no_check(tmp_path):
                           env=_env(), cwd=ROOT)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     lines = dict(line.split(": ", 1) for line in proc.stdout.splitlines() if ": " in line)
-    for case in ("exit patched", "exit's code patched"):
-        assert lines[case] == "LabCheckError: must raise (nothing was raised) (printed: no receipt)"
+    for case, what in (("exit patched", "contextlib._GeneratorContextManager.__exit__"),
+                       ("exit's code patched", "_GeneratorContextManager.__exit__.__code__")):
+        assert lines[case].startswith("LabCheckError: must raise (nothing was raised) "
+                                      "(printed: no receipt) (put back: ["), lines[case]
+        assert what in lines[case], lines[case]
     assert "contextlib._GeneratorContextManager.__exit__" in lines["put back"]
     assert "_GeneratorContextManager.__exit__.__code__" in lines["put back"]
     assert "numpy._core.numeric.isclose" in lines["put back"]
