@@ -84,6 +84,9 @@ class Goal:
 
     kind: str
     target: float
+    # below this the value says nothing (overhead ÷ share < 0: the saving intervals ran
+    # faster than the no-save ones, noise): neither met nor missed
+    floor: float | None = None
 
     def describe(self) -> str:
         t = f"{self.target:g}"
@@ -109,7 +112,7 @@ class Goal:
 
     def met(self, row: Row) -> bool | None:
         v = self.value(row)
-        if v is None:
+        if v is None or (self.floor is not None and v < self.floor):
             return None
         low = ("x_limit_max", "max", "max_x_orbax")
         return v <= self.target if self.kind in low else v >= self.target
@@ -118,6 +121,8 @@ class Goal:
         v = self.value(row)
         if v is None:
             return f"{self.describe()}: not measured"
+        if self.floor is not None and v < self.floor:
+            return f"not judged: {v:.2f}, below {self.floor:g} (noise: no overhead measured)"
         ok = self.met(row)
         shown = _ratio(v) if self.kind in ("x_orbax", "x_limit_max") else f"{v:.2f}"
         if self.kind in ("min_x_orbax", "max_x_orbax"):

@@ -156,6 +156,11 @@ def test_goals_say_met_or_by_how_much_they_are_missed():
     assert mem.verdict(_row(1.5)) == "NO: 1.50, needs 1.25× less"
     assert Goal("min", 0.97).verdict(_row(0.5)) == "NO: 0.50, needs 1.94× more"
     assert g.met(_row(1.0)) is None and "not measured" in g.verdict(_row(1.0))
+    # overhead ÷ share below 0: the saving intervals ran faster than the no-save ones, which
+    # is noise, not a goal met
+    share = Goal("max", 1.2, floor=0.0)
+    assert share.met(_row(-0.61)) is None and share.verdict(_row(-0.61)).startswith("not judged")
+    assert share.met(_row(0.8)) and share.verdict(_row(2.4)) == "NO: 2.40, needs 2.00× less"
     r = _row(0.002, 0.05, 0.001, [g])
     r.unit, r.nbytes = "s", 100
     assert "25.0× faster" in markdown_table([r]) and "0.50" in markdown_table([r])
