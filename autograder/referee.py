@@ -518,14 +518,11 @@ class Referee:
             raise RuntimeError("the referee was not sealed: the setup cell did not run")
         return sorted(set(self._changes(fix=True)))
 
-    def run(self, grade_id: str, source: str, report: tuple = (),
-            restored: list[str] | None = None) -> str:
+    def run(self, grade_id: str, source: str, report: tuple, restored: list[str]) -> str:
         """Run one test (its text already checked by :func:`boot`, the snapshot put back by
         :meth:`repair`, whose answer is ``restored``); the payload to sign."""
         if not self._sealed:
             raise RuntimeError("the referee was not sealed: the setup cell did not run")
-        if restored is None:
-            restored = self.repair()
         self._reap_children()
         allowed: set[int] = set()
         calls: list[str] = []

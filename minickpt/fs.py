@@ -489,7 +489,7 @@ class FileSystem:
         started and scheduled (on a loaded machine that costs milliseconds, more than the
         fsyncs themselves). Each is the kernel's own ``vfs_fsync`` — the same durability as
         ``os.fsync``. False (nothing done) where the kernel refuses AIO: threads then."""
-        ring = _aio_ring()
+        ring = _AIO_RINGS.get()
         if ring is None:
             return False
         dir_fds: list[int] = []
@@ -640,7 +640,7 @@ class _AioRing:
                     continue
                 if r < 0 and err in (errno.EINVAL, errno.ENOSYS) and submitted == 0 \
                         and start == 0:
-                    _aio_broken()
+                    _AIO_RINGS.broken = True
                     return None
                 for i in range(submitted, n):  # the first refused one and those after it
                     out[start + i] = "unsubmitted"
@@ -694,14 +694,6 @@ class _AioRings:
 
 
 _AIO_RINGS = _AioRings()
-
-
-def _aio_ring() -> _AioRing | None:
-    return _AIO_RINGS.get()
-
-
-def _aio_broken() -> None:
-    _AIO_RINGS.broken = True
 
 
 def _run_together(jobs: Sequence[tuple[Callable[..., None], Any]]) -> None:

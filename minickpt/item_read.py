@@ -54,8 +54,9 @@ def read_leaves(fs: FileSystem, manifest: Manifest, indices: Sequence[int] | Non
     assert manifest.data_file is not None
     dpath = os.path.join(manifest.item_dir, manifest.data_file)
     # a large item is read by several threads that check checksums as they go
-    big = verify and sum(e["nbytes"] for _, e in wanted) >= _CRC_IN_THREAD_BYTES
-    span = None if big else _one_read_span(wanted)
+    nbytes = sum(e["nbytes"] for _, e in wanted)
+    big = verify and nbytes >= _CRC_IN_THREAD_BYTES
+    span = None if big else _one_read_span(wanted, nbytes)
     arrays: list[tuple[int, dict[str, Any], np.ndarray]] = []
     if span is None:
         # raw bytes, 64-byte aligned (so a CPU device_put can alias them); decoded below by
@@ -112,12 +113,14 @@ def _finish_leaf(e: Mapping[str, Any], arr: np.ndarray) -> Any:
 _ONE_READ_BELOW = 1 << 20  # a small item's leaves are read with one read into one buffer
 
 
-def _one_read_span(wanted: list[tuple[int, dict[str, Any]]]) -> tuple[int, int] | None:
-    """``(start, end)`` in the data file covering every leaf, when reading it whole into one
-    buffer costs less than a buffer and a read per leaf: a small span, mostly wanted."""
+def _one_read_span(wanted: list[tuple[int, dict[str, Any]]], nbytes: int
+                   ) -> tuple[int, int] | None:
+    """``(start, end)`` in the data file covering every leaf (``nbytes`` together), when
+    reading it whole into one buffer costs less than a buffer and a read per leaf: a small
+    span, mostly wanted."""
     lo = min(e["offset"] for _, e in wanted)
     hi = max(e["offset"] + e["nbytes"] for _, e in wanted)
-    if hi - lo > _ONE_READ_BELOW or hi - lo > 2 * sum(e["nbytes"] for _, e in wanted) + 4096:
+    if hi - lo > _ONE_READ_BELOW or hi - lo > 2 * nbytes + 4096:
         return None
     return lo, hi
 
@@ -129,10 +132,7 @@ def _read_span(fs: FileSystem, fd: int, wanted: list[tuple[int, dict[str, Any]]]
     one buffer (aligned like the file's offsets: 64 bytes, as a zero-copy CPU put wants)."""
     lo, hi = span
     buf = aligned_empty((hi - lo,), np.uint8)
-    try:
-        fs.read_into(fd, memoryview(buf), lo)
-    except EOFError as e:
-        raise _corrupt(where, f"data file ended early ({e})") from e
+    _read_batch(fs, fd, (lo, [memoryview(buf)], []), where)
     return [(k, e, buf[e["offset"] - lo:e["offset"] - lo + e["nbytes"]]) for k, e in wanted]
 
 
