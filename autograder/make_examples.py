@@ -917,9 +917,10 @@ def unflatten_like(target, values):
 def to_host(x, **k):
     return _h(x, **k)
 """,
-    "task_1_3": """import minickpt.format as F
+    "task_1_3": """import minickpt.format.encode as E
+import minickpt.format.read as R
 
-_plan, _decode = F.plan_leaf, F.decode_leaf  # taken now: under plugged_in F.plan_leaf is mine
+_plan, _decode = E.plan_leaf, R.decode_leaf  # taken now: under plugged_in E.plan_leaf is mine
 
 
 def plan_leaf(names, host):

@@ -33,8 +33,8 @@ from typing import Any
 
 import jax
 
-import minickpt.item_encode as item_encode
-import minickpt.item_read as item_read
+import minickpt.format.encode as item_encode
+import minickpt.format.read as item_read
 
 from . import async_figs, states
 from .contenders import MinickptManager

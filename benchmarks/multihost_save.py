@@ -37,9 +37,10 @@ PHASES = ("snapshot_s", "write_s", "fsync_s", "barrier_s", "commit_s", "retentio
 
 
 def worker(directory: str, mb: int, repeats: int, is_async: bool = False) -> int:
-    import minickpt.multihost as mh
+    from minickpt.multihost.process import initialize
+    from minickpt.multihost.sync import default_sync
 
-    mh.initialize()
+    initialize()
     import jax
     import numpy as np
     from jax.sharding import Mesh, NamedSharding
@@ -59,7 +60,7 @@ def worker(directory: str, mb: int, repeats: int, is_async: bool = False) -> int
 
     state = {f"layer{i}": jax.make_array_from_callback((n,), sh, shard) for i in range(4)}
     jax.block_until_ready(state)
-    sync = mh.default_sync()
+    sync = default_sync()
     opts = mc.CheckpointManagerOptions(max_to_keep=1, enable_async_checkpointing=is_async,
                                        multihost=mc.MultiHostOptions(timeout_s=300))
     times, blocking, copies, phases = [], [], [], []

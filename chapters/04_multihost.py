@@ -86,7 +86,7 @@ print(f"this notebook: JAX {jax.__version__}, {jax.device_count()} {jax.devices(
 #
 # Each experiment is a small Python script, shown in full, that `minickpt.launch` starts as `n`
 # processes of one job on this machine, each with `k` CPU devices. The first lines of every script
-# join the job (`minickpt.multihost.initialize()` reads the coordinator's address and the process
+# join the job (`minickpt.multihost.process.initialize()` reads the coordinator's address and the process
 # id the launcher gave it and calls `jax.distributed.initialize`); afterwards `jax.devices()`
 # lists the devices of **all** processes and `jax.local_devices()` this process's own. Each process
 # prints `RESULT {...}` lines; `run_job` collects them by process.
@@ -94,8 +94,9 @@ print(f"this notebook: JAX {jax.__version__}, {jax.device_count()} {jax.devices(
 # %%
 PRELUDE = '''
 import json, os, sys, time, zlib
-import minickpt.multihost as mh
-mh.initialize()                          # join the job: before any other JAX call
+from minickpt.multihost.process import hard_exit, initialize
+from minickpt.multihost.sync import default_sync
+initialize()                          # join the job: before any other JAX call
 import jax, jax.numpy as jnp, numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 import minickpt as mc
@@ -123,9 +124,9 @@ def global_array(name, shape, sharding):
 
 EPILOGUE = '''
 if DONE_WAIT:  # process 0 hosts the coordination service: it leaves last
-    mh.default_sync().exchange("job-done", None, DONE_WAIT)
+    default_sync().exchange("job-done", None, DONE_WAIT)
 time.sleep(0.5 if ME == 0 else 0.0)
-mh.hard_exit(0)                          # no jax.distributed.shutdown(): it would wait for the dead
+hard_exit(0)                          # no jax.distributed.shutdown(): it would wait for the dead
 '''
 
 
@@ -232,8 +233,9 @@ print("files of the checkpoint's params item:", dp[0]["files"])
 
 # %%
 SHARDED = '''
-from minickpt.multihost import owned_shards, default_sync
-from minickpt.format import box_of
+from minickpt.multihost.ownership import owned_shards
+from minickpt.multihost.sync import default_sync
+from minickpt.format.shards import box_of
 from minickpt.labkit import plugged_in
 m = mesh((N, 2), ("p", "l"))
 layout = {"A": ((8, 4), P("p", "l")),      # split over processes and over the 2 devices of each
@@ -263,7 +265,7 @@ os.makedirs(naive, exist_ok=True)
 C = global_array("C", (8, 4), NamedSharding(m, P("p", None)))    # rows split over the processes
 mine = np.asarray(C.addressable_data(0))                           # this process's 2 rows of C
 np.save(os.path.join(naive, "C.npy"), mine)                        # the same file name everywhere
-mh.default_sync().exchange("naive-done", None, 20.0)               # (a barrier, to read it after all wrote)
+default_sync().exchange("naive-done", None, 20.0)               # (a barrier, to read it after all wrote)
 if ME == 0:
     try:
         got = np.load(os.path.join(naive, "C.npy"))
@@ -304,10 +306,10 @@ if ME == 0:
     except Exception as e:
         report(hasty_restore=f"{type(e).__name__}: {str(e)[:300]}")
 shutil = __import__("shutil")
-mh.default_sync().exchange("hasty-done", None, 20.0)
+default_sync().exchange("hasty-done", None, 20.0)
 if ME == 0:
     shutil.rmtree(os.path.join(DIR, "ckpt", "step_2"), ignore_errors=True)
-mh.default_sync().exchange("hasty-cleaned", None, 20.0)
+default_sync().exchange("hasty-cleaned", None, 20.0)
 
 # 2d: two processes that want different steps
 with mc.CheckpointManager(os.path.join(DIR, "ckpt"), opts) as mngr:
@@ -321,7 +323,7 @@ hung = mc.CheckpointManagerOptions(multihost=mc.MultiHostOptions(timeout_s=3))
 if ME == 3:
     def vanish():
         time.sleep(4.5)
-        mh.hard_exit(0)                                           # gone, without a word
+        hard_exit(0)                                           # gone, without a word
     sync.faults["before_write"] = vanish
 t = time.perf_counter()
 with mc.CheckpointManager(os.path.join(DIR, "ckpt"), hung) as mngr:
@@ -449,7 +451,7 @@ print("left in the checkpoint directory:", sh[0]["left"])
 # (3 s here; 60 s by default: keep it above your slowest write and below JAX's heartbeat
 # time-out), then raised `PeerTimeoutError` naming process 3. The primary removed the temporary
 # directory: `step_5` does not exist, and `step_1` is still the newest checkpoint. (After such an
-# error, leave with `minickpt.multihost.hard_exit()`: a normal exit would wait for the dead process
+# error, leave with `minickpt.multihost.process.hard_exit()`: a normal exit would wait for the dead process
 # at JAX's shutdown barrier.)
 
 # %% [markdown]
@@ -468,7 +470,7 @@ print("left in the checkpoint directory:", sh[0]["left"])
 # %%
 DELAYS = [0.0, 0.5, 1.0, 2.0]
 BARREL = f'''
-from minickpt.multihost import default_sync
+from minickpt.multihost.sync import default_sync
 import orbax.checkpoint as ocp
 m = mesh((N, 2), ("p", "l"))
 noise = np.random.default_rng(0).standard_normal((1024, 4096), dtype=np.float32)  # incompressible

@@ -24,7 +24,7 @@ from .errors import (
 )
 from .legacy import restore_checkpoint, save_checkpoint
 from .manager import CheckpointManager, CheckpointManagerOptions, Restored
-from .multihost import MultiHostOptions
+from .multihost.save import MultiHostOptions
 from .tree import HostKey
 
 __all__ = [

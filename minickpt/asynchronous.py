@@ -80,7 +80,7 @@ from .checkpointer import (
     save_error,
 )
 from .errors import MiniCkptError, PeerTimeoutError, StepAlreadyExistsError
-from .format import ItemPlan
+from .format.encode import ItemPlan
 from .fs import FileSystem
 
 log = logging.getLogger("minickpt")
@@ -243,7 +243,7 @@ def _finish_pending_saves() -> None:
     If a save failed because a peer did not arrive (:class:`PeerTimeoutError`: it died or
     hangs), JAX's shutdown would be a barrier waiting for that peer (for
     ``shutdown_timeout_seconds``, then it aborts): the process leaves at once instead, with
-    exit status 1 — the end of :func:`minickpt.multihost.hard_exit`'s advice.
+    exit status 1 — the end of :func:`minickpt.multihost.process.hard_exit`'s advice.
     """
     lost_peer: PeerTimeoutError | None = None
     for writer in list(_LIVE_WRITERS):
@@ -257,7 +257,7 @@ def _finish_pending_saves() -> None:
             if isinstance(e, PeerTimeoutError):
                 lost_peer = e
     if lost_peer is not None:
-        from .multihost import hard_exit
+        from .multihost.process import hard_exit
 
         log.error("minickpt: process(es) %s of the job are gone; exiting now with status 1, "
                   "without jax.distributed.shutdown() (it would wait for them)",
@@ -400,7 +400,7 @@ class AsyncCheckpointer(Checkpointer):
 
         The snapshot must already be taken. This is how a save whose write phase is not
         :meth:`write` runs here — the multi-host manager hands over
-        :meth:`minickpt.multihost.CollectiveSave.run` (shard writes, barriers, the primary's
+        :meth:`minickpt.multihost.save.CollectiveSave.run` (shard writes, barriers, the primary's
         commit) — with the same guarantees: one in flight, its error kept for the caller,
         reads of ``directory`` waiting for it. A failure marks ``stats`` (``ok``,
         ``error``); ``total_s`` is measured from ``t0``; ``on_finish(stats)`` runs last.

@@ -41,21 +41,11 @@ from .errors import (
     UnsafeCheckpointError,
     UnsupportedLeafError,
 )
-from .format import (
-    FORMAT_NAME,
-    FORMAT_VERSION,
-    MANIFEST_FILE,
-    MAX_FORMAT_VERSION,
-    ItemPlan,
-    Manifest,
-    check_name,
-    check_shards,
-    parse_json,
-    plan_item,
-    read_leaves,
-    read_manifest,
-    write_item,
-)
+from .format.encode import ItemPlan, plan_item, write_item
+from .format.manifest import Manifest, parse_json, read_manifest
+from .format.read import read_leaves
+from .format.regions import check_shards
+from .format.spec import FORMAT_NAME, FORMAT_VERSION, MANIFEST_FILE, MAX_FORMAT_VERSION, check_name
 from .fs import DEFAULT_FS, FileSystem, SyncBatch
 from .gitinfo import git_info
 from .restore import restore_item

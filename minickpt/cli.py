@@ -34,7 +34,7 @@ import numpy as np
 from .checkpointer import Checkpointer, human_bytes
 from .commit import DAMAGED_MARK, METADATA_FILE, is_temporary
 from .errors import CheckpointCorruptedError, MiniCkptError
-from .format import read_leaves
+from .format.read import read_leaves
 from .fs import DEFAULT_FS
 from .tree import display_path
 

@@ -291,7 +291,7 @@ class FileSystem:
 
         O_DIRECT needs the memory address, the file offset and the length of every write
         aligned to the file system's block size, which host arrays are not: their bytes are
-        copied into page-aligned bounce buffers (:func:`minickpt.host_buffers.take_bounce`)
+        copied into page-aligned bounce buffers (:func:`minickpt.format.buffers.take_bounce`)
         and written ``chunk`` bytes at a time — the copy into the next buffer runs while the
         previous one is written, in a thread of this call's own (``depth`` buffers; the
         defaults are :data:`DIRECT_CHUNK` and :data:`DIRECT_DEPTH`). The last, partial block is
@@ -303,7 +303,7 @@ class FileSystem:
         the file's size and block map (metadata) and the device's volatile cache still need
         the file's ``fsync`` — the caller fsyncs as for any other file.
         """
-        from .host_buffers import give_bounce, take_bounce
+        from .format.buffers import give_bounce, take_bounce
 
         block = _direct_block(self.fstat(fd).st_blksize)
         chunk = DIRECT_CHUNK if chunk is None else chunk

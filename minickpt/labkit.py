@@ -775,8 +775,10 @@ import minickpt as mc
 from minickpt import labkit as lab
 from minickpt.labkit import check, expect_raises, plugged_in, same
 from minickpt.errors import MultiHostError, PeerTimeoutError, ProcessDisagreementError
-from minickpt.format import Box, aligned_empty, box_of, box_shape, box_slices
-from minickpt.multihost import CollectiveSave, default_sync
+from minickpt.format.shards import Box, box_of, box_shape, box_slices
+from minickpt.format.buffers import aligned_empty
+from minickpt.multihost.save import CollectiveSave
+from minickpt.multihost.sync import default_sync
 """
 
 _WORKER = '''\
@@ -789,8 +791,9 @@ try:  # at most 2 CPUs each, so that JAX's thread pools stay small on a many-cor
         os.sched_setaffinity(0, (_cpus[_start:] + _cpus)[:2])
 except (AttributeError, OSError):
     pass
-import minickpt.multihost as _mh
-_mh.initialize()
+import minickpt.multihost.process as _mhp
+import minickpt.multihost.sync as _mhs
+_mhp.initialize()
 {imports}
 ME, N = jax.process_index(), jax.process_count()
 directory = sys.argv[1]
@@ -812,12 +815,12 @@ except BaseException as _e:
               "kinds": [_c.__name__ for _c in type(_e).__mro__]}}
 print("RESULT " + json.dumps({{"results": _results, "error": _error}}, default=repr), flush=True)
 try:  # process 0 hosts the coordination service: nobody leaves before everybody is done
-    _mh.default_sync().exchange("lab4-done", None, 20.0, "the end of the test")
+    _mhs.default_sync().exchange("lab4-done", None, 20.0, "the end of the test")
     if ME == 0:
         time.sleep(0.5)  # while the others read the barrier's values
 except Exception:
     pass
-_mh.hard_exit(0)  # no jax.distributed.shutdown(): a failed peer would make it wait
+_mhp.hard_exit(0)  # no jax.distributed.shutdown(): a failed peer would make it wait
 '''
 
 
@@ -948,7 +951,7 @@ def process_mesh(shape: Sequence[int], axes: Sequence[str]) -> jax.sharding.Mesh
 
 def distinct_boxes(shape: Sequence[int], sharding: Any) -> list[list[list[int]]]:
     """The pieces of an array on ``sharding``, each once (JSON: ``[[start, stop], ...]``)."""
-    from .format import box_of
+    from .format.shards import box_of
 
     out: list[list[list[int]]] = []
     for index in sharding.devices_indices_map(tuple(shape)).values():
@@ -1049,7 +1052,7 @@ def ownership_message(shape: Sequence[int], devices_indices_map: Mapping[Any, Se
     """None if ``got`` (process -> what ``owned_shards`` returned for it) gives every piece of
     the array to exactly one process — the one of its first device in the sharding's order,
     with that device — else what is wrong, naming the box."""
-    from .format import box_of
+    from .format.shards import box_of
 
     first: dict[Any, Any] = {}
     for device, index in devices_indices_map.items():

@@ -4,7 +4,7 @@
     python -m minickpt.launch -n 2 -m my.module args...
 
 Each process gets the coordinator's address (a free port on 127.0.0.1), its process id and
-the number of processes (``MINICKPT_*``, read by :func:`minickpt.multihost.initialize`), K
+the number of processes (``MINICKPT_*``, read by :func:`minickpt.multihost.process.initialize`), K
 CPU devices (``--xla_force_host_platform_device_count``), ``JAX_PLATFORMS=cpu`` unless
 ``--platforms`` says otherwise, and unbuffered output. Each output line is prefixed with
 ``[p<i>]``. When one process fails, the others get ``--grace`` seconds to report what they
@@ -30,7 +30,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TextIO
 
-from .multihost import (
+from .multihost.process import (
     ENV_COORDINATOR,
     ENV_HEARTBEAT_TIMEOUT,
     ENV_NUM_PROCESSES,

@@ -21,7 +21,7 @@ from collections.abc import Callable, Collection, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from . import multihost, policy
+from . import policy
 from .asynchronous import AsyncCheckpointer
 from .checkpointer import Checkpointer, CheckpointMetadata, SaveStats, VerifyReport, _json_safe
 from .commit import (
@@ -44,7 +44,15 @@ from .errors import (
     StepAlreadyExistsError,
 )
 from .fs import DEFAULT_FS, FileSystem
-from .multihost import MultiHostOptions, Sync
+from .multihost.broadcast import restore_broadcast
+from .multihost.save import (
+    MultiHostOptions,
+    describe_failures,
+    failure_status,
+    prepare_save,
+    raise_failures,
+)
+from .multihost.sync import Sync, agree, default_sync
 from .tree import from_skeleton
 
 log = logging.getLogger("minickpt")
@@ -172,7 +180,7 @@ class CheckpointManager:
         self.fs = fs or DEFAULT_FS
         # Under jax.distributed every process opens the same directory (a shared file
         # system); only the primary locks it, cleans it and commits into it.
-        self._sync = sync or multihost.default_sync()
+        self._sync = sync or default_sync()
         self.primary = (self._sync.process_index == self.options.multihost.primary_host
                         if primary is None else primary)
         self._async: AsyncCheckpointer | None = None
@@ -669,7 +677,7 @@ class CheckpointManager:
 
             path = self.step_path(step)
             try:
-                job = multihost.prepare_save(
+                job = prepare_save(
                     self._checkpointer, self._sync, path, items, step=step,
                     force=force, options=self.options.multihost, metrics=metrics,
                     custom_metadata=metadata, copy=self._async is not None,
@@ -833,7 +841,7 @@ class CheckpointManager:
         """Every process calls delete; the primary deletes, the others follow its result."""
         sync, mh = self._sync, self.options.multihost
         op = sync.new_op("delete")
-        multihost.agree(sync.exchange(f"{op}/agree", step, mh.timeout_s,
+        agree(sync.exchange(f"{op}/agree", step, mh.timeout_s,
                                       f"delete of step {step}: agreeing on the step"),
                         "the step to delete")
         local: BaseException | None = None
@@ -844,9 +852,9 @@ class CheckpointManager:
                     self._delete_step(step)
             except Exception as e:
                 local = e
-        statuses = sync.exchange(f"{op}/done", multihost.failure_status(local) if self.primary
+        statuses = sync.exchange(f"{op}/done", failure_status(local) if self.primary
                                  else None, mh.timeout_s, f"delete of step {step}")
-        multihost.raise_failures({mh.primary_host: statuses[mh.primary_host]},
+        raise_failures({mh.primary_host: statuses[mh.primary_host]},
                                   sync.process_index, local, f"deleting step {step}")
         with self._mutex:
             self._infos.pop(step, None)
@@ -957,7 +965,7 @@ class CheckpointManager:
         mine = [step] if step is not None else sorted(self.all_steps(read=True), reverse=True)
         views = sync.exchange(f"{op}/steps", mine, mh.timeout_s, "restore: listing the steps")
         if step is not None:
-            multihost.agree([v[0] for v in views], "the step to restore")
+            agree([v[0] for v in views], "the step to restore")
         steps = views[mh.primary_host]
         if not steps:
             raise CheckpointNotFoundError(f"no checkpoint to restore in {self.directory}")
@@ -967,7 +975,7 @@ class CheckpointManager:
             out = None
             try:
                 if mh.primary_only:
-                    out = Restored(multihost.restore_broadcast(
+                    out = Restored(restore_broadcast(
                         self._checkpointer, sync, f"{op}/b{n}", self.step_path(s), target,
                         partial=partial, verify=verify, sharding=sharding, options=mh,
                         step=s))
@@ -979,16 +987,16 @@ class CheckpointManager:
                 raise  # a process is missing (on every survivor alike): no exchange would do
             except Exception as e:
                 local = e
-            statuses = sync.exchange(f"{op}/try{n}", multihost.failure_status(local),
+            statuses = sync.exchange(f"{op}/try{n}", failure_status(local),
                                      mh.timeout_s, f"restore of step {s}")
             bad = {p: st for p, st in enumerate(statuses) if not st["ok"]}
             if not bad:
                 assert out is not None
                 return out
             if step is not None or not fallback or not all(st["damage"] for st in bad.values()):
-                multihost.raise_failures(statuses, sync.process_index, local,
+                raise_failures(statuses, sync.process_index, local,
                                          f"restoring step {s}", reading=True)
-            why = multihost.describe_failures(bad)
+            why = describe_failures(bad)
             msg = f"minickpt: skipping damaged checkpoint step {s}: {why}"
             log.error(msg)
             warnings.warn(msg, stacklevel=3)

@@ -32,7 +32,7 @@ import numpy as np
 from minickpt import CheckpointManager, CheckpointManagerOptions
 from minickpt.commit import DELETE_MARK, is_temporary
 from minickpt.crashsim import AssertionFailure, explore
-from minickpt.format import write_item
+from minickpt.format.encode import write_item
 from minickpt.fs import FileSystem, SyncBatch
 from minickpt.legacy import save_checkpoint
 
@@ -709,10 +709,10 @@ def sharded_items(step: int) -> dict[str, Any]:
 
 def build_sharded_run(run: str, steps: Any = (1, 2, 3), fs: FileSystem = FAST) -> None:
     """Like :func:`build_run`, but each step saved by SHARD_PROCESSES simulated processes
-    (:class:`minickpt.multihost.LocalGroup`): ``params`` is a format-2 item with
+    (:class:`minickpt.multihost.sync.LocalGroup`): ``params`` is a format-2 item with
     ``data.p<i>.bin`` + ``manifest.p<i>.json`` per process."""
     from minickpt import MultiHostOptions
-    from minickpt import multihost as mh
+    from minickpt.multihost.sync import LocalGroup
 
     opts = CheckpointManagerOptions(multihost=MultiHostOptions(timeout_s=30))
     for s in steps:
@@ -721,7 +721,7 @@ def build_sharded_run(run: str, steps: Any = (1, 2, 3), fs: FileSystem = FAST) -
             with CheckpointManager(run, opts, fs=fs, sync=sync) as m:
                 return m.save(s, tree, metrics={"loss": 1.0 / (s + 1)}, force=True)
 
-        for r in mh.LocalGroup(SHARD_PROCESSES).run(save):
+        for r in LocalGroup(SHARD_PROCESSES).run(save):
             if isinstance(r, BaseException):
                 raise r
 
@@ -1204,12 +1204,7 @@ def check_hostile(case: Hostile, template: str, workdir: str) -> list[str]:
     """Build ``case`` into step 3 of a copy of ``template`` and return what went wrong."""
     import signal
 
-    from minickpt import (
-        Checkpointer,
-        CheckpointNotFoundError,
-        MiniCkptError,
-        UnsafeCheckpointError,
-    )
+    from minickpt import Checkpointer, CheckpointNotFoundError, MiniCkptError, UnsafeCheckpointError
     from minickpt.cli import main as cli_main
 
     error = case.error if case.error is not None else (
@@ -1582,8 +1577,8 @@ def check_collective_save_fault(template: str, root: str, process: int, k: int, 
     the errno (the failing one: the checkpoint named; the others: the failing process
     named), no temporary may stay, and steps 1 and 2 must be intact and not retired."""
     from minickpt import MiniCkptError, MultiHostOptions
-    from minickpt import multihost as mh
     from minickpt.fs import FaultyFileSystem
+    from minickpt.multihost.sync import LocalGroup
 
     shutil.copytree(template, root)
     opts = CheckpointManagerOptions(max_to_keep=2, multihost=MultiHostOptions(timeout_s=30))
@@ -1603,7 +1598,7 @@ def check_collective_save_fault(template: str, root: str, process: int, k: int, 
 
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        results = mh.LocalGroup(SHARD_PROCESSES).run(save)
+        results = LocalGroup(SHARD_PROCESSES).run(save)
     if not faulty.tripped:
         return False, []
     wrong: list[str] = []
@@ -1643,8 +1638,8 @@ def check_collective_save_fault(template: str, root: str, process: int, k: int, 
 def collective_save_call_count(template: str, root: str, process: int) -> int:
     """How many file-system calls ``process`` makes in a collective save of step 3."""
     from minickpt import MultiHostOptions
-    from minickpt import multihost as mh
     from minickpt.fs import FaultyFileSystem
+    from minickpt.multihost.sync import LocalGroup
 
     shutil.copytree(template, root)
     opts = CheckpointManagerOptions(max_to_keep=2, multihost=MultiHostOptions(timeout_s=30))
@@ -1661,7 +1656,7 @@ def collective_save_call_count(template: str, root: str, process: int) -> int:
                 counts["n"] = counter.count - start
             return out
 
-    for r in mh.LocalGroup(SHARD_PROCESSES).run(save):
+    for r in LocalGroup(SHARD_PROCESSES).run(save):
         if isinstance(r, BaseException):
             raise r
     shutil.rmtree(root)

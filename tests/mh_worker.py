@@ -16,9 +16,12 @@ import sys
 import threading
 import time
 
-import minickpt.multihost as mh
+from minickpt.multihost.ownership import owned_shards
+from minickpt.multihost.process import hard_exit, initialize
+from minickpt.multihost.save import prepare_save
+from minickpt.multihost.sync import default_sync
 
-mh.initialize()  # before any other JAX call; a no-op when not launched
+initialize()  # before any other JAX call; a no-op when not launched
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
@@ -30,6 +33,7 @@ from jax.sharding import PartitionSpec as P  # noqa: E402
 import minickpt as mc  # noqa: E402
 from minickpt.commit import is_temporary  # noqa: E402
 from minickpt.errors import PeerTimeoutError, ProcessDisagreementError  # noqa: E402
+from minickpt.format.shards import box_of  # noqa: E402
 
 ME, N = jax.process_index(), jax.process_count()
 
@@ -132,9 +136,9 @@ def scenario_save(directory: str, single_dir: str) -> int:
     state = saved_state(k)
     # Task 4.2 — ownership is the replica_id == 0 rule, for every sharded array
     for name, arr in state["params"].items():
-        mine = {b for b, _ in mh.owned_shards(arr.shape, arr.sharding.devices_indices_map(
+        mine = {b for b, _ in owned_shards(arr.shape, arr.sharding.devices_indices_map(
             arr.shape), ME)}
-        rep0 = {mc.format.box_of(s.index, arr.shape) for s in arr.addressable_shards
+        rep0 = {box_of(s.index, arr.shape) for s in arr.addressable_shards
                 if s.replica_id == 0}
         assert mine == rep0, (name, mine, rep0)
     with mc.CheckpointManager(directory, opts()) as mngr:
@@ -179,7 +183,7 @@ def scenario_restore(directory: str, replicated_dir: str) -> int:
     state = {"params": {"w": global_array("w", rep), "rep": global_array("rep", rep)},
              "step": 3, "host": np.arange(5, dtype=np.uint8), "rng": jax.random.key(42)}
     o = opts(primary_only=True)
-    mh.default_sync().KV_CHUNK_BYTES = 100  # the broadcast in many chunks
+    default_sync().KV_CHUNK_BYTES = 100  # the broadcast in many chunks
     with mc.CheckpointManager(replicated_dir, o) as mngr:
         assert mngr.save(3, state)
         files = sorted(os.listdir(os.path.join(replicated_dir, "step_3", "params")))
@@ -200,7 +204,7 @@ def scenario_restore(directory: str, replicated_dir: str) -> int:
     # the write phase in a background thread while the main thread keeps computing across
     # processes (what the async manager does): barriers from the thread, gloo from main
     sharded = saved_state(k)
-    job = mh.prepare_save(mc.Checkpointer(), mh.default_sync(),
+    job = prepare_save(mc.Checkpointer(), default_sync(),
                           os.path.join(replicated_dir, "step_7"), sharded, step=7, copy=True)
     errors = []
     writer = threading.Thread(target=lambda: _capture(job.run, errors))
@@ -230,14 +234,14 @@ def scenario_kill(directory: str) -> int:
     """A victim dies mid-save (MINICKPT_FAULT); the survivors must name it and leave."""
     state = saved_state(jax.local_device_count())
     mngr = mc.CheckpointManager(directory, opts(timeout_s=float(os.environ["MH_TIMEOUT"])))
-    mh.default_sync().exchange("ready", None, 60)  # start together: the time-out is the save's
+    default_sync().exchange("ready", None, 60)  # start together: the time-out is the save's
     t = time.perf_counter()
     try:
         mngr.save(5, state)
     except PeerTimeoutError as e:
         result(missing=e.missing, after_s=time.perf_counter() - t, error=str(e),
                steps=mngr.all_steps(read=True))
-        mh.hard_exit(3)  # a normal exit would wait in jax.distributed.shutdown()
+        hard_exit(3)  # a normal exit would wait in jax.distributed.shutdown()
     result(saved=True)
     return 0
 
@@ -251,13 +255,13 @@ def scenario_broadcast_kill(directory: str) -> int:
     mngr = mc.CheckpointManager(directory, opts(timeout_s=float(os.environ["MH_TIMEOUT"]),
                                                 primary_only=True))
     assert mngr.save(3, state)
-    mh.default_sync().exchange("ready", None, 60)  # start together: the time-out is the restore's
+    default_sync().exchange("ready", None, 60)  # start together: the time-out is the restore's
     t = time.perf_counter()
     try:
         mngr.restore(3)
     except PeerTimeoutError as e:
         result(missing=e.missing, after_s=time.perf_counter() - t, error=str(e))
-        mh.hard_exit(3)
+        hard_exit(3)
     result(restored=True)
     return 0
 
@@ -314,7 +318,7 @@ def scenario_async(directory: str) -> int:
     right after it changes nothing; a background failure on the last process is raised on
     every process; the last save is still in flight when the program ends."""
     k = jax.local_device_count()
-    sync = mh.default_sync()
+    sync = default_sync()
     mngr = mc.CheckpointManager(directory, opts(enable_async_checkpointing=True,
                                                 max_to_keep=2))
     # 1. the background write is held at its start until the state has been overwritten
@@ -388,7 +392,7 @@ def scenario_async_exit(directory: str) -> int:
     must not hang in jax.distributed.shutdown()."""
     mngr = mc.CheckpointManager(directory, opts(timeout_s=float(os.environ["MH_TIMEOUT"]),
                                                 enable_async_checkpointing=True))
-    mh.default_sync().exchange("ready", None, 60)
+    default_sync().exchange("ready", None, 60)
     assert mngr.save(1, saved_state(jax.local_device_count()))
     result(returned=True, time=time.time())
     return 0  # no wait_until_finished(): the save fails in the background, at exit

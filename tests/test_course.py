@@ -148,8 +148,8 @@ def test_plugged_in_runs_the_students_function_inside_minickpt_and_puts_it_back(
     import jax.numpy as jnp
 
     import minickpt as mc
-    from minickpt import format as fmt
     from minickpt import tree
+    from minickpt.format import encode
 
     ref = labkit.reference("plan_leaf")
     calls = []
@@ -159,11 +159,11 @@ def test_plugged_in_runs_the_students_function_inside_minickpt_and_puts_it_back(
         return ref(names, host)
 
     with pytest.raises(RuntimeError, match="boom"), labkit.plugged_in(plan_leaf):
-        assert fmt.plan_leaf is plan_leaf
+        assert encode.plan_leaf is plan_leaf
         mc.Checkpointer().save(tmp_path / "c", {"t": {"a": jnp.ones(2), "b": 3}})
         raise RuntimeError("boom")
     assert calls == [("a",), ("b",)]
-    assert fmt.plan_leaf is ref
+    assert encode.plan_leaf is ref
     with pytest.raises(labkit.LabCheckError, match="own function"), labkit.plugged_in(ref):
         pass
 

@@ -3,7 +3,7 @@ on disk as the buffered path, at any size; a clean fallback where O_DIRECT is re
 no committed-but-corrupt checkpoint whichever single call of a direct write fails or crashes.
 
 The tests lower the size threshold and the chunk size so that small states take the direct
-path through several chunks (the real ones are MiB: see ``minickpt.item_encode``)."""
+path through several chunks (the real ones are MiB: see ``minickpt.format.encode``)."""
 
 import errno
 import itertools
@@ -18,8 +18,8 @@ from crash_harness import items as small_items
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+import minickpt.format.encode as ie
 import minickpt.fs as mfs
-import minickpt.item_encode as ie
 from minickpt import Checkpointer, CheckpointManager, CheckpointManagerOptions
 from minickpt.fs import O_DIRECT, FaultyFileSystem, FileSystem, SimulatedCrash
 

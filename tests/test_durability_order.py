@@ -100,7 +100,7 @@ def test_a_multi_process_save_keeps_the_order_on_every_process(tmp_path):
     from jax.sharding import PartitionSpec as P
 
     from minickpt import MultiHostOptions
-    from minickpt import multihost as mh
+    from minickpt.multihost.sync import LocalGroup
 
     fs = Journal()  # one journal for both processes: one order of events
     root = str(tmp_path)
@@ -114,7 +114,7 @@ def test_a_multi_process_save_keeps_the_order_on_every_process(tmp_path):
                                             multihost=MultiHostOptions(timeout_s=30))
             with CheckpointManager(root, opts, fs=fs, sync=sync) as m:
                 return m.save(step, tree)
-        for r in mh.LocalGroup(2).run(save):
+        for r in LocalGroup(2).run(save):
             if isinstance(r, BaseException):
                 raise r
 

@@ -22,15 +22,10 @@ from minickpt.errors import (
     UnsafeCheckpointError,
     UnsupportedLeafError,
 )
-from minickpt.format import (
-    DTYPES,
-    decode_leaf,
-    plan_item,
-    plan_leaf,
-    read_leaves,
-    read_manifest,
-    write_item,
-)
+from minickpt.format.encode import plan_item, plan_leaf, write_item
+from minickpt.format.manifest import read_manifest
+from minickpt.format.read import decode_leaf, read_leaves
+from minickpt.format.spec import DTYPES
 from minickpt.fs import FileSystem
 from minickpt.tree import HostKey, from_skeleton
 

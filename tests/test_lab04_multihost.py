@@ -24,11 +24,11 @@ from jax.sharding import PartitionSpec as P
 import minickpt as mc
 from minickpt import labkit as lab
 from minickpt.errors import MultiHostError, PeerTimeoutError, ProcessDisagreementError
-from minickpt.format import box_shape, box_slices
-from minickpt.mh_ownership import owned_shards
-from minickpt.mh_save import two_barrier_commit
-from minickpt.mh_sync import agree_on_step
-from minickpt.shard_read import region_from_pieces
+from minickpt.format.regions import region_from_pieces
+from minickpt.format.shards import box_shape, box_slices
+from minickpt.multihost.ownership import owned_shards
+from minickpt.multihost.save import two_barrier_commit
+from minickpt.multihost.sync import LocalGroup, agree_on_step
 
 ROOT = __import__("pathlib").Path(__file__).resolve().parents[1]
 LAB = ROOT / "solutions" / "lab04_multihost" / "lab04_multihost.ipynb"
@@ -98,7 +98,7 @@ def test_4_2_the_fake_sharding_map_is_jaxs(spec, order):
 
 
 def _every_replica(shape, imap, process_index, *, process_of=lambda d: d.process_index):
-    from minickpt.format import box_of
+    from minickpt.format.shards import box_of
 
     return [(box_of(ix, shape), d) for d, ix in imap.items() if process_of(d) == process_index]
 
@@ -177,7 +177,7 @@ def test_4_3_the_typical_mistakes_are_named():
 def test_4_3_commit_before_the_barrier_publishes_an_incomplete_step(tmp_path):
     """The mistake for real, with threads playing 4 processes: the slow process's shards are
     missing from a published step, and a restore refuses it naming the region."""
-    group = mc.multihost.LocalGroup(4)
+    group = LocalGroup(4)
     m = Mesh(np.array(jax.devices()[:4]).reshape(4, 1), ("p", "l"))
     w = jax.device_put(np.arange(32, dtype=np.float32).reshape(8, 4), NamedSharding(m, P("p")))
     opts = mc.CheckpointManagerOptions(multihost=mc.MultiHostOptions(timeout_s=10))
@@ -197,7 +197,7 @@ def test_4_3_commit_before_the_barrier_publishes_an_incomplete_step(tmp_path):
 
 @pytest.mark.task("4.3")
 def test_4_3_raising_at_once_leaves_the_others_to_time_out(tmp_path):
-    group = mc.multihost.LocalGroup(2)
+    group = LocalGroup(2)
     m = Mesh(np.array(jax.devices()[:2]), ("p",))
     w = jax.device_put(np.arange(8, dtype=np.float32), NamedSharding(m, P("p")))
     opts = mc.CheckpointManagerOptions(multihost=mc.MultiHostOptions(timeout_s=2))
@@ -266,7 +266,7 @@ def _assumes_saving_mesh(box, dtype, pieces):
 
 @pytest.mark.task("4.4")
 def test_4_4_a_restore_that_assumes_the_saving_mesh_fails_on_another(tmp_path):
-    group = mc.multihost.LocalGroup(2)
+    group = LocalGroup(2)
     m = Mesh(np.array(jax.devices()[:4]).reshape(2, 2), ("p", "l"))
     w = jax.device_put(np.arange(32, dtype=np.float32).reshape(8, 4), NamedSharding(m, P("p", "l")))
     opts = mc.CheckpointManagerOptions(multihost=mc.MultiHostOptions(timeout_s=10))
@@ -311,7 +311,7 @@ def test_run_processes_ships_the_whole_cell_and_reports_per_process():
     ns: dict = {}
     exec(compile(cell, name, "exec"), ns)
     body = """
-report(me=ME, n=N, devices=len(jax.local_devices()), step=mc.multihost.agree_on_step([3, 4]))
+report(me=ME, n=N, devices=len(jax.local_devices()), step=mc.multihost.sync.agree_on_step([3, 4]))
 if ME == 1:
     raise RuntimeError("a failing body is reported")
 """

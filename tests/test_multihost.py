@@ -3,7 +3,7 @@
 Three kinds of tests:
 
 * pure functions of lab 4 (agreement, shard ownership, coverage, region reads);
-* the collective protocol with :class:`minickpt.multihost.LocalGroup` — threads of this
+* the collective protocol with :class:`minickpt.multihost.sync.LocalGroup` — threads of this
   process playing several processes over the 4 CPU devices conftest.py creates (fast, and
   able to inject a failure at any step);
 * real ``jax.distributed`` jobs of 2 and 4 processes started with ``minickpt.launch``
@@ -32,7 +32,6 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import minickpt as mc
-from minickpt import multihost as mh
 from minickpt.checkpointer import encode_metadata
 from minickpt.cli import main as cli
 from minickpt.commit import METADATA_FILE, TMP_MARK
@@ -42,9 +41,14 @@ from minickpt.errors import (
     PeerTimeoutError,
     ProcessDisagreementError,
 )
-from minickpt.format import box_of, coverage_problems, read_manifest, read_region
+from minickpt.format.manifest import read_manifest
+from minickpt.format.regions import read_region
+from minickpt.format.shards import box_of, coverage_problems
 from minickpt.fs import DEFAULT_FS
 from minickpt.launch import launch
+from minickpt.multihost.ownership import owned_shards
+from minickpt.multihost.process import ENV_COORDINATOR, ENV_FAULT, initialize
+from minickpt.multihost.sync import LocalGroup, SingleProcessSync, agree_on_step, default_sync
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 WORKER = os.path.join(HERE, "mh_worker.py")
@@ -76,14 +80,14 @@ def ok(results):
 # ---------------------------------------------------------------------------------------
 @pytest.mark.task("4.1")
 def test_4_1_agree_on_step_returns_the_common_step():
-    assert mh.agree_on_step([100, 100, 100, 100]) == 100
-    assert mh.agree_on_step([7]) == 7
+    assert agree_on_step([100, 100, 100, 100]) == 100
+    assert agree_on_step([7]) == 7
 
 
 @pytest.mark.task("4.1")
 def test_4_1_disagreement_names_every_process_and_its_step():
     with pytest.raises(ProcessDisagreementError) as e:
-        mh.agree_on_step([100, 100, 99, 100, 101])
+        agree_on_step([100, 100, 99, 100, 101])
     msg = str(e.value)
     assert "processes 0-1, 3: 100" in msg and "process 2: 99" in msg and "process 4: 101" in msg
     assert e.value.values == [100, 100, 99, 100, 101]
@@ -97,7 +101,7 @@ def test_4_1_collective_save_with_different_steps_fails_everywhere(tmp_path):
         m = mc.CheckpointManager(tmp_path, opts(), sync=sync)
         return m.save(5 if sync.process_index != 1 else 6, {"w": w})
 
-    res = mh.LocalGroup(2).run(work)
+    res = LocalGroup(2).run(work)
     for r in res:
         assert isinstance(r, ProcessDisagreementError)
         assert "process 0: 5" in str(r) and "process 1: 6" in str(r)
@@ -119,7 +123,7 @@ def test_4_2_owned_shards_are_jax_replica_zero(spec, transpose):
         m = Mesh(m.devices.T, m.axis_names)
     _, a = garr((8, 8), spec, m)
     dim = a.sharding.devices_indices_map(a.shape)
-    mine = {b for b, _ in mh.owned_shards(a.shape, dim, 0)}
+    mine = {b for b, _ in owned_shards(a.shape, dim, 0)}
     rep0 = {box_of(s.index, a.shape) for s in a.addressable_shards if s.replica_id == 0}
     assert mine == rep0
 
@@ -129,9 +133,9 @@ def test_4_2_owned_shards_are_jax_replica_zero(spec, transpose):
 @pytest.mark.parametrize("spec", SPECS, ids=str)
 def test_4_2_every_element_is_written_exactly_once_across_processes(nproc, spec):
     _, a = garr((8, 8), spec)
-    group = mh.LocalGroup(nproc)
+    group = LocalGroup(nproc)
     dim = a.sharding.devices_indices_map(a.shape)
-    per_process = [mh.owned_shards(a.shape, dim, p, process_of=group.sync(p).process_of)
+    per_process = [owned_shards(a.shape, dim, p, process_of=group.sync(p).process_of)
                    for p in range(nproc)]
     boxes = [b for shards in per_process for b, _ in shards]
     assert coverage_problems(a.shape, boxes) == []
@@ -146,12 +150,12 @@ def test_4_2_owned_shards_is_pure_over_any_devices():
     devs = [Dev(0, 0), Dev(1, 0), Dev(2, 1), Dev(3, 1)]
     top, bottom = (slice(0, 2), slice(None)), (slice(2, 4), slice(None))
     dim = {devs[0]: top, devs[1]: top, devs[2]: bottom, devs[3]: bottom}
-    assert mh.owned_shards((4, 3), dim, 0) == [(((0, 2), (0, 3)), devs[0])]
-    assert mh.owned_shards((4, 3), dim, 1) == [(((2, 4), (0, 3)), devs[2])]
+    assert owned_shards((4, 3), dim, 0) == [(((0, 2), (0, 3)), devs[0])]
+    assert owned_shards((4, 3), dim, 1) == [(((2, 4), (0, 3)), devs[2])]
     # replicated across processes: the first device in the sharding's order owns each piece
     dim = {devs[2]: top, devs[0]: top, devs[3]: bottom, devs[1]: bottom}
-    assert mh.owned_shards((4, 3), dim, 0) == []
-    assert [b for b, _ in mh.owned_shards((4, 3), dim, 1)] == [((0, 2), (0, 3)), ((2, 4), (0, 3))]
+    assert owned_shards((4, 3), dim, 0) == []
+    assert [b for b, _ in owned_shards((4, 3), dim, 1)] == [((0, 2), (0, 3)), ((2, 4), (0, 3))]
 
 
 @st.composite
@@ -232,7 +236,7 @@ def test_4_3_collective_save_commits_one_checkpoint_each_shard_once(tmp_path):
             assert m.save(1, tree, metrics={"loss": 1.0})
             return m.all_steps(), m.last_save_stats
 
-    res = ok(mh.LocalGroup(4).run(work))
+    res = ok(LocalGroup(4).run(work))
     assert all(steps == [1] for steps, _ in res)
     item = tmp_path / "step_1" / "params"
     files = sorted(os.listdir(item))
@@ -283,7 +287,7 @@ def test_4_3_nobody_sees_the_step_before_every_shard_is_written(tmp_path):
         with mc.CheckpointManager(tmp_path, opts(), sync=sync) as m:
             return m.save(1, tree)
 
-    assert ok(mh.LocalGroup(4).run(work)) == [True] * 4
+    assert ok(LocalGroup(4).run(work)) == [True] * 4
     steps, names = seen[0]
     assert steps == [] and "step_1" not in names and any(TMP_MARK in n for n in names)
 
@@ -306,7 +310,7 @@ def test_4_3_a_failed_write_on_one_process_fails_everyone_and_commits_nothing(tm
                 return e, m.all_steps()
             return None, m.all_steps()
 
-    res = mh.LocalGroup(4).run(work)
+    res = LocalGroup(4).run(work)
     assert all(steps == [1] for _, steps in res)
     local = res[2][0]
     assert isinstance(local, OSError) and local.errno == errno.ENOSPC  # the original error
@@ -335,7 +339,7 @@ def test_4_3_a_hung_process_is_named_within_the_timeout(tmp_path):
                 return e, time.monotonic() - t
             return None, None
 
-    res = mh.LocalGroup(4).run(work)
+    res = LocalGroup(4).run(work)
     for p in (0, 1, 2):
         e, _ = res[p]
         assert isinstance(e, PeerTimeoutError) and e.missing == [3]
@@ -353,7 +357,7 @@ def test_collective_restore_falls_back_together_past_a_damaged_step(tmp_path):
             m.save(1, tree)
             m.save(2, tree)
 
-    ok(mh.LocalGroup(2).run(save))
+    ok(LocalGroup(2).run(save))
     data = tmp_path / "step_2" / "params" / "data.p1.bin"
     raw = bytearray(data.read_bytes())
     raw[5] ^= 0xFF
@@ -369,7 +373,7 @@ def test_collective_restore_falls_back_together_past_a_damaged_step(tmp_path):
         r = m.restore()
         return r.step, r["params"]["w"], skipped
 
-    for step, w, skipped in ok(mh.LocalGroup(2).run(restore)):
+    for step, w, skipped in ok(LocalGroup(2).run(restore)):
         assert step == 1
         np.testing.assert_array_equal(w, expect["w"])
         assert [s["step"] for s in skipped] == [2] and "data.p1.bin" in skipped[0]["error"]
@@ -386,7 +390,7 @@ def test_collective_delete_follows_the_primary(tmp_path):
             m.delete(3)
             return after_retention, m.all_steps()
 
-    assert ok(mh.LocalGroup(4).run(work)) == [([2, 3], [2])] * 4
+    assert ok(LocalGroup(4).run(work)) == [([2, 3], [2])] * 4
     assert sorted(os.listdir(tmp_path)) == [".minickpt.lock", "step_2"]
 
 
@@ -398,7 +402,7 @@ def test_an_unstorable_leaf_fails_on_every_process_before_anything_is_written(tm
         return mc.CheckpointManager(tmp_path, opts(timeout_s=30), sync=sync).save(1, bad)
 
     t = time.monotonic()
-    for r in mh.LocalGroup(2).run(work):
+    for r in LocalGroup(2).run(work):
         assert isinstance(r, mc.UnsupportedLeafError) and "objects" in str(r)
     assert time.monotonic() - t < 20  # nobody waited for the time-out
     assert sorted(os.listdir(tmp_path)) == [".minickpt.lock"]
@@ -411,7 +415,7 @@ def test_primary_only_refuses_sharded_state(tmp_path):
     def work(sync):
         return mc.CheckpointManager(tmp_path, o, sync=sync).save(1, {"w": w})
 
-    for r in mh.LocalGroup(2).run(work):
+    for r in LocalGroup(2).run(work):
         assert isinstance(r, mc.UnsupportedLeafError) and "primary_only" in str(r)
 
 
@@ -449,7 +453,7 @@ def test_async_collective_save_returns_after_the_snapshot_and_owns_its_copy(tmp_
             stats = m.last_save_stats
             return seen, stats, m.restore(1)
 
-    res = ok(mh.LocalGroup(4).run(work))
+    res = ok(LocalGroup(4).run(work))
     for seen, stats, restored in res:
         assert seen == (True, [1], False, False)
         assert stats.ok and stats.async_ and 0 < stats.blocking_s < stats.total_s
@@ -499,7 +503,7 @@ def test_a_background_failure_on_one_process_is_raised_on_every_process(tmp_path
             m.close()
         return skipped, raised, leftovers, steps
 
-    res = ok(mh.LocalGroup(4).run(work))
+    res = ok(LocalGroup(4).run(work))
     for p, (skipped, e, leftovers, steps) in enumerate(res):
         assert skipped is False and leftovers == [] and steps == [2]
         if p == 2:
@@ -536,7 +540,7 @@ def test_save_decisions_count_a_failed_save_until_its_error_is_collected(tmp_pat
             return decisions, e, m.all_steps()
         return decisions, None, m.all_steps()
 
-    for decisions, e, steps in ok(mh.LocalGroup(2).run(work)):
+    for decisions, e, steps in ok(LocalGroup(2).run(work)):
         assert decisions == [False, False] and steps == []
         assert isinstance(e, (OSError, MultiHostError)) and os.strerror(errno.EIO) in str(e)
 
@@ -561,7 +565,7 @@ def test_a_peer_hanging_in_the_background_is_named_at_the_next_call(tmp_path):
             return returned, e
         return returned, None
 
-    res = mh.LocalGroup(4).run(work)
+    res = LocalGroup(4).run(work)
     for p, (returned, e) in enumerate(res):
         assert isinstance(e, PeerTimeoutError), e
         if p != 3:
@@ -590,7 +594,7 @@ def test_collective_calls_wait_for_the_save_in_flight(tmp_path):
             m.delete(3)  # waits for the save of 4, and its retention (deletes 2)
             return r.step, after_restore, m.all_steps()
 
-    for step, after_restore, steps in ok(mh.LocalGroup(4).run(work)):
+    for step, after_restore, steps in ok(LocalGroup(4).run(work)):
         assert step == 2 and after_restore == (False, True) and steps == [4]
     assert sorted(n for n in os.listdir(tmp_path) if n.startswith("step_")) == ["step_4"]
 
@@ -613,7 +617,7 @@ def test_a_snapshot_failure_on_one_process_fails_the_others_without_the_timeout(
         return None
 
     t = time.monotonic()
-    res = mh.LocalGroup(2).run(work)
+    res = LocalGroup(2).run(work)
     assert time.monotonic() - t < 20  # nobody waited for the time-out
     assert isinstance(res[1], MemoryError)  # raised by save() itself where it happened
     assert isinstance(res[0], MultiHostError) and "process 1: MemoryError" in str(res[0])
@@ -625,7 +629,7 @@ def test_a_snapshot_failure_on_one_process_fails_the_others_without_the_timeout(
 # ---------------------------------------------------------------------------------------
 def _sharded_checkpoint(tmp_path):
     _, tree = state()
-    ok(mh.LocalGroup(4).run(lambda sync: mc.CheckpointManager(tmp_path, opts(), sync=sync)
+    ok(LocalGroup(4).run(lambda sync: mc.CheckpointManager(tmp_path, opts(), sync=sync)
                             .save(1, tree)))
     return tmp_path / "step_1"
 
@@ -768,9 +772,9 @@ def test_launch_command_line(tmp_path):
 
 
 def test_initialize_is_a_no_op_when_not_launched(monkeypatch):
-    monkeypatch.delenv(mh.ENV_COORDINATOR, raising=False)
-    assert mh.initialize() is False
-    assert isinstance(mh.default_sync(), mh.SingleProcessSync)
+    monkeypatch.delenv(ENV_COORDINATOR, raising=False)
+    assert initialize() is False
+    assert isinstance(default_sync(), SingleProcessSync)
 
 
 # ---------------------------------------------------------------------------------------
@@ -849,7 +853,7 @@ def test_restore_on_2_processes_and_replicated_state_saved_by_the_primary(saved_
 @pytest.mark.task("4.3")
 def test_a_process_killed_mid_save_is_named_and_nothing_is_committed(tmp_path):
     r, results = _run(["kill", str(tmp_path)], 4, 1, timeout_s=120, grace_s=30,
-                      env={"MH_TIMEOUT": "3", mh.ENV_FAULT: "after_write@2:kill"})
+                      env={"MH_TIMEOUT": "3", ENV_FAULT: "after_write@2:kill"})
     assert r.returncodes[2] == -9, r.output()
     assert sorted(results) == [0, 1, 3], r.output()
     for p in (0, 1, 3):
@@ -864,7 +868,7 @@ def test_a_process_killed_mid_save_is_named_and_nothing_is_committed(tmp_path):
 @pytest.mark.task("4.4")
 def test_a_peer_killed_before_a_primary_only_broadcast_is_named_within_the_time_out(tmp_path):
     r, results = _run(["broadcast_kill", str(tmp_path)], 2, 1, timeout_s=120, grace_s=60,
-                      env={"MH_TIMEOUT": "3", mh.ENV_FAULT: "before_broadcast@1:kill"})
+                      env={"MH_TIMEOUT": "3", ENV_FAULT: "before_broadcast@1:kill"})
     assert r.returncodes[1] == -9, r.output()
     assert r.returncodes[0] == 3 and sorted(results) == [0], r.output()
     res = results[0]
@@ -879,7 +883,7 @@ def test_a_peer_killed_before_a_primary_only_broadcast_is_named_within_the_time_
 @pytest.mark.task("4.3")
 def test_a_primary_killed_before_commit_leaves_a_temporary_the_next_primary_removes(tmp_path):
     r, _ = _run(["kill", str(tmp_path)], 2, 2, timeout_s=120, grace_s=30,
-                env={"MH_TIMEOUT": "20", mh.ENV_FAULT: "before_commit@0:kill"})
+                env={"MH_TIMEOUT": "20", ENV_FAULT: "before_commit@0:kill"})
     assert r.returncodes[0] == -9 and r.returncodes[1] != 0, r.output()
     left = [n for n in os.listdir(tmp_path) if TMP_MARK in n]
     assert len(left) == 1 and left[0].startswith("step_5")  # every shard written, no commit
@@ -924,7 +928,7 @@ def test_async_saves_on_4_processes_then_the_job_resumes_on_2(tmp_path):
 @pytest.mark.task("5.2")
 def test_a_peer_lost_during_an_async_save_in_flight_at_exit_does_not_hang_the_exit(tmp_path):
     r, results = _run(["async_exit", str(tmp_path)], 2, 1, timeout_s=120, grace_s=60,
-                      env={"MH_TIMEOUT": "3", mh.ENV_FAULT: "after_write@1:kill"})
+                      env={"MH_TIMEOUT": "3", ENV_FAULT: "after_write@1:kill"})
     assert r.returncodes[1] == -9, r.output()
     assert sorted(results) == [0, 1], r.output()
     # the survivor reports the lost peer and leaves (status 1) instead of waiting in
@@ -939,7 +943,7 @@ def test_a_peer_lost_during_an_async_save_in_flight_at_exit_does_not_hang_the_ex
 
 def test_gloo_collectives_of_a_localhost_job_are_made_on_the_loopback(monkeypatch):
     """A sandbox's hostname does not resolve; gloo then fails unless it is given 127.0.0.1."""
-    from minickpt import mh_process
+    from minickpt.multihost import process as mh_process
 
     _jax = mh_process._jaxlib_module()
     calls = []

@@ -167,7 +167,7 @@ def test_sigterm_to_a_real_training_process(tmp_path, reference_fingerprint, com
 def test_processes_signalled_at_different_steps_agree_on_one_safe_step():
     """Threads playing 3 processes; process 1 is notified at step 4, process 2 at step 8:
     every process decides at check step 6 (k = 3), and only there is anything exchanged."""
-    from minickpt import multihost as mh
+    from minickpt.multihost.sync import LocalGroup
 
     exchanged: list[str] = []
 
@@ -189,15 +189,15 @@ def test_processes_signalled_at_different_steps_agree_on_one_safe_step():
                 break
         return out, h.safe_step, h.preempted
 
-    res = mh.LocalGroup(3).run(work, timeout_s=60)
+    res = LocalGroup(3).run(work, timeout_s=60)
     assert res == [([6], 6, True)] * 3, res
     assert sorted(set(exchanged)) == ["preemption/3", "preemption/6"]
     assert len(exchanged) == 6  # once per process and check step: the repeat is cached
 
 
 def test_a_process_that_never_reaches_the_check_step_is_named(tmp_path):
-    from minickpt import multihost as mh
     from minickpt.errors import PeerTimeoutError
+    from minickpt.multihost.sync import LocalGroup
 
     def work(sync):
         h = PreemptionHandler(install=False, sync=sync, sync_every_steps=2, timeout_s=1)
@@ -208,13 +208,13 @@ def test_a_process_that_never_reaches_the_check_step_is_named(tmp_path):
             h.reached(2)
         return e.value.missing, time.monotonic() - t
 
-    res = mh.LocalGroup(2).run(work, timeout_s=30)
+    res = LocalGroup(2).run(work, timeout_s=30)
     assert res[0][0] == [1] and res[0][1] < 10
 
 
 def test_attach_takes_the_managers_sync_under_several_processes(tmp_path):
     from minickpt import MultiHostOptions
-    from minickpt import multihost as mh
+    from minickpt.multihost.sync import LocalGroup
 
     def work(sync):
         opts = CheckpointManagerOptions(multihost=MultiHostOptions(timeout_s=7))
@@ -222,7 +222,7 @@ def test_attach_takes_the_managers_sync_under_several_processes(tmp_path):
             h = PreemptionHandler(install=False).attach(m)
             return h.sync is sync, h.timeout_s
 
-    assert mh.LocalGroup(2).run(work, timeout_s=60) == [(True, 7)] * 2
+    assert LocalGroup(2).run(work, timeout_s=60) == [(True, 7)] * 2
     with CheckpointManager(tmp_path / "one") as m:  # one process: no collective decision
         assert PreemptionHandler(install=False).attach(m).sync is None
 

@@ -15,9 +15,10 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import minickpt
-from minickpt import item_manifest, labkit
+from minickpt import labkit
 from minickpt.errors import CheckpointCorruptedError
 from minickpt.errors import MiniCkptError as CheckpointError
+from minickpt.format import manifest as item_manifest
 from minickpt.fs import FileSystem
 
 GOOD = {"path": ["params", "w"], "kind": "array", "dtype": "float32", "shape": [2, 3],

@@ -12,8 +12,9 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-import minickpt.format as fmt
 from minickpt import CheckpointCorruptedError, Checkpointer, UnsupportedLeafError
+from minickpt.format.buffers import aligned_empty
+from minickpt.format.spec import ALIGN, CRC_IMPL, crc32, dtype_name
 from minickpt.fs import FaultyFileSystem
 from minickpt.restore import put_many
 from minickpt.tree import flatten_with_names, skeleton
@@ -25,16 +26,16 @@ from minickpt.tree import flatten_with_names, skeleton
 
 @given(st.binary(max_size=5000), st.integers(0, 64))
 def test_crc32_is_zlibs_crc32_for_any_bytes_and_view(data, cut):
-    assert fmt.crc32(data) == zlib.crc32(data)
+    assert crc32(data) == zlib.crc32(data)
     arr = np.frombuffer(data, np.uint8)[cut:]
-    assert fmt.crc32(arr) == zlib.crc32(arr.tobytes())
-    assert fmt.crc32(memoryview(data)[cut:]) == zlib.crc32(data[cut:])
+    assert crc32(arr) == zlib.crc32(arr.tobytes())
+    assert crc32(memoryview(data)[cut:]) == zlib.crc32(data[cut:])
 
 
 def test_crc32_of_a_large_buffer_matches_zlib():
     big = np.random.default_rng(0).integers(0, 256, (9 << 20) + 13, dtype=np.uint8)
-    assert fmt.crc32(big) == zlib.crc32(big)
-    assert fmt.CRC_IMPL in ("isal", "zlib")
+    assert crc32(big) == zlib.crc32(big)
+    assert CRC_IMPL in ("isal", "zlib")
 
 
 # ---------------------------------------------------------------------------------------
@@ -88,13 +89,13 @@ def test_fast_skeleton_on_a_real_train_state():
 # ---------------------------------------------------------------------------------------
 def test_dtype_names_cached_and_still_checked():
     for _ in range(2):
-        assert fmt.dtype_name(np.dtype("float32")) == "float32"
-        assert fmt.dtype_name(np.dtype(">f4")) == "float32"
-        assert fmt.dtype_name(jnp.bfloat16) == "bfloat16"
+        assert dtype_name(np.dtype("float32")) == "float32"
+        assert dtype_name(np.dtype(">f4")) == "float32"
+        assert dtype_name(jnp.bfloat16) == "bfloat16"
         with pytest.raises(UnsupportedLeafError):
-            fmt.dtype_name(np.dtype(object))
+            dtype_name(np.dtype(object))
         with pytest.raises(UnsupportedLeafError):
-            fmt.dtype_name(np.dtype([("a", "f4")]))
+            dtype_name(np.dtype([("a", "f4")]))
 
 
 # ---------------------------------------------------------------------------------------
@@ -154,10 +155,10 @@ def test_small_items_are_written_in_one_call(tmp_path):
 def test_aligned_empty_is_aligned_and_shaped():
     for shape, dtype in [((3, 1 << 14), np.float32), ((1 << 15,), jnp.bfloat16), ((0, 4), np.int8),
                          ((), np.float64), ((5,), np.int64)]:
-        a = fmt.aligned_empty(shape, dtype)
+        a = aligned_empty(shape, dtype)
         assert a.shape == shape and a.dtype == np.dtype(dtype) and a.flags.c_contiguous
         if a.nbytes >= 16 << 10:
-            assert a.ctypes.data % fmt.ALIGN == 0
+            assert a.ctypes.data % ALIGN == 0
 
 
 def _big_tree():
@@ -254,7 +255,7 @@ def test_put_many_to_one_device_is_what_device_put_makes(device):
               np.zeros((0, 3), np.int8), np.array([True, False]),
               np.ones(5, ml_dtypes.bfloat16), np.ones((2, 2), np.float64),
               np.asarray(1.5, np.float32)]
-    big = fmt.aligned_empty((1 << 18,), np.float32)
+    big = aligned_empty((1 << 18,), np.float32)
     big[...] = 3.0
     arrays.append(big)
     out = put_many(arrays, [sharding] * len(arrays))

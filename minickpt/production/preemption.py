@@ -196,7 +196,7 @@ class PreemptionHandler:
         """Make ``manager.should_save`` / ``manager.reached_preemption`` follow this handler;
         ``manager.close()`` then closes it (restoring the previous signal handlers).
 
-        Under several processes the handler takes the manager's :class:`~minickpt.multihost.Sync`
+        Under several processes the handler takes the manager's :class:`~minickpt.multihost.sync.Sync`
         and ``MultiHostOptions.timeout_s`` for its collective decision (unless it has one)."""
         if self.sync is None:
             sync = getattr(manager, "_sync", None)

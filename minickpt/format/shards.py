@@ -12,20 +12,10 @@ from typing import Any
 
 import numpy as np
 
-from .format_spec import SHARD_MANIFEST_FORMAT, SHARDED_FORMAT_VERSION, crc32, dtype_name
-from .fs import FileSystem, SyncBatch
-from .item_encode import (
-    ItemPlan,
-    _align,
-    _as_bytes,
-    _json_doc,
-    _write_manifest_file,
-    write_item_data,
-)
-from .tree import (
-    Names,
-    path_str,
-)
+from ..fs import FileSystem, SyncBatch
+from ..tree import Names, path_str
+from .encode import ItemPlan, _align, _as_bytes, _json_doc, _write_manifest_file, write_item_data
+from .spec import SHARD_MANIFEST_FORMAT, SHARDED_FORMAT_VERSION, crc32, dtype_name
 
 # ---------------------------------------------------------------------------------------
 # sharded leaves (format 2): one leaf written in pieces by several processes

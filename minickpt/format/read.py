@@ -11,19 +11,14 @@ from typing import Any
 
 import numpy as np
 
-from .errors import (
-    CheckpointCorruptedError,
-)
-from .format_spec import _CRC_IN_THREAD_BYTES, DTYPES, crc32
-from .fs import FileSystem
-from .host_buffers import _check_fits_in_memory, aligned_empty
-from .item_encode import decode_value
-from .item_manifest import Manifest, _corrupt
-from .shard_read import read_region
-from .tree import (
-    HostKey,
-    path_str,
-)
+from ..errors import CheckpointCorruptedError
+from ..fs import FileSystem
+from ..tree import HostKey, path_str
+from .buffers import _check_fits_in_memory, aligned_empty
+from .encode import decode_value
+from .manifest import Manifest, _corrupt
+from .regions import read_region
+from .spec import _CRC_IN_THREAD_BYTES, DTYPES, crc32
 
 
 def read_leaves(fs: FileSystem, manifest: Manifest, indices: Sequence[int] | None = None, *,

@@ -14,12 +14,10 @@ from typing import TYPE_CHECKING, Any
 
 import jax
 
-from .errors import (
-    MultiHostError,
-)
+from ..errors import MultiHostError
 
 if TYPE_CHECKING:
-    from .mh_sync import Sync
+    from .sync import Sync
 
 log = logging.getLogger("minickpt")
 
@@ -58,7 +56,7 @@ class _Coordination:
         client = getattr(state, "client", None)
         if client is None:
             raise MultiHostError("jax.distributed is not initialized in this process: call "
-                                 "minickpt.multihost.initialize() (or "
+                                 "minickpt.multihost.process.initialize() (or "
                                  "jax.distributed.initialize()) before any other JAX call")
         missing = [m for m in self.METHODS if not hasattr(client, m)]
         if missing:  # pragma: no cover - depends on the JAX version
@@ -69,7 +67,7 @@ class _Coordination:
     def _moved(what: str) -> str:
         return (f"minickpt.multihost needs JAX's coordination-service client, and {what} in "
                 f"JAX {jax.__version__}. It was written against JAX 0.4.30-0.10; please report "
-                "this (the adapter is minickpt.mh_process._Coordination).")
+                "this (the adapter is minickpt.multihost.process._Coordination).")
 
     @staticmethod
     def initialized() -> tuple[int, int] | None:

@@ -10,9 +10,7 @@ from collections.abc import Callable
 import ml_dtypes
 import numpy as np
 
-from .errors import (
-    UnsupportedLeafError,
-)
+from ..errors import UnsupportedLeafError
 
 FORMAT_NAME = "minickpt"
 FORMAT_VERSION = 1  # what an item without sharded leaves is written as (every single-host save)
@@ -106,7 +104,7 @@ def key_data_shape(impl: str) -> tuple[int, ...] | None:
         import jax
 
         try:
-            from .tree import canonical_impl
+            from ..tree import canonical_impl
 
             name = canonical_impl(impl)  # JAX 0.4.30 wrote "fry" for threefry2x32
             _KEY_SHAPES[impl] = tuple(jax.eval_shape(

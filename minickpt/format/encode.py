@@ -17,11 +17,10 @@ from typing import Any
 
 import numpy as np
 
-from .errors import (
-    CheckpointCorruptedError,
-    UnsupportedLeafError,
-)
-from .format_spec import (
+from ..errors import CheckpointCorruptedError, UnsupportedLeafError
+from ..fs import DirectIORefused, FileSystem, SyncBatch
+from ..tree import HostKey, Names, is_prng_key, path_str, skeleton, snapshot_leaf, to_host
+from .spec import (
     _CRC_IN_THREAD_BYTES,
     _HOST_IN_THREAD_BYTES,
     ALIGN,
@@ -31,16 +30,6 @@ from .format_spec import (
     MANIFEST_FILE,
     crc32,
     dtype_name,
-)
-from .fs import DirectIORefused, FileSystem, SyncBatch
-from .tree import (
-    HostKey,
-    Names,
-    is_prng_key,
-    path_str,
-    skeleton,
-    snapshot_leaf,
-    to_host,
 )
 
 

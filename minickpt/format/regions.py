@@ -11,14 +11,12 @@ from typing import Any
 
 import numpy as np
 
-from .format_spec import DTYPES, crc32
-from .fs import FileSystem
-from .host_buffers import _check_fits_in_memory, aligned_empty
-from .item_manifest import Manifest, _corrupt
-from .shard_layout import Box, ShardRef, box_shape, box_slices
-from .tree import (
-    path_str,
-)
+from ..fs import FileSystem
+from ..tree import path_str
+from .buffers import _check_fits_in_memory, aligned_empty
+from .manifest import Manifest, _corrupt
+from .shards import Box, ShardRef, box_shape, box_slices
+from .spec import DTYPES, crc32
 
 _RUN_DIRECT_BYTES = 64 << 10  # contiguous runs at least this long are read one by one
 _SLAB_CHUNK_BYTES = 8 << 20  # otherwise whole rows are read in chunks this big and sliced

@@ -16,12 +16,8 @@ from typing import Any
 import jax
 import numpy as np
 
-from .errors import (
-    MultiHostError,
-    PeerTimeoutError,
-    ProcessDisagreementError,
-)
-from .mh_process import _Coordination, _is_deadline, _named_in
+from ..errors import MultiHostError, PeerTimeoutError, ProcessDisagreementError
+from .process import _Coordination, _is_deadline, _named_in
 
 log = logging.getLogger("minickpt")
 

@@ -1,4 +1,3 @@
-# ruff: noqa: F401  (this module re-exports the names of the modules below)
 """Multi-host checkpoints: every process of a ``jax.distributed`` job saves one checkpoint.
 
 The same :class:`~minickpt.manager.CheckpointManager` code runs on one process and on many.
@@ -57,79 +56,16 @@ agreement and the snapshot (a real copy) happen in ``save()``, the rest in the b
 and every process waits for its save in flight before its next collective operation, so
 operations run in the same order everywhere and their barrier ids never collide.
 
-This module touches one private JAX object, the coordination-service client; everything
-that does lives in :class:`minickpt.mh_process._Coordination`.
+This package touches one private JAX object, the coordination-service client; everything
+that does lives in :class:`minickpt.multihost.process._Coordination`.
 
-This module is the front door of the multi-host code: it re-exports every public name of the
-modules that implement it, one concept each, so that ``minickpt.multihost.X`` keeps working.
-Read them in this order:
+The multi-host code has one module per concept, and every import names the module where the
+code lives (``from minickpt.multihost.sync import agree_on_step``). Read them in this order:
 
-* :mod:`minickpt.mh_process` — joining a job, leaving it, fault injection, JAX's coordinator
-* :mod:`minickpt.mh_sync` — exchanges at barriers with time-outs; step agreement (4.1)
-* :mod:`minickpt.mh_ownership` — which shards a process writes (4.2); one process's snapshot
-* :mod:`minickpt.mh_save` — the collective save: agree, snapshot, two-barrier commit (4.3)
-* :mod:`minickpt.mh_broadcast` — replicated state: the primary reads, the others receive
-* :mod:`minickpt.shard_read` — restoring onto another mesh: reading only the regions needed (4.4)
+* :mod:`minickpt.multihost.process` — joining a job, leaving it, fault injection, JAX's coordinator
+* :mod:`minickpt.multihost.sync` — exchanges at barriers with time-outs; step agreement (4.1)
+* :mod:`minickpt.multihost.ownership` — which shards a process writes (4.2); one process's snapshot
+* :mod:`minickpt.multihost.save` — the collective save: agree, snapshot, two-barrier commit (4.3)
+* :mod:`minickpt.multihost.broadcast` — replicated state: the primary reads, the others receive
+* :mod:`minickpt.format.regions` — restoring onto another mesh: reading only the regions needed (4.4)
 """
-
-from __future__ import annotations
-
-from .format import coverage_problems
-from .mh_broadcast import (
-    restore_broadcast,
-)
-from .mh_ownership import (
-    ProcessItemPlan,
-    owned_shards,
-    plan_for_process,
-    tree_signature,
-)
-from .mh_process import (
-    ENV_COORDINATOR,
-    ENV_FAULT,
-    ENV_HEARTBEAT_TIMEOUT,
-    ENV_INIT_TIMEOUT,
-    ENV_NUM_PROCESSES,
-    ENV_PROCESS_ID,
-    ENV_SHUTDOWN_TIMEOUT,
-    ENV_TOKEN,
-    hard_exit,
-    initialize,
-)
-from .mh_save import (
-    CollectiveSave,
-    MultiHostOptions,
-    describe_failures,
-    failure_status,
-    prepare_save,
-    raise_failures,
-    remote_failure,
-    two_barrier_commit,
-)
-from .mh_sync import (
-    DistributedSync,
-    LocalGroup,
-    LocalSync,
-    SingleProcessSync,
-    Sync,
-    agree,
-    agree_on_step,
-    default_sync,
-)
-
-__all__ = [
-    "CollectiveSave",
-    "DistributedSync",
-    "LocalGroup",
-    "MultiHostOptions",
-    "SingleProcessSync",
-    "Sync",
-    "agree",
-    "agree_on_step",
-    "coverage_problems",
-    "default_sync",
-    "hard_exit",
-    "initialize",
-    "owned_shards",
-    "prepare_save",
-]

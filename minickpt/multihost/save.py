@@ -12,9 +12,9 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from .checkpointer import Checkpointer, SaveStats, _renamed, metadata_bytes, save_error
-from .commit import METADATA_FILE, TMP_MARK, abort, commit
-from .errors import (
+from ..checkpointer import Checkpointer, SaveStats, _renamed, metadata_bytes, save_error
+from ..commit import METADATA_FILE, TMP_MARK, abort, commit
+from ..errors import (
     CheckpointCorruptedError,
     CheckpointNotFoundError,
     MiniCkptError,
@@ -24,19 +24,13 @@ from .errors import (
     UnsupportedLeafError,
     _ranges,
 )
-from .format import (
-    FORMAT_VERSION,
-    SHARDED_FORMAT_VERSION,
-    ItemData,
-    check_name,
-    write_item_data,
-    write_item_manifest,
-    write_shards,
-)
-from .fs import SyncBatch
-from .mh_ownership import ProcessItemPlan, plan_for_process, tree_signature
-from .mh_process import _fault
-from .mh_sync import Sync, agree, agree_on_step
+from ..format.encode import ItemData, write_item_data, write_item_manifest
+from ..format.shards import write_shards
+from ..format.spec import FORMAT_VERSION, SHARDED_FORMAT_VERSION, check_name
+from ..fs import SyncBatch
+from .ownership import ProcessItemPlan, plan_for_process, tree_signature
+from .process import _fault
+from .sync import Sync, agree, agree_on_step
 
 log = logging.getLogger("minickpt")
 

@@ -13,28 +13,12 @@ from typing import Any
 import jax
 import numpy as np
 
-from .errors import (
-    UnsupportedLeafError,
-)
-from .format import (
-    Box,
-    ItemPlan,
-    box_of,
-    dtype_name,
-    plan_leaf,
-    plan_shards,
-    sharded_entry,
-)
-from .mh_sync import Sync
-from .tree import (
-    HostKey,
-    Names,
-    _transfer_made_a_copy,
-    is_prng_key,
-    path_str,
-    skeleton,
-    to_host,
-)
+from ..errors import UnsupportedLeafError
+from ..format.encode import ItemPlan, plan_leaf
+from ..format.shards import Box, box_of, plan_shards, sharded_entry
+from ..format.spec import dtype_name
+from ..tree import HostKey, Names, _transfer_made_a_copy, is_prng_key, path_str, skeleton, to_host
+from .sync import Sync
 
 log = logging.getLogger("minickpt")
 

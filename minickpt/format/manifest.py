@@ -13,12 +13,12 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from .errors import (
-    CheckpointCorruptedError,
-    FormatVersionError,
-    UnsafeCheckpointError,
-)
-from .format_spec import (
+from ..errors import CheckpointCorruptedError, FormatVersionError, UnsafeCheckpointError
+from ..fs import FileSystem
+from ..tree import MAX_DEPTH, Names, path_str
+from .encode import decode_value
+from .shards import ShardRef, box_shape, coverage_problems
+from .spec import (
     _DATA_FILE_RE,
     _SHARD_MANIFEST_RE,
     DTYPES,
@@ -31,14 +31,6 @@ from .format_spec import (
     SHARDED_FORMAT_VERSION,
     crc32,
     key_data_shape,
-)
-from .fs import FileSystem
-from .item_encode import decode_value
-from .shard_layout import ShardRef, box_shape, coverage_problems
-from .tree import (
-    MAX_DEPTH,
-    Names,
-    path_str,
 )
 
 

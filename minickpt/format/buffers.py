@@ -12,10 +12,8 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from .errors import (
-    CheckpointTooLargeError,
-)
-from .format_spec import ALIGN
+from ..errors import CheckpointTooLargeError
+from .spec import ALIGN
 
 
 def aligned_empty(shape: Sequence[int], dtype: np.dtype) -> np.ndarray:

@@ -10,17 +10,12 @@ from typing import Any
 
 import numpy as np
 
-from .checkpointer import Checkpointer
-from .format import (
-    decode_value,
-    plan_leaf,
-)
-from .mh_process import _fault
-from .mh_save import MultiHostOptions, failure_status, raise_failures
-from .mh_sync import Sync
-from .tree import (
-    HostKey,
-)
+from ..checkpointer import Checkpointer
+from ..format.encode import decode_value, plan_leaf
+from ..tree import HostKey
+from .process import _fault
+from .save import MultiHostOptions, failure_status, raise_failures
+from .sync import Sync
 
 log = logging.getLogger("minickpt")
 
@@ -55,7 +50,7 @@ def _pack(values: Sequence[Any], skel: Any) -> np.ndarray:
 
 
 def _unpack(payload: np.ndarray) -> tuple[list[Any], Any]:
-    from .format import DTYPES
+    from ..format.spec import DTYPES
 
     n = int.from_bytes(payload[:8].tobytes(), "little")
     head = json.loads(payload[8:8 + n].tobytes().decode())
@@ -87,7 +82,7 @@ def restore_broadcast(checkpointer: Checkpointer, sync: Sync, key: str, path: st
     primary's success or failure is exchanged (with a time-out) before the broadcast, so a
     damaged checkpoint fails everywhere instead of leaving the others in a collective.
     """
-    from .restore import finish_item, read_item_values
+    from ..restore import finish_item, read_item_values
 
     me, src = sync.process_index, options.primary_host
     names = None if target is None else list(target)
