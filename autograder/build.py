@@ -29,10 +29,10 @@ from typing import Any
 import nbformat
 
 from . import ROOT, tools_on_path
+from .notebook_io import BEGIN, END, write_notebook
 
 LAB_RE = re.compile(r"^lab\d\d_[a-z0-9_]+$")
 TASK_CELL_RE = re.compile(r"^task_(\d+)_(\d+)$")
-BEGIN, END = "### BEGIN SOLUTION", "### END SOLUTION"
 
 
 def lab_names(solutions: Path) -> list[str]:
@@ -86,12 +86,6 @@ def sync_solutions(nb: Any, lab: str) -> Any:
         if cell.cell_type == "code":
             cell.outputs, cell.execution_count = [], None
     return nb
-
-
-def write_notebook(nb: Any, path: Path) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    nbformat.validate(nb)
-    path.write_text(nbformat.writes(nb) + "\n", encoding="utf-8")
 
 
 # ---------------------------------------------------------------------------------------

@@ -50,6 +50,7 @@ from __future__ import annotations
 
 import builtins
 import hmac
+import importlib.machinery
 import importlib.util
 import os
 import sys
@@ -351,15 +352,26 @@ class Referee:
             self._all(map_(is_, map_(_proxy_get, cds, cks), cvs))
 
     def _fresh_labkit(self) -> types.ModuleType:
-        """A private copy of minickpt.labkit: not in sys.modules, its functions bound to the
-        pristine builtins, its reference functions found now, before any student code."""
+        """A private copy of the package minickpt.labkit, every module of it: not in
+        sys.modules, its functions bound to the pristine builtins, its reference functions
+        found now, before any student code."""
         real = sys.modules.get("minickpt.labkit")
         if real is None:
             import minickpt.labkit as real
-        spec = importlib.util.spec_from_file_location("minickpt.labkit", real.__file__)
+        name = f"minickpt._referee_labkit_{id(self):x}"  # under minickpt: its `..` imports work
+        finder = _PrivateFinder(name, list(real.__path__), self._builtins)
+        spec = importlib.util.spec_from_file_location(
+            name, real.__file__, loader=_PrivateLoader(name, real.__file__, self._builtins),
+            submodule_search_locations=list(real.__path__))
         mod = importlib.util.module_from_spec(spec)
-        mod.__dict__["__builtins__"] = self._builtins
-        spec.loader.exec_module(mod)
+        sys.modules[name] = mod
+        sys.meta_path.insert(0, finder)
+        try:
+            spec.loader.exec_module(mod)
+        finally:
+            sys.meta_path.remove(finder)
+            copies = [k for k in sys.modules if k == name or k.startswith(name + ".")]
+            parts = [sys.modules.pop(k) for k in copies]
         mod.reference_functions()
         failures, base = self._failures, mod.LabCheckError
 
@@ -371,7 +383,9 @@ class Referee:
                 super().__init__(*args)
 
         LabCheckError.__qualname__ = LabCheckError.__name__ = base.__name__
-        mod.LabCheckError = LabCheckError  # what the copy's checks raise (a global lookup)
+        for part in parts:  # what the copy's checks raise (a global lookup in each module)
+            if getattr(part, "LabCheckError", None) is base:
+                part.LabCheckError = LabCheckError
         return mod
 
     # -----------------------------------------------------------------------------------
@@ -591,3 +605,31 @@ def _literal(value: object, depth: int = 0) -> tuple:
     if len(repr(out)) > MAX_ANSWER:
         return ("unreadable", "too large")
     return out
+
+
+class _PrivateLoader(importlib.machinery.SourceFileLoader):
+    """Runs a module of the private labkit copy with the pristine builtins."""
+
+    def __init__(self, name: str, path: str, pristine: object):
+        super().__init__(name, path)
+        self._pristine = pristine
+
+    def exec_module(self, module: types.ModuleType) -> None:
+        module.__dict__["__builtins__"] = self._pristine
+        super().exec_module(module)
+
+
+class _PrivateFinder:
+    """Finds the submodules of the private labkit copy (and nothing else), while it loads."""
+
+    def __init__(self, name: str, path: list[str], pristine: object):
+        self._name, self._path, self._pristine = name, path, pristine
+
+    def find_spec(self, fullname: str, path: object = None, target: object = None) -> object:
+        if not fullname.startswith(self._name + "."):
+            return None
+        file = os.path.join(self._path[0], fullname.rsplit(".", 1)[1] + ".py")
+        if not os.path.isfile(file):
+            return None
+        return importlib.util.spec_from_file_location(
+            fullname, file, loader=_PrivateLoader(fullname, file, self._pristine))

@@ -77,6 +77,7 @@ from flax.training import train_state
 import minickpt as mc
 from minickpt import cli
 from minickpt.demo import batch, fingerprint, make_state, train, train_step
+from minickpt.faults import FaultyFileSystem
 from minickpt.labkit import flip_byte, tree_diff
 from minickpt.restore import migrate, resume
 
@@ -189,7 +190,7 @@ def first_read_of_step_40(op, args):
     return op == "preadv" and len(opened) == 1
 
 
-eio_once = mc.fs.FaultyFileSystem(0, ops=("open", "preadv"), when=first_read_of_step_40)
+eio_once = FaultyFileSystem(0, ops=("open", "preadv"), when=first_read_of_step_40)
 with mc.CheckpointManager(WORK / "run", mc.CheckpointManagerOptions(read_only=True),
                           fs=eio_once) as mngr:
     try:

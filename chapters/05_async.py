@@ -78,7 +78,8 @@ import orbax.checkpoint as ocp
 import minickpt as mc
 from minickpt import asynchronous as masync
 from minickpt.demo import SlowDisk
-from minickpt.fs import FaultyFileSystem, FileSystem
+from minickpt.faults import FaultyFileSystem
+from minickpt.fs import FileSystem
 
 devices = jax.devices()
 print(f"JAX {jax.__version__} sees {len(devices)} {devices[0].platform.upper()} device(s): "

@@ -22,8 +22,9 @@ from .errors import (
     UnsafeCheckpointError,
     UnsupportedLeafError,
 )
+from .fallback import Restored
 from .legacy import restore_checkpoint, save_checkpoint
-from .manager import CheckpointManager, CheckpointManagerOptions, Restored
+from .manager import CheckpointManager, CheckpointManagerOptions
 from .multihost.save import MultiHostOptions
 from .tree import HostKey
 

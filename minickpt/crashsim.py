@@ -14,7 +14,7 @@ not make durable:
 :class:`CrashRecorder` is a :class:`~minickpt.fs.FileSystem` that passes every call through to
 the real file system and keeps, next to it, a model of what has been made durable. It can stop
 the program dead before any chosen call (every later call raises
-:class:`~minickpt.fs.SimulatedCrash`, from any thread), and then list the states a crash at
+:class:`~minickpt.faults.SimulatedCrash`, from any thread), and then list the states a crash at
 that point could leave (:meth:`CrashRecorder.crash_states`):
 
 * only what was fsynced (every un-synced directory operation lost),
@@ -43,7 +43,8 @@ from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from .fs import Buffer, FileSystem, SimulatedCrash
+from .faults import SimulatedCrash
+from .fs import Buffer, FileSystem
 
 DATA_MODES = ("old", "zeros", "torn", "new")
 """What a crash may leave of a file's un-synced data (see the module docstring)."""

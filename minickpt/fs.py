@@ -3,7 +3,7 @@
 Every file-system call the library makes goes through a :class:`FileSystem` object. The
 primitives (``open``, ``write``, ``fsync``, ``rename`` ...) are the only methods that call the
 operating system; the helpers (``write_file``, ``fsync_dir``, ``rmtree`` ...) are built from
-them. A test can therefore stop a save at *any* single call — see :class:`FaultyFileSystem` —
+them. A test can therefore stop a save at *any* single call — see :class:`minickpt.faults.FaultyFileSystem` —
 and check that what is left on disk is still safe.
 """
 
@@ -15,7 +15,6 @@ import errno
 import os
 import stat
 import sys
-import threading
 import time
 from collections.abc import Callable, Iterable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -23,21 +22,14 @@ from typing import Any
 
 import numpy as np
 
+from .aio import _AIO_RINGS, _AIO_SYSCALL, _LIBC, _run_together
+
 Buffer = bytes | bytearray | memoryview
 
 # Linux caps a single write at 0x7ffff000 bytes; stay well below it.
 _MAX_IO = 1 << 30
 _IOV_MAX = 1024  # the limit on Linux and macOS
 
-
-def _load_libc() -> Any:
-    try:
-        return ctypes.CDLL(ctypes.util.find_library("c") or None, use_errno=True)
-    except OSError:  # pragma: no cover - exotic platforms
-        return None
-
-
-_LIBC = _load_libc()
 
 
 def _load_sync_file_range() -> Any:
@@ -561,179 +553,11 @@ def _direct_block(st_blksize: int) -> int:
     return b if 512 <= b <= 1 << 20 and b & (b - 1) == 0 else 4096
 
 
-_SYNC_THREADS = 8  # fsyncs wait on the disk, not the CPU: more threads than cores is right
-
-
-# ---- kernel AIO fsync (Linux): a group commit without starting threads -----------------
-_AIO_SYSCALLS = {"x86_64": (206, 208, 209), "aarch64": (0, 4, 2)}  # setup, getevents, submit
-_IOCB_CMD_FSYNC = 2
-_AIO_DEPTH = 128  # fsyncs in flight per ring; a larger batch goes in chunks of this many
-
-
-class _Iocb(ctypes.Structure):  # struct iocb, <linux/aio_abi.h>, little-endian layout
-    _fields_ = [("data", ctypes.c_uint64), ("key", ctypes.c_uint32),
-                ("rw_flags", ctypes.c_int32), ("opcode", ctypes.c_uint16),
-                ("reqprio", ctypes.c_int16), ("fildes", ctypes.c_uint32),
-                ("buf", ctypes.c_uint64), ("nbytes", ctypes.c_uint64),
-                ("offset", ctypes.c_int64), ("reserved2", ctypes.c_uint64),
-                ("flags", ctypes.c_uint32), ("resfd", ctypes.c_uint32)]
-
-
-class _IoEvent(ctypes.Structure):  # struct io_event
-    _fields_ = [("data", ctypes.c_uint64), ("obj", ctypes.c_uint64),
-                ("res", ctypes.c_int64), ("res2", ctypes.c_int64)]
-
-
 def _aio_fsync_usable(fs: FileSystem) -> bool:
     """Only for the real primitives: a subclass that observes or faults ``fsync`` (tests,
     the crash harness) must see every fsync as a call of its own method."""
     return (_AIO_SYSCALL is not None and type(fs).fsync is FileSystem.fsync
             and type(fs).fsync_dir is FileSystem.fsync_dir and type(fs).open is FileSystem.open)
-
-
-def _aio_syscall() -> Any:
-    if not sys.platform.startswith("linux") or sys.byteorder != "little" or _LIBC is None \
-            or os.environ.get("MINICKPT_NO_AIO"):
-        return None
-    import platform
-
-    nrs = _AIO_SYSCALLS.get(platform.machine())
-    fn = getattr(_LIBC, "syscall", None)
-    if nrs is None or fn is None:
-        return None
-    fn.restype = ctypes.c_long
-    return fn, nrs
-
-
-_AIO_SYSCALL = _aio_syscall()
-
-
-class _AioRing:
-    """One kernel AIO context (``io_setup``); used by one ``fsync_all`` at a time."""
-
-    def __init__(self, ctx: int):
-        self.ctx = ctypes.c_ulong(ctx)
-        self.pid = os.getpid()  # a forked child cannot use its parent's context
-
-    def fsync(self, fds: Sequence[int]) -> list[Any] | None:
-        """fsync every fd; per fd None, the OSError its fsync gave, or "unsubmitted".
-        None if the kernel does not know the opcode (then nothing was done)."""
-        call, (_, nr_getevents, nr_submit) = _AIO_SYSCALL
-        out: list[Any] = [None] * len(fds)
-        for start in range(0, len(fds), _AIO_DEPTH):
-            chunk = fds[start:start + _AIO_DEPTH]
-            n = len(chunk)
-            cbs = (_Iocb * n)()
-            ptrs = (ctypes.POINTER(_Iocb) * n)()
-            for i, fd in enumerate(chunk):
-                cbs[i].data, cbs[i].opcode, cbs[i].fildes = i, _IOCB_CMD_FSYNC, fd
-                ptrs[i] = ctypes.pointer(cbs[i])
-            submitted = 0
-            while submitted < n:
-                r = call(nr_submit, self.ctx, ctypes.c_long(n - submitted),
-                         ctypes.byref(ptrs, submitted * ctypes.sizeof(ptrs._type_)))
-                if r > 0:
-                    submitted += r
-                    continue
-                err = ctypes.get_errno()
-                if r < 0 and err == errno.EINTR:
-                    continue
-                if r < 0 and err in (errno.EINVAL, errno.ENOSYS) and submitted == 0 \
-                        and start == 0:
-                    _AIO_RINGS.broken = True
-                    return None
-                for i in range(submitted, n):  # the first refused one and those after it
-                    out[start + i] = "unsubmitted"
-                break
-            events = (_IoEvent * max(submitted, 1))()
-            got = 0
-            while got < submitted:
-                r = call(nr_getevents, self.ctx, ctypes.c_long(submitted - got),
-                         ctypes.c_long(submitted - got),
-                         ctypes.byref(events, got * ctypes.sizeof(_IoEvent)), None)
-                if r < 0:
-                    err = ctypes.get_errno()
-                    if err == errno.EINTR:
-                        continue
-                    raise OSError(err, f"io_getevents: {os.strerror(err)}")
-                got += r
-            for ev in events[:submitted]:
-                if ev.res < 0:
-                    out[start + ev.data] = OSError(-ev.res, os.strerror(-ev.res))
-        return out
-
-
-class _AioRings:
-    """Idle AIO contexts, reused across saves (a context is no thread: nothing runs)."""
-
-    def __init__(self) -> None:
-        self.free: list[_AioRing] = []
-        self.lock = threading.Lock()
-        self.broken = False
-
-    def get(self) -> _AioRing | None:
-        with self.lock:
-            while self.free:
-                ring = self.free.pop()
-                if ring.pid == os.getpid():
-                    return ring
-            if self.broken:
-                return None
-        call, (nr_setup, _, _) = _AIO_SYSCALL
-        ctx = ctypes.c_ulong(0)
-        if call(nr_setup, _AIO_DEPTH, ctypes.byref(ctx)) != 0:
-            if ctypes.get_errno() in (errno.ENOSYS, errno.EPERM, errno.EINVAL):
-                self.broken = True  # no AIO here (a sandbox, an old kernel): threads
-            return None  # EAGAIN (aio-max-nr reached): threads, this time
-        return _AioRing(ctx.value)
-
-    def put(self, ring: _AioRing) -> None:
-        with self.lock:
-            if ring.pid == os.getpid() and not self.broken:
-                self.free.append(ring)
-
-
-_AIO_RINGS = _AioRings()
-
-
-def _run_together(jobs: Sequence[tuple[Callable[..., None], Any]]) -> None:
-    """Run every ``fn(arg)`` at once: the caller's thread and up to ``_SYNC_THREADS - 1``
-    threads started for this call, which all end before it returns — no pool outlives a save,
-    so nothing of minickpt's is left running after ``close()``. (Starting a few threads costs
-    tens of microseconds; one fsync costs milliseconds.) Raises the first job's error, in job
-    order, once every job has finished."""
-    errors: list[BaseException | None] = [None] * len(jobs)
-    todo = iter(range(len(jobs)))
-    lock = threading.Lock()
-
-    def work() -> None:
-        while True:
-            with lock:
-                i = next(todo, None)
-            if i is None:
-                return
-            fn, arg = jobs[i]
-            try:
-                fn(arg)
-            except BaseException as e:
-                errors[i] = e
-
-    threads = []
-    for n in range(min(_SYNC_THREADS, len(jobs)) - 1):
-        t = threading.Thread(target=work, name=f"minickpt-fsync_{n}", daemon=True)
-        try:
-            t.start()
-        except RuntimeError:  # interpreter exit (a pending async save finishing from
-            break  # atexit): no new threads, the caller's thread does the rest
-        threads.append(t)
-    try:
-        work()
-    finally:
-        for t in threads:
-            t.join()
-    first = next((e for e in errors if e is not None), None)
-    if first is not None:
-        raise first
 
 
 class SyncBatch:
@@ -802,112 +626,6 @@ class SyncBatch:
         except OSError:
             if exc[0] is None:
                 raise
-
-
-PRIMITIVES = ("open", "write", "writev", "preadv", "fsync", "close", "ftruncate", "mkdir",
-              "rename", "unlink", "rmdir", "listdir", "lstat", "fstat", "flock",
-              "start_writeback")
-
-
-class FaultyFileSystem(FileSystem):
-    """A file system that fails (or crashes) at a chosen call, for crash-safety tests.
-
-    ``fail_at=n`` makes the n-th primitive call (counting from 0, among ``ops``) raise
-    ``error``; ``crash=True`` instead raises :class:`SimulatedCrash`, which the library does
-    not catch, so nothing after that call runs — like a power cut between two syscalls.
-    ``persistent=True`` makes every counted call from the n-th on fail too (a disk that stays
-    full or dead, rather than one transient error). Every call is recorded in ``calls`` as
-    ``(op, args)``.
-    """
-
-    def __init__(self, fail_at: int | None = None, *, error: BaseException | None = None,
-                 ops: Iterable[str] = PRIMITIVES, crash: bool = False,
-                 base: FileSystem | None = None,
-                 when: Callable[[str, tuple[Any, ...]], bool] | None = None,
-                 persistent: bool = False):
-        self.fail_at = fail_at
-        self.persistent = persistent
-        self.error = error if error is not None else OSError(errno.EIO, os.strerror(errno.EIO))
-        self.ops = frozenset(ops)
-        self.crash = crash
-        self.base = base or FileSystem()
-        self.when = when
-        self.count = 0
-        self.calls: list[tuple[str, tuple[Any, ...]]] = []
-        self.tripped = False
-        self._lock = threading.Lock()
-
-    def _call(self, op: str, *args: Any) -> Any:
-        with self._lock:
-            counted = op in self.ops and (self.when is None or self.when(op, args))
-            self.calls.append((op, args))
-            trip = counted and self.fail_at is not None and (
-                self.count >= self.fail_at if self.persistent else self.count == self.fail_at)
-            if counted:
-                self.count += 1
-            if trip:
-                self.tripped = True
-        if trip:
-            if self.crash:
-                raise SimulatedCrash(f"simulated crash at call {self.fail_at}: {op}{args!r}")
-            raise self.error
-        return getattr(self.base, op)(*args)
-
-    def open(self, path: str, flags: int, mode: int = 0o644) -> int:
-        return self._call("open", path, flags, mode)
-
-    def write(self, fd: int, data: Buffer) -> int:
-        return self._call("write", fd, data)
-
-    def writev(self, fd: int, buffers: Sequence[Buffer]) -> int:
-        return self._call("writev", fd, buffers)
-
-    def preadv(self, fd: int, buffers: Sequence[memoryview], offset: int) -> int:
-        return self._call("preadv", fd, buffers, offset)
-
-    def fsync(self, fd: int) -> None:
-        return self._call("fsync", fd)
-
-    def close(self, fd: int) -> None:
-        return self._call("close", fd)
-
-    def ftruncate(self, fd: int, length: int) -> None:
-        return self._call("ftruncate", fd, length)
-
-    def start_writeback(self, fd: int, offset: int, nbytes: int) -> None:
-        return self._call("start_writeback", fd, offset, nbytes)
-
-    def mkdir(self, path: str, mode: int = 0o755) -> None:
-        return self._call("mkdir", path, mode)
-
-    def rename(self, src: str, dst: str) -> None:
-        return self._call("rename", src, dst)
-
-    def unlink(self, path: str) -> None:
-        return self._call("unlink", path)
-
-    def rmdir(self, path: str) -> None:
-        return self._call("rmdir", path)
-
-    def listdir(self, path: str) -> list[str]:
-        return self._call("listdir", path)
-
-    def lstat(self, path: str) -> os.stat_result:
-        return self._call("lstat", path)
-
-    def fstat(self, fd: int) -> os.stat_result:
-        return self._call("fstat", fd)
-
-    def flock(self, fd: int, exclusive: bool = True, blocking: bool = False) -> None:
-        return self._call("flock", fd, exclusive, blocking)
-
-
-class SimulatedCrash(BaseException):
-    """Raised by :class:`FaultyFileSystem` to stop a save dead, like a power cut.
-
-    It derives from BaseException so that no ``except Exception`` cleanup in the library
-    runs after it — exactly what happens when a process is killed.
-    """
 
 
 DEFAULT_FS = FileSystem()

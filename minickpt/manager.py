@@ -9,15 +9,11 @@ decisions themselves — save this step? keep which steps? — are pure function
 from __future__ import annotations
 
 import collections
-import errno
-import gc
 import logging
 import os
 import threading
 import time
-import warnings
-import weakref
-from collections.abc import Callable, Collection, Iterable, Mapping
+from collections.abc import Callable, Collection, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -25,38 +21,27 @@ from . import policy
 from .asynchronous import AsyncCheckpointer
 from .checkpointer import Checkpointer, CheckpointMetadata, SaveStats, VerifyReport, _json_safe
 from .commit import (
-    DELETE_MARK,
     cleanup_temporaries,
-    delete_dir,
     parse_step,
-    remove_retired,
-    retire_dir,
-    set_aside,
     step_dir_name,
 )
 from .errors import (
-    CheckpointCorruptedError,
     CheckpointNotFoundError,
-    CheckpointTooLargeError,
-    FormatVersionError,
     MiniCkptError,
-    PeerTimeoutError,
     StepAlreadyExistsError,
 )
+from .fallback import Restoring
 from .fs import DEFAULT_FS, FileSystem
-from .multihost.broadcast import restore_broadcast
+from .lock import DirectoryLock
 from .multihost.save import (
     MultiHostOptions,
-    describe_failures,
-    failure_status,
     prepare_save,
-    raise_failures,
 )
-from .multihost.sync import Sync, agree, default_sync
+from .multihost.sync import Sync, default_sync
+from .retention import Retention
 from .tree import from_skeleton
 
 log = logging.getLogger("minickpt")
-LOCK_FILE = ".minickpt.lock"
 
 
 @dataclass
@@ -103,67 +88,7 @@ class CheckpointManagerOptions:
         self.save_on_steps = frozenset(self.save_on_steps or ())
 
 
-# The directories this process's managers hold the lock of: real path -> (pid, manager); the
-# pid, because a forked child inherits the dict but not the managers' standing.
-_HELD: dict[str, tuple[int, weakref.ref[CheckpointManager]]] = {}
-_HELD_LOCK = threading.Lock()
-
-
-def _holder_note() -> str:
-    return f"pid {os.getpid()} on {os.uname().nodename}\n"
-
-
-def _held_here(key: str, lock_path: str) -> bool:
-    """Whether the lock on a directory is held by this process (one of its managers)."""
-    with _HELD_LOCK:
-        pid, ref = _HELD.get(key, (0, None))
-    return (pid == os.getpid() and ref is not None and ref() is not None) \
-        or _read_small(lock_path) == _holder_note().strip()
-
-
-class Restored(dict):
-    """The items restored, by name; ``.step`` says which step they came from."""
-
-    step: int | None = None
-
-
-class _Vanished(Exception):
-    """A step was deleted while it was being restored (not damage: the steps are listed again)."""
-
-
-def restore_newest_valid(directory: str, steps: Iterable[int],
-                         restore_step: Callable[[int], Any], *, fallback: bool = True,
-                         on_skip: Callable[[int, BaseException], None] | None = None
-                         ) -> tuple[int, Any]:
-    """Task 3.1 — restore the newest checkpoint that is not damaged; ``(step, restored)``.
-
-    Steps are tried newest first, by number. ``restore_step(s)`` restores step ``s`` or
-    raises. Only *verified* damage — :class:`CheckpointCorruptedError` (a checksum, a
-    structure, a missing file) — or :class:`CheckpointTooLargeError` is a reason to try the
-    next older step, and only with ``fallback`` (else it propagates); ``on_skip(s, error)``
-    hears of each skipped step before the next is tried. Any other error (an ``OSError`` such
-    as EIO, a target that does not match) says nothing about the checkpoint and propagates
-    unchanged. No steps: :class:`CheckpointNotFoundError`; none restorable: one
-    :class:`CheckpointCorruptedError` naming every step tried and why it failed.
-    """
-    order = sorted(set(steps), reverse=True)
-    if not order:
-        raise CheckpointNotFoundError(f"no checkpoint to restore in {directory}")
-    errors = []
-    for s in order:
-        try:
-            return s, restore_step(s)
-        except (CheckpointCorruptedError, CheckpointTooLargeError) as e:
-            if not fallback:
-                raise
-            errors.append(f"step {s}: {e}")
-            if on_skip is not None:
-                on_skip(s, e)
-    raise CheckpointCorruptedError(directory, "no checkpoint can be restored (damaged, or too "
-                                   "large):\n  " + "\n  ".join(errors))
-
-
-class CheckpointManager:
+class CheckpointManager(DirectoryLock, Retention, Restoring):
     """Saves a training run's checkpoints under one directory, one sub-directory per step.
 
     >>> mngr = CheckpointManager("/tmp/run", CheckpointManagerOptions(max_to_keep=3))
@@ -238,59 +163,6 @@ class CheckpointManager:
         self.reload()
 
     # ---- housekeeping --------------------------------------------------------------------
-    def _acquire_lock(self) -> None:
-        path = os.path.join(self.directory, LOCK_FILE)
-        key = os.path.realpath(self.directory)
-        fd = self.fs.open(path, os.O_RDWR | os.O_CREAT)
-        try:
-            try:
-                self.fs.flock(fd, exclusive=True, blocking=False)
-            except OSError as e:
-                if e.errno not in (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES) \
-                        or not _held_here(key, path):
-                    raise
-                # A manager of this very process holds it. If nothing refers to that one
-                # any more (a cycle the collector has not reached yet), collecting it
-                # releases the lock, as Orbax lets a new manager replace a dropped one.
-                gc.collect()
-                self.fs.flock(fd, exclusive=True, blocking=False)
-        except OSError as e:
-            self.fs.close(fd)
-            if e.errno in (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES):
-                holder = _read_small(path)
-                if _held_here(key, path):
-                    raise MiniCkptError(
-                        f"this process already holds {self.directory}: a CheckpointManager "
-                        "opened on it here earlier is still open (running a notebook cell "
-                        "twice keeps the first one alive). Close that one first "
-                        "(mngr.close(), or open it as `with CheckpointManager(...) as mngr:`), "
-                        "or open this one with read_only=True to read.") from e
-                raise MiniCkptError(
-                    f"another CheckpointManager is writing to {self.directory} ({holder}). Two "
-                    "writers on one directory would interleave checkpoints; open this one with "
-                    "read_only=True to read, or use another directory.") from e
-            if e.errno in (errno.ENOLCK, errno.EOPNOTSUPP, errno.ENOSYS):
-                warnings.warn(f"file locking is not supported on {self.directory}; minickpt "
-                              "cannot stop two writers from sharing it", stacklevel=3)
-                return
-            raise
-        self.fs.ftruncate(fd, 0)  # the lock file is a note for people, not checkpoint data
-        self.fs.write(fd, _holder_note().encode())
-        self._lock_fd = fd
-        self._lock_key = key
-        with _HELD_LOCK:
-            _HELD[key] = (os.getpid(), weakref.ref(self))
-
-    def _release_lock(self) -> None:
-        if self._lock_fd is not None:
-            try:
-                self.fs.close(self._lock_fd)
-            finally:
-                self._lock_fd = None
-                with _HELD_LOCK:
-                    _pid, ref = _HELD.get(self._lock_key, (0, None))
-                    if ref is not None and ref() in (self, None):
-                        del _HELD[self._lock_key]
 
     def _emit(self, event: str, record: dict[str, Any]) -> None:
         for fn in list(self.listeners):
@@ -728,137 +600,6 @@ class CheckpointManager:
         except OSError:
             return False
 
-    def _apply_retention(self) -> None:
-        if self._sweep_deletions:
-            self._sweep_deletions = False
-            self._remove_deletion_leftovers()
-        o = self.options
-        keep = policy.steps_to_keep(
-            list(self._infos.values()), max_to_keep=o.max_to_keep, keep_period=o.keep_period,
-            best_fn=o.best_fn, best_mode=o.best_mode,
-            keep_checkpoints_without_metrics=o.keep_checkpoints_without_metrics)
-        for step in sorted(set(self._infos) - keep):
-            try:
-                self._delete_step(step)
-            except OSError as e:
-                # The new checkpoint is safe; failing to remove an old one must not fail the
-                # save, but it must not go unnoticed either (the disk will fill up). What is
-                # left has a deletion name: invisible, and removed at the next save.
-                self._sweep_deletions = True
-                log.error("minickpt: could not delete old checkpoint %s: %s",
-                          self.step_path(step), e)
-                warnings.warn(f"could not delete old checkpoint {self.step_path(step)}: {e}",
-                              stacklevel=4)
-
-    def _remove_deletion_leftovers(self) -> None:
-        """Finish deletions an earlier error interrupted (only names marked for deletion)."""
-        try:
-            names = self.fs.listdir(self.directory)
-        except OSError:
-            return
-        with self._removals_lock:  # being removed in the background: not a leftover
-            busy = {os.path.basename(d) for d, fut in self._removals if not fut.done()}
-        doomed = [n for n in sorted(names) if DELETE_MARK in n and n not in busy]
-        if not doomed:
-            return
-        try:  # their renames must be durable before any file goes (else a torn step returns)
-            self.fs.fsync_dir(self.directory)
-        except OSError as e:
-            self._sweep_deletions = True
-            log.error("minickpt: could not fsync %s: %s", self.directory, e)
-            return
-        for name in doomed:
-            try:
-                self.fs.rmtree(os.path.join(self.directory, name))
-            except OSError as e:
-                self._sweep_deletions = True
-                log.error("minickpt: could not remove %s: %s",
-                          os.path.join(self.directory, name), e)
-
-    def _delete_step(self, step: int) -> None:
-        path = self.step_path(step)
-        try:
-            if self.options.enable_background_delete:
-                # out of the step namespace now; durable (parent fsync) and removed on the
-                # background thread — the fsync always before the first file is removed
-                self._remove_later(retire_dir(self.fs, path, durable=False))
-            else:
-                delete_dir(self.fs, path)
-        finally:
-            # forget the step once its name is gone, even if removing its files failed
-            # (what is left is a deletion temporary, cleaned at the next start-up)
-            if not self.fs.is_dir(path):
-                self._infos.pop(step, None)
-                self._names.pop(step, None)
-        self._emit("delete", {"step": step, "time": time.time()})
-
-    def _remove_later(self, doomed: str) -> None:
-        """Remove a retired checkpoint's files on the background thread (FIFO, one at a time)."""
-        from concurrent.futures import ThreadPoolExecutor
-
-        self._finish_removals(block=False)
-        with self._removals_lock:
-            if self._remover is None:
-                self._remover = ThreadPoolExecutor(1, thread_name_prefix="minickpt-delete")
-            self._removals.append((doomed, self._remover.submit(remove_retired, self.fs,
-                                                                doomed)))
-
-    def _finish_removals(self, block: bool = True) -> None:
-        """Collect finished background removals (all of them when ``block``); a failure is
-        logged and warned about — the checkpoint is already gone from the step namespace,
-        and what is left is a deletion temporary that the next start-up removes."""
-        with self._removals_lock:
-            pending, self._removals = self._removals, []
-        keep = []
-        for doomed, fut in pending:
-            if not block and not fut.done():
-                keep.append((doomed, fut))
-                continue
-            err = fut.exception()
-            if err is not None:
-                self._sweep_deletions = True  # the next save's retention finishes the job
-                log.error("minickpt: could not remove %s: %s", doomed, err)
-                warnings.warn(f"could not remove deleted checkpoint {doomed}: {err}",
-                              stacklevel=3)
-        with self._removals_lock:
-            self._removals[:0] = keep
-
-    def delete(self, step: int) -> None:
-        """Delete one checkpoint, crash-safely (it vanishes from the step list atomically)."""
-        self._check_writable()
-        if self._sync.process_count > 1:
-            with self._collective_lock:
-                if self._async is not None:
-                    self._collect()  # never alongside a save's barriers; its error, everywhere
-                return self._delete_collective(step)
-        if step == self._in_flight_step:
-            self.wait_until_finished()
-        with self._mutex:
-            self._resolve(step)
-            self._delete_step(step)
-
-    def _delete_collective(self, step: int) -> None:
-        """Every process calls delete; the primary deletes, the others follow its result."""
-        sync, mh = self._sync, self.options.multihost
-        op = sync.new_op("delete")
-        agree(sync.exchange(f"{op}/agree", step, mh.timeout_s,
-                                      f"delete of step {step}: agreeing on the step"),
-                        "the step to delete")
-        local: BaseException | None = None
-        if self.primary:
-            try:
-                with self._mutex:
-                    self._resolve(step)
-                    self._delete_step(step)
-            except Exception as e:
-                local = e
-        statuses = sync.exchange(f"{op}/done", failure_status(local) if self.primary
-                                 else None, mh.timeout_s, f"delete of step {step}")
-        raise_failures({mh.primary_host: statuses[mh.primary_host]},
-                                  sync.process_index, local, f"deleting step {step}")
-        with self._mutex:
-            self._infos.pop(step, None)
-
     def _record(self, stats: SaveStats) -> None:
         self.last_save_stats = stats
         self.save_history.append(stats)
@@ -866,169 +607,6 @@ class CheckpointManager:
             self._emit("save", stats.as_dict())
 
     # ---- restoring -----------------------------------------------------------------------
-    def restore(self, step: int | None = None, target: Mapping[str, Any] | None = None, *,
-                partial: bool = False, verify: bool | None = None, sharding: Any = None,
-                fallback: bool | None = None) -> Restored:
-        """Restore a step's items (all, or those named in ``target``).
-
-        Without ``step`` the latest is restored; if it is damaged and ``fallback`` (default:
-        the options' ``fallback_on_damage``), the newest *valid* one is restored instead and a
-        warning says which step was skipped and why. The result's ``.step`` says which step
-        it is. A structural mismatch with ``target`` is never a reason to fall back, nor is
-        an I/O error (EIO ...): that says nothing about the checkpoint, and is raised.
-
-        A writable manager moves a damaged step it skips out of the step namespace, to
-        ``step_<N>.minickpt-damaged-<hex>`` (kept for inspection, shown by ``minickpt ls``,
-        never counted or cleaned up), so that the resumed run saves step N again.
-        """
-        verify = self.options.verify_on_restore if verify is None else verify
-        fallback = self.options.fallback_on_damage if fallback is None else fallback
-        if self._sync.process_count > 1:
-            with self._collective_lock:
-                if self._async is not None:
-                    # Whatever the step: the restore's barriers must not run alongside the
-                    # save's, and retention in the background could delete what it reads.
-                    self._collect()
-                return self._restore_collective(step, target, partial, verify, sharding,
-                                                fallback)
-        pending = self._in_flight_step
-        if pending is not None and step in (None, pending):
-            # Reading the step being written: wait for its commit. If it failed, its error
-            # is raised here, not mistaken for a damaged checkpoint to fall back from.
-            self.wait_until_finished()
-        if step is not None:
-            return self._restore_step(self._resolve(step), target, partial, verify, sharding)
-        skipped: set[int] = set()
-
-        def skip(s: int, e: BaseException) -> None:
-            if s in skipped:
-                return
-            skipped.add(s)
-            why = "too large for this machine" if isinstance(e, CheckpointTooLargeError) \
-                else "damaged"
-            # a newer format is not damage: it stays where it is for a newer minickpt
-            aside = self._set_aside(s) if why == "damaged" and not isinstance(
-                e, FormatVersionError) else None
-            msg = f"minickpt: skipping {why} checkpoint step {s}: {e}" + (
-                f"; moved to {aside} so that step {s} can be saved again (delete it once "
-                "you have looked at it)" if aside else "")
-            log.error(msg)
-            warnings.warn(msg, stacklevel=4)
-            self._emit("skip", {"step": s, "error": str(e), "time": time.time(),
-                                "moved_to": aside})
-
-        def one(s: int) -> Restored:
-            try:
-                return self._restore_step(s, target, partial, verify, sharding)
-            except CheckpointNotFoundError as e:
-                raise _Vanished(s) from e  # deleted while we read: list the steps again
-
-        for _ in range(3):  # a writer's retention may delete steps while we read: look again
-            steps = self.all_steps(read=True)
-            if not steps:
-                raise CheckpointNotFoundError(f"no checkpoint to restore in {self.directory}")
-            try:
-                return restore_newest_valid(self.directory, steps, one, fallback=fallback,
-                                            on_skip=skip)[1]
-            except _Vanished:
-                continue
-        raise CheckpointNotFoundError(f"the checkpoints in {self.directory} kept being deleted "
-                                      "while they were read; is another process deleting them?")
-
-    def _set_aside(self, step: int) -> str | None:
-        """Move a damaged step out of the step namespace (kept for inspection), so that the
-        resumed run can save that step again; None where this manager must not write."""
-        if self.options.read_only or not self.primary or self._sync.process_count > 1:
-            return None
-        with self._mutex:
-            path = self.step_path(step)
-            try:
-                aside = set_aside(self.fs, path)
-            except OSError as e:
-                log.error("minickpt: could not move damaged %s aside: %s", path, e)
-                return None
-            self._infos.pop(step, None)
-            self._names.pop(step, None)
-        return aside
-
-    def _restore_collective(self, step: int | None, target: Mapping[str, Any] | None,
-                            partial: bool, verify: bool, sharding: Any,
-                            fallback: bool) -> Restored:
-        """Chapter 4: restore on every process, each reading what its devices need.
-
-        The primary's list of steps is everyone's; after each attempt the processes exchange
-        how it went, so that they all return the same step, all fall back together past a
-        damaged one, or all raise.
-        """
-        sync, mh = self._sync, self.options.multihost
-        op = sync.new_op("restore")
-        mine = [step] if step is not None else sorted(self.all_steps(read=True), reverse=True)
-        views = sync.exchange(f"{op}/steps", mine, mh.timeout_s, "restore: listing the steps")
-        if step is not None:
-            agree([v[0] for v in views], "the step to restore")
-        steps = views[mh.primary_host]
-        if not steps:
-            raise CheckpointNotFoundError(f"no checkpoint to restore in {self.directory}")
-        errors: list[str] = []
-        for n, s in enumerate(steps):
-            local: BaseException | None = None
-            out = None
-            try:
-                if mh.primary_only:
-                    out = Restored(restore_broadcast(
-                        self._checkpointer, sync, f"{op}/b{n}", self.step_path(s), target,
-                        partial=partial, verify=verify, sharding=sharding, options=mh,
-                        step=s))
-                    out.step = s
-                else:
-                    out = self._restore_step(self._resolve(s), target, partial, verify,
-                                             sharding)
-            except PeerTimeoutError:
-                raise  # a process is missing (on every survivor alike): no exchange would do
-            except Exception as e:
-                local = e
-            statuses = sync.exchange(f"{op}/try{n}", failure_status(local),
-                                     mh.timeout_s, f"restore of step {s}")
-            bad = {p: st for p, st in enumerate(statuses) if not st["ok"]}
-            if not bad:
-                assert out is not None
-                return out
-            if step is not None or not fallback or not all(st["damage"] for st in bad.values()):
-                raise_failures(statuses, sync.process_index, local,
-                                         f"restoring step {s}", reading=True)
-            why = describe_failures(bad)
-            msg = f"minickpt: skipping damaged checkpoint step {s}: {why}"
-            log.error(msg)
-            warnings.warn(msg, stacklevel=3)
-            errors.append(f"step {s}: {why}")
-            self._emit("skip", {"step": s, "error": why, "time": time.time()})
-        raise CheckpointCorruptedError(self.directory, "every checkpoint is damaged:\n  "
-                                       + "\n  ".join(errors))
-
-    def _restore_step(self, step: int, target: Mapping[str, Any] | None, partial: bool,
-                      verify: bool, sharding: Any) -> Restored:
-        t0 = time.perf_counter()
-        path = self.step_path(step)
-        try:
-            try:
-                items = self._checkpointer.restore(path, target, partial=partial, verify=verify,
-                                                   sharding=sharding, step=step)
-            except (CheckpointCorruptedError, OSError) as e:
-                if isinstance(e, CheckpointNotFoundError) or self.fs.exists(path):
-                    raise
-                raise CheckpointNotFoundError(
-                    f"step {step} was deleted while it was being restored (by another "
-                    f"process?): {path}") from e
-        except Exception as e:
-            self._emit("restore", {"step": step, "ok": False, "error": f"{type(e).__name__}: "
-                                   f"{e}", "total_s": time.perf_counter() - t0,
-                                   "time": time.time()})
-            raise
-        out = Restored(items)
-        out.step = step
-        self._emit("restore", {"step": step, "ok": True, "total_s": time.perf_counter() - t0,
-                               "time": time.time()})
-        return out
 
 
 def _makedirs(fs: FileSystem, path: str) -> None:
@@ -1043,9 +621,3 @@ def _makedirs(fs: FileSystem, path: str) -> None:
         fs.fsync_dir(parent)
 
 
-def _read_small(path: str) -> str:
-    try:
-        with open(path) as f:
-            return f.read(200).strip() or "holder unknown"
-    except OSError:
-        return "holder unknown"

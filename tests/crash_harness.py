@@ -1503,7 +1503,7 @@ def check_save_fault(root: str, k: int, err: int, *, persistent: bool = False) -
     may stay, steps 1 and 2 must stay intact, and retention must not run for a failed save."""
     import errno as errno_mod
 
-    from minickpt.fs import FaultyFileSystem
+    from minickpt.faults import FaultyFileSystem
 
     build_run(root, (1, 2))
     writes = {"write", "writev", "fsync", "mkdir", "open", "ftruncate"}
@@ -1577,7 +1577,7 @@ def check_collective_save_fault(template: str, root: str, process: int, k: int, 
     the errno (the failing one: the checkpoint named; the others: the failing process
     named), no temporary may stay, and steps 1 and 2 must be intact and not retired."""
     from minickpt import MiniCkptError, MultiHostOptions
-    from minickpt.fs import FaultyFileSystem
+    from minickpt.faults import FaultyFileSystem
     from minickpt.multihost.sync import LocalGroup
 
     shutil.copytree(template, root)
@@ -1638,7 +1638,7 @@ def check_collective_save_fault(template: str, root: str, process: int, k: int, 
 def collective_save_call_count(template: str, root: str, process: int) -> int:
     """How many file-system calls ``process`` makes in a collective save of step 3."""
     from minickpt import MultiHostOptions
-    from minickpt.fs import FaultyFileSystem
+    from minickpt.faults import FaultyFileSystem
     from minickpt.multihost.sync import LocalGroup
 
     shutil.copytree(template, root)
@@ -1665,7 +1665,7 @@ def collective_save_call_count(template: str, root: str, process: int) -> int:
 
 def save_call_count() -> int:
     """How many file-system calls saving step 3 (with retention) makes."""
-    from minickpt.fs import FaultyFileSystem
+    from minickpt.faults import FaultyFileSystem
 
     with tempfile.TemporaryDirectory() as d:
         build_run(os.path.join(d, "run"), (1, 2))

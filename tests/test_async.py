@@ -30,7 +30,8 @@ import minickpt.tree as mtree
 from minickpt import CheckpointManager, CheckpointManagerOptions
 from minickpt.asynchronous import AsyncCheckpointer, snapshot, timeline
 from minickpt.commit import TMP_MARK, is_temporary
-from minickpt.fs import FaultyFileSystem, FileSystem
+from minickpt.faults import FaultyFileSystem
+from minickpt.fs import FileSystem
 from minickpt.tree import HostKey
 
 ASYNC = dict(enable_async_checkpointing=True)
@@ -489,7 +490,8 @@ EXIT_SCRIPT = textwrap.dedent("""
     import errno, os, sys, time
     import numpy as np
     from minickpt import CheckpointManager, CheckpointManagerOptions
-    from minickpt.fs import FaultyFileSystem, FileSystem
+    from minickpt.faults import FaultyFileSystem
+    from minickpt.fs import FileSystem
 
     class Slow(FileSystem):  # the save is still writing when the main thread ends
         def mkdir(self, path, mode=0o755):

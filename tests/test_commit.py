@@ -17,7 +17,8 @@ from minickpt.commit import (
     parse_step,
     step_dir_name,
 )
-from minickpt.fs import FaultyFileSystem, FileSystem, SimulatedCrash
+from minickpt.faults import FaultyFileSystem, SimulatedCrash
+from minickpt.fs import FileSystem
 
 FS = FileSystem()
 

@@ -21,7 +21,8 @@ from crash_harness import (
 )
 
 from minickpt.crashsim import CrashRecorder, CrashState, read_tree
-from minickpt.fs import FileSystem, SimulatedCrash, SyncBatch
+from minickpt.faults import SimulatedCrash
+from minickpt.fs import FileSystem, SyncBatch
 
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")
 

@@ -21,7 +21,8 @@ from hypothesis import strategies as st
 import minickpt.format.encode as ie
 import minickpt.fs as mfs
 from minickpt import Checkpointer, CheckpointManager, CheckpointManagerOptions
-from minickpt.fs import O_DIRECT, FaultyFileSystem, FileSystem, SimulatedCrash
+from minickpt.faults import FaultyFileSystem, SimulatedCrash
+from minickpt.fs import O_DIRECT, FileSystem
 
 pytestmark = pytest.mark.skipif(not O_DIRECT, reason="no O_DIRECT on this platform")
 

@@ -17,7 +17,8 @@ import pytest
 
 from minickpt import Checkpointer, CheckpointManager, CheckpointManagerOptions
 from minickpt.commit import DELETE_MARK, TMP_MARK
-from minickpt.fs import FaultyFileSystem, FileSystem, SyncBatch
+from minickpt.faults import FaultyFileSystem
+from minickpt.fs import FileSystem, SyncBatch
 
 
 class Journal(FileSystem):

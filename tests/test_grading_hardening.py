@@ -36,7 +36,9 @@ from hypothesis import strategies as st
 
 from autograder import ROOT, build, compile_cache, sandbox
 from autograder.grade import LabInfo, shard_of, write_outputs
-from autograder.make_examples import EXAMPLES, NETWORK_PORTS, _first, _gid
+from autograder.lab_examples.common import _first, _gid
+from autograder.lab_examples.lab01_basics import NETWORK_PORTS
+from autograder.make_examples import EXAMPLES
 from autograder.notebook import (
     assemble,
     decode_answer,

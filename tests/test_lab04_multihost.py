@@ -1,4 +1,4 @@
-"""Lab 4's tasks and the helpers its tests use (minickpt.labkit, "lab 4" section).
+"""Lab 4's tasks and the helpers its tests use (minickpt.labkit.lab4).
 
 The tasks' reference functions are tested in tests/test_multihost.py too; here: their edge
 cases as the lab states them, that each typical mistake of the examples is caught by the

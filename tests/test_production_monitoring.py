@@ -8,7 +8,7 @@ import pytest
 
 from minickpt import CheckpointManager, CheckpointManagerOptions
 from minickpt.cli import main as cli
-from minickpt.fs import FaultyFileSystem
+from minickpt.faults import FaultyFileSystem
 from minickpt.production.monitoring import (
     METRICS_FILE,
     attach_monitor,

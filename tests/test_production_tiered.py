@@ -12,7 +12,8 @@ from conftest import tree_equal
 
 from minickpt import Checkpointer, CheckpointManager, CheckpointManagerOptions
 from minickpt.errors import CheckpointNotFoundError
-from minickpt.fs import FileSystem, SimulatedCrash
+from minickpt.faults import SimulatedCrash
+from minickpt.fs import FileSystem
 from minickpt.production.monitoring import attach_monitor, load_metrics, summarize
 from minickpt.production.tiered import LocalStore, MirrorError, TieredCheckpointManager
 

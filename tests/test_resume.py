@@ -23,8 +23,8 @@ from minickpt.errors import (
     CheckpointNotFoundError,
     CheckpointTooLargeError,
 )
-from minickpt.fs import FaultyFileSystem
-from minickpt.manager import restore_newest_valid
+from minickpt.fallback import restore_newest_valid
+from minickpt.faults import FaultyFileSystem
 
 
 def test_resume_is_bit_identical(tmp_path):

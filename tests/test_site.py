@@ -35,6 +35,7 @@ SHOTS = ROOT / "site" / "_build" / "screenshots"
 CHROMIUM, CHROMEDRIVER = Path("/usr/bin/chromium"), Path("/usr/bin/chromedriver")
 LAB_NAMES = sorted(p.name for p in (ROOT / "labs").iterdir() if p.is_dir())
 CHAPTER_STEMS = sorted(p.stem for p in (ROOT / "chapters").glob("*.ipynb"))
+DOC_PAGES = sorted((ROOT / "docs").glob("*.md"))  # each one a page of the site: docs/<stem>.html
 PAGE_TIMEOUT_S = 60
 
 pytestmark = pytest.mark.slow
@@ -64,7 +65,7 @@ def _pages(out: Path) -> list[Path]:
 @pytest.mark.timeout(1500)  # the first build of a commit may execute the chapters itself
 def test_every_chapter_lab_and_reference_page_is_built(built):
     pages = {p.relative_to(built).as_posix() for p in _pages(built)}
-    want = {"index.html", "api.html", "grading.html", "authors.html"}
+    want = {"index.html", "api.html"} | {f"docs/{p.stem}.html" for p in DOC_PAGES}
     want |= {f"chapters/{c}.html" for c in CHAPTER_STEMS} | {f"labs/{lab}/{lab}.html" for lab in LAB_NAMES}
     want |= {f"api/{m}.html" for m in site.api_modules()}
     assert not want - pages, f"pages missing from the site: {sorted(want - pages)}"
@@ -84,12 +85,74 @@ def test_every_chapter_lab_and_reference_page_is_built(built):
     missing = [w for w in warnings.splitlines() if "xref_missing" in w or "toctree" in w]
     assert not missing, "links Sphinx could not resolve (a page links to a file the site " \
         "does not have):\n" + "\n".join(missing)
-    grading = (built / "grading.html").read_text()
-    assert "grade.sh" in grading and "grades.csv" in grading, "the README's grading guide"
-    assert "Task" in (built / "authors.html").read_text(), "docs/LABS.md"
+    grading = (built / "docs" / "grading.html").read_text()
+    assert "grade.sh" in grading and "grades.csv" in grading, "docs/grading.md"
+    assert "Task" in (built / "docs" / "LABS.html").read_text(), "docs/LABS.md"
     api = BeautifulSoup((built / "api" / "minickpt.html").read_text(), "html.parser")
     assert api.select("dl.py.class dt[id='minickpt.CheckpointManager']"), \
         "the API reference documents minickpt.CheckpointManager from its docstring"
+
+
+# What Markdown looks like when it was not rendered (a fence, a link, emphasis, a heading, a
+# table row, a directive, a comment), in a page's text outside its code.
+RAW_MARKDOWN = re.compile(r"```|\]\(|\*\*|^\s*#{1,6} |^\s*\|.*\|\s*$|\{(include|toctree)\}|<!--",
+                          re.M)
+
+
+def _title(md: Path) -> str:
+    """A Markdown page's title as the site shows it: its first heading, code marks dropped."""
+    first = next(line for line in md.read_text(encoding="utf-8").splitlines()
+                 if line.startswith("# "))
+    return first[2:].replace("`", "").strip()
+
+
+@pytest.mark.timeout(1500)
+def test_every_docs_page_is_rendered_with_its_title(built):
+    """Each page under docs/ is a page of the site (site/docs/<stem>.md includes it), in the
+    navigation, with its own title, its text rendered (no Markdown left raw), and, for the
+    performance page, the benchmark table between its markers and the scaling figure."""
+    assert DOC_PAGES, "no page under docs/"
+    nav = BeautifulSoup((built / "index.html").read_text(), "html.parser")
+    nav_links = {a["href"].split("#")[0] for a in nav.select("nav a[href], .bd-sidebar a[href]")}
+    for md in DOC_PAGES:
+        rel = f"docs/{md.stem}.html"
+        assert (built / rel).is_file(), f"{md.relative_to(ROOT)} is not on the site " \
+            f"(add site/docs/{md.name} and the page to site/index.md's toctree)"
+        assert rel in nav_links, f"{rel} is not in the site's navigation"
+        soup = BeautifulSoup((built / rel).read_text(), "html.parser")
+        article = soup.select_one("article") or soup.body
+        for tag in article.select("a.headerlink"):
+            tag.decompose()
+        h1 = article.find("h1")
+        assert h1 is not None, f"{rel}: no title"
+        assert " ".join(h1.get_text().split()) == _title(md), \
+            f"{rel}: the title is {h1.get_text()!r}, {md.name} says {_title(md)!r}"
+        shown = len(article.get_text())
+        body = len(md.read_text(encoding="utf-8"))
+        assert shown > body / 2, f"{rel}: most of {md.name} is missing"
+        for tag in article.select("pre, code, .highlight, script, style"):
+            tag.decompose()
+        text = article.get_text("\n")
+        raw = RAW_MARKDOWN.search(text)
+        assert raw is None, f"{rel}: Markdown not rendered: ...{text[max(0, raw.start() - 60):raw.end() + 60]!r}"
+    perf = BeautifulSoup((built / "docs" / "performance.html").read_text(), "html.parser")
+    rows = [tr for table in perf.select("table") for tr in table.select("tr")
+            if "minickpt" in table.get_text() and "Orbax" in table.get_text()]
+    assert len(rows) >= 20, "docs/performance.md: the benchmark table is not on the page"
+    assert perf.select("img[src*='scaling']"), "docs/performance.md: the scaling figure"
+
+
+@pytest.mark.timeout(60)
+def test_readme_links_only_to_pages_that_exist():
+    """The README is a front door: every page it links to is in the repository (and, being
+    under docs/, on the site)."""
+    readme = (ROOT / "README.md").read_text(encoding="utf-8")
+    links = re.findall(r"\]\(([^)#\s]+)(?:#[^)]*)?\)", readme)
+    local = [link for link in links if not re.match(r"[a-z]+:", link)]
+    assert local, "the README links to no page"
+    missing = [link for link in local if not (ROOT / link).exists()]
+    assert not missing, f"the README links to files that do not exist: {missing}"
+    assert len(readme.splitlines()) <= 150, "the README is a front door: details go to docs/"
 
 
 def _secrets(lab: str) -> set[str]:

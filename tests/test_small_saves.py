@@ -15,8 +15,7 @@ import threading
 import numpy as np
 import pytest
 
-from minickpt import Checkpointer, CheckpointManager, CheckpointManagerOptions
-from minickpt import fs as mfs
+from minickpt import Checkpointer, CheckpointManager, CheckpointManagerOptions, aio
 from minickpt.fs import FileSystem, SyncBatch
 
 
@@ -105,7 +104,7 @@ def test_fsync_all_syncs_files_and_directories(tmp_path):
 
 
 def test_fsync_all_of_more_than_one_ring_depth(tmp_path):
-    fds = _files(tmp_path, mfs._AIO_DEPTH + 3)
+    fds = _files(tmp_path, aio._AIO_DEPTH + 3)
     try:
         FileSystem().fsync_all(fds, [str(tmp_path)])
     finally:
@@ -126,8 +125,8 @@ def test_fsync_all_raises_a_bad_descriptors_error_after_syncing_the_rest(tmp_pat
 
 
 def test_without_kernel_aio_the_threads_do_it(tmp_path, monkeypatch):
-    monkeypatch.setattr(mfs._AIO_RINGS, "broken", True)
-    monkeypatch.setattr(mfs._AIO_RINGS, "free", [])
+    monkeypatch.setattr(aio._AIO_RINGS, "broken", True)
+    monkeypatch.setattr(aio._AIO_RINGS, "free", [])
     fs = FileSystem()
     Checkpointer(fs).save(tmp_path / "c", {"state": tiny()})
     assert Checkpointer().verify(tmp_path / "c").ok

@@ -13,9 +13,9 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from minickpt import CheckpointCorruptedError, Checkpointer, UnsupportedLeafError
+from minickpt.faults import FaultyFileSystem
 from minickpt.format.buffers import aligned_empty
 from minickpt.format.spec import ALIGN, CRC_IMPL, crc32, dtype_name
-from minickpt.fs import FaultyFileSystem
 from minickpt.restore import put_many
 from minickpt.tree import flatten_with_names, skeleton
 

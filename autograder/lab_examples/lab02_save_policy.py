@@ -8,7 +8,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from ..make_examples import ISSUE_20, Edit, _answers, _replace, blank, perfect
+from .common import Edit, _answers, _replace, blank, perfect
+from .hostile import ISSUE_20
 
 INTERVAL = "    return step % save_interval_steps == 0 or step in save_on_steps"
 NEWEST = "        keep = set(steps[-max_to_keep:]) if max_to_keep > 0 else set()"

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from ..make_examples import ISSUE_20, Edit, _answers, _cell, _replace, blank, perfect
+from .common import Edit, _answers, _cell, _replace, blank, perfect
+from .hostile import ISSUE_20
 
 # 3.1: every exception taken for damage (issue 21's bug 2): an EIO falls back to an older step
 ANY_ERROR = ("        except (CheckpointCorruptedError, CheckpointTooLargeError) as e:",

@@ -6,7 +6,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from ..make_examples import ISSUE_20, Edit, _answers, _cell, _replace, blank, perfect
+from .common import Edit, _answers, _cell, _replace, blank, perfect
+from .hostile import ISSUE_20
 
 # 4.1: the steps are compared, but their types never checked (True and 5.0 pass as steps)
 TYPE_CHECK = '''    for p, s in enumerate(steps):

@@ -5,7 +5,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from ..make_examples import ISSUE_20, Edit, _answers, _replace, blank, perfect
+from .common import Edit, _answers, _replace, blank, perfect
+from .hostile import ISSUE_20
 
 COPIED = "    return to_host(x, copy=True, path=path)"
 SHARED = "    return to_host(x, path=path)  # to_host already brings it to the host"

@@ -5,7 +5,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from ..make_examples import ISSUE_20, _answers, _cell, _replace, blank, perfect
+from .common import _answers, _cell, _replace, blank, perfect
+from .hostile import ISSUE_20
 
 SAVES_IN_HANDLER = '''
 def train_until_preempted(manager, carry, step_fn, *, start, stop, items, on_step=None):

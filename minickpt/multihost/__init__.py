@@ -57,7 +57,7 @@ and every process waits for its save in flight before its next collective operat
 operations run in the same order everywhere and their barrier ids never collide.
 
 This package touches one private JAX object, the coordination-service client; everything
-that does lives in :class:`minickpt.multihost.process._Coordination`.
+that does lives in :class:`minickpt.multihost.process.Coordination`.
 
 The multi-host code has one module per concept, and every import names the module where the
 code lives (``from minickpt.multihost.sync import agree_on_step``). Read them in this order:

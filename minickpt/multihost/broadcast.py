@@ -13,9 +13,8 @@ import numpy as np
 from ..checkpointer import Checkpointer
 from ..format.encode import decode_value, plan_leaf
 from ..tree import HostKey
-from .process import _fault
 from .save import MultiHostOptions, failure_status, raise_failures
-from .sync import Sync
+from .sync import Sync, fault_point
 
 log = logging.getLogger("minickpt")
 
@@ -114,7 +113,7 @@ def restore_broadcast(checkpointer: Checkpointer, sync: Sync, key: str, path: st
     head = statuses[src]
     raise_failures({src: head}, me, local, f"restoring {path} on process {src}", reading=True)
     out = {}
-    _fault(sync, "before_broadcast")
+    fault_point(sync, "before_broadcast")
     for name in head["names"]:
         payload = sync.broadcast_bytes(f"{key}/item/{name}", payloads.get(name),
                                        head["sizes"][name], src, options.timeout_s,

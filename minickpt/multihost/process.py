@@ -4,20 +4,14 @@ adapter around JAX's private coordination-service client."""
 
 from __future__ import annotations
 
-import errno
 import logging
 import os
-import signal
 import sys
-import time
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import jax
 
 from ..errors import MultiHostError
-
-if TYPE_CHECKING:
-    from .sync import Sync
 
 log = logging.getLogger("minickpt")
 
@@ -30,14 +24,14 @@ ENV_TOKEN = "MINICKPT_LAUNCH_TOKEN"
 ENV_INIT_TIMEOUT = "MINICKPT_INIT_TIMEOUT"
 ENV_HEARTBEAT_TIMEOUT = "MINICKPT_HEARTBEAT_TIMEOUT"
 ENV_SHUTDOWN_TIMEOUT = "MINICKPT_SHUTDOWN_TIMEOUT"
-# Fault injection for tests and recovery drills: "point[@process]:action,...", see _fault.
+# Fault injection for tests and recovery drills: "point[@process]:action,...", see minickpt.multihost.sync.fault_point.
 ENV_FAULT = "MINICKPT_FAULT"
 
 
 # ---------------------------------------------------------------------------------------
 # the one adapter around JAX's private coordination-service client
 # ---------------------------------------------------------------------------------------
-class _Coordination:
+class Coordination:
     """JAX's coordination-service client (``jax._src.distributed.global_state.client``).
 
     JAX does not export it, but it is the only way to get barriers and key-value reads
@@ -67,7 +61,7 @@ class _Coordination:
     def _moved(what: str) -> str:
         return (f"minickpt.multihost needs JAX's coordination-service client, and {what} in "
                 f"JAX {jax.__version__}. It was written against JAX 0.4.30-0.10; please report "
-                "this (the adapter is minickpt.multihost.process._Coordination).")
+                "this (the adapter is minickpt.multihost.process.Coordination).")
 
     @staticmethod
     def initialized() -> tuple[int, int] | None:
@@ -86,11 +80,11 @@ class _Coordination:
         return jax.process_index(), jax.process_count()  # pragma: no cover
 
 
-def _is_deadline(e: BaseException) -> bool:
+def is_deadline(e: BaseException) -> bool:
     return "DEADLINE_EXCEEDED" in str(e)
 
 
-def _named_in(message: str) -> set[int]:
+def named_in(message: str) -> set[int]:
     """Process ids listed in a barrier time-out message ("... timed out task names:\\n2\\n")."""
     out: set[int] = set()
     if "timed out task names:" in message:
@@ -119,7 +113,7 @@ def initialize(*, initialization_timeout_s: int | None = None,
     env = os.environ
     if ENV_COORDINATOR not in env:
         return False
-    if _Coordination.initialized() is not None:
+    if Coordination.initialized() is not None:
         return True
     addr = env[ENV_COORDINATOR]
     n, pid = int(env[ENV_NUM_PROCESSES]), int(env[ENV_PROCESS_ID])
@@ -148,7 +142,7 @@ def initialize(*, initialization_timeout_s: int | None = None,
     jax.distributed.initialize(**{k: v for k, v in kw.items() if k in accepted})
     token = env.get(ENV_TOKEN)
     if token:  # two jobs on one port would cross-connect: check we joined our own
-        c = _Coordination().client
+        c = Coordination().client
         if pid == 0:
             c.key_value_set("minickpt/launch_token", token)
         got = c.blocking_key_value_get("minickpt/launch_token", 30_000)
@@ -176,7 +170,7 @@ def _gloo_on_loopback() -> None:
     that resolves (a sandbox's does not: gloo fails with "device.cc:99 rv == 0. -3 vs 0").
 
     JAX creates the collectives without arguments; this wraps its factory (private, like
-    :class:`_Coordination`) to give it the hostname.
+    :class:`Coordination`) to give it the hostname.
     """
     _jax = _jaxlib_module()
     if _jax is None:  # pragma: no cover - depends on the JAX version
@@ -209,41 +203,3 @@ def hard_exit(code: int = 1) -> None:
         except Exception:
             pass
     os._exit(code)
-
-
-def _fault(sync: Sync, point: str) -> None:
-    """A named point of the protocol where a test or a drill can inject a failure.
-
-    ``MINICKPT_FAULT="after_write@2:kill"`` SIGKILLs process 2 once its shards are written;
-    actions: ``kill``, ``exit`` (code 13), ``hang``, ``sleep=S``, ``raise`` (EIO). Points:
-    ``after_agree``, ``after_create``, ``before_write``, ``after_write``, ``before_commit``,
-    ``after_commit``
-    (with async saves, the points after ``after_agree`` are reached in the background thread);
-    ``before_broadcast`` in a ``primary_only`` restore, once the primary has read the step.
-    """
-    hook = sync.faults.get(point)
-    if hook is not None:
-        hook()
-    spec = os.environ.get(ENV_FAULT)
-    if not spec:
-        return
-    for part in spec.split(","):
-        where, _, action = part.strip().partition(":")
-        name, _, who = where.partition("@")
-        if name != point or (who and int(who) != sync.process_index):
-            continue
-        log.warning("minickpt: injected fault %s at %s on process %d", action, point,
-                    sync.process_index)
-        if action == "kill":
-            os.kill(os.getpid(), signal.SIGKILL)
-        elif action == "exit":
-            hard_exit(13)
-        elif action == "hang":
-            while True:
-                time.sleep(3600)
-        elif action.startswith("sleep="):
-            time.sleep(float(action.split("=", 1)[1]))
-        elif action == "raise":
-            raise OSError(errno.EIO, f"injected fault at {point}")
-        else:
-            raise ValueError(f"unknown fault action {action!r} in {ENV_FAULT}")

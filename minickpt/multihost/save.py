@@ -29,8 +29,7 @@ from ..format.shards import write_shards
 from ..format.spec import FORMAT_VERSION, SHARDED_FORMAT_VERSION, check_name
 from ..fs import SyncBatch
 from .ownership import ProcessItemPlan, plan_for_process, tree_signature
-from .process import _fault
-from .sync import Sync, agree, agree_on_step
+from .sync import Sync, agree, agree_on_step, fault_point
 
 log = logging.getLogger("minickpt")
 
@@ -191,7 +190,7 @@ class CollectiveSave:
     def write(self) -> dict[str, Any]:
         """Write this process's shards (the primary also the leaves only it writes) and fsync
         them; returns, by item, the record of its shard files for the primary's manifest."""
-        _fault(self.sync, "before_write")
+        fault_point(self.sync, "before_write")
         fs, me, tmp = self.checkpointer.fs, self.sync.process_index, self.tmp
         written: dict[str, Any] = {}
         # this process's files and directories, fsynced together (one group commit)
@@ -212,7 +211,7 @@ class CollectiveSave:
                     self.stats.bytes += sf.data_bytes
             batch.flush()
             self.stats.fsync_s += batch.flush_s
-            _fault(self.sync, "after_write")
+            fault_point(self.sync, "after_write")
         finally:
             _close_quietly(batch)
         return written
@@ -224,7 +223,7 @@ class CollectiveSave:
         On a failure before the rename the temporary directory is removed."""
         fs, tmp = self.checkpointer.fs, self.tmp
         try:
-            _fault(self.sync, "before_commit")
+            fault_point(self.sync, "before_commit")
             t = time.perf_counter()
             # the manifests, the metadata and every directory of the tree: fsynced
             # together by commit(), before its rename
@@ -244,7 +243,7 @@ class CollectiveSave:
             self.committed = True
             self.stats.fsync_s += batch.flush_s
             self.stats.commit_s = time.perf_counter() - t - batch.flush_s
-            _fault(self.sync, "after_commit")
+            fault_point(self.sync, "after_commit")
             return dict(self.on_commit(self.stats)) if self.on_commit else {}
         except Exception:
             if not self.committed:
@@ -268,7 +267,7 @@ class CollectiveSave:
         fs, tmp, me = self.checkpointer.fs, self.tmp, self.sync.process_index
         if phase == "created" and error is None:
             try:
-                _fault(self.sync, "after_create")
+                fault_point(self.sync, "after_create")
             except Exception as e:
                 error = e
         local = self._save_error(error) if isinstance(error, Exception) else error
@@ -432,7 +431,7 @@ def prepare_save(checkpointer: Checkpointer, sync: Sync, directory: str,
     t0 = time.perf_counter()
     plans = {}
     try:
-        _fault(sync, "after_agree")
+        fault_point(sync, "after_agree")
         for name, tree in zip(names, items.values(), strict=True):
             try:
                 plans[name] = plan_for_process(tree, sync, primary_host=options.primary_host,

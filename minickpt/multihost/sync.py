@@ -5,9 +5,12 @@ with every process at a barrier with a time-out), its implementations (one proce
 from __future__ import annotations
 
 import base64
+import errno
 import itertools
 import json
 import logging
+import os
+import signal
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -17,7 +20,7 @@ import jax
 import numpy as np
 
 from ..errors import MultiHostError, PeerTimeoutError, ProcessDisagreementError
-from .process import _Coordination, _is_deadline, _named_in
+from .process import ENV_FAULT, Coordination, hard_exit, is_deadline, named_in
 
 log = logging.getLogger("minickpt")
 
@@ -86,7 +89,7 @@ class DistributedSync(Sync):
 
     def __init__(self) -> None:
         super().__init__()
-        self._coord = _Coordination()
+        self._coord = Coordination()
         self.process_index = jax.process_index()
         self.process_count = jax.process_count()
         self._recent: list[str] = []
@@ -121,10 +124,10 @@ class DistributedSync(Sync):
         try:
             c.wait_at_barrier(base, max(1, int(timeout_s * 1000)))
         except Exception as e:
-            if not _is_deadline(e):
+            if not is_deadline(e):
                 raise MultiHostError(f"{what or key}: the coordination service failed: {e}") from e
             arrived = self._arrived(base)
-            missing = (set(range(n)) - arrived) | _named_in(str(e))
+            missing = (set(range(n)) - arrived) | named_in(str(e))
             raise PeerTimeoutError(what or key, missing - {me} or missing, timeout_s) from None
         values = dict(self._read_all(base))
         if len(values) != n:  # pragma: no cover - the barrier guarantees every value
@@ -297,7 +300,7 @@ def default_sync() -> Sync:
     """The job this process belongs to: a :class:`DistributedSync` under jax.distributed,
     else a :class:`SingleProcessSync`."""
     global _DEFAULT
-    state = _Coordination.initialized()
+    state = Coordination.initialized()
     if state is None or state[1] == 1:
         return SingleProcessSync()
     if not isinstance(_DEFAULT, DistributedSync):
@@ -332,3 +335,41 @@ def agree_on_step(steps: Sequence[int]) -> int:
     if any(s != steps[0] for s in steps):
         raise ProcessDisagreementError("the step to save", list(steps))
     return int(steps[0])
+
+
+def fault_point(sync: Sync, point: str) -> None:
+    """A named point of the protocol where a test or a drill can inject a failure.
+
+    ``MINICKPT_FAULT="after_write@2:kill"`` SIGKILLs process 2 once its shards are written;
+    actions: ``kill``, ``exit`` (code 13), ``hang``, ``sleep=S``, ``raise`` (EIO). Points:
+    ``after_agree``, ``after_create``, ``before_write``, ``after_write``, ``before_commit``,
+    ``after_commit``
+    (with async saves, the points after ``after_agree`` are reached in the background thread);
+    ``before_broadcast`` in a ``primary_only`` restore, once the primary has read the step.
+    """
+    hook = sync.faults.get(point)
+    if hook is not None:
+        hook()
+    spec = os.environ.get(ENV_FAULT)
+    if not spec:
+        return
+    for part in spec.split(","):
+        where, _, action = part.strip().partition(":")
+        name, _, who = where.partition("@")
+        if name != point or (who and int(who) != sync.process_index):
+            continue
+        log.warning("minickpt: injected fault %s at %s on process %d", action, point,
+                    sync.process_index)
+        if action == "kill":
+            os.kill(os.getpid(), signal.SIGKILL)
+        elif action == "exit":
+            hard_exit(13)
+        elif action == "hang":
+            while True:
+                time.sleep(3600)
+        elif action.startswith("sleep="):
+            time.sleep(float(action.split("=", 1)[1]))
+        elif action == "raise":
+            raise OSError(errno.EIO, f"injected fault at {point}")
+        else:
+            raise ValueError(f"unknown fault action {action!r} in {ENV_FAULT}")

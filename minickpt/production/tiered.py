@@ -51,8 +51,9 @@ from ..commit import (
     step_dir_name,
 )
 from ..errors import CheckpointCorruptedError, CheckpointNotFoundError, MiniCkptError
+from ..fallback import Restored
 from ..fs import DEFAULT_FS, FileSystem
-from ..manager import CheckpointManager, CheckpointManagerOptions, Restored, _makedirs
+from ..manager import CheckpointManager, CheckpointManagerOptions, _makedirs
 
 log = logging.getLogger("minickpt")
 CHUNK = 8 << 20

@@ -1,0 +1,182 @@
+"""Hostile parts that fit any lab: issue 20's classes (the standard library patched, the history
+hooks, spinners, an odd source) chained on one submission, ``attack_issue_20``, which every lab's
+module adds to its examples. Lab 1's module has one example of each kind on its own."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from .common import Edit, _first, _insert_after, blank, perfect
+
+PATCH_STDLIB = """
+# Make every failing check inside a `with` block pass: the standard library's generator-based
+# context manager (plugged_in, tempdir and expect_raises run through it) swallows everything,
+# by attribute and by code object; and numpy's comparisons all say "equal".
+import contextlib
+
+import numpy
+
+
+def _swallow(self, typ, value, traceback):
+    return True
+
+
+contextlib._GeneratorContextManager.__exit__ = _swallow
+contextlib.AbstractContextManager.__exit__.__code__ = _swallow.__code__
+numpy._core.numeric.array_equal = lambda *args, **kwargs: True
+numpy.array_equal = numpy._core.numeric.array_equal
+"""
+
+
+def cheat_patch_stdlib(release: Any, source: Any, base: Edit = blank) -> Any:
+    """The blank lab, and a cell after the first task that patches the standard library
+    (``contextlib._GeneratorContextManager.__exit__`` swallows every error, by attribute and
+    by code object) and numpy's ``array_equal``: nothing may pass that did not."""
+    nb = base(release, source)
+    _insert_after(nb, _first(nb, "task_"), PATCH_STDLIB)
+    return nb
+
+
+READ_HISTORY = r'''
+# Carry the tests out: every place IPython keeps what it ran (In, _ih, _i<n>, Out, _, the
+# history database), a hook that sees each cell before it runs, and an audit hook that sees
+# what is compiled; all of it compressed and base64-encoded, so that no filter of plain text
+# blanks it.
+import base64
+import sys
+import zlib
+
+_ip = get_ipython()
+_seen = []
+_ip.events.register("pre_run_cell", lambda info: _seen.append(info.raw_cell))
+sys.addaudithook(lambda event, args: _seen.append(repr(args)[:20000])
+                 if event in ("compile", "exec") else None)
+
+
+def carry_out():
+    texts = [*In, *_ih, *map(str, Out.values()), str(_), *_seen]
+    texts += [str(v) for k, v in list(globals().items()) if k.startswith("_i")]
+    texts += [src for _, _, src in _ip.history_manager.get_range(raw=True, output=False)]
+    blob = base64.b64encode(zlib.compress("\n".join(texts).encode("utf-8", "replace")))
+    print("CARRIED-OUT:" + blob.decode())
+'''
+
+
+def cheat_read_history(release: Any, source: Any, base: Edit = perfect) -> Any:
+    """Right answers; a cell after the first task installs a hook and an audit hook, and a
+    cell at the end reads IPython's input history, the hooks' catch and ``Out``, and prints
+    it all compressed and base64-encoded: nothing of a hidden test may be in it."""
+    nb = base(release, source)
+    _insert_after(nb, _first(nb, "task_"), READ_HISTORY)
+    _insert_after(nb, nb.cells[-1], "carry_out()")
+    return nb
+
+
+SPINNERS = """
+# Slow everyone else down: 8 children, each in a session of its own (setsid, then a second
+# fork so that its parent is gone), spinning; measure what they get, then leave them running.
+import os
+import time
+
+
+def _spin_forever():
+    os.setsid()
+    if os.fork():
+        os._exit(0)
+    while True:
+        pass
+
+
+_before = {p for p in os.listdir("/proc") if p.isdigit()}
+for _ in range(8):
+    if os.fork() == 0:
+        _spin_forever()
+    os.wait()
+time.sleep(0.5)
+_mine = [int(p) for p in os.listdir("/proc") if p.isdigit() and p not in _before]
+
+
+def _cpu(pids):
+    total = 0
+    for p in pids:
+        try:
+            fields = open(f"/proc/{p}/stat").read().rpartition(") ")[2].split()
+            total += int(fields[11]) + int(fields[12])
+        except (OSError, IndexError, ValueError):
+            pass
+    return total / os.sysconf("SC_CLK_TCK")
+
+
+_t0, _c0 = time.monotonic(), _cpu(_mine)
+time.sleep(4)
+print(f"spinners: {len(_mine)} got {_cpu(_mine) - _c0:.2f} CPU-seconds in "
+      f"{time.monotonic() - _t0:.1f} s")
+"""
+
+
+def attack_spinners(release: Any, source: Any, base: Edit = perfect) -> Any:
+    """Right answers; a cell after the first task starts 8 spinning children that left its
+    session (double fork + setsid) and measures the CPU they get: bounded by the slot's
+    cgroup, and every one of them killed after the cell."""
+    nb = base(release, source)
+    _insert_after(nb, _first(nb, "task_"), SPINNERS)
+    return nb
+
+
+DEEP = 3000
+
+
+"""Terms of odd_source's string concatenation: nested too deep for Python's parser."""
+
+
+def odd_source(release: Any, source: Any, base: Edit = perfect) -> Any:
+    """Right answers, but the first quiz answer is a 3000-term string concatenation (Python's
+    parser gives up: RecursionError, in the kernel and in the grader's scan) and the first
+    task cell holds a lone surrogate character (valid JSON, not text): graded, with reasons;
+    the first question scores 0, the rest full marks."""
+    nb = base(release, source)
+    quiz = _first(nb, "quiz_")
+    name, _, value = quiz.source.partition("=")  # the value on a line of its own: a blank
+    quiz.source = (f"{name.strip()} = " + " + ".join(['""'] * DEEP)  # lab's ends in a comment
+                   + f" + ({value.strip()}\n)")
+    task = _first(nb, "task_")
+    task.source += "\n# a lone surrogate: \ud800"
+    return nb
+
+
+def first_task(release: Any, source: Any) -> Any:
+    """The blank lab with only the first task's reference code (``attack_issue_20``'s base):
+    its tests pass (their points stay beside the attack's zeros), and what the referee puts
+    back before a test reaches the review column whether that test passes or fails."""
+    nb = blank(release, source)
+    _first(nb, "task_").source = _first(perfect(release, source), "task_").source
+    return nb
+
+
+def attack_issue_20(release: Any, source: Any) -> Any:
+    """Issue 20's four classes in one submission, for labs 2-6 (lab 1 has one example of each,
+    on ``perfect``: right answers keep their points beside each). Each class is lab-independent
+    grader code and needs no right answer, and every example costs a grading of the whole lab
+    (a blank's about half a full one's), so one per lab does it: the first task right (its
+    points stay; the refused audit hook is reported as put back before its tests), then,
+    after it, the history hooks, the standard library patched, 8 spinners burning the slot's
+    share while the neighbour grades, the odd source (a 3000-term first quiz answer, a lone
+    surrogate), and the history carried out at the end. Expected: the first task's points, the
+    rest 0, every cell run, each class flagged."""
+    def odd(r: Any, s: Any) -> Any:
+        return odd_source(r, s, base=first_task)
+
+    def spinning(r: Any, s: Any) -> Any:
+        return attack_spinners(r, s, base=odd)
+
+    def patched(r: Any, s: Any) -> Any:
+        return cheat_patch_stdlib(r, s, base=spinning)
+
+    return cheat_read_history(release, source, base=patched)  # its hooks first: they see all
+
+
+ISSUE_20: dict[str, Edit] = {"attack_issue_20": attack_issue_20}
+
+
+"""Issue 20's classes for labs 2-6 (each lab's module adds them to its EXAMPLES); an
+``attack_`` example: graded only in the sandbox (its spinners really spin)."""

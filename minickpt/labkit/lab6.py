@@ -1,0 +1,234 @@
+"""Lab 6 (production): simulated failures, the preemption loop in a real process, drills."""
+
+from __future__ import annotations
+
+import inspect
+import sys
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+
+from .checks import LabCheckError
+
+
+def simulate_waste(interval: float, save_cost: float, mtbf: float, *, segments: int = 200,
+                   runs: int = 400, seed: int = 0) -> float:
+    """Monte-Carlo estimate of a run's waste (wall time / useful compute − 1) under Poisson
+    failures: ``segments`` segments of ``interval`` compute + ``save_cost`` save, each retried
+    from its start after every failure that strikes inside it. Vectorised with numpy: the
+    failures of a run are a negative binomial draw, their lost times truncated exponentials."""
+    rng = np.random.default_rng(seed)
+    seg = float(interval) + float(save_cost)
+    ok = np.exp(-seg / mtbf)  # a segment's chance to finish without a failure
+    fails = rng.negative_binomial(segments, ok, size=runs)
+    u = rng.random(int(fails.sum()))
+    lost = -mtbf * np.log1p(-u * -np.expm1(-seg / mtbf))  # exponential, conditioned < seg
+    per_run = np.bincount(np.repeat(np.arange(runs), fails), weights=lost, minlength=runs)
+    wall = segments * seg + per_run
+    return float(np.mean(wall) / (segments * interval) - 1.0)
+
+
+def simulate_lost_per_failure(interval: float, save_cost: float, mtbf: float, *,
+                              n: int = 200_000, seed: int = 0) -> float:
+    """Monte-Carlo mean of the time a failure throws away (work since the segment began, save
+    included), for failures drawn exponentially and conditioned to fall inside a segment.
+
+    Drawn from the conditioned distribution itself (inverse CDF of the truncated exponential),
+    not by rejection: with a segment much shorter than the MTBF, rejection keeps a handful of
+    the ``n`` draws and the mean is noise."""
+    rng = np.random.default_rng(seed)
+    seg = float(interval) + float(save_cost)
+    if seg <= 0:
+        return 0.0
+    u = rng.random(n)
+    t = -mtbf * np.log1p(-u * -np.expm1(-seg / mtbf))
+    return float(t.mean())
+
+
+def simulate_p_fail(p: float, total: float, interval: float, *, runs: int = 200_000,
+                    seed: int = 0) -> float:
+    """Monte-Carlo share of runs of ⌊total/interval⌋ intervals, each interrupted with
+    probability ``p``, that meet at least one interruption."""
+    n = int(total // interval)
+    rng = np.random.default_rng(seed)
+    return float(np.mean(rng.binomial(n, p, size=runs) > 0))
+
+
+_LOOP_DRIVER = '''from __future__ import annotations
+import os, signal, sys, time
+from collections.abc import Callable, Mapping
+from typing import Any
+import numpy as np
+import minickpt as mc
+from minickpt.production.preemption import LoopResult, PreemptionHandler
+{source}
+directory, stop, every, hard_exit, use_async = (sys.argv[1], int(sys.argv[2]), int(sys.argv[3]),
+                                                sys.argv[4] == "1", sys.argv[5] == "1")
+opts = mc.CheckpointManagerOptions(save_interval_steps=every, max_to_keep=None,
+                                   enable_async_checkpointing=use_async)
+mngr = mc.CheckpointManager(directory, opts)
+PreemptionHandler().attach(mngr)
+start, w = 0, np.zeros(4)
+if mngr.latest_step() is not None:
+    restored = mngr.restore()
+    start, w = restored.step, restored["w"]
+    print(f"resumed from step {{start}}", flush=True)
+
+def step_fn(w, step):
+    time.sleep(0.02)  # a step long enough for a signal to land inside it
+    w = 0.5 * w + step
+    print(f"step {{step}}", flush=True)
+    return w, {{"loss": float(w.sum())}}
+
+res = {name}(mngr, w, step_fn, start=start, stop=stop, items=lambda w: {{"w": w}})
+print(f"result {{type(res).__name__}} {{getattr(res, 'step', None)}} "
+      f"{{getattr(res, 'preempted', None)}}", flush=True)
+if hard_exit:  # the grace period ends the moment the loop returns: nothing else runs
+    sys.stdout.flush()
+    os._exit(0)
+mngr.close()
+'''
+
+
+def lab6_carry(step: int) -> np.ndarray:
+    """The carry of :func:`run_loop_process`'s training after ``step`` steps."""
+    w = np.zeros(4)
+    for s in range(1, step + 1):
+        w = 0.5 * w + s
+    return w
+
+
+def run_loop_process(fn: Callable[..., Any], directory: str, *, stop: int, every: int,
+                     signal_after: int | None = None, sig: int = 15, hard_exit: bool = False,
+                     use_async: bool = False, timeout: float = 40.0
+                     ) -> tuple[int, list[str], str]:
+    """Run the student's training loop ``fn`` (its source, in a fresh Python process) on a
+    numpy training run whose manager has a :class:`PreemptionHandler` attached; send ``sig``
+    as soon as the process reports step ``signal_after``. Returns (exit code, stdout lines,
+    stderr)."""
+    import os
+    import signal as _signal
+    import subprocess
+    import textwrap
+
+    try:
+        source = textwrap.dedent(inspect.getsource(inspect.unwrap(fn)))
+    except (OSError, TypeError) as e:
+        raise LabCheckError(f"cannot read the source of {getattr(fn, '__name__', fn)!r} ({e}): "
+                            "define it with def in the task's cell and run that cell") from None
+    script = _LOOP_DRIVER.format(source=source, name=fn.__name__)
+    path = os.path.join(directory, "driver.py")
+    with open(path, "w") as f:
+        f.write(script)
+    ckpt = os.path.join(directory, "ckpt")
+    cmd = [sys.executable, path, ckpt, str(stop), str(every), "1" if hard_exit else "0",
+           "1" if use_async else "0"]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            stdin=subprocess.DEVNULL)
+    lines: list[str] = []
+    import threading
+
+    def kill_later() -> None:
+        proc.kill()
+
+    timer = threading.Timer(timeout, kill_later)
+    timer.start()
+    try:
+        assert proc.stdout is not None
+        for raw in proc.stdout:
+            line = raw.strip()
+            lines.append(line)
+            if signal_after is not None and line == f"step {signal_after}":
+                proc.send_signal(_signal.Signals(sig))
+                signal_after = None
+        err = proc.stderr.read() if proc.stderr is not None else ""
+        rc = proc.wait()
+    finally:
+        timer.cancel()
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    return rc, lines, err[-3000:]
+
+
+_DRILL_WORKER = '''
+import hashlib, sys, time
+import numpy as np
+import minickpt as mc
+directory, total, every = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
+with mc.CheckpointManager(directory, mc.CheckpointManagerOptions(
+        save_interval_steps=every, max_to_keep=3)) as m:
+    start, w = 0, np.zeros(8)
+    if m.latest_step() is not None:
+        r = m.restore()
+        start, w = r.step, r["w"]
+        print(f"resumed from step {start}", flush=True)
+    for step in range(start + 1, total + 1):
+        w = w - 0.1 * (w - np.sin(np.arange(8.0) * step))
+        time.sleep(0.02)
+        print(f"step {step}", flush=True)
+        if step % every == 0:  # no first-step save: a kill before step `every` restarts from 0
+            print(f"saving step {step}", flush=True)
+            m.save(step, {"w": w}, force=True)
+            print(f"saved step {step}", flush=True)
+print("final " + hashlib.sha256(w.tobytes()).hexdigest()[:16], flush=True)
+'''
+
+
+def drill_worker_fingerprint(total: int, every: int) -> str:
+    """The ``final`` fingerprint :func:`drill_worker`'s script prints after an uninterrupted
+    run of ``total`` steps (computed here, so a drill needs no reference run)."""
+    import hashlib
+
+    w = np.zeros(8)
+    for step in range(1, total + 1):
+        w = w - 0.1 * (w - np.sin(np.arange(8.0) * step))
+    return hashlib.sha256(w.tobytes()).hexdigest()[:16]
+
+
+def drill_worker(directory: str) -> list[str]:
+    """A small numpy training script that speaks the drill's protocol (written into
+    ``directory``); its command line, with ``{dir}`` for the drill to fill in. Arguments
+    after it: total steps and the save interval."""
+    import os
+
+    path = os.path.join(directory, "worker.py")
+    with open(path, "w") as f:
+        f.write(_DRILL_WORKER)
+    return [sys.executable, path, "{dir}"]
+
+
+def printing_worker(lines: list[tuple[float, str]]) -> Any:
+    """A real process that prints ``lines`` (each after its delay in seconds), for feeding a
+    drill's reader exactly the events a test wants."""
+    from ..production.drill import WorkerProcess
+
+    prog = "import time\n" + "".join(f"time.sleep({d!r}); print({s!r}, flush=True)\n"
+                                     for d, s in lines)
+    return WorkerProcess([sys.executable, "-c", prog])
+
+
+def no_array_reads() -> Any:
+    """A file system that fails any opening of an array data file (``data*.bin``) and
+    records every path opened, to prove that a choice was made from metadata only."""
+    import os
+
+    from ..fs import FileSystem
+
+    class NoArrayReads(FileSystem):
+        opened: list[str]
+
+        def __init__(self) -> None:
+            self.opened = []
+
+        def open(self, path: str, flags: int, mode: int = 0o644) -> int:
+            self.opened.append(path)
+            name = os.path.basename(path)
+            if name.startswith("data") and name.endswith(".bin") and not flags & os.O_WRONLY:
+                raise LabCheckError(f"read the array data file {path}: the best version must "
+                                    "be chosen from each checkpoint's metadata alone, without "
+                                    "restoring (or opening) any array")
+            return super().open(path, flags, mode)
+
+    return NoArrayReads()
