@@ -39,6 +39,7 @@ from .checks import (
     same,
     tree_diff,
 )
+from .claims import ClaimError, claim, verdict
 from .devices import (
     describe_devices,
     devices,
@@ -118,6 +119,7 @@ __all__ = [
     "LAB4_IMPORTS",
     "LOOKALIKES",
     "TASK_RE",
+    "ClaimError",
     "CrashReport",
     "FakeDevice",
     "LabCheckError",
@@ -128,6 +130,7 @@ __all__ = [
     "check",
     "check_choice",
     "check_choices",
+    "claim",
     "close_to",
     "coverage_message",
     "crash_every_call",
@@ -182,5 +185,6 @@ __all__ = [
     "train",
     "train_state",
     "tree_diff",
+    "verdict",
     "writer_threads",
 ]
