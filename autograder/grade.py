@@ -17,7 +17,7 @@ once; the results do not depend on N, nor on the order, nor on the slot.
 
 **A compilation cache no submission can write to** (:mod:`autograder.compile_cache`): most
 of a grading is JAX compiling the training steps every submission compiles. Before a lab's
-submissions, grade.sh grades the lab's source notebook (student ``reference``, its row with
+submissions, grade.sh grades the lab's source notebook (student ``_reference``, its row with
 ``--include-solutions``) with a JAX compilation cache that only this kernel may write; every
 submission then gets it read-only (a read-only mount in the sandbox; a private copy without
 one) and never writes. The cache lives in ``.cache/grading-jax/``, one folder per lab keyed by
@@ -75,7 +75,14 @@ MAX_ZIP_BYTES = 2 << 30
 MAX_ZIP_FILES = 100_000
 WALL_DEFAULT = 1200
 GRACE = 10
-REFERENCE_STUDENT = "reference"
+GRADER_PREFIX = "_"
+"""The grader's own rows (each lab's source notebook, graded to fill the compilation cache and,
+with ``--include-solutions``, as a self-check) are named with a prefix that no student id can
+have (:data:`STUDENT_RE` wants a letter or a digit first). So no submission can take one: a
+student whose folder is called ``reference`` is graded as themselves, never handed the
+source's grade, and no two jobs share a work folder or a row."""
+REFERENCE_STUDENT = GRADER_PREFIX + "reference"
+assert not STUDENT_RE.match(REFERENCE_STUDENT), "the grader's rows must be out of students' reach"
 MARK = ".minickpt-grading"
 ATTACK_PREFIX = "attack_"
 """Example submissions that attack the machine: never graded without a sandbox."""
@@ -456,8 +463,8 @@ def prepare_caches(labs: list[str], source: Path, work: Path, cfg: dict[str, Any
                    done: set[tuple[str, str]], on_result: Any) -> dict[str, dict[str, Any]]:
     """Every lab's grading compilation cache (:mod:`autograder.compile_cache`), checked, and
     filled first where it is missing: by grading the lab's source notebook as student
-    ``reference`` with the cache writable for that one kernel. Returns per lab what run.json
-    records (``folder``, ``state``, ``entries``: name -> digest, absent when there is none).
+    ``_reference`` (:data:`REFERENCE_STUDENT`) with the cache writable for that one kernel.
+    Returns per lab what run.json records (``folder``, ``state``, ``entries``: name -> digest, absent when there is none).
     A fill *is* the reference's grading: with ``--include-solutions`` its result is the
     reference's row (``on_result`` gets it, and the pair goes into ``done``)."""
     from . import compile_cache as cc

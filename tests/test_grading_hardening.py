@@ -35,7 +35,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from autograder import ROOT, build, compile_cache, sandbox
-from autograder.grade import LabInfo, shard_of, write_outputs
+from autograder.grade import REFERENCE_STUDENT, LabInfo, shard_of, write_outputs
 from autograder.make_examples import EXAMPLES, NETWORK_PORTS, _first, _gid
 from autograder.notebook import (
     assemble,
@@ -155,7 +155,7 @@ class Listener:
 # ---------------------------------------------------------------------------------------
 @pytest.fixture(scope="session")
 def corpus(tmp_path_factory):
-    """grade.sh -j 2 over every example and each lab's source (student 'reference')."""
+    """grade.sh -j 2 over every example and each lab's source (student '_reference')."""
     tmp = tmp_path_factory.mktemp("corpus")
     subs = tmp / "subs"
     shutil.copytree(EXAMPLES_DIR, subs, ignore=shutil.ignore_patterns("*.csv", "*.md"))
@@ -268,7 +268,7 @@ def test_every_example_grades_as_expected(corpus):
 @GRADING
 def test_every_solution_notebook_scores_full_marks(corpus):
     for lab in LAB_NAMES:
-        r = _result(corpus, "reference", lab)
+        r = _result(corpus, REFERENCE_STUDENT, lab)
         assert r["status"] == "graded" and r["total"] == r["max_score"] > 0, r["messages"]
         assert not r["messages"] and not r["review"] and r["ran_all_cells"]
 
