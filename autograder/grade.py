@@ -53,7 +53,6 @@ full marks, the most common failure), ``summary.txt`` (what the terminal shows),
 from __future__ import annotations
 
 import argparse
-import csv
 import hashlib
 import json
 import os
@@ -66,7 +65,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from . import ROOT, tools_on_path
+from . import ROOT, safe_text, tools_on_path
 from .notebook import load_lab, task_of, task_totals
 from .settings import CELL_TIMEOUT, SETUP_TIMEOUT
 
@@ -90,6 +89,8 @@ CSV_STATIC = ("total", "max_score", "status", "reason", "review", "isolation")
 HOSTILE_PREFIXES = ("attack_", "cheat_")
 TOUR_EVERY_LAB = ("perfect", "partial", "blank")
 """The examples of every lab that grade.sh grades with no argument (see example_tour)."""
+LOG_COPY_BYTES = 4 << 20
+"""The most of each log of a submission that reaches ``--out/logs`` (its head and its tail)."""
 MISSING = "missing"
 """The status of a lab a student did not hand in (0 points, not an error)."""
 
@@ -346,7 +347,7 @@ def write_outputs(out: Path, results: list[dict[str, Any]], labs: dict[str, LabI
             if kind != "feedback" and path.exists():
                 log = out / "logs" / r["student"] / f"{r['lab']}.{kind}"
                 log.parent.mkdir(parents=True, exist_ok=True)
-                shutil.copyfile(path, log)
+                safe_text.copy_capped(path, log, LOG_COPY_BYTES)
     summaries = []
     per_lab_rows = {}
     for lab, info in labs.items():
@@ -355,7 +356,7 @@ def write_outputs(out: Path, results: list[dict[str, Any]], labs: dict[str, LabI
         if not rows and not away:
             continue
         with open(out / f"grades-{lab}.csv", "w", newline="") as f:
-            w = csv.writer(f)
+            w = safe_text.writer(f)
             w.writerow(["student", *info.groups, *info.cells, *CSV_STATIC])
             for r in sorted(rows + away, key=lambda r: r["student"]):
                 w.writerow([r["student"], *[_fmt(r["groups"][g]) for g in info.groups],
@@ -368,7 +369,7 @@ def write_outputs(out: Path, results: list[dict[str, Any]], labs: dict[str, LabI
         summary = feedback.class_summary(rows, info.cells, info.groups, group_of, info.questions)
         per_lab_rows[lab] = summary
         with open(out / f"class-summary-{lab}.csv", "w", newline="") as f:
-            w = csv.DictWriter(f, fieldnames=list(summary[0]))
+            w = safe_text.dict_writer(f, fieldnames=list(summary[0]))
             w.writeheader()
             for row in summary:
                 w.writerow({**row, "mean": f"{row['mean']:.3f}", "pct_full": f"{row['pct_full']:.1f}",
@@ -377,7 +378,7 @@ def write_outputs(out: Path, results: list[dict[str, Any]], labs: dict[str, LabI
     (out / "class-summary.html").write_text(feedback.summary_html(per_lab_rows), encoding="utf-8")
     students = sorted({r["student"] for r in results})
     with open(out / "grades.csv", "w", newline="") as f:
-        w = csv.writer(f)
+        w = safe_text.writer(f)
         w.writerow(["student", *labs, "total", "max_score", MISSING])
         for s in students:
             per = {r["lab"]: r["total"] for r in results if r["student"] == s}
@@ -395,6 +396,7 @@ def write_outputs(out: Path, results: list[dict[str, Any]], labs: dict[str, LabI
         text += "\n" + course_table(results + absent, labs)
     if isolation:
         text += ("\n!! NOT FULLY ISOLATED: " + " | ".join(i for i in isolation if i) + "\n")
+    text = safe_text.printable(text)  # messages are the student's text: no escape sequences
     (out / "summary.txt").write_text(text)
     return text
 
@@ -412,7 +414,8 @@ class Progress:
             try:
                 from tqdm import tqdm
 
-                self.bar = tqdm(total=total, unit="sub", dynamic_ncols=True, file=sys.stderr)
+                self.bar = tqdm(total=total, unit="sub", dynamic_ncols=True,  # its own \r
+                                file=safe_text.unwrapped(sys.stderr))
             except ImportError:  # pragma: no cover - tqdm is in the course extra
                 self.bar = None
 
@@ -422,8 +425,8 @@ class Progress:
         self.failed += not ok
         left = self.total - self.graded - self.failed
         total = sum(v for v in result.get("scores", {}).values() if v is not None)
-        what = (f"{result['student']}/{result['lab']}: {total:g} {result['status']}"
-                f" ({seconds:.1f} s)")
+        what = safe_text.printable(f"{result['student']}/{result['lab']}: {total:g} "
+                                   f"{result['status']} ({seconds:.1f} s)")
         if self.bar is not None:
             self.bar.set_postfix_str(f"graded {self.graded}, failed {self.failed}, left {left}")
             self.bar.write(f"  {what}")
@@ -596,8 +599,13 @@ def main(argv: list[str] | None = None) -> int:
         from .runner import worker_main
 
         return worker_main(argv[1])
-    if argv[:1] == ["merge"]:
-        return merge_main(argv[1:])
+    with safe_text.safe_terminal():  # reasons, messages, paths: a submission's text
+        if argv[:1] == ["merge"]:
+            return merge_main(argv[1:])
+        return grade_main(argv)
+
+
+def grade_main(argv: list[str]) -> int:
     a = _parser().parse_args(argv)
     tools_on_path()
     from . import sandbox
@@ -721,7 +729,7 @@ def main(argv: list[str] | None = None) -> int:
                               for lab, c in caches.items()}}
     text = write_outputs(out, results, infos, files, meta)
     with open(out / "timings.csv", "w", newline="") as f:
-        w = csv.writer(f)
+        w = safe_text.writer(f)
         w.writerow(["student", "lab", "seconds"])
         for row in sorted(timings):
             w.writerow([row[0], row[1], f"{row[2]:.1f}"])
