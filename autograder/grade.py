@@ -91,6 +91,10 @@ TOUR_EVERY_LAB = ("perfect", "partial", "blank")
 """The examples of every lab that grade.sh grades with no argument (see example_tour)."""
 LOG_COPY_BYTES = 4 << 20
 """The most of each log of a submission that reaches ``--out/logs`` (its head and its tail)."""
+SIMILAR = "similar to "
+"""How every flag of the similarity report begins (:func:`similarity_report`)."""
+PEERS_NAMED = 3
+"""Other submissions a flagged row names (the rest are counted; the report lists them)."""
 MISSING = "missing"
 """The status of a lab a student did not hand in (0 points, not an error)."""
 
@@ -200,6 +204,9 @@ class LabInfo:
     cells: dict[str, float] = field(default_factory=dict)  # grade_id -> points
     fingerprint: str = ""
     questions: dict[str, str] = field(default_factory=dict)
+    tasks: dict[str, dict[str, str]] = field(default_factory=dict)
+    """Task cell grade id -> ``reference`` (minickpt's code of the task, which the build
+    wrote into the source) and ``stub`` (what the release gives): for the similarity report."""
 
     @property
     def max_score(self) -> float:
@@ -213,12 +220,18 @@ class LabInfo:
 
     def as_dict(self) -> dict[str, Any]:
         return {"name": self.name, "cells": self.cells, "fingerprint": self.fingerprint,
-                "questions": self.questions}
+                "questions": self.questions, "tasks": self.tasks}
 
 
 def lab_info(notebook: Path, name: str) -> LabInfo:
-    info = load_lab(notebook).info()
-    return LabInfo(name, info["cells"], info["fingerprint"], info["questions"])
+    from . import similarity
+
+    lab = load_lab(notebook)
+    info = lab.info()
+    tasks = {c.grade_id: {"reference": similarity.reference_of(c.source),
+                          "stub": similarity.stub_of(c.source)}
+             for c in lab.cells if c.role == "solution" and similarity.TASK_CELL.match(c.grade_id)}
+    return LabInfo(name, info["cells"], info["fingerprint"], info["questions"], tasks)
 
 
 # ---------------------------------------------------------------------------------------
@@ -254,7 +267,8 @@ def table(results: list[dict[str, Any]], labs: dict[str, LabInfo]) -> str:
         flagged = [r for r in rows if r.get("review")]
         if flagged:
             lines.append(f"  review: {len(flagged)} submission(s) hold code that can reach into "
-                         f"a test or hand in minickpt's own function for a task "
+                         f"a test, hand in minickpt's own function for a task or are similar "
+                         f"to minickpt's code or another submission (similarity-{lab}.html) "
                          f"({', '.join(r['student'] for r in flagged)}); see grades-{lab}.csv")
         lines.append("")
     return "\n".join(lines)
@@ -315,9 +329,53 @@ def _normalize(result: dict[str, Any], info: LabInfo) -> dict[str, Any]:
     out.update(scores=scores, groups=task_totals(scores), total=sum(scores.values()),
                max_score=info.max_score,
                messages={k: v for k, v in sorted(result.get("messages", {}).items())},
-               notes=list(result.get("notes", [])), review=sorted(result.get("review", [])),
+               notes=list(result.get("notes", [])),
+               review=sorted(f for f in result.get("review", [])
+                             if not f.startswith(SIMILAR)),  # made again from "code"
+               code={str(k): str(v) for k, v in sorted((result.get("code") or {}).items())},
                feedback=f"feedback/{result['student']}/{result['lab']}.html")
     return out
+
+
+def similarity_report(out: Path, results: list[dict[str, Any]], labs: dict[str, LabInfo]
+                      ) -> None:
+    """Every lab's task cells against minickpt's and against each other's
+    (:mod:`autograder.similarity`): flags into ``review``, ``similarity-<lab>.html`` and
+    ``.csv``. From the results alone, so that a merge of slices compares the whole class."""
+    from . import similarity
+
+    for lab, info in labs.items():
+        rows = {r["student"]: r for r in results if r["lab"] == lab
+                and not r["student"].startswith(GRADER_PREFIX)}  # the source is minickpt's
+        if not rows or not info.tasks:
+            continue
+        matches, fps = similarity.compare(info.tasks, {s: r.get("code", {})
+                                                       for s, r in rows.items()})
+        shown = []
+        for s, r in rows.items():
+            mine = sorted((m for m in matches if m.student == s and m.flagged),
+                          key=lambda m: (m.other != similarity.MINICKPT, -m.score, m.other))
+            r["review"] = sorted([*r["review"], *(m.flag() for m in mine[:PEERS_NAMED + 1])]
+                                 + ([f"{SIMILAR}{len(mine) - PEERS_NAMED - 1} more "
+                                     "submission(s) as well; see similarity report"]
+                                    if len(mine) > PEERS_NAMED + 1 else []))
+            shown += mine[:PEERS_NAMED + 1]
+        pairs, seen = [], set()
+        for m in shown:  # a pair once, from the side that holds more of the other
+            if frozenset((m.student, m.other)) not in seen:
+                seen.add(frozenset((m.student, m.other)))
+                pairs.append(m)
+        (out / f"similarity-{lab}.html").write_text(similarity.report(lab, pairs, fps),
+                                                    encoding="utf-8")
+        with open(out / f"similarity-{lab}.csv", "w", newline="") as f:
+            w = safe_text.writer(f)
+            w.writerow(["student", "other", "score", "shared_tokens", "tokens", "flagged",
+                        *info.tasks])
+            for m in sorted(matches, key=lambda m: (m.student, -m.score, m.other)):
+                if m.score >= similarity.LISTED:
+                    w.writerow([m.student, m.other.replace(similarity.MINICKPT, "minickpt"),
+                                f"{m.score:.3f}", m.shared, m.total, int(m.flagged),
+                                *[f"{m.tasks[t]:.3f}" if t in m.tasks else "" for t in info.tasks]])
 
 
 def write_outputs(out: Path, results: list[dict[str, Any]], labs: dict[str, LabInfo],
@@ -335,6 +393,7 @@ def write_outputs(out: Path, results: list[dict[str, Any]], labs: dict[str, LabI
     absent = [_normalize(r, labs[r["lab"]]) for r in missing_results(results, labs)]
     for r in absent:
         r["feedback"] = ""
+    similarity_report(out, results, labs)
     for r in results:
         src = files.get((r["lab"], r["student"]), {})
         dest = out / r["feedback"]
@@ -779,7 +838,8 @@ def merge_main(argv: list[str]) -> int:
             print(f"grade merge: {folder} is not a grade.sh --out folder ({e})", file=sys.stderr)
             return 2
         for name, d in run["labs"].items():
-            info = LabInfo(name, d["cells"], d.get("fingerprint", ""), d.get("questions", {}))
+            info = LabInfo(name, d["cells"], d.get("fingerprint", ""), d.get("questions", {}),
+                           d.get("tasks", {}))
             if name in labs and (labs[name].cells, labs[name].fingerprint) != \
                     (info.cells, info.fingerprint):
                 print(f"grade merge: {folder} graded {name} from another source than the "

@@ -33,6 +33,7 @@ from typing import Any
 
 from . import ROOT, cgroups, sandbox
 from .notebook import (
+    TASK_CELL_RE,
     Assembled,
     Lab,
     SubmissionError,
@@ -51,6 +52,8 @@ from .notebook import (
 
 REFEREE_FILE = Path(__file__).resolve().parent / "referee.py"
 REFEREE_IN_SANDBOX = "/opt/minickpt-grader/referee.py"
+MAX_CODE_CHARS = 100_000
+"""What of a task cell the result keeps for the similarity report (results.json)."""
 KERNEL_ARGS = ["--HistoryManager.hist_file=:memory:", "--InteractiveShell.xmode=Minimal"]
 
 
@@ -231,6 +234,8 @@ def _run(job: Job, cfg: dict[str, Any], lab: Lab, student: list[Any], iso: sandb
             if c.role == "student" and c.show.strip()]  # what the student wrote, not what ran
     result["review"] = sorted(set(result["review"]) | set(scan(mine))
                               | set(reference_use(mine, lab)))
+    result["code"] = {c.grade_id: c.show[:MAX_CODE_CHARS] for c in asm.cells  # for similarity
+                      if c.role == "student" and TASK_CELL_RE.match(c.grade_id or "")}
     if report.strays_killed:
         result["killed_processes"] = report.strays_killed
     _finish(root, result, lab, asm, executed, t0)

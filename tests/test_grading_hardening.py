@@ -379,7 +379,8 @@ def test_forged_receipts_and_peeking_earn_nothing_and_tampering_is_flagged(corpu
     assert {"sys.modules in task_1_3", "the text '__referee__' in task_1_3",
             "vars in task_1_3"} <= set(forged["review"])
     assert "nested run: TamperedError" in _graded_outputs(corpus, "cheat_forge_receipt")
-    assert not _result(corpus, "perfect")["review"]
+    assert all(f.startswith("similar to ") for f in _result(corpus, "perfect")["review"])  # the
+    # similarity report flags it: it is minickpt's code
     notes = " ".join(_result(corpus, "cheat_reordered")["notes"])
     assert "lab's order" in notes
     assert "test_1_9_bonus" not in _result(corpus, "cheat_metadata")["scores"]

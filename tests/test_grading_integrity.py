@@ -137,3 +137,90 @@ def test_what_a_submission_wrote_to_its_logs_is_copied_capped(tmp_path):
     assert copied.stat().st_size <= grade.LOG_COPY_BYTES + 4096
     assert b"start of the kernel's log" in copied.read_bytes()[:200]
     assert b"bytes of this log were not copied" in copied.read_bytes()
+
+
+# ---------------------------------------------------------------------------------------
+# (3) copies
+# ---------------------------------------------------------------------------------------
+def _task_code(nb) -> dict[str, str]:
+    from autograder.similarity import TASK_CELL
+
+    return {c.metadata["nbgrader"]["grade_id"]: c.source for c in nb.cells
+            if TASK_CELL.match(c.get("metadata", {}).get("nbgrader", {}).get("grade_id", ""))}
+
+
+def _similarity_run(tmp_path, lab="lab02_save_policy"):
+    """write_outputs over the corpus's submissions of ``lab`` and issue 31's copies, as a run
+    (and a merge) would see them: results with their task code."""
+    import nbformat
+
+    from autograder import attacks_issue31
+
+    info = grade.lab_info(SOURCE / lab / f"{lab}.ipynb", lab)
+    release = nbformat.read(ROOT / "labs" / lab / f"{lab}.ipynb", as_version=4)
+    source = nbformat.read(SOURCE / lab / f"{lab}.ipynb", as_version=4)
+    nbs = {p.parent.parent.name: nbformat.read(p, as_version=4)
+           for p in sorted((ROOT / "autograder" / "examples").glob(f"*/{lab}/{lab}.ipynb"))}
+    nbs |= {name: make(release, source)
+            for name, make in attacks_issue31.EXAMPLES[lab].items()}
+    nbs[grade.REFERENCE_STUDENT] = source
+    results = [{"student": s, "lab": lab, "status": "graded", "reason": "",
+                "scores": dict.fromkeys(info.cells, 0.0), "code": _task_code(nb),
+                "review": ["something else"]} for s, nb in nbs.items()]
+    grade.write_outputs(tmp_path / "out", results, {lab: info}, {}, {})
+    rows = {r["student"]: r for r in json.loads((tmp_path / "out" / "results.json").read_text())}
+    return rows, info
+
+
+def _scores(tmp_path, lab):
+    with open(tmp_path / "out" / f"similarity-{lab}.csv", newline="") as f:
+        return list(csv.DictReader(f))
+
+
+def test_copies_of_minickpt_and_of_each_other_are_flagged_natural_answers_are_not(tmp_path):
+    lab = "lab02_save_policy"
+    rows, _ = _similarity_run(tmp_path, lab)
+    flags = {s: [f for f in r["review"] if f.startswith("similar to")] for s, r in rows.items()}
+    for s in ("perfect", "copy_renamed", "copy_twin"):
+        assert any(f.startswith("similar to minickpt's own code: ") for f in flags[s]), \
+            (s, flags[s])
+    assert any("copy_twin's submission: 100%" in f for f in flags["copy_renamed"])
+    assert any("copy_renamed's submission: 100%" in f for f in flags["copy_twin"])
+    for s in ("natural_a", "natural_b", "blank"):
+        assert not flags[s], (s, flags[s])
+    assert not flags[grade.REFERENCE_STUDENT], "the source is minickpt: never compared"
+    assert all("something else" in r["review"] for r in rows.values())
+    page = (tmp_path / "out" / f"similarity-{lab}.html").read_text()
+    assert "copy_renamed" in page and "class='hl'" in page and "my_" in page
+    scores = _scores(tmp_path, lab)
+    natural = [r for r in scores if {r["student"], r["other"]} == {"natural_a", "natural_b"}]
+    assert all(r["flagged"] == "0" for r in natural)
+    # the figures of issue 31's report
+    print({(r["student"], r["other"]): (r["score"], r["shared_tokens"]) for r in scores
+           if r["student"] in ("perfect", "partial", "copy_renamed", "natural_a", "natural_b")
+           and r["other"] in ("minickpt", "copy_twin", "natural_b", "natural_a", "perfect")})
+
+
+def test_the_similarity_report_is_the_same_in_every_process_and_after_a_merge(tmp_path):
+    """copydetect hashes with Python's hash(), which every process seeds anew; the report's
+    bytes must not depend on it (a merge recomputes it from results.json)."""
+    import subprocess
+    import sys
+
+    code = ("import sys; from pathlib import Path; import tests.test_grading_integrity as t;"
+            "t._similarity_run(Path(sys.argv[1]))")
+    for seed, d in (("1", "a"), ("2", "b")):
+        subprocess.run([sys.executable, "-c", code, str(tmp_path / d)], check=True, cwd=ROOT,
+                       env={**__import__("os").environ, "PYTHONHASHSEED": seed}, timeout=120)
+    for name in ("similarity-lab02_save_policy.csv", "similarity-lab02_save_policy.html",
+                 "results.json"):
+        assert (tmp_path / "a" / "out" / name).read_bytes() == \
+            (tmp_path / "b" / "out" / name).read_bytes(), name
+    proc = subprocess.run([sys.executable, "-m", "autograder.grade", "merge",
+                           str(tmp_path / "a" / "out"), "--out", str(tmp_path / "m")],
+                          cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    for name in ("similarity-lab02_save_policy.csv", "results.json", f"grades-{LAB}.csv"
+                 .replace(LAB, "lab02_save_policy")):
+        assert (tmp_path / "m" / name).read_bytes() == (tmp_path / "a" / "out" / name
+                                                        ).read_bytes(), name
