@@ -224,3 +224,99 @@ def test_the_similarity_report_is_the_same_in_every_process_and_after_a_merge(tm
                  .replace(LAB, "lab02_save_policy")):
         assert (tmp_path / "m" / name).read_bytes() == (tmp_path / "a" / "out" / name
                                                         ).read_bytes(), name
+
+
+# ---------------------------------------------------------------------------------------
+# (6) floods of the grader itself
+# ---------------------------------------------------------------------------------------
+FLOOD_MB = 200
+FLOOD = f'''
+import os, sys
+k = get_ipython().kernel
+parent = k.get_parent("shell")
+chunk = "x" * (4 << 20)
+for i in range({FLOOD_MB} // 4):   # display metadata, an error's ename, transient, unknown types
+    k.session.send(k.iopub_socket, "display_data", {{"data": {{"text/plain": "a"}},
+                   "metadata": {{"m": chunk}}, "transient": {{}}}}, parent=parent)
+    k.session.send(k.iopub_socket, "error", {{"ename": chunk, "evalue": "e",
+                   "traceback": []}}, parent=parent)
+    k.session.send(k.iopub_socket, "execute_result", {{"data": {{}}, "metadata": {{}},
+                   "execution_count": chunk}}, parent=parent)
+    k.session.send(k.iopub_socket, "made_up", {{"x": chunk}}, parent=parent)
+    k.session.send(k.stdin_socket, "input_request", {{"prompt": chunk, "password": False}},
+                   parent=parent, ident=k._parent_ident["shell"])
+print("flood done")
+'''
+FLOOD_LOG = f'''
+import os, sys
+big = b"y" * (8 << 20)
+fds = {{1, 2}} | {{getattr(s, "_original_stdstream_copy", None) for s in (sys.stdout, sys.stderr)}}
+for i in range({FLOOD_MB} // 8):   # the kernel's own stdout/stderr as it was given: the log
+    for fd in fds:
+        if fd is not None:
+            os.write(fd, big)
+print("log flood done")
+'''
+
+
+def _rss_kib() -> int:
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith("VmHWM:"):
+            return int(line.split()[1])
+    return 0
+
+
+@pytest.mark.timeout(300)
+def test_a_kernel_that_floods_every_channel_costs_the_grader_bounded_memory_and_disk(tmp_path):
+    import asyncio
+    import subprocess
+    import sys
+
+    proc = subprocess.run([sys.executable, "-c", "import tests.test_grading_integrity as t, "
+                           "sys, json; print(json.dumps(t._flood(sys.argv[1])))",
+                           str(tmp_path)], cwd=ROOT, capture_output=True, text=True,
+                          timeout=280)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    got = json.loads(proc.stdout.strip().splitlines()[-1])
+    print(got)
+    assert got["kernel_log"] <= runner.KERNEL_LOG_BYTES + 4096, got
+    assert got["notebook"] <= 8 << 20, got
+    assert got["grew_mib"] <= 512, got
+    assert got["errors"] >= 1, "the errors were not all dropped: the cell still failed"
+    assert got["log_flood_ran"], got
+    del asyncio
+
+
+def _flood(tmp: str) -> dict[str, int]:
+    """Run :data:`FLOOD` in one bare unsandboxed kernel, as runner does; what it cost."""
+    import asyncio
+    import os
+
+    import nbformat
+    from nbformat.v4 import new_code_cell, new_notebook
+
+    from autograder import execute, sandbox
+
+    tmp_path = Path(tmp)
+    ipc = tmp_path / "ipc"
+    ipc.mkdir()
+    iso = sandbox.unsandboxed("test")
+    km = sandbox.make_kernel_manager(iso, uid=0, ipc_dir=str(ipc), cwd=str(tmp_path),
+                                     limits=sandbox.Limits(), extra_ro={},
+                                     kernel_args=runner.KERNEL_ARGS,
+                                     max_message_bytes=32 << 20)
+    nb = new_notebook(cells=[new_code_cell(FLOOD, metadata={"minickpt": {"role": "student"}}),
+                             new_code_cell(FLOOD_LOG), new_code_cell("print('after')")])
+    client = execute.GradingClient(nb, km, timeout=120, setup_timeout=120,
+                                   keep_output_bytes=1 << 20, max_output_bytes=64 << 20,
+                                   interrupt_grace=10, reap_uid=None)
+    before = _rss_kib()
+    log = tmp_path / "kernel.log"
+    runner.run_client(client, log, env=dict(os.environ), cwd=str(tmp_path))
+    km.context.destroy(linger=0)
+    nbformat.write(nb, tmp_path / "graded.ipynb")
+    del asyncio
+    return {"kernel_log": log.stat().st_size, "notebook": (tmp_path / "graded.ipynb").stat().st_size,
+            "grew_mib": (_rss_kib() - before) >> 10,
+            "errors": sum(o.get("output_type") == "error" for o in nb.cells[0].outputs),
+            "log_flood_ran": "log flood done" in json.dumps(nb.cells[1].outputs)}
