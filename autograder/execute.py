@@ -32,6 +32,10 @@ from nbformat.v4 import new_output
 from . import sandbox
 from .referee import RECEIPT
 
+MAX_ERRORS = 4
+"""Error outputs kept per cell (each bounded); more are counted, and one says how many."""
+FIELD_CHARS = 10_000
+"""The longest ename/evalue/traceback line/prompt kept; metadata larger than this is dropped."""
 NO_REPLY_GRACE = 5.0
 """Seconds a kernel that went idle may take to send its reply before it counts as broken."""
 
@@ -50,6 +54,67 @@ class RunReport:
 
 def _error(ename: str, evalue: str) -> NotebookNode:
     return new_output("error", ename=ename, evalue=evalue, traceback=[f"{ename}: {evalue}"])
+
+
+def _size(value: Any, limit: int = 1 << 40) -> int:
+    """What a decoded message's value costs to keep: the characters of its strings and keys
+    (8 for any other leaf), every field counted, stopping once past ``limit``."""
+    total, stack = 0, [value]
+    while stack and total <= limit:
+        v = stack.pop()
+        if isinstance(v, str | bytes | bytearray | memoryview):
+            total += len(v)
+        elif isinstance(v, dict):
+            total += 8 * len(v)
+            stack.extend(v.keys())
+            stack.extend(v.values())
+        elif isinstance(v, list | tuple):
+            total += 8 * len(v)
+            stack.extend(v)
+        else:
+            total += 8
+    return total
+
+
+def _short(value: Any, n: int = FIELD_CHARS) -> str:
+    return str(value)[:n] if isinstance(value, str) else ""
+
+
+def bounded_content(kind: str, content: Any) -> dict[str, Any] | None:
+    """The part of an iopub message the grader keeps, every field bounded, or None to drop
+    it: only the fields nbformat's outputs hold, of their types; anything else (comm
+    messages, types no frontend knows, huge metadata) is never kept."""
+    c = content if isinstance(content, dict) else {}
+    count = c.get("execution_count")
+    count = count if type(count) is int else None
+    if kind == "status":
+        return {"execution_state": _short(c.get("execution_state"), 16)}
+    if kind == "stream":
+        return {"name": "stderr" if c.get("name") == "stderr" else "stdout",
+                "text": c.get("text") if isinstance(c.get("text"), str) else ""}
+    if kind in ("display_data", "execute_result", "update_display_data"):
+        data = c.get("data") if isinstance(c.get("data"), dict) else {}
+        meta = c.get("metadata") if isinstance(c.get("metadata"), dict) else {}
+        out: dict[str, Any] = {
+            "data": {k[:100]: v for k, v in data.items() if isinstance(k, str)
+                     and isinstance(v, str | dict | list)},
+            "metadata": meta if _size(meta, FIELD_CHARS) <= FIELD_CHARS else {}}
+        transient = c.get("transient")
+        if isinstance(transient, dict) and isinstance(transient.get("display_id"), str):
+            out["transient"] = {"display_id": transient["display_id"][:200]}
+        if kind == "execute_result":
+            out["execution_count"] = count
+        return out
+    if kind == "error":
+        tb = c.get("traceback") if isinstance(c.get("traceback"), list) else []
+        return {"ename": _short(c.get("ename"), 200) or "Error",
+                "evalue": _short(c.get("evalue")),
+                "traceback": [_short(t) for t in tb[-20:]]}
+    if kind == "clear_output":
+        return {"wait": c.get("wait") is True}
+    if kind == "execute_input":
+        return {"execution_count": count}
+    return None
 
 
 def _note(text: str) -> NotebookNode:
@@ -97,11 +162,39 @@ class GradingClient(NotebookClient):
         self._flooded = False
         self._timed_out = False
         self._broken = False
+        self._errors = 0
+        self._errors_dropped = 0
 
     def process_message(self, msg: dict[str, Any], cell: NotebookNode, cell_index: int
                         ) -> NotebookNode | None:
-        content = msg.get("content", {})
-        if msg.get("msg_type") == "status" and content.get("execution_state") == "idle":
+        """Every message the kernel sends for a cell, whatever its type and fields, is
+        counted whole (towards the cell's print limit) and reduced to
+        :func:`bounded_content` before nbclient sees it: nothing else of it is kept."""
+        kind = str(msg.get("msg_type", ""))
+        whole = (_size(msg.get("content"), self._max) + _size(msg.get("metadata"), self._max)
+                 + sum(len(b) for b in msg.get("buffers") or []))
+        self._bytes += whole
+        if self._bytes > self._max and not self._flooded:
+            self._flooded = True
+            self._interrupting = asyncio.ensure_future(self.km.interrupt_kernel())
+        content = bounded_content(kind, msg.get("content"))
+        if content is None:
+            self._dropped += whole
+            return None
+        if kind == "error":
+            self._errors += 1
+            if self._errors > MAX_ERRORS:
+                self._errors_dropped += 1
+                return None
+        if kind == "update_display_data":  # replaces kept data: it must fit what is left
+            size = _size(content, self._keep)
+            if size > self._keep - self._kept:
+                self._dropped += size
+                return None
+            self._kept += size
+        msg = {"msg_type": kind, "header": {"msg_type": kind}, "parent_header": {},
+               "metadata": {}, "content": content}
+        if kind == "status" and content.get("execution_state") == "idle":
             # idle after the request: its reply must be there too, or about to be. A kernel
             # whose own machinery the code broke goes idle and never replies; do not wait
             # out the whole time-out for every cell left.
@@ -117,17 +210,12 @@ class GradingClient(NotebookClient):
     # -- output limits -------------------------------------------------------------------
     def output(self, outs: list[NotebookNode], msg: dict[str, Any], display_id: str | None,
                cell_index: int) -> NotebookNode | None:
-        content = msg.get("content", {})
+        content = msg.get("content", {})  # bounded already (process_message)
         kind = msg.get("msg_type")
-        size = len(str(content.get("text", ""))) + len(str(content.get("data", "")))
-        self._bytes += size
-        if self._bytes > self._max and not self._flooded:
-            self._flooded = True
-            self._interrupting = asyncio.ensure_future(self.km.interrupt_kernel())
-        if kind == "error":  # always kept (short): it is what the student reads
-            content = {**content, "evalue": str(content.get("evalue", ""))[:10_000],
-                       "traceback": [str(t)[:10_000] for t in content.get("traceback", [])][-20:]}
-            return super().output(outs, {**msg, "content": content}, display_id, cell_index)
+        size = _size(content, self._max)
+        if kind == "error":  # kept (MAX_ERRORS of them, bounded): it is what the student reads
+            self._kept += size
+            return super().output(outs, msg, display_id, cell_index)
         room = self._keep - self._kept
         if kind == "stream":
             text = str(content.get("text", ""))
@@ -158,6 +246,9 @@ class GradingClient(NotebookClient):
         self.reset_execution_trackers()
         kernel_kwargs = {k: v for k, v in kernel_kwargs.items() if v is not None}
         async with self.async_setup_kernel(**kernel_kwargs):
+            # nothing is ever read from stdin (input() is refused): close it, so that
+            # what a kernel sends there is dropped by ZMQ instead of queued here
+            self.kc.stdin_channel.close()
             await self.async_wait_for_reply(await _ensure(self.kc.kernel_info()))
             if self._reap_uid is not None:
                 found = sandbox.processes_of(self._reap_uid)
@@ -219,6 +310,9 @@ class GradingClient(NotebookClient):
                                        f"{self._cell_timeout(cell)} s and was interrupted"))
         if self._dropped:
             cell.outputs.append(_note(f"{self._dropped} more characters of output were not kept"))
+        if self._errors_dropped:
+            cell.outputs.append(_error("OutputLimitExceeded", f"{self._errors_dropped} more "
+                                       "error outputs were not kept"))
         if self._flooded:
             cell.outputs.append(_error("OutputLimitExceeded", f"the cell printed more than "
                                        f"{self._max >> 20} MiB and was interrupted"))

@@ -17,7 +17,7 @@ once; the results do not depend on N, nor on the order, nor on the slot.
 
 **A compilation cache no submission can write to** (:mod:`autograder.compile_cache`): most
 of a grading is JAX compiling the training steps every submission compiles. Before a lab's
-submissions, grade.sh grades the lab's source notebook (student ``reference``, its row with
+submissions, grade.sh grades the lab's source notebook (student ``_reference``, its row with
 ``--include-solutions``) with a JAX compilation cache that only this kernel may write; every
 submission then gets it read-only (a read-only mount in the sandbox; a private copy without
 one) and never writes. The cache lives in ``.cache/grading-jax/``, one folder per lab keyed by
@@ -53,7 +53,6 @@ full marks, the most common failure), ``summary.txt`` (what the terminal shows),
 from __future__ import annotations
 
 import argparse
-import csv
 import hashlib
 import json
 import os
@@ -66,7 +65,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from . import ROOT, tools_on_path
+from . import ROOT, safe_text, tools_on_path
 from .notebook import load_lab, task_of, task_totals
 from .settings import CELL_TIMEOUT, SETUP_TIMEOUT
 
@@ -75,7 +74,14 @@ MAX_ZIP_BYTES = 2 << 30
 MAX_ZIP_FILES = 100_000
 WALL_DEFAULT = 1200
 GRACE = 10
-REFERENCE_STUDENT = "reference"
+GRADER_PREFIX = "_"
+"""The grader's own rows (each lab's source notebook, graded to fill the compilation cache and,
+with ``--include-solutions``, as a self-check) are named with a prefix that no student id can
+have (:data:`STUDENT_RE` wants a letter or a digit first). So no submission can take one: a
+student whose folder is called ``reference`` is graded as themselves, never handed the
+source's grade, and no two jobs share a work folder or a row."""
+REFERENCE_STUDENT = GRADER_PREFIX + "reference"
+assert not STUDENT_RE.match(REFERENCE_STUDENT), "the grader's rows must be out of students' reach"
 MARK = ".minickpt-grading"
 ATTACK_PREFIX = "attack_"
 """Example submissions that attack the machine: never graded without a sandbox."""
@@ -83,6 +89,12 @@ CSV_STATIC = ("total", "max_score", "status", "reason", "review", "isolation")
 HOSTILE_PREFIXES = ("attack_", "cheat_")
 TOUR_EVERY_LAB = ("perfect", "partial", "blank")
 """The examples of every lab that grade.sh grades with no argument (see example_tour)."""
+LOG_COPY_BYTES = 4 << 20
+"""The most of each log of a submission that reaches ``--out/logs`` (its head and its tail)."""
+SIMILAR = "similar to "
+"""How every flag of the similarity report begins (:func:`similarity_report`)."""
+PEERS_NAMED = 3
+"""Other submissions a flagged row names (the rest are counted; the report lists them)."""
 MISSING = "missing"
 """The status of a lab a student did not hand in (0 points, not an error)."""
 
@@ -192,6 +204,9 @@ class LabInfo:
     cells: dict[str, float] = field(default_factory=dict)  # grade_id -> points
     fingerprint: str = ""
     questions: dict[str, str] = field(default_factory=dict)
+    tasks: dict[str, dict[str, str]] = field(default_factory=dict)
+    """Task cell grade id -> ``reference`` (minickpt's code of the task, which the build
+    wrote into the source) and ``stub`` (what the release gives): for the similarity report."""
 
     @property
     def max_score(self) -> float:
@@ -205,12 +220,18 @@ class LabInfo:
 
     def as_dict(self) -> dict[str, Any]:
         return {"name": self.name, "cells": self.cells, "fingerprint": self.fingerprint,
-                "questions": self.questions}
+                "questions": self.questions, "tasks": self.tasks}
 
 
 def lab_info(notebook: Path, name: str) -> LabInfo:
-    info = load_lab(notebook).info()
-    return LabInfo(name, info["cells"], info["fingerprint"], info["questions"])
+    from . import similarity
+
+    lab = load_lab(notebook)
+    info = lab.info()
+    tasks = {c.grade_id: {"reference": similarity.reference_of(c.source),
+                          "stub": similarity.stub_of(c.source)}
+             for c in lab.cells if c.role == "solution" and similarity.TASK_CELL.match(c.grade_id)}
+    return LabInfo(name, info["cells"], info["fingerprint"], info["questions"], tasks)
 
 
 # ---------------------------------------------------------------------------------------
@@ -246,7 +267,8 @@ def table(results: list[dict[str, Any]], labs: dict[str, LabInfo]) -> str:
         flagged = [r for r in rows if r.get("review")]
         if flagged:
             lines.append(f"  review: {len(flagged)} submission(s) hold code that can reach into "
-                         f"a test or hand in minickpt's own function for a task "
+                         f"a test, hand in minickpt's own function for a task or are similar "
+                         f"to minickpt's code or another submission (similarity-{lab}.html) "
                          f"({', '.join(r['student'] for r in flagged)}); see grades-{lab}.csv")
         lines.append("")
     return "\n".join(lines)
@@ -307,9 +329,53 @@ def _normalize(result: dict[str, Any], info: LabInfo) -> dict[str, Any]:
     out.update(scores=scores, groups=task_totals(scores), total=sum(scores.values()),
                max_score=info.max_score,
                messages={k: v for k, v in sorted(result.get("messages", {}).items())},
-               notes=list(result.get("notes", [])), review=sorted(result.get("review", [])),
+               notes=list(result.get("notes", [])),
+               review=sorted(f for f in result.get("review", [])
+                             if not f.startswith(SIMILAR)),  # made again from "code"
+               code={str(k): str(v) for k, v in sorted((result.get("code") or {}).items())},
                feedback=f"feedback/{result['student']}/{result['lab']}.html")
     return out
+
+
+def similarity_report(out: Path, results: list[dict[str, Any]], labs: dict[str, LabInfo]
+                      ) -> None:
+    """Every lab's task cells against minickpt's and against each other's
+    (:mod:`autograder.similarity`): flags into ``review``, ``similarity-<lab>.html`` and
+    ``.csv``. From the results alone, so that a merge of slices compares the whole class."""
+    from . import similarity
+
+    for lab, info in labs.items():
+        rows = {r["student"]: r for r in results if r["lab"] == lab
+                and not r["student"].startswith(GRADER_PREFIX)}  # the source is minickpt's
+        if not rows or not info.tasks:
+            continue
+        matches, fps = similarity.compare(info.tasks, {s: r.get("code", {})
+                                                       for s, r in rows.items()})
+        shown = []
+        for s, r in rows.items():
+            mine = sorted((m for m in matches if m.student == s and m.flagged),
+                          key=lambda m: (m.other != similarity.MINICKPT, -m.score, m.other))
+            r["review"] = sorted([*r["review"], *(m.flag() for m in mine[:PEERS_NAMED + 1])]
+                                 + ([f"{SIMILAR}{len(mine) - PEERS_NAMED - 1} more "
+                                     "submission(s) as well; see similarity report"]
+                                    if len(mine) > PEERS_NAMED + 1 else []))
+            shown += mine[:PEERS_NAMED + 1]
+        pairs, seen = [], set()
+        for m in shown:  # a pair once, from the side that holds more of the other
+            if frozenset((m.student, m.other)) not in seen:
+                seen.add(frozenset((m.student, m.other)))
+                pairs.append(m)
+        (out / f"similarity-{lab}.html").write_text(similarity.report(lab, pairs, fps),
+                                                    encoding="utf-8")
+        with open(out / f"similarity-{lab}.csv", "w", newline="") as f:
+            w = safe_text.writer(f)
+            w.writerow(["student", "other", "score", "shared_tokens", "tokens", "flagged",
+                        *info.tasks])
+            for m in sorted(matches, key=lambda m: (m.student, -m.score, m.other)):
+                if m.score >= similarity.LISTED:
+                    w.writerow([m.student, m.other.replace(similarity.MINICKPT, "minickpt"),
+                                f"{m.score:.3f}", m.shared, m.total, int(m.flagged),
+                                *[f"{m.tasks[t]:.3f}" if t in m.tasks else "" for t in info.tasks]])
 
 
 def write_outputs(out: Path, results: list[dict[str, Any]], labs: dict[str, LabInfo],
@@ -327,6 +393,7 @@ def write_outputs(out: Path, results: list[dict[str, Any]], labs: dict[str, LabI
     absent = [_normalize(r, labs[r["lab"]]) for r in missing_results(results, labs)]
     for r in absent:
         r["feedback"] = ""
+    similarity_report(out, results, labs)
     for r in results:
         src = files.get((r["lab"], r["student"]), {})
         dest = out / r["feedback"]
@@ -339,7 +406,7 @@ def write_outputs(out: Path, results: list[dict[str, Any]], labs: dict[str, LabI
             if kind != "feedback" and path.exists():
                 log = out / "logs" / r["student"] / f"{r['lab']}.{kind}"
                 log.parent.mkdir(parents=True, exist_ok=True)
-                shutil.copyfile(path, log)
+                safe_text.copy_capped(path, log, LOG_COPY_BYTES)
     summaries = []
     per_lab_rows = {}
     for lab, info in labs.items():
@@ -348,7 +415,7 @@ def write_outputs(out: Path, results: list[dict[str, Any]], labs: dict[str, LabI
         if not rows and not away:
             continue
         with open(out / f"grades-{lab}.csv", "w", newline="") as f:
-            w = csv.writer(f)
+            w = safe_text.writer(f)
             w.writerow(["student", *info.groups, *info.cells, *CSV_STATIC])
             for r in sorted(rows + away, key=lambda r: r["student"]):
                 w.writerow([r["student"], *[_fmt(r["groups"][g]) for g in info.groups],
@@ -361,7 +428,7 @@ def write_outputs(out: Path, results: list[dict[str, Any]], labs: dict[str, LabI
         summary = feedback.class_summary(rows, info.cells, info.groups, group_of, info.questions)
         per_lab_rows[lab] = summary
         with open(out / f"class-summary-{lab}.csv", "w", newline="") as f:
-            w = csv.DictWriter(f, fieldnames=list(summary[0]))
+            w = safe_text.dict_writer(f, fieldnames=list(summary[0]))
             w.writeheader()
             for row in summary:
                 w.writerow({**row, "mean": f"{row['mean']:.3f}", "pct_full": f"{row['pct_full']:.1f}",
@@ -370,7 +437,7 @@ def write_outputs(out: Path, results: list[dict[str, Any]], labs: dict[str, LabI
     (out / "class-summary.html").write_text(feedback.summary_html(per_lab_rows), encoding="utf-8")
     students = sorted({r["student"] for r in results})
     with open(out / "grades.csv", "w", newline="") as f:
-        w = csv.writer(f)
+        w = safe_text.writer(f)
         w.writerow(["student", *labs, "total", "max_score", MISSING])
         for s in students:
             per = {r["lab"]: r["total"] for r in results if r["student"] == s}
@@ -388,6 +455,7 @@ def write_outputs(out: Path, results: list[dict[str, Any]], labs: dict[str, LabI
         text += "\n" + course_table(results + absent, labs)
     if isolation:
         text += ("\n!! NOT FULLY ISOLATED: " + " | ".join(i for i in isolation if i) + "\n")
+    text = safe_text.printable(text)  # messages are the student's text: no escape sequences
     (out / "summary.txt").write_text(text)
     return text
 
@@ -405,7 +473,8 @@ class Progress:
             try:
                 from tqdm import tqdm
 
-                self.bar = tqdm(total=total, unit="sub", dynamic_ncols=True, file=sys.stderr)
+                self.bar = tqdm(total=total, unit="sub", dynamic_ncols=True,  # its own \r
+                                file=safe_text.unwrapped(sys.stderr))
             except ImportError:  # pragma: no cover - tqdm is in the course extra
                 self.bar = None
 
@@ -415,8 +484,8 @@ class Progress:
         self.failed += not ok
         left = self.total - self.graded - self.failed
         total = sum(v for v in result.get("scores", {}).values() if v is not None)
-        what = (f"{result['student']}/{result['lab']}: {total:g} {result['status']}"
-                f" ({seconds:.1f} s)")
+        what = safe_text.printable(f"{result['student']}/{result['lab']}: {total:g} "
+                                   f"{result['status']} ({seconds:.1f} s)")
         if self.bar is not None:
             self.bar.set_postfix_str(f"graded {self.graded}, failed {self.failed}, left {left}")
             self.bar.write(f"  {what}")
@@ -456,8 +525,8 @@ def prepare_caches(labs: list[str], source: Path, work: Path, cfg: dict[str, Any
                    done: set[tuple[str, str]], on_result: Any) -> dict[str, dict[str, Any]]:
     """Every lab's grading compilation cache (:mod:`autograder.compile_cache`), checked, and
     filled first where it is missing: by grading the lab's source notebook as student
-    ``reference`` with the cache writable for that one kernel. Returns per lab what run.json
-    records (``folder``, ``state``, ``entries``: name -> digest, absent when there is none).
+    ``_reference`` (:data:`REFERENCE_STUDENT`) with the cache writable for that one kernel.
+    Returns per lab what run.json records (``folder``, ``state``, ``entries``: name -> digest, absent when there is none).
     A fill *is* the reference's grading: with ``--include-solutions`` its result is the
     reference's row (``on_result`` gets it, and the pair goes into ``done``)."""
     from . import compile_cache as cc
@@ -589,8 +658,13 @@ def main(argv: list[str] | None = None) -> int:
         from .runner import worker_main
 
         return worker_main(argv[1])
-    if argv[:1] == ["merge"]:
-        return merge_main(argv[1:])
+    with safe_text.safe_terminal():  # reasons, messages, paths: a submission's text
+        if argv[:1] == ["merge"]:
+            return merge_main(argv[1:])
+        return grade_main(argv)
+
+
+def grade_main(argv: list[str]) -> int:
     a = _parser().parse_args(argv)
     tools_on_path()
     from . import sandbox
@@ -714,7 +788,7 @@ def main(argv: list[str] | None = None) -> int:
                               for lab, c in caches.items()}}
     text = write_outputs(out, results, infos, files, meta)
     with open(out / "timings.csv", "w", newline="") as f:
-        w = csv.writer(f)
+        w = safe_text.writer(f)
         w.writerow(["student", "lab", "seconds"])
         for row in sorted(timings):
             w.writerow([row[0], row[1], f"{row[2]:.1f}"])
@@ -764,7 +838,8 @@ def merge_main(argv: list[str]) -> int:
             print(f"grade merge: {folder} is not a grade.sh --out folder ({e})", file=sys.stderr)
             return 2
         for name, d in run["labs"].items():
-            info = LabInfo(name, d["cells"], d.get("fingerprint", ""), d.get("questions", {}))
+            info = LabInfo(name, d["cells"], d.get("fingerprint", ""), d.get("questions", {}),
+                           d.get("tasks", {}))
             if name in labs and (labs[name].cells, labs[name].fingerprint) != \
                     (info.cells, info.fingerprint):
                 print(f"grade merge: {folder} graded {name} from another source than the "

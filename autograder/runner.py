@@ -33,6 +33,7 @@ from typing import Any
 
 from . import ROOT, cgroups, sandbox
 from .notebook import (
+    TASK_CELL_RE,
     Assembled,
     Lab,
     SubmissionError,
@@ -51,6 +52,13 @@ from .notebook import (
 
 REFEREE_FILE = Path(__file__).resolve().parent / "referee.py"
 REFEREE_IN_SANDBOX = "/opt/minickpt-grader/referee.py"
+KERNEL_LOG_BYTES = 1 << 20
+"""What of the kernel's own stdout/stderr is kept in kernel.log (the start of it)."""
+WORKER_MEMORY = 4 << 30
+"""RLIMIT_DATA of a grading worker, which runs outside the slot's cgroup: whatever a kernel
+sends, the worker keeps only bounded parts of it (execute.py); this is the backstop."""
+MAX_CODE_CHARS = 100_000
+"""What of a task cell the result keeps for the similarity report (results.json)."""
 KERNEL_ARGS = ["--HistoryManager.hist_file=:memory:", "--InteractiveShell.xmode=Minimal"]
 
 
@@ -200,20 +208,15 @@ def _run(job: Job, cfg: dict[str, Any], lab: Lab, student: list[Any], iso: sandb
                                       **cache_vars,
                                       "IPYTHONDIR": str(root / "scratch" / ".ipython"),
                                       "TMPDIR": str(root / "scratch" / "tmp")}
-    started = False
-    with open(root / "kernel.log", "wb") as klog:
-        try:
-            report = asyncio.run(client.run(stdout=klog, stderr=klog, env=env,
-                                            cwd=cwd if not iso.sandboxed else None))
-            started = True
-        finally:
-            if reap:
-                sandbox.kill_uid(reap)
-            if slot_cgroup is not None:
-                slot_cgroup.kill()
-            km.context.destroy(linger=0)
-    if not started:  # pragma: no cover - asyncio.run raised: reported by grade_one
-        return
+    try:
+        report = run_client(client, root / "kernel.log", env=env,
+                            cwd=cwd if not iso.sandboxed else None)
+    finally:
+        if reap:
+            sandbox.kill_uid(reap)
+        if slot_cgroup is not None:
+            slot_cgroup.kill()
+        km.context.destroy(linger=0)
     executed = [[_text_only(o) for o in c.get("outputs", [])] if c.cell_type == "code" else []
                 for c in nb.cells]
     notes = {i: msg for i, msg in report.not_run.items()}
@@ -231,9 +234,52 @@ def _run(job: Job, cfg: dict[str, Any], lab: Lab, student: list[Any], iso: sandb
             if c.role == "student" and c.show.strip()]  # what the student wrote, not what ran
     result["review"] = sorted(set(result["review"]) | set(scan(mine))
                               | set(reference_use(mine, lab)))
+    result["code"] = {c.grade_id: c.show[:MAX_CODE_CHARS] for c in asm.cells  # for similarity
+                      if c.role == "student" and TASK_CELL_RE.match(c.grade_id or "")}
     if report.strays_killed:
         result["killed_processes"] = report.strays_killed
     _finish(root, result, lab, asm, executed, t0)
+
+
+def run_client(client: Any, log: Path, *, env: dict[str, str] | None, cwd: str | None) -> Any:
+    """Run the kernel's notebook. Its stdout and stderr (and every process's it starts) are a
+    pipe that the grader drains, never a file: what reaches ``log`` is at most
+    :data:`KERNEL_LOG_BYTES` (the start), then a line that counts the rest. A file descriptor
+    of the grading machine's disk in the kernel's hands would be a write channel that no
+    output limit sees (up to RLIMIT_FSIZE, then copied into --out)."""
+    r, w = os.pipe()
+    os.set_blocking(r, False)
+    stop = threading.Event()
+    counted = [0]
+
+    def drain() -> None:
+        with open(log, "wb") as out:
+            while True:
+                ready, _, _ = select.select([r], [], [], 0.2)
+                try:
+                    chunk = os.read(r, 1 << 16) if ready else b""
+                except BlockingIOError:
+                    chunk = b""
+                if ready and not chunk:
+                    break  # every writer is gone
+                if not chunk and stop.is_set():
+                    break
+                keep = max(0, KERNEL_LOG_BYTES - counted[0])
+                out.write(chunk[:keep])
+                counted[0] += len(chunk)
+            if counted[0] > KERNEL_LOG_BYTES:
+                out.write(f"\n[grader] {counted[0] - KERNEL_LOG_BYTES} more bytes the kernel "
+                          "wrote to its stdout/stderr were not kept\n".encode())
+
+    reader = threading.Thread(target=drain, daemon=True)
+    reader.start()
+    try:
+        return asyncio.run(client.run(stdout=w, stderr=w, env=env, cwd=cwd))
+    finally:
+        os.close(w)
+        stop.set()  # a straggler still holding the pipe does not keep the reader
+        reader.join(timeout=10)
+        os.close(r)
 
 
 def _compile_cache(job: Job, cfg: dict[str, Any], iso: sandbox.Isolation, uid: int | None,
@@ -344,6 +390,12 @@ def _write_graded(path: Path, asm: Assembled, executed: list[list[Any]]) -> None
 def worker_main(cfg_json: str) -> int:
     """Grade jobs read from stdin (one JSON per line); answer ``done <id>`` on the original
     stdout, which nothing else writes to (stdout is redirected to the log)."""
+    import resource
+
+    try:
+        resource.setrlimit(resource.RLIMIT_DATA, (WORKER_MEMORY, WORKER_MEMORY))
+    except (ValueError, OSError):  # pragma: no cover - a lower hard limit already
+        pass
     proto = os.fdopen(os.dup(1), "w", buffering=1)
     os.dup2(2, 1)
     cfg = json.loads(cfg_json)

@@ -547,6 +547,11 @@ class SlotUids:
 # ---------------------------------------------------------------------------------------
 # a Jupyter kernel manager that starts the kernel in the sandbox
 # ---------------------------------------------------------------------------------------
+RECEIVE_QUEUE = 16
+"""Messages ZMQ queues per socket of the grader before they are read (its default is 1000,
+each up to ``max_message`` bytes: 32 GiB); a kernel that sends faster loses its messages."""
+
+
 def make_kernel_manager(iso: Isolation, *, uid: int, ipc_dir: str, cwd: str, limits: Limits,
                         extra_ro: dict[str, str], kernel_args: list[str],
                         max_message_bytes: int, cgroup: Any = None,
@@ -588,6 +593,7 @@ def make_kernel_manager(iso: Isolation, *, uid: int, ipc_dir: str, cwd: str, lim
 
     context = zmq.asyncio.Context()
     context.setsockopt(zmq.MAXMSGSIZE, max_message_bytes)  # a 1 GB message is dropped, not read
+    context.setsockopt(zmq.RCVHWM, RECEIVE_QUEUE)  # and few are queued unread: bounded memory
     km = SandboxKernelManager(context=context, kernel_name="minickpt-grader")
     if iso.sandboxed:
         km.transport = "ipc"

@@ -35,7 +35,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from autograder import ROOT, build, compile_cache, sandbox
-from autograder.grade import LabInfo, shard_of, write_outputs
+from autograder.grade import REFERENCE_STUDENT, LabInfo, shard_of, write_outputs
 from autograder.lab_examples.common import _first, _gid
 from autograder.lab_examples.lab01_basics import NETWORK_PORTS
 from autograder.make_examples import EXAMPLES
@@ -157,7 +157,7 @@ class Listener:
 # ---------------------------------------------------------------------------------------
 @pytest.fixture(scope="session")
 def corpus(tmp_path_factory):
-    """grade.sh -j 2 over every example and each lab's source (student 'reference')."""
+    """grade.sh -j 2 over every example and each lab's source (student '_reference')."""
     tmp = tmp_path_factory.mktemp("corpus")
     subs = tmp / "subs"
     shutil.copytree(EXAMPLES_DIR, subs, ignore=shutil.ignore_patterns("*.csv", "*.md"))
@@ -270,7 +270,7 @@ def test_every_example_grades_as_expected(corpus):
 @GRADING
 def test_every_solution_notebook_scores_full_marks(corpus):
     for lab in LAB_NAMES:
-        r = _result(corpus, "reference", lab)
+        r = _result(corpus, REFERENCE_STUDENT, lab)
         assert r["status"] == "graded" and r["total"] == r["max_score"] > 0, r["messages"]
         assert not r["messages"] and not r["review"] and r["ran_all_cells"]
 
@@ -381,7 +381,8 @@ def test_forged_receipts_and_peeking_earn_nothing_and_tampering_is_flagged(corpu
     assert {"sys.modules in task_1_3", "the text '__referee__' in task_1_3",
             "vars in task_1_3"} <= set(forged["review"])
     assert "nested run: TamperedError" in _graded_outputs(corpus, "cheat_forge_receipt")
-    assert not _result(corpus, "perfect")["review"]
+    assert all(f.startswith("similar to ") for f in _result(corpus, "perfect")["review"])  # the
+    # similarity report flags it: it is minickpt's code
     notes = " ".join(_result(corpus, "cheat_reordered")["notes"])
     assert "lab's order" in notes
     assert "test_1_9_bonus" not in _result(corpus, "cheat_metadata")["scores"]
