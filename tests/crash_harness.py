@@ -277,13 +277,13 @@ MUTATIONS = {
         ("minickpt.checkpointer.write_item", _write_item_without_fsync, RETENTION,
          "is listed but damaged"),
     "delete removes files before its rename is durable":
-        ("minickpt.manager.delete_dir", _delete_without_fsync, DELETE,
+        ("minickpt.retention.delete_dir", _delete_without_fsync, DELETE,
          "is listed but damaged"),
     "an async save's items are written without fsync":
         ("minickpt.checkpointer.write_item", _write_item_without_fsync, ASYNC,
          "is listed but damaged"),
     "a background removal starts before the retirement is durable":
-        ("minickpt.manager.remove_retired", _remove_retired_without_fsync, BACKGROUND_DELETE,
+        ("minickpt.retention.remove_retired", _remove_retired_without_fsync, BACKGROUND_DELETE,
          "is listed but damaged"),
 }
 
