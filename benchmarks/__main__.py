@@ -12,7 +12,7 @@ README_END = "<!-- benchmarks:end -->"
 
 
 def update_readme(readme: str, table_md: str) -> None:
-    """Replace the README's Performance table (between the two markers) with this run's."""
+    """Replace the performance page's table (between the two markers) with this run's."""
     with open(readme) as f:
         text = f.read()
     if README_START not in text or README_END not in text:
@@ -55,8 +55,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--multihost", dest="run_multihost", choices=["auto", "on", "off"],
                    default="auto", help="multi-host figures: auto = when minickpt.multihost "
                                         "exists")
-    p.add_argument("--update-readme", metavar="README", nargs="?", const="README.md",
-                   help="write this run's table into the README's Performance section, and "
+    p.add_argument("--update-readme", metavar="PAGE", nargs="?", const="docs/performance.md",
+                   help="write this run's table into the performance page's table "
+                        "(docs/performance.md; the README's headline table is kept by hand), and "
                         "its plot and raw numbers to benchmarks/latest/")
     a = p.parse_args(argv)
 

@@ -15,7 +15,7 @@
 #   2. every chapter top to bottom (tests/test_notebooks.py),
 #   3. every lab solution in a plain kernel (tests/test_course.py, as students run them),
 # and writes .versions/<mode>/report.md: the versions installed and what passed, with the
-# date, as a line for the README's version table. CPU-heavy (tens of minutes): run it before
+# date, as a line for the version table in docs/versions.md. CPU-heavy (tens of minutes): run it before
 # a release, not in CI (CI installs constraints.txt). Extra arguments go to every pytest run
 # (e.g. -x, or -k 'not crash'). PYTHON=python3.12 picks the interpreter.
 set -uo pipefail
