@@ -32,21 +32,33 @@ def _e(text: Any) -> str:
     return html.escape(str(text), quote=True)
 
 
-MATHJAX = ("<script>MathJax={tex:{inlineMath:[['\\\\(','\\\\)']]}};</script><script async "
-           "src='https://cdn.jsdelivr.net/npm/mathjax@3/es5/tex-chtml.js'></script>")
-"""Typesets the lab's formulas when the page is opened online; offline they stay readable TeX."""
+_MATH = re.compile(r'<span class="math">\\\((.*?)\\\)</span>|<div class="math">\$\$(.*?)\$\$</div>', re.S)
+
+
+def _mathml(match: re.Match[str]) -> str:
+    """One formula of the lab's markdown as MathML, rendered by the browser itself: the page
+    needs no script and no network (an exam room, a cluster), and no page view reaches a third
+    party. A formula the converter cannot read stays as its TeX, in a code span."""
+    inline, block = match.group(1), match.group(2)
+    tex = html.unescape(inline if inline is not None else block).strip()
+    try:
+        from latex2mathml.converter import convert
+
+        return convert(tex, display="inline" if inline is not None else "block")
+    except Exception:
+        return f"<code>{_e(tex)}</code>"
 
 
 def _markdown(text: str) -> str:
     """The lab's own markdown as HTML: headings, tables, code, and the formulas (``$...$``,
-    ``$$...$$``) as MathJax spans. Only the lab's markdown, from the source (trusted: its HTML
+    ``$$...$$``) as MathML. Only the lab's markdown, from the source (trusted: its HTML
     badge stays a badge); student markdown is never rendered. mistune comes with nbconvert."""
     try:
         import mistune
 
         render = mistune.create_markdown(escape=False,
                                          plugins=["table", "math", "strikethrough"])
-        return str(render(text))
+        return _MATH.sub(_mathml, str(render(text)))
     except Exception:  # mistune missing or broken: plain text is fine
         return f"<pre>{_e(text)}</pre>"
 
@@ -134,10 +146,9 @@ def feedback_html(result: dict[str, Any], cells: list[dict[str, Any]],
         body.append(f'<div class="cell"><div class="label">{_e(label)}{_e(gid)}</div>'
                     f'<pre>{_e(c["show"])}</pre>{_outputs(c["outputs"], secrets)}</div>')
     page = "\n".join(body)
-    math = MATHJAX if 'class="math"' in page else ""
     return ("<!DOCTYPE html><html><head><meta charset='utf-8'>"
             f"<title>{_e(result['lab'])}: {_e(result['student'])}</title><style>{CSS}</style>"
-            f"{math}</head><body>" + page + "</body></html>\n")
+            "</head><body>" + page + "</body></html>\n")
 
 
 # ---------------------------------------------------------------------------------------

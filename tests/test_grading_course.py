@@ -141,5 +141,7 @@ def test_feedback_renders_the_labs_markdown_and_shows_no_hidden_test():
                            "text": "secret_hidden_check_line(42) ran\n"}]}]
     page = feedback.feedback_html(result, cells, {"1.3": 2.0}, {"secret_hidden_check_line(42)"})
     assert "<h2>Task 1.3 — one item</h2>" in page and "<td>1.1</td>" in page
-    assert '<span class="math">' in page and '<div class="math">' in page and "MathJax" in page
+    # formulas as MathML the browser renders itself: no script, no network, no raw TeX
+    assert page.count("<math ") == 2 and 'display="block"' in page and "<msub>" in page
+    assert "<script" not in page and "\\theta" not in page and "$" not in page
     assert "| task | points |" not in page and "secret_hidden_check_line" not in page
