@@ -227,6 +227,9 @@ class CheckpointManager:
                     log.warning("minickpt: removed %s left by an interrupted save or delete",
                                 os.path.join(self.directory, name))
         self._infos: dict[int, policy.StepInfo] = {}
+        # steps listed whose metadata could not be read (step -> why): never counted or
+        # deleted by retention, read again before each retention and at each reload
+        self._unreadable: dict[int, str] = {}
         self.reload()
 
     # ---- housekeeping --------------------------------------------------------------------
@@ -303,6 +306,7 @@ class CheckpointManager:
         with self._mutex:
             infos: dict[int, policy.StepInfo] = {}
             dirnames: dict[int, str] = {}
+            unreadable: dict[int, str] = {}
             try:
                 names = self.fs.listdir(self.directory)
             except FileNotFoundError:
@@ -321,7 +325,8 @@ class CheckpointManager:
                                 step, name)
                 dirnames[step] = name
                 old = self._infos.get(step)
-                if old is not None and self._names.get(step) == name:
+                if old is not None and self._names.get(step) == name \
+                        and step not in self._unreadable:
                     infos[step] = old
                     continue
                 if step == self._in_flight_step:  # never wait for a commit under the mutex
@@ -330,14 +335,22 @@ class CheckpointManager:
                     meta = self._checkpointer.metadata(os.path.join(self.directory, name),
                                                        step=step)
                     infos[step] = policy.StepInfo(step, meta.metrics, meta.time or 0.0)
-                except (MiniCkptError, OSError):
+                except (MiniCkptError, OSError) as e:
+                    # Listed (restore() says what is wrong with it), but not "a step without
+                    # metrics": one EIO must not change which steps retention keeps.
                     infos[step] = policy.StepInfo(step, None, 0.0)
+                    unreadable[step] = f"{type(e).__name__}: {e}"
+                    if not isinstance(e, MiniCkptError):
+                        log.warning("minickpt: could not read the metadata of step %d (%s); "
+                                    "retention neither counts nor deletes it until it can be "
+                                    "read", step, e)
             pending = self._in_flight_step
             if pending is not None and pending in self._infos:
                 infos.setdefault(pending, self._infos[pending])  # still being written
                 if pending in self._names:
                     dirnames.setdefault(pending, self._names[pending])
             self._infos, self._names = infos, dirnames
+            self._unreadable = unreadable
 
     def close(self) -> None:
         """Finish pending work (raising the error of a failed async save) and release the
@@ -710,6 +723,7 @@ class CheckpointManager:
         with self._mutex:
             m = dict(metrics) if metrics is not None else None
             self._infos[step] = policy.StepInfo(step, m, time.time())
+            self._unreadable.pop(step, None)  # a new checkpoint under a set-aside one's step
             t = time.perf_counter()
             self._apply_retention()
             stats.retention_s = time.perf_counter() - t
@@ -720,16 +734,32 @@ class CheckpointManager:
         except OSError:
             return False
 
+    def _read_unreadable(self) -> None:
+        """Try again to read the steps whose metadata could not be read (an EIO may pass)."""
+        for step in sorted(self._unreadable):
+            if step not in self._infos:
+                del self._unreadable[step]
+                continue
+            try:
+                meta = self._checkpointer.metadata(self.step_path(step), step=step)
+            except (MiniCkptError, OSError):
+                continue
+            self._infos[step] = policy.StepInfo(step, meta.metrics, meta.time or 0.0)
+            del self._unreadable[step]
+
     def _apply_retention(self) -> None:
         if self._sweep_deletions:
             self._sweep_deletions = False
             self._remove_deletion_leftovers()
         o = self.options
+        self._read_unreadable()
+        # only what this library wrote and can read is counted, and a candidate for deletion
+        readable = [i for s, i in self._infos.items() if s not in self._unreadable]
         keep = policy.steps_to_keep(
-            list(self._infos.values()), max_to_keep=o.max_to_keep, keep_period=o.keep_period,
+            readable, max_to_keep=o.max_to_keep, keep_period=o.keep_period,
             best_fn=o.best_fn, best_mode=o.best_mode,
             keep_checkpoints_without_metrics=o.keep_checkpoints_without_metrics)
-        for step in sorted(set(self._infos) - keep):
+        for step in sorted({i.step for i in readable} - keep):
             try:
                 self._delete_step(step)
             except OSError as e:

@@ -377,6 +377,7 @@ class TieredCheckpointManager:
         self.failed: dict[int, str] = {}  # step -> last error, after every retry
         self.mirrored: list[int] = []  # steps copied by this manager, in order
         self._mirror_infos: dict[int, policy.StepInfo] = {}
+        self._mirror_unreadable: set[int] = set()  # listed, but retention leaves them be
         self._store_lock = threading.RLock()  # one operation on the mirror at a time
         self._queue: queue.Queue[int | None] = queue.Queue()
         self._pending: collections.Counter[int] = collections.Counter()  # queued or copying
@@ -563,8 +564,10 @@ class TieredCheckpointManager:
         try:
             meta = self.store.metadata(name)
             info = policy.StepInfo(step, meta.metrics, meta.time or 0.0)
-        except Exception:  # unreadable metadata: kept like a checkpoint without metrics
+            self._mirror_unreadable.discard(step)
+        except Exception:  # unreadable metadata: listed, never counted nor deleted
             info = policy.StepInfo(step, None, 0.0)
+            self._mirror_unreadable.add(step)
         self._mirror_infos[step] = info
 
     def _scan_mirror(self) -> None:
@@ -580,7 +583,7 @@ class TieredCheckpointManager:
         """Queue the local checkpoints the mirror lacks and its retention would keep: a
         previous process may have died between a local commit and its copy."""
         missing = [s for s in self.local.all_steps() if s not in self._mirror_infos]
-        infos = list(self._mirror_infos.values())
+        infos = [i for s, i in self._mirror_infos.items() if s not in self._mirror_unreadable]
         # a step damaged locally is left out: nothing worth copying
         infos += [i for s in missing if (i := self._local_info(s)) is not None]
         keep = self._keep(infos, self.mirror_max_to_keep)
@@ -590,8 +593,10 @@ class TieredCheckpointManager:
 
     def _apply_mirror_retention(self) -> None:
         with self._store_lock:
-            keep = self._keep(list(self._mirror_infos.values()), self.mirror_max_to_keep)
-            for step in sorted(set(self._mirror_infos) - keep):
+            readable = [i for s, i in self._mirror_infos.items()
+                        if s not in self._mirror_unreadable]
+            keep = self._keep(readable, self.mirror_max_to_keep)
+            for step in sorted({i.step for i in readable} - keep):
                 name = self._name(step)
                 try:
                     self.store.delete(name)
@@ -604,8 +609,8 @@ class TieredCheckpointManager:
     def _apply_local_retention(self) -> None:
         """The options' retention on the local tier, sparing steps still waiting for their
         copy (a step whose copy failed every retry is no longer spared: it was reported)."""
-        infos = [self._local_info(s) or policy.StepInfo(s, None, 0.0)
-                 for s in self.local.all_steps()]
+        # a step whose metadata cannot be read (EIO, damage) is neither counted nor deleted
+        infos = [i for s in self.local.all_steps() if (i := self._local_info(s)) is not None]
         keep = self._keep(infos, self.options.max_to_keep)
         with self._idle:
             spared = set(self._pending)
