@@ -1019,11 +1019,31 @@ class CheckpointManager:
                 multihost.raise_failures(statuses, sync.process_index, local,
                                          f"restoring step {s}", reading=True)
             why = multihost.describe_failures(bad)
-            msg = f"minickpt: skipping damaged checkpoint step {s}: {why}"
+            # As one process does: the primary moves the damaged step aside (a newer format
+            # stays), every process forgets it, so that the resumed loop saves it again.
+            aside = None
+            if self.primary and not self.options.read_only and all(
+                    st.get("type") != "FormatVersionError" for st in bad.values()):
+                with self._mutex:
+                    try:
+                        aside = set_aside(self.fs, self.step_path(s))
+                    except OSError as e:
+                        log.error("minickpt: could not move damaged %s aside: %s",
+                                  self.step_path(s), e)
+            moved = sync.exchange(f"{op}/aside{n}", aside, mh.timeout_s,
+                                  f"restore: setting damaged step {s} aside")[mh.primary_host]
+            if moved is not None:
+                with self._mutex:
+                    self._infos.pop(s, None)
+                    self._names.pop(s, None)
+            msg = f"minickpt: skipping damaged checkpoint step {s}: {why}" + (
+                f"; moved to {moved} so that step {s} can be saved again (delete it once "
+                "you have looked at it)" if moved else "")
             log.error(msg)
             warnings.warn(msg, stacklevel=3)
             errors.append(f"step {s}: {why}")
-            self._emit("skip", {"step": s, "error": why, "time": time.time()})
+            self._emit("skip", {"step": s, "error": why, "time": time.time(),
+                                "moved_to": moved})
         raise CheckpointCorruptedError(self.directory, "every checkpoint is damaged:\n  "
                                        + "\n  ".join(errors))
 

@@ -2,6 +2,7 @@
 tiered resume loop, foreign directories, and the rough edges found on the way."""
 
 import os
+import warnings
 
 import numpy as np
 import pytest
@@ -73,3 +74,81 @@ def test_tiered_local_retention_never_deletes_an_unreadable_step(tmp_path):
         m.wait_until_mirrored()
     assert os.path.isdir(local / "step_1")
     assert os.path.isdir(mirror / "step_1")
+
+
+# ---- item 2: the tiered resume loop after a fallback ------------------------------------
+def flip_a_byte(step_dir) -> None:
+    path = os.path.join(step_dir, "params", "data.bin")
+    with open(path, "r+b") as f:
+        b = f.read(1)
+        f.seek(0)
+        f.write(bytes([b[0] ^ 0xFF]))
+
+
+def test_tiered_resume_loop_saves_again_a_step_damaged_in_both_tiers(tmp_path):
+    from minickpt import Checkpointer
+    from minickpt.production import TieredCheckpointManager
+
+    local, mirror = tmp_path / "local", tmp_path / "mirror"
+    o = CheckpointManagerOptions(max_to_keep=3)
+    with TieredCheckpointManager(local, mirror, o) as m:
+        m.save(1, tree(1))
+        m.save(2, tree(2))
+        m.wait_until_mirrored()
+    flip_a_byte(local / "step_2")
+    flip_a_byte(mirror / "step_2")
+    for attempt in range(2):  # every restart of the loop resumes, and saves step 2 again
+        with TieredCheckpointManager(local, mirror, o) as m:
+            with pytest.warns(UserWarning, match="step 2"):
+                r = m.restore(target=tree())
+            assert r.step == 1 + attempt
+            if attempt == 0:
+                assert m.save(2, tree(20))  # raised StepAlreadyExistsError
+                m.wait_until_mirrored()
+                assert m.all_steps() == [1, 2]
+                flip_a_byte(local / "step_2")  # damaged locally again: the mirror has it
+        if attempt == 0:
+            aside = [n for n in os.listdir(local) if "minickpt-damaged" in n]
+            assert len(aside) == 1 and aside[0].startswith("step_2")  # kept for a look
+            assert Checkpointer().verify(mirror / "step_2").ok  # the new step reached it
+    with TieredCheckpointManager(local, mirror, o) as m:
+        assert float(m.restore(2)["params"]["w"][0, 0]) == 20.0
+
+
+def test_multihost_resume_loop_saves_again_a_damaged_step(tmp_path):
+    """Every manager sets a damaged step aside: several processes too (LocalGroup threads)."""
+    import jax
+    from jax.sharding import Mesh, NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    from minickpt import MultiHostOptions
+    from minickpt import multihost as mh
+
+    mesh = Mesh(np.array(jax.devices()[:4]).reshape(2, 2), ("p", "l"))
+    g = np.arange(32, dtype=np.float32).reshape(8, 4)
+    w = {"w": jax.device_put(g, NamedSharding(mesh, P("p")))}
+    o = CheckpointManagerOptions(multihost=MultiHostOptions(timeout_s=20))
+
+    def save(sync):
+        with CheckpointManager(tmp_path, o, sync=sync) as m:
+            m.save(1, {"params": w})
+            m.save(2, {"params": w})
+
+    for r in mh.LocalGroup(2).run(save):
+        assert not isinstance(r, BaseException), r
+    data = tmp_path / "step_2" / "params" / "data.p1.bin"
+    raw = bytearray(data.read_bytes())
+    raw[5] ^= 0xFF
+    data.write_bytes(bytes(raw))
+
+    def resume(sync):
+        with CheckpointManager(tmp_path, o, sync=sync) as m:
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")
+                r = m.restore(target={"params": w})
+            m.save(2, {"params": w})  # raised StepAlreadyExistsError on every process
+            return r.step, m.all_steps()
+
+    for r in mh.LocalGroup(2).run(resume):
+        assert r == (1, [1, 2]), r
+    assert any(n.startswith("step_2.minickpt-damaged-") for n in os.listdir(tmp_path))

@@ -50,7 +50,12 @@ from ..commit import (
     parse_step,
     step_dir_name,
 )
-from ..errors import CheckpointCorruptedError, CheckpointNotFoundError, MiniCkptError
+from ..errors import (
+    CheckpointCorruptedError,
+    CheckpointNotFoundError,
+    FormatVersionError,
+    MiniCkptError,
+)
 from ..fs import DEFAULT_FS, FileSystem
 from ..manager import CheckpointManager, CheckpointManagerOptions, Restored, _makedirs
 
@@ -378,6 +383,7 @@ class TieredCheckpointManager:
         self.mirrored: list[int] = []  # steps copied by this manager, in order
         self._mirror_infos: dict[int, policy.StepInfo] = {}
         self._mirror_unreadable: set[int] = set()  # listed, but retention leaves them be
+        self._local_damage: dict[int, BaseException] = {}  # local copies found damaged
         self._store_lock = threading.RLock()  # one operation on the mirror at a time
         self._queue: queue.Queue[int | None] = queue.Queue()
         self._pending: collections.Counter[int] = collections.Counter()  # queued or copying
@@ -515,10 +521,16 @@ class TieredCheckpointManager:
         name = os.path.basename(src)
         with self._store_lock:
             if name in self.store.listdir(""):
-                if self.store.exists(f"{name}/{METADATA_FILE}"):
+                if not self.store.exists(f"{name}/{METADATA_FILE}"):
+                    self.store.remove_temporary(name)  # an upload cut short (object stores)
+                elif b"".join(self.store.read_chunks(f"{name}/{METADATA_FILE}")) \
+                        == lfs.read_file(os.path.join(src, METADATA_FILE)):
                     self._remember(step, name)
                     return 0  # already there (copied before a restart)
-                self.store.remove_temporary(name)  # an upload cut short (object stores)
+                else:  # another checkpoint of this step (damaged, set aside, saved again)
+                    log.warning("minickpt: replacing %s in the mirror: it is not the local "
+                                "checkpoint of step %d", name, step)
+                    self.store.delete(name)
             dirs, files = _walk(lambda r: lfs.listdir(os.path.join(src, r)),
                                 lambda r: lfs.is_dir(os.path.join(src, r)), "")
             files.sort(key=lambda f: f == METADATA_FILE)
@@ -719,7 +731,12 @@ class TieredCheckpointManager:
             except (CheckpointCorruptedError, OSError) as e:
                 if isinstance(e, CheckpointNotFoundError) and len(steps) == 1:
                     raise
-                msg = f"minickpt: skipping step {s}, damaged locally and in the mirror: {e}"
+                # As CheckpointManager.restore does: the damaged local copy is moved aside
+                # (kept for a look), so that the resumed loop can save step s again.
+                aside = self.local._set_aside(s) if self._local_damage.pop(s, None) else None
+                msg = f"minickpt: skipping step {s}, damaged locally and in the mirror: {e}" + (
+                    f"; the local copy moved to {aside} so that step {s} can be saved again"
+                    if aside else "")
                 log.error(msg)
                 warnings.warn(msg, stacklevel=2)
                 errors.append(f"step {s}: {e}")
@@ -728,11 +745,15 @@ class TieredCheckpointManager:
 
     def _restore_step(self, step: int, target: Any, kw: Mapping[str, Any]) -> Restored:
         local_error: BaseException | None = None
+        self._local_damage.pop(step, None)
         if step in self.local.all_steps(read=True):
             try:
                 return self.local.restore(step, target, fallback=False, **kw)
             except (CheckpointCorruptedError, OSError) as e:
                 local_error = e
+                if isinstance(e, CheckpointCorruptedError) \
+                        and not isinstance(e, FormatVersionError):
+                    self._local_damage[step] = e  # restore() sets it aside if all else fails
                 msg = (f"minickpt: the local copy of step {step} is damaged ({e}); fetching it "
                        f"from the mirror {self.store.url}")
                 log.error(msg)
