@@ -45,6 +45,7 @@ from .errors import (
 )
 from .fs import DEFAULT_FS, FileSystem
 from .multihost import MultiHostOptions, Sync
+from .orbax_dirs import ORBAX, foreign_note, is_orbax_checkpoint, orbax_step_number
 from .tree import from_skeleton
 
 log = logging.getLogger("minickpt")
@@ -230,7 +231,14 @@ class CheckpointManager:
         # steps listed whose metadata could not be read (step -> why): never counted or
         # deleted by retention, read again before each retention and at each reload
         self._unreadable: dict[int, str] = {}
+        # another library's step directories (Orbax's), step -> name: never listed, counted,
+        # deleted, moved or written into
+        self.foreign_steps: dict[int, str] = {}
         self.reload()
+        if self.foreign_steps:
+            note = foreign_note(self.directory, self.foreign_steps)
+            log.warning("minickpt: %s", note)
+            warnings.warn(note, stacklevel=2)
 
     # ---- housekeeping --------------------------------------------------------------------
     def _acquire_lock(self) -> None:
@@ -307,6 +315,7 @@ class CheckpointManager:
             infos: dict[int, policy.StepInfo] = {}
             dirnames: dict[int, str] = {}
             unreadable: dict[int, str] = {}
+            foreign: dict[int, str] = {}
             try:
                 names = self.fs.listdir(self.directory)
             except FileNotFoundError:
@@ -336,6 +345,10 @@ class CheckpointManager:
                                                        step=step)
                     infos[step] = policy.StepInfo(step, meta.metrics, meta.time or 0.0)
                 except (MiniCkptError, OSError) as e:
+                    if isinstance(e, MiniCkptError) and self._is_foreign(name):
+                        foreign[step] = name
+                        del dirnames[step]
+                        continue
                     # Listed (restore() says what is wrong with it), but not "a step without
                     # metrics": one EIO must not change which steps retention keeps.
                     infos[step] = policy.StepInfo(step, None, 0.0)
@@ -349,8 +362,23 @@ class CheckpointManager:
                 infos.setdefault(pending, self._infos[pending])  # still being written
                 if pending in self._names:
                     dirnames.setdefault(pending, self._names[pending])
+            taken = set(dirnames.values())
+            for name in names:  # Orbax's steps under other names ("100" next to "step_100")
+                step = orbax_step_number(name)
+                if step is not None and step not in foreign and name not in taken \
+                        and self._is_foreign(name):
+                    foreign[step] = name
             self._infos, self._names = infos, dirnames
             self._unreadable = unreadable
+            self.foreign_steps = foreign
+
+    def _is_foreign(self, name: str) -> bool:
+        """Whether ``name`` in the directory is another library's checkpoint (Orbax's)."""
+        path = os.path.join(self.directory, name)
+        try:
+            return self.fs.is_dir(path) and is_orbax_checkpoint(path, self.fs)
+        except OSError:
+            return False  # cannot look: not known to be foreign, so never taken for it
 
     def close(self) -> None:
         """Finish pending work (raising the error of a failed async save) and release the
@@ -549,6 +577,14 @@ class CheckpointManager:
         self._check_writable()
         if not isinstance(step, int) or isinstance(step, bool) or step < 0:
             raise ValueError(f"step must be a non-negative int, got {step!r}")
+        shared = sorted(s for s, n in self.foreign_steps.items()
+                        if parse_step(n, self.options.step_prefix) is not None)
+        if shared:  # a minickpt step among Orbax's is one Orbax then fails to read
+            raise MiniCkptError(
+                f"not saving step {step} into {self.directory}: its steps {shared} are {ORBAX} "
+                "named as this manager names its own, and a minickpt step among them would "
+                "stop Orbax from opening the directory. Save into another directory; "
+                + foreign_note(self.directory, self.foreign_steps))
         t0, wall0 = time.perf_counter(), time.time()
         if self._sync.process_count > 1:
             return self._save_collective(step, items, metrics, metadata, force, t0, wall0)
@@ -948,7 +984,9 @@ class CheckpointManager:
         for _ in range(3):  # a writer's retention may delete steps while we read: look again
             steps = self.all_steps(read=True)
             if not steps:
-                raise CheckpointNotFoundError(f"no checkpoint to restore in {self.directory}")
+                raise CheckpointNotFoundError(f"no checkpoint to restore in {self.directory}" + (
+                    f"; {foreign_note(self.directory, self.foreign_steps)}"
+                    if self.foreign_steps else ""))
             try:
                 return restore_newest_valid(self.directory, steps, one, fallback=fallback,
                                             on_skip=skip)[1]
