@@ -5,6 +5,7 @@
     minickpt verify DIR [STEP]   re-check every checksum; exit 1 on any damage
     minickpt diff A B            leaf-by-leaf differences between two checkpoints
     minickpt stats DIR           save/restore times, success rate, bytes, disk use, last error
+    minickpt convert-orbax SRC DST  Orbax checkpoints -> minickpt, verified leaf by leaf
 
 DIR is a run's checkpoint directory (holding ``step_*/``) or one checkpoint directory.
 Every command takes ``--json`` for scripts: strict JSON, in which a non-finite number (a NaN
@@ -36,6 +37,7 @@ from .commit import DAMAGED_MARK, METADATA_FILE, is_temporary
 from .errors import CheckpointCorruptedError, MiniCkptError
 from .format import read_leaves
 from .fs import DEFAULT_FS
+from .orbax_dirs import ORBAX, is_orbax_checkpoint
 from .tree import display_path
 
 _STEP_RE = re.compile(r"^(?:(?P<prefix>.+)_)?(?P<step>[0-9]+)$")
@@ -95,7 +97,7 @@ def scan(root: str) -> tuple[list[tuple[int, str]], list[str]]:
             temps.append(path)
             continue
         m = _STEP_RE.match(name)
-        if m:
+        if m and not name.endswith(".orbax-checkpoint-tmp"):
             steps.append((int(m.group("step")), path))
     steps.sort()
     return steps, sorted(temps)
@@ -154,6 +156,10 @@ def cmd_ls(args: argparse.Namespace) -> int:
         rep = ck.verify(path, deep=args.deep, step=step)
         rec["status"] = "valid" if rep.ok else "damaged"
         rec["problems"] = [p for p in rep.problems if "not part of the checkpoint" not in p]
+        if not rep.ok and is_orbax_checkpoint(path):  # not damage: another library's format
+            rec["status"] = "orbax"
+            rec["problems"] = [f"{ORBAX}: minickpt does not read it (`minickpt convert-orbax "
+                               f"{root} NEW_DIR` converts the run)"]
         try:
             meta = ck.metadata(path)
             rec.update(bytes=DEFAULT_FS.dir_size(path), time=meta.commit_timestamp_nsecs,
@@ -181,7 +187,7 @@ def cmd_ls(args: argparse.Namespace) -> int:
         else:
             print(_table(rows, ["STEP", "STATUS", "SIZE", "TIME", "ITEMS", "METRICS"]))
             for r in out:
-                for p in r["problems"] if r["status"] == "damaged" else []:
+                for p in r["problems"] if r["status"] in ("damaged", "orbax") else []:
                     print(f"  step {r['step']}: {p}")
             if not args.deep:
                 print("(status checks structure and sizes; add --deep to re-check checksums)")
@@ -353,6 +359,28 @@ def cmd_diff(args: argparse.Namespace) -> int:
     return EXIT_DAMAGE if differs else EXIT_OK
 
 
+def cmd_convert_orbax(args: argparse.Namespace) -> int:
+    from .manager import CheckpointManagerOptions
+    from .orbax_dirs import convert
+
+    def show(c: Any) -> None:
+        if not args.json:
+            print(f"step {c.step}: {c.source} -> {c.path}: {c.leaves} leaves identical"
+                  + (" (already converted)" if c.skipped else ""))
+
+    try:
+        done = convert(args.src, args.dst, steps=args.steps, on_step=show,
+                       options=CheckpointManagerOptions(step_prefix=args.step_prefix))
+    except FileNotFoundError as e:
+        raise UsageError(str(e)) from None
+    if args.json:
+        _print_json([vars(c) for c in done])
+    else:
+        print(f"converted {len(done)} Orbax checkpoint(s) from {os.path.abspath(args.src)} "
+              f"into {os.path.abspath(args.dst)}; the Orbax directory is unchanged")
+    return EXIT_OK
+
+
 def cmd_stats(args: argparse.Namespace) -> int:
     from .production.monitoring import format_summary, load_metrics, summarize
 
@@ -443,6 +471,18 @@ def build_parser() -> argparse.ArgumentParser:
     sp.add_argument("dir", metavar="DIR",
                     help="a run's checkpoint directory, or its metrics file")
     sp.set_defaults(fn=cmd_stats)
+
+    sp = add("convert-orbax", "convert an Orbax run directory into minickpt checkpoints",
+             "Restore each Orbax checkpoint in SRC with Orbax itself (arrays as numpy arrays), "
+             "save it as the same step in DST with its metrics, read it back and compare "
+             "every leaf (dtype, shape, bytes). SRC is never written to; a step already in "
+             "DST is compared again, not saved twice. Needs orbax-checkpoint.")
+    sp.add_argument("src", metavar="SRC", help="the Orbax run directory (holding 0/, 1/ ...)")
+    sp.add_argument("dst", metavar="DST", help="the minickpt run directory to write")
+    sp.add_argument("--steps", type=int, nargs="+", help="only these steps (default: all)")
+    sp.add_argument("--step-prefix", default="step",
+                    help="DST's step prefix (default: step, giving step_<N>/)")
+    sp.set_defaults(fn=cmd_convert_orbax)
     return p
 
 
