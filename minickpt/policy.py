@@ -92,7 +92,8 @@ def steps_to_keep(infos: Sequence[StepInfo], *, max_to_keep: int | None = None,
                   keep_period: int | None = None,
                   best_fn: Callable[[Mapping[str, Any]], float] | None = None,
                   best_mode: str = "max",
-                  keep_checkpoints_without_metrics: bool = True) -> set[int]:
+                  keep_checkpoints_without_metrics: bool = True,
+                  keep_latest: int | None = None) -> set[int]:
     """Task 2.2 — which of the saved checkpoints survive retention (Orbax's rules).
 
     Receives every saved checkpoint (``infos``, in any order: a step and its metrics) and
@@ -110,6 +111,9 @@ def steps_to_keep(infos: Sequence[StepInfo], *, max_to_keep: int | None = None,
       towards ``max_to_keep``. The newest step has no protection: a new checkpoint worse
       than the best N is dropped at once.
     * ``keep_period=P``: a step with ``step % P == 0`` is kept whatever the rules above say.
+    * ``keep_latest=L`` (minickpt's): the ``L`` newest steps are kept besides, so that with
+      ``best_fn`` a run keeps the step to resume from as well as its best ones (Orbax would
+      drop a new step worse than the best N, and a crash then loses the work since the best).
 
     Pure: the infos are not changed, nothing is raised.
     """
@@ -126,6 +130,8 @@ def steps_to_keep(infos: Sequence[StepInfo], *, max_to_keep: int | None = None,
             keep |= {s for s in steps if s not in ranked_steps}
     if keep_period:
         keep |= {s for s in steps if s % keep_period == 0}
+    if keep_latest:
+        keep |= set(steps[-keep_latest:])
     return keep
 
 

@@ -152,3 +152,36 @@ def test_multihost_resume_loop_saves_again_a_damaged_step(tmp_path):
     for r in mh.LocalGroup(2).run(resume):
         assert r == (1, [1, 2]), r
     assert any(n.startswith("step_2.minickpt-damaged-") for n in os.listdir(tmp_path))
+
+
+# ---- item 6: keep the newest K and the best N in one manager ----------------------------
+def test_keep_latest_keeps_the_newest_steps_besides_the_best(tmp_path):
+    from minickpt import policy
+
+    infos = [policy.StepInfo(s, {"loss": v}) for s, v in
+             [(1, 0.1), (2, 0.2), (3, 0.5), (4, 0.6), (5, 0.7)]]
+    best2 = dict(max_to_keep=2, best_fn=lambda m: m["loss"], best_mode="min")
+    assert policy.steps_to_keep(infos, **best2) == {1, 2}  # Orbax's: the newest is gone
+    assert policy.steps_to_keep(infos, **best2, keep_latest=2) == {1, 2, 4, 5}
+    assert policy.steps_to_keep(infos, max_to_keep=2, keep_latest=3) == {3, 4, 5}
+    with pytest.raises(ValueError, match="keep_latest"):
+        CheckpointManagerOptions(keep_latest=-1)
+    o = loss_opts(max_to_keep=2, keep_latest=1)
+    with CheckpointManager(tmp_path, o) as m:  # a run whose validation loss rises
+        for s, v in [(1, 0.1), (2, 0.2), (3, 0.5), (4, 0.6)]:
+            m.save(s, tree(s), metrics={"loss": v})
+            assert m.latest_step() == s  # the step to resume from is always there
+        assert m.all_steps() == [1, 2, 4] and m.best_step() == 1
+        assert m.restore().step == 4
+
+
+def test_tiered_keep_latest_applies_to_both_tiers(tmp_path):
+    from minickpt.production import TieredCheckpointManager
+
+    o = loss_opts(max_to_keep=1, keep_latest=1)
+    with TieredCheckpointManager(tmp_path / "l", tmp_path / "m", o) as m:
+        for s, v in [(1, 0.1), (2, 0.5), (3, 0.6)]:
+            m.save(s, tree(s), metrics={"loss": v})
+            m.wait_until_mirrored()
+        assert m.mirror_steps() == [1, 3]
+        assert m.local.all_steps(read=True) == [1, 3]
