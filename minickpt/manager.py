@@ -383,7 +383,7 @@ class CheckpointManager:
         """Whether ``name`` in the directory is another library's checkpoint (Orbax's)."""
         path = os.path.join(self.directory, name)
         try:
-            return self.fs.is_dir(path) and is_orbax_checkpoint(path, self.fs)
+            return is_orbax_checkpoint(path, self.fs)
         except OSError:
             return False  # cannot look: not known to be foreign, so never taken for it
 

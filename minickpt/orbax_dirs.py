@@ -14,6 +14,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import stat
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -44,11 +45,26 @@ def orbax_step_number(name: str) -> int | None:
     return int(m.group(1)) if m else None
 
 
+def _lstat_mode(fs: FileSystem, path: str) -> int:
+    try:
+        return fs.lstat(path).st_mode
+    except FileNotFoundError:
+        return 0
+
+
 def _read_json(fs: FileSystem, path: str) -> Any:
+    """A small JSON file, or None; never follows a link nor opens a FIFO (a hostile
+    checkpoint must not make a look at it read elsewhere, block, or recurse)."""
+    if not stat.S_ISREG(_lstat_mode(fs, path)):
+        return None
     try:
         return json.loads(fs.read_file(path, _MAX_METADATA))
-    except (ValueError, UnicodeDecodeError):
+    except (ValueError, UnicodeDecodeError, RecursionError):
         return None
+
+
+def _real_dir(fs: FileSystem, path: str) -> bool:
+    return stat.S_ISDIR(_lstat_mode(fs, path))
 
 
 def is_orbax_checkpoint(path: str, fs: FileSystem | None = None) -> bool:
@@ -59,6 +75,8 @@ def is_orbax_checkpoint(path: str, fs: FileSystem | None = None) -> bool:
     able to look says nothing about whose checkpoint it is.
     """
     fs = fs or DEFAULT_FS
+    if not _real_dir(fs, path):
+        return False
     names = set(fs.listdir(path))
     if METADATA_FILE in names:
         meta = _read_json(fs, os.path.join(path, METADATA_FILE))
@@ -71,7 +89,7 @@ def is_orbax_checkpoint(path: str, fs: FileSystem | None = None) -> bool:
         return True
     for name in sorted(names):
         sub = os.path.join(path, name)
-        if fs.is_dir(sub) and set(fs.listdir(sub)) & set(_ITEM_FILES):
+        if _real_dir(fs, sub) and set(fs.listdir(sub)) & set(_ITEM_FILES):
             return True
     return False
 
@@ -83,8 +101,7 @@ def orbax_steps(directory: str, fs: FileSystem | None = None) -> dict[int, str]:
     for name in sorted(fs.listdir(directory)):
         step = orbax_step_number(name)
         path = os.path.join(directory, name)
-        if step is not None and step not in found and fs.is_dir(path) \
-                and is_orbax_checkpoint(path, fs):
+        if step is not None and step not in found and is_orbax_checkpoint(path, fs):
             found[step] = name
     return found
 
@@ -118,7 +135,7 @@ def _item_dirs(step_dir: str, fs: FileSystem) -> dict[str, str]:
     items = {}
     for name in sorted(names):
         sub = os.path.join(step_dir, name)
-        if fs.is_dir(sub) and set(fs.listdir(sub)) & set(_ITEM_FILES):
+        if _real_dir(fs, sub) and set(fs.listdir(sub)) & set(_ITEM_FILES):
             items[name] = sub
     return items
 
