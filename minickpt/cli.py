@@ -34,7 +34,7 @@ import numpy as np
 
 from .checkpointer import Checkpointer, human_bytes
 from .commit import DAMAGED_MARK, METADATA_FILE, is_temporary
-from .errors import CheckpointCorruptedError, MiniCkptError
+from .errors import CheckpointCorruptedError, MiniCkptError, UnsafeCheckpointError
 from .format import read_leaves
 from .fs import DEFAULT_FS
 from .orbax_dirs import ORBAX, is_orbax_checkpoint
@@ -202,10 +202,17 @@ def cmd_inspect(args: argparse.Namespace) -> int:
     step, path = targets[-1]  # the named step, or the latest
     meta = ck.metadata(path)
     items = {}
+    damage = []
     for name in meta.items:
         if args.item and name != args.item:
             continue
-        m = ck.manifest(path, name, meta)
+        try:
+            m = ck.manifest(path, name, meta)
+        except UnsafeCheckpointError:
+            raise  # a link out, say: nothing more is read
+        except CheckpointCorruptedError as e:  # a data file, say: the listing needs none
+            m = _manifest_only(path, name, meta, e)
+            damage.append(str(e))
         leaves = []
         for e in m.entries:
             rec = {"path": display_path(e["path"]) if e["path"] else "", "names": e["path"],
@@ -222,8 +229,8 @@ def cmd_inspect(args: argparse.Namespace) -> int:
                        "bytes": m.stored_bytes}
     if args.json:
         _print_json({"step": step, "path": path, "metrics": meta.metrics,
-                     "metadata": meta.custom_metadata, "items": items})
-        return EXIT_OK
+                     "metadata": meta.custom_metadata, "items": items, "damage": damage})
+        return EXIT_DAMAGE if damage else EXIT_OK
     print(f"checkpoint {path}")
     print(f"  step {step}, committed {_time(meta.commit_timestamp_nsecs)}, "
           f"format v{meta.format_version}, {human_bytes(meta.bytes)} of arrays")
@@ -241,7 +248,30 @@ def cmd_inspect(args: argparse.Namespace) -> int:
             extra = repr(r["value"]) if r["kind"] == "value" else human_bytes(r["bytes"])
             rows.append([r["path"] or "<root>", r["dtype"], shape, extra])
         print(_table(rows, ["PATH", "DTYPE", "SHAPE", "BYTES/VALUE"]))
-    return EXIT_OK
+    for d in damage:
+        print(f"\nDAMAGED: {d} (`minickpt verify` checks the rest)")
+    return EXIT_DAMAGE if damage else EXIT_OK
+
+
+def _manifest_only(path: str, name: str, meta: Any, error: CheckpointCorruptedError) -> Any:
+    """An item's manifest, checked against its recorded checksum but not against its data
+    files; ``error`` is raised if the manifest itself is what is damaged."""
+    from .format import MANIFEST_FILE, crc32, parse_json, validate_manifest
+
+    item_dir = os.path.join(path, name)
+    mpath = os.path.join(item_dir, MANIFEST_FILE)
+    try:
+        raw = DEFAULT_FS.read_file(mpath, 64 << 20)
+    except (OSError, ValueError):
+        raise error from None
+    want = meta.items[name].get("manifest_crc32")
+    if isinstance(want, int) and crc32(raw) != want:
+        raise error
+    try:
+        return validate_manifest(parse_json(raw, mpath, "manifest"), mpath, item_dir,
+                                 crc32(raw))
+    except CheckpointCorruptedError:
+        raise error from None
 
 
 def cmd_verify(args: argparse.Namespace) -> int:

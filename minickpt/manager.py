@@ -251,7 +251,15 @@ class CheckpointManager:
     def _acquire_lock(self) -> None:
         path = os.path.join(self.directory, LOCK_FILE)
         key = os.path.realpath(self.directory)
-        fd = self.fs.open(path, os.O_RDWR | os.O_CREAT)
+        try:
+            fd = self.fs.open(path, os.O_RDWR | os.O_CREAT)
+        except OSError as e:
+            if e.errno not in (errno.EROFS, errno.EACCES, errno.EPERM):
+                raise
+            raise OSError(e.errno, f"{e.strerror}: a writable CheckpointManager locks "
+                          f"{self.directory} through {LOCK_FILE} and cannot create it; to read "
+                          "checkpoints on a read-only file system, open it with "
+                          "CheckpointManagerOptions(read_only=True)", path) from e
         try:
             try:
                 self.fs.flock(fd, exclusive=True, blocking=False)
@@ -592,6 +600,7 @@ class CheckpointManager:
                 "named as this manager names its own, and a minickpt step among them would "
                 "stop Orbax from opening the directory. Save into another directory; "
                 + foreign_note(self.directory, self.foreign_steps))
+        _check_metric(self.options.best_fn, metrics)
         t0, wall0 = time.perf_counter(), time.time()
         if self._sync.process_count > 1:
             return self._save_collective(step, items, metrics, metadata, force, t0, wall0)
@@ -950,6 +959,10 @@ class CheckpointManager:
         """
         verify = self.options.verify_on_restore if verify is None else verify
         fallback = self.options.fallback_on_damage if fallback is None else fallback
+        if isinstance(target, Mapping) and not target:
+            raise ValueError("restore(target={}): the target is empty, naming no item; pass "
+                             "the items (e.g. target={'state': state}), or target=None for "
+                             "all of them")
         if self._sync.process_count > 1:
             with self._collective_lock:
                 if self._async is not None:
@@ -1118,6 +1131,21 @@ class CheckpointManager:
         self._emit("restore", {"step": step, "ok": True, "total_s": time.perf_counter() - t0,
                                "time": time.time()})
         return out
+
+
+def _check_metric(best_fn: Callable[[Mapping[str, Any]], float] | None,
+                  metrics: Mapping[str, Any] | None) -> None:
+    """Refuse a metric that is text: ``float("nan")`` would make the string ``"nan"`` (or
+    ``"0.5"``) a number that ranks checkpoints, from what is likely a formatting slip."""
+    if best_fn is None or metrics is None:
+        return
+    try:
+        value = best_fn(metrics)
+    except (KeyError, TypeError, ValueError):
+        return  # no metric: keep_checkpoints_without_metrics decides
+    if isinstance(value, (str, bytes)):
+        raise TypeError(f"best_fn gives {value!r} for metrics {dict(metrics)!r}: a metric "
+                        "must be a number, not text (pass float(loss), not a formatted string)")
 
 
 def _makedirs(fs: FileSystem, path: str) -> None:

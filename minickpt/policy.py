@@ -50,7 +50,9 @@ def _metric(info: StepInfo, best_fn: Callable[[Mapping[str, Any]], float]) -> fl
     if info.metrics is None:
         return None
     try:
-        return float(best_fn(info.metrics))
+        value = best_fn(info.metrics)
+        # text is no metric, even when float() would read it ("nan", "0.5")
+        return None if isinstance(value, (str, bytes)) else float(value)
     except (KeyError, TypeError, ValueError):
         return None
 

@@ -1,6 +1,7 @@
 """Issue 32: minickpt used as a practitioner would — retention on an unreadable step, the
 tiered resume loop, foreign directories, and the rough edges found on the way."""
 
+import errno
 import os
 import warnings
 
@@ -185,3 +186,53 @@ def test_tiered_keep_latest_applies_to_both_tiers(tmp_path):
             m.wait_until_mirrored()
         assert m.mirror_steps() == [1, 3]
         assert m.local.all_steps(read=True) == [1, 3]
+
+
+# ---- rough edges ---------------------------------------------------------------------------
+def test_inspect_needs_only_the_manifest(tmp_path, capsys):
+    from minickpt.cli import main as cli
+
+    with CheckpointManager(tmp_path) as m:
+        m.save(1, {"a": {"x": np.arange(100.0), "n": 3}})
+    os.truncate(tmp_path / "step_1" / "a" / "data.bin", 10)
+    assert cli(["inspect", str(tmp_path)]) == 1  # damage found is still exit 1 ...
+    out = capsys.readouterr()
+    assert "x" in out.out and "float64" in out.out and "(100,)" in out.out  # ... shown anyway
+    assert "truncated" in out.out + out.err
+
+
+def test_a_writable_manager_on_a_read_only_mount_says_read_only_true(tmp_path):
+    class ReadOnlyMount(FaultyFileSystem):
+        def open(self, path, flags, mode=0o644):
+            if flags & (os.O_WRONLY | os.O_RDWR | os.O_CREAT):
+                raise OSError(errno.EROFS, os.strerror(errno.EROFS), path)
+            return super().open(path, flags, mode)
+
+    with CheckpointManager(tmp_path) as m:
+        m.save(1, tree(1))
+    with pytest.raises(OSError, match="read_only=True") as e:
+        CheckpointManager(tmp_path, fs=ReadOnlyMount())
+    assert e.value.errno == errno.EROFS
+    with CheckpointManager(tmp_path, CheckpointManagerOptions(read_only=True),
+                           fs=ReadOnlyMount()) as m:
+        assert m.restore().step == 1
+
+
+def test_restore_into_an_empty_target_is_an_error(tmp_path):
+    with CheckpointManager(tmp_path) as m:
+        m.save(1, tree(1))
+        with pytest.raises(ValueError, match="empty"):
+            m.restore(target={})
+        assert set(m.restore(target=None)) == {"params"}
+
+
+@pytest.mark.parametrize("bad", ["nan", "0.5", b"1"])
+def test_a_metric_that_is_a_string_is_refused(tmp_path, bad):
+    with CheckpointManager(tmp_path, loss_opts(max_to_keep=1)) as m:
+        with pytest.raises(TypeError, match="loss"):
+            m.save(1, tree(1), metrics={"loss": bad})
+        assert m.all_steps() == []
+        m.save(1, tree(1), metrics={"loss": 0.5, "note": "nan"})  # other strings are fine
+    from minickpt import policy
+    info = policy.StepInfo(1, {"loss": "nan"})
+    assert policy.rank_by_metric([info], lambda m: m["loss"]) == []  # "no metric"
