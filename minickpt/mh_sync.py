@@ -21,6 +21,7 @@ from .errors import (
     PeerTimeoutError,
     ProcessDisagreementError,
 )
+from .mh_coordinator import lost_coordinator
 from .mh_process import _Coordination, _is_deadline, _named_in
 
 log = logging.getLogger("minickpt")
@@ -121,10 +122,13 @@ class DistributedSync(Sync):
         c = self._coord.client
         me, n = self.process_index, self.process_count
         base = f"{self.PREFIX}/{key}"
-        c.key_value_set(f"{base}/{me}", json.dumps(value), allow_overwrite=True)
         try:
+            c.key_value_set(f"{base}/{me}", json.dumps(value), allow_overwrite=True)
             c.wait_at_barrier(base, max(1, int(timeout_s * 1000)))
         except Exception as e:
+            dead = lost_coordinator(e, what or key, timeout_s, me)
+            if dead is not None:  # process 0, and the coordination service with it
+                raise dead from e
             if not _is_deadline(e):
                 raise MultiHostError(f"{what or key}: the coordination service failed: {e}") from e
             arrived = self._arrived(base)

@@ -236,3 +236,55 @@ def test_a_metric_that_is_a_string_is_refused(tmp_path, bad):
     from minickpt import policy
     info = policy.StepInfo(1, {"loss": "nan"})
     assert policy.rank_by_metric([info], lambda m: m["loss"]) == []  # "no metric"
+
+
+# ---- item 5: a dead primary (it hosts JAX's coordination service) -------------------------
+class _DeadCoordinator:
+    """What JAX's client raises once process 0, and the service with it, is gone."""
+
+    def _fail(self, *a, **kw):
+        raise RuntimeError("UNAVAILABLE: recvmsg: Connection reset by peer")
+
+    key_value_set = wait_at_barrier = key_value_dir_get = _fail
+
+
+def test_a_dead_primary_is_named_not_a_raw_grpc_error():
+    from minickpt.errors import PeerTimeoutError
+    from minickpt.mh_sync import DistributedSync, Sync
+
+    s = DistributedSync.__new__(DistributedSync)
+    Sync.__init__(s)
+    s._coord = type("C", (), {"client": _DeadCoordinator()})()
+    s.process_index, s.process_count, s._recent = 1, 2, []
+    with pytest.raises(PeerTimeoutError, match="process 0 hosts JAX's coordination service") \
+            as e:
+        s.exchange("op/x", 1, 5.0, "save of step 5: writing")
+    assert e.value.missing == [0] and "save of step 5" in str(e.value)
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(240)
+def test_a_primary_killed_mid_save_real_processes(tmp_path):
+    """Real processes: process 0 dies after writing its shards. The survivor either raises
+    the library's error naming process 0 (it reports it and leaves with hard_exit: 3), or
+    is terminated by JAX's client first (see minickpt/mh_coordinator.py); never a raw
+    gRPC error, and nothing is committed."""
+    from minickpt import multihost as mh
+    from minickpt.launch import launch
+
+    here = os.path.dirname(os.path.abspath(__file__))
+    r = launch([os.path.join(here, "mh_worker.py"), "kill", str(tmp_path)], 2,
+               devices_per_process=1, timeout_s=150, grace_s=30, cwd=here,
+               env={"MH_TIMEOUT": "20", mh.ENV_FAULT: "after_write@0:kill"})
+    out = "\n".join(r.outputs[1])
+    assert r.returncodes[0] == -9, r.output()
+    assert "JaxRuntimeError" not in out, out
+    results = [line for line in r.outputs[1] if line.startswith("RESULT ")]
+    if r.returncodes[1] == 3:
+        import json
+        res = json.loads(results[0][len("RESULT "):])
+        assert res["missing"] == [0] and "coordination service" in res["error"]
+        assert res["after_s"] < 15  # at once, not after the time-out
+    else:
+        assert "Terminating process" in out, out
+    assert not [n for n in os.listdir(tmp_path) if n.startswith("step_5") and "tmp" not in n]
