@@ -134,7 +134,13 @@ class DistributedSync(Sync):
             arrived = self._arrived(base)
             missing = (set(range(n)) - arrived) | _named_in(str(e))
             raise PeerTimeoutError(what or key, missing - {me} or missing, timeout_s) from None
-        values = dict(self._read_all(base))
+        try:
+            values = dict(self._read_all(base))
+        except Exception as e:  # process 0 died right after the barrier
+            dead = lost_coordinator(e, what or key, timeout_s, me)
+            if dead is not None:
+                raise dead from e
+            raise
         if len(values) != n:  # pragma: no cover - the barrier guarantees every value
             raise MultiHostError(f"{key}: only processes {sorted(values)} published a value")
         return [values[p] for p in range(n)]
@@ -175,7 +181,13 @@ class DistributedSync(Sync):
             assert data is not None and data.nbytes == nbytes
             raw = memoryview(np.ascontiguousarray(data).reshape(-1).view(np.uint8))
             for i in range(nchunks):
-                self._set_bytes(f"{data_key}/{i}", bytes(raw[i * chunk:(i + 1) * chunk]))
+                try:
+                    self._set_bytes(f"{data_key}/{i}", bytes(raw[i * chunk:(i + 1) * chunk]))
+                except Exception as e:
+                    dead = lost_coordinator(e, what, timeout_s, me)
+                    if dead is not None:
+                        raise dead from e
+                    raise
         # every chunk is in the store once the source arrives here
         self.exchange(f"{key}/sent", nchunks if me == src else None, timeout_s,
                       f"{what}: waiting for the data")
@@ -189,6 +201,9 @@ class DistributedSync(Sync):
                 try:
                     got = self._get_bytes(f"{data_key}/{i}", left_ms)
                 except Exception as e:
+                    dead = lost_coordinator(e, what, timeout_s, me)
+                    if dead is not None:
+                        raise dead from e
                     raise MultiHostError(f"{what}: chunk {i} of {nchunks} could not be read "
                                          f"from the coordination service: {e}") from e
                 lo = i * chunk
