@@ -5,6 +5,7 @@
     minickpt verify DIR [STEP]   re-check every checksum; exit 1 on any damage
     minickpt diff A B            leaf-by-leaf differences between two checkpoints
     minickpt stats DIR           save/restore times, success rate, bytes, disk use, last error
+    minickpt convert-orbax SRC DST  Orbax checkpoints -> minickpt, verified leaf by leaf
 
 DIR is a run's checkpoint directory (holding ``step_*/``) or one checkpoint directory.
 Every command takes ``--json`` for scripts: strict JSON, in which a non-finite number (a NaN
@@ -33,9 +34,10 @@ import numpy as np
 
 from .checkpointer import Checkpointer, human_bytes
 from .commit import DAMAGED_MARK, METADATA_FILE, is_temporary
-from .errors import CheckpointCorruptedError, MiniCkptError
+from .errors import CheckpointCorruptedError, MiniCkptError, UnsafeCheckpointError
 from .format.read import read_leaves
 from .fs import DEFAULT_FS
+from .orbax_dirs import ORBAX, is_orbax_checkpoint
 from .tree import display_path
 
 _STEP_RE = re.compile(r"^(?:(?P<prefix>.+)_)?(?P<step>[0-9]+)$")
@@ -95,7 +97,7 @@ def scan(root: str) -> tuple[list[tuple[int, str]], list[str]]:
             temps.append(path)
             continue
         m = _STEP_RE.match(name)
-        if m:
+        if m and not name.endswith(".orbax-checkpoint-tmp"):
             steps.append((int(m.group("step")), path))
     steps.sort()
     return steps, sorted(temps)
@@ -154,6 +156,10 @@ def cmd_ls(args: argparse.Namespace) -> int:
         rep = ck.verify(path, deep=args.deep, step=step)
         rec["status"] = "valid" if rep.ok else "damaged"
         rec["problems"] = [p for p in rep.problems if "not part of the checkpoint" not in p]
+        if not rep.ok and is_orbax_checkpoint(path):  # not damage: another library's format
+            rec["status"] = "orbax"
+            rec["problems"] = [f"{ORBAX}: minickpt does not read it (`minickpt convert-orbax "
+                               f"{root} NEW_DIR` converts the run)"]
         try:
             meta = ck.metadata(path)
             rec.update(bytes=DEFAULT_FS.dir_size(path), time=meta.commit_timestamp_nsecs,
@@ -181,7 +187,7 @@ def cmd_ls(args: argparse.Namespace) -> int:
         else:
             print(_table(rows, ["STEP", "STATUS", "SIZE", "TIME", "ITEMS", "METRICS"]))
             for r in out:
-                for p in r["problems"] if r["status"] == "damaged" else []:
+                for p in r["problems"] if r["status"] in ("damaged", "orbax") else []:
                     print(f"  step {r['step']}: {p}")
             if not args.deep:
                 print("(status checks structure and sizes; add --deep to re-check checksums)")
@@ -196,10 +202,17 @@ def cmd_inspect(args: argparse.Namespace) -> int:
     step, path = targets[-1]  # the named step, or the latest
     meta = ck.metadata(path)
     items = {}
+    damage = []
     for name in meta.items:
         if args.item and name != args.item:
             continue
-        m = ck.manifest(path, name, meta)
+        try:
+            m = ck.manifest(path, name, meta)
+        except UnsafeCheckpointError:
+            raise  # a link out, say: nothing more is read
+        except CheckpointCorruptedError as e:  # a data file, say: the listing needs none
+            m = _manifest_only(path, name, meta, e)
+            damage.append(str(e))
         leaves = []
         for e in m.entries:
             rec = {"path": display_path(e["path"]) if e["path"] else "", "names": e["path"],
@@ -216,8 +229,8 @@ def cmd_inspect(args: argparse.Namespace) -> int:
                        "bytes": m.stored_bytes}
     if args.json:
         _print_json({"step": step, "path": path, "metrics": meta.metrics,
-                     "metadata": meta.custom_metadata, "items": items})
-        return EXIT_OK
+                     "metadata": meta.custom_metadata, "items": items, "damage": damage})
+        return EXIT_DAMAGE if damage else EXIT_OK
     print(f"checkpoint {path}")
     print(f"  step {step}, committed {_time(meta.commit_timestamp_nsecs)}, "
           f"format v{meta.format_version}, {human_bytes(meta.bytes)} of arrays")
@@ -235,7 +248,31 @@ def cmd_inspect(args: argparse.Namespace) -> int:
             extra = repr(r["value"]) if r["kind"] == "value" else human_bytes(r["bytes"])
             rows.append([r["path"] or "<root>", r["dtype"], shape, extra])
         print(_table(rows, ["PATH", "DTYPE", "SHAPE", "BYTES/VALUE"]))
-    return EXIT_OK
+    for d in damage:
+        print(f"\nDAMAGED: {d} (`minickpt verify` checks the rest)")
+    return EXIT_DAMAGE if damage else EXIT_OK
+
+
+def _manifest_only(path: str, name: str, meta: Any, error: CheckpointCorruptedError) -> Any:
+    """An item's manifest, checked against its recorded checksum but not against its data
+    files; ``error`` is raised if the manifest itself is what is damaged."""
+    from .format.manifest import parse_json, validate_manifest
+    from .format.spec import MANIFEST_FILE, crc32
+
+    item_dir = os.path.join(path, name)
+    mpath = os.path.join(item_dir, MANIFEST_FILE)
+    try:
+        raw = DEFAULT_FS.read_file(mpath, 64 << 20)
+    except (OSError, ValueError):
+        raise error from None
+    want = meta.items[name].get("manifest_crc32")
+    if isinstance(want, int) and crc32(raw) != want:
+        raise error
+    try:
+        return validate_manifest(parse_json(raw, mpath, "manifest"), mpath, item_dir,
+                                 crc32(raw))
+    except CheckpointCorruptedError:
+        raise error from None
 
 
 def cmd_verify(args: argparse.Namespace) -> int:
@@ -353,6 +390,28 @@ def cmd_diff(args: argparse.Namespace) -> int:
     return EXIT_DAMAGE if differs else EXIT_OK
 
 
+def cmd_convert_orbax(args: argparse.Namespace) -> int:
+    from .manager import CheckpointManagerOptions
+    from .orbax_convert import convert
+
+    def show(c: Any) -> None:
+        if not args.json:
+            print(f"step {c.step}: {c.source} -> {c.path}: {c.leaves} leaves identical"
+                  + (" (already converted)" if c.skipped else ""))
+
+    try:
+        done = convert(args.src, args.dst, steps=args.steps, on_step=show,
+                       options=CheckpointManagerOptions(step_prefix=args.step_prefix))
+    except FileNotFoundError as e:
+        raise UsageError(str(e)) from None
+    if args.json:
+        _print_json([vars(c) for c in done])
+    else:
+        print(f"converted {len(done)} Orbax checkpoint(s) from {os.path.abspath(args.src)} "
+              f"into {os.path.abspath(args.dst)}; the Orbax directory is unchanged")
+    return EXIT_OK
+
+
 def cmd_stats(args: argparse.Namespace) -> int:
     from .production.monitoring import format_summary, load_metrics, summarize
 
@@ -443,6 +502,18 @@ def build_parser() -> argparse.ArgumentParser:
     sp.add_argument("dir", metavar="DIR",
                     help="a run's checkpoint directory, or its metrics file")
     sp.set_defaults(fn=cmd_stats)
+
+    sp = add("convert-orbax", "convert an Orbax run directory into minickpt checkpoints",
+             "Restore each Orbax checkpoint in SRC with Orbax itself (arrays as numpy arrays), "
+             "save it as the same step in DST with its metrics, read it back and compare "
+             "every leaf (dtype, shape, bytes). SRC is never written to; a step already in "
+             "DST is compared again, not saved twice. Needs orbax-checkpoint.")
+    sp.add_argument("src", metavar="SRC", help="the Orbax run directory (holding 0/, 1/ ...)")
+    sp.add_argument("dst", metavar="DST", help="the minickpt run directory to write")
+    sp.add_argument("--steps", type=int, nargs="+", help="only these steps (default: all)")
+    sp.add_argument("--step-prefix", default="step",
+                    help="DST's step prefix (default: step, giving step_<N>/)")
+    sp.set_defaults(fn=cmd_convert_orbax)
     return p
 
 

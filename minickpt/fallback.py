@@ -29,6 +29,7 @@ from .multihost.save import (
     raise_failures,
 )
 from .multihost.sync import agree
+from .orbax_dirs import foreign_note
 
 log = logging.getLogger("minickpt")
 
@@ -95,6 +96,10 @@ class Restoring:
         """
         verify = self.options.verify_on_restore if verify is None else verify
         fallback = self.options.fallback_on_damage if fallback is None else fallback
+        if isinstance(target, Mapping) and not target:
+            raise ValueError("restore(target={}): the target is empty, naming no item; pass "
+                             "the items (e.g. target={'state': state}), or target=None for "
+                             "all of them")
         if self._sync.process_count > 1:
             with self._collective_lock:
                 if self._async is not None:
@@ -138,7 +143,9 @@ class Restoring:
         for _ in range(3):  # a writer's retention may delete steps while we read: look again
             steps = self.all_steps(read=True)
             if not steps:
-                raise CheckpointNotFoundError(f"no checkpoint to restore in {self.directory}")
+                raise CheckpointNotFoundError(f"no checkpoint to restore in {self.directory}" + (
+                    f"; {foreign_note(self.directory, self.foreign_steps)}"
+                    if self.foreign_steps else ""))
             try:
                 return restore_newest_valid(self.directory, steps, one, fallback=fallback,
                                             on_skip=skip)[1]
@@ -209,11 +216,31 @@ class Restoring:
                 raise_failures(statuses, sync.process_index, local,
                                          f"restoring step {s}", reading=True)
             why = describe_failures(bad)
-            msg = f"minickpt: skipping damaged checkpoint step {s}: {why}"
+            # As one process does: the primary moves the damaged step aside (a newer format
+            # stays), every process forgets it, so that the resumed loop saves it again.
+            aside = None
+            if self.primary and not self.options.read_only and all(
+                    st.get("type") != "FormatVersionError" for st in bad.values()):
+                with self._mutex:
+                    try:
+                        aside = set_aside(self.fs, self.step_path(s))
+                    except OSError as e:
+                        log.error("minickpt: could not move damaged %s aside: %s",
+                                  self.step_path(s), e)
+            moved = sync.exchange(f"{op}/aside{n}", aside, mh.timeout_s,
+                                  f"restore: setting damaged step {s} aside")[mh.primary_host]
+            if moved is not None:
+                with self._mutex:
+                    self._infos.pop(s, None)
+                    self._names.pop(s, None)
+            msg = f"minickpt: skipping damaged checkpoint step {s}: {why}" + (
+                f"; moved to {moved} so that step {s} can be saved again (delete it once "
+                "you have looked at it)" if moved else "")
             log.error(msg)
             warnings.warn(msg, stacklevel=3)
             errors.append(f"step {s}: {why}")
-            self._emit("skip", {"step": s, "error": why, "time": time.time()})
+            self._emit("skip", {"step": s, "error": why, "time": time.time(),
+                                "moved_to": moved})
         raise CheckpointCorruptedError(self.directory, "every checkpoint is damaged:\n  "
                                        + "\n  ".join(errors))
 

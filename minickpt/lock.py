@@ -50,7 +50,15 @@ class DirectoryLock:
     def _acquire_lock(self) -> None:
         path = os.path.join(self.directory, LOCK_FILE)
         key = os.path.realpath(self.directory)
-        fd = self.fs.open(path, os.O_RDWR | os.O_CREAT)
+        try:
+            fd = self.fs.open(path, os.O_RDWR | os.O_CREAT)
+        except OSError as e:
+            if e.errno not in (errno.EROFS, errno.EACCES, errno.EPERM):
+                raise
+            raise OSError(e.errno, f"{e.strerror}: a writable CheckpointManager locks "
+                          f"{self.directory} through {LOCK_FILE} and cannot create it; to read "
+                          "checkpoints on a read-only file system, open it with "
+                          "CheckpointManagerOptions(read_only=True)", path) from e
         try:
             try:
                 self.fs.flock(fd, exclusive=True, blocking=False)

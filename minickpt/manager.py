@@ -13,6 +13,7 @@ import logging
 import os
 import threading
 import time
+import warnings
 from collections.abc import Callable, Collection, Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -38,6 +39,7 @@ from .multihost.save import (
     prepare_save,
 )
 from .multihost.sync import Sync, default_sync
+from .orbax_dirs import ORBAX, foreign_note, is_orbax_checkpoint, orbax_step_number
 from .retention import Retention
 from .tree import from_skeleton
 
@@ -56,6 +58,9 @@ class CheckpointManagerOptions:
     best_fn: Callable[[Mapping[str, Any]], float] | None = None
     best_mode: str = "max"
     keep_checkpoints_without_metrics: bool = True
+    # minickpt's: the keep_latest newest steps are kept besides max_to_keep's (with best_fn:
+    # "the last K for resuming, and the best N"); None keeps none besides
+    keep_latest: int | None = None
     step_prefix: str | None = "step"
     step_format_fixed_length: int | None = None
     create: bool = True
@@ -81,6 +86,10 @@ class CheckpointManagerOptions:
                              f"{self.save_interval_steps!r}")
         if self.max_to_keep is not None and self.max_to_keep < 1:
             raise ValueError(f"max_to_keep must be None or >= 1, got {self.max_to_keep!r}")
+        if self.keep_latest is not None and (not isinstance(self.keep_latest, int)
+                                             or self.keep_latest < 0):
+            raise ValueError(f"keep_latest must be None or an int >= 0, got "
+                             f"{self.keep_latest!r}")
         if self.keep_period is not None and self.keep_period < 1:
             raise ValueError(f"keep_period must be None or >= 1, got {self.keep_period!r}")
         if self.best_mode not in ("min", "max"):
@@ -160,7 +169,17 @@ class CheckpointManager(DirectoryLock, Retention, Restoring):
                     log.warning("minickpt: removed %s left by an interrupted save or delete",
                                 os.path.join(self.directory, name))
         self._infos: dict[int, policy.StepInfo] = {}
+        # steps listed whose metadata could not be read (step -> why): never counted or
+        # deleted by retention, read again before each retention and at each reload
+        self._unreadable: dict[int, str] = {}
+        # another library's step directories (Orbax's), step -> name: never listed, counted,
+        # deleted, moved or written into
+        self.foreign_steps: dict[int, str] = {}
         self.reload()
+        if self.foreign_steps:
+            note = foreign_note(self.directory, self.foreign_steps)
+            log.warning("minickpt: %s", note)
+            warnings.warn(note, stacklevel=2)
 
     # ---- housekeeping --------------------------------------------------------------------
 
@@ -183,6 +202,8 @@ class CheckpointManager(DirectoryLock, Retention, Restoring):
         with self._mutex:
             infos: dict[int, policy.StepInfo] = {}
             dirnames: dict[int, str] = {}
+            unreadable: dict[int, str] = {}
+            foreign: dict[int, str] = {}
             try:
                 names = self.fs.listdir(self.directory)
             except FileNotFoundError:
@@ -201,7 +222,8 @@ class CheckpointManager(DirectoryLock, Retention, Restoring):
                                 step, name)
                 dirnames[step] = name
                 old = self._infos.get(step)
-                if old is not None and self._names.get(step) == name:
+                if old is not None and self._names.get(step) == name \
+                        and step not in self._unreadable:
                     infos[step] = old
                     continue
                 if step == self._in_flight_step:  # never wait for a commit under the mutex
@@ -210,14 +232,41 @@ class CheckpointManager(DirectoryLock, Retention, Restoring):
                     meta = self._checkpointer.metadata(os.path.join(self.directory, name),
                                                        step=step)
                     infos[step] = policy.StepInfo(step, meta.metrics, meta.time or 0.0)
-                except (MiniCkptError, OSError):
+                except (MiniCkptError, OSError) as e:
+                    if isinstance(e, MiniCkptError) and self._is_foreign(name):
+                        foreign[step] = name
+                        del dirnames[step]
+                        continue
+                    # Listed (restore() says what is wrong with it), but not "a step without
+                    # metrics": one EIO must not change which steps retention keeps.
                     infos[step] = policy.StepInfo(step, None, 0.0)
+                    unreadable[step] = f"{type(e).__name__}: {e}"
+                    if not isinstance(e, MiniCkptError):
+                        log.warning("minickpt: could not read the metadata of step %d (%s); "
+                                    "retention neither counts nor deletes it until it can be "
+                                    "read", step, e)
             pending = self._in_flight_step
             if pending is not None and pending in self._infos:
                 infos.setdefault(pending, self._infos[pending])  # still being written
                 if pending in self._names:
                     dirnames.setdefault(pending, self._names[pending])
+            taken = set(dirnames.values())
+            for name in names:  # Orbax's steps under other names ("100" next to "step_100")
+                step = orbax_step_number(name)
+                if step is not None and step not in foreign and name not in taken \
+                        and self._is_foreign(name):
+                    foreign[step] = name
             self._infos, self._names = infos, dirnames
+            self._unreadable = unreadable
+            self.foreign_steps = foreign
+
+    def _is_foreign(self, name: str) -> bool:
+        """Whether ``name`` in the directory is another library's checkpoint (Orbax's)."""
+        path = os.path.join(self.directory, name)
+        try:
+            return is_orbax_checkpoint(path, self.fs)
+        except OSError:
+            return False  # cannot look: not known to be foreign, so never taken for it
 
     def close(self) -> None:
         """Finish pending work (raising the error of a failed async save) and release the
@@ -416,6 +465,15 @@ class CheckpointManager(DirectoryLock, Retention, Restoring):
         self._check_writable()
         if not isinstance(step, int) or isinstance(step, bool) or step < 0:
             raise ValueError(f"step must be a non-negative int, got {step!r}")
+        shared = sorted(s for s, n in self.foreign_steps.items()
+                        if parse_step(n, self.options.step_prefix) is not None)
+        if shared:  # a minickpt step among Orbax's is one Orbax then fails to read
+            raise MiniCkptError(
+                f"not saving step {step} into {self.directory}: its steps {shared} are {ORBAX} "
+                "named as this manager names its own, and a minickpt step among them would "
+                "stop Orbax from opening the directory. Save into another directory; "
+                + foreign_note(self.directory, self.foreign_steps))
+        _check_metric(self.options.best_fn, metrics)
         t0, wall0 = time.perf_counter(), time.time()
         if self._sync.process_count > 1:
             return self._save_collective(step, items, metrics, metadata, force, t0, wall0)
@@ -590,6 +648,7 @@ class CheckpointManager(DirectoryLock, Retention, Restoring):
         with self._mutex:
             m = dict(metrics) if metrics is not None else None
             self._infos[step] = policy.StepInfo(step, m, time.time())
+            self._unreadable.pop(step, None)  # a new checkpoint under a set-aside one's step
             t = time.perf_counter()
             self._apply_retention()
             stats.retention_s = time.perf_counter() - t
@@ -607,6 +666,21 @@ class CheckpointManager(DirectoryLock, Retention, Restoring):
             self._emit("save", stats.as_dict())
 
     # ---- restoring -----------------------------------------------------------------------
+
+
+def _check_metric(best_fn: Callable[[Mapping[str, Any]], float] | None,
+                  metrics: Mapping[str, Any] | None) -> None:
+    """Refuse a metric that is text: ``float("nan")`` would make the string ``"nan"`` (or
+    ``"0.5"``) a number that ranks checkpoints, from what is likely a formatting slip."""
+    if best_fn is None or metrics is None:
+        return
+    try:
+        value = best_fn(metrics)
+    except (KeyError, TypeError, ValueError):
+        return  # no metric: keep_checkpoints_without_metrics decides
+    if isinstance(value, (str, bytes)):
+        raise TypeError(f"best_fn gives {value!r} for metrics {dict(metrics)!r}: a metric "
+                        "must be a number, not text (pass float(loss), not a formatted string)")
 
 
 def _makedirs(fs: FileSystem, path: str) -> None:

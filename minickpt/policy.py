@@ -50,7 +50,9 @@ def _metric(info: StepInfo, best_fn: Callable[[Mapping[str, Any]], float]) -> fl
     if info.metrics is None:
         return None
     try:
-        return float(best_fn(info.metrics))
+        value = best_fn(info.metrics)
+        # text is no metric, even when float() would read it ("nan", "0.5")
+        return None if isinstance(value, (str, bytes)) else float(value)
     except (KeyError, TypeError, ValueError):
         return None
 
@@ -127,6 +129,14 @@ def steps_to_keep(infos: Sequence[StepInfo], *, max_to_keep: int | None = None,
     if keep_period:
         keep |= {s for s in steps if s % keep_period == 0}
     return keep
+
+
+def newest_steps(infos: Sequence[StepInfo], n: int | None) -> set[int]:
+    """The ``n`` newest steps: what ``keep_latest=n`` (minickpt's option) keeps besides the
+    rules of :func:`steps_to_keep`, so that with ``best_fn`` a run keeps the step to resume
+    from as well as its best ones (Orbax drops a new step worse than the best N, and a crash
+    then loses the work since the best)."""
+    return set(sorted(i.step for i in infos)[-n:]) if n else set()
 
 
 def legacy_steps_to_keep(steps: Sequence[int], keep: int,

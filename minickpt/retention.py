@@ -20,6 +20,7 @@ from .commit import (
     remove_retired,
     retire_dir,
 )
+from .errors import MiniCkptError
 from .multihost.save import (
     failure_status,
     raise_failures,
@@ -32,16 +33,33 @@ log = logging.getLogger("minickpt")
 class Retention:
     """The deleting part of :class:`~minickpt.manager.CheckpointManager`."""
 
+    def _read_unreadable(self) -> None:
+        """Try again to read the steps whose metadata could not be read (an EIO may pass)."""
+        for step in sorted(self._unreadable):
+            if step not in self._infos:
+                del self._unreadable[step]
+                continue
+            try:
+                meta = self._checkpointer.metadata(self.step_path(step), step=step)
+            except (MiniCkptError, OSError):
+                continue
+            self._infos[step] = policy.StepInfo(step, meta.metrics, meta.time or 0.0)
+            del self._unreadable[step]
+
     def _apply_retention(self) -> None:
         if self._sweep_deletions:
             self._sweep_deletions = False
             self._remove_deletion_leftovers()
         o = self.options
+        self._read_unreadable()
+        # only what this library wrote and can read is counted, and a candidate for deletion
+        readable = [i for s, i in self._infos.items() if s not in self._unreadable]
         keep = policy.steps_to_keep(
-            list(self._infos.values()), max_to_keep=o.max_to_keep, keep_period=o.keep_period,
+            readable, max_to_keep=o.max_to_keep, keep_period=o.keep_period,
             best_fn=o.best_fn, best_mode=o.best_mode,
-            keep_checkpoints_without_metrics=o.keep_checkpoints_without_metrics)
-        for step in sorted(set(self._infos) - keep):
+            keep_checkpoints_without_metrics=o.keep_checkpoints_without_metrics,
+        ) | policy.newest_steps(readable, o.keep_latest)
+        for step in sorted({i.step for i in readable} - keep):
             try:
                 self._delete_step(step)
             except OSError as e:

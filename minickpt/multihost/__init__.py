@@ -37,8 +37,10 @@ What JAX itself does on failure, and what to do about it:
   later (100 s by default). Keep ``timeout_s`` well below it so survivors fail with a
   Python error first.
 * If process 0 (it hosts the coordination service, and is the primary by default) dies,
-  every other process is aborted by the runtime within a second, with no Python error. A
-  temporary directory stays behind; the next primary to open the manager removes it.
+  a survivor whose call fails first raises :class:`PeerTimeoutError` naming process 0 as
+  unreachable; within about a second JAX's client aborts every survivor from C++ anyway
+  (see :mod:`minickpt.multihost.coordinator` for why Python cannot stop it). A temporary
+  directory stays behind; the next primary to open the manager removes it.
 
 **Replicated state, the Flax way.** With ``MultiHostOptions(primary_only=True)`` the
 primary alone writes (every leaf must be replicated: data parallelism), and on restore the

@@ -20,6 +20,7 @@ import jax
 import numpy as np
 
 from ..errors import MultiHostError, PeerTimeoutError, ProcessDisagreementError
+from .coordinator import lost_coordinator
 from .process import ENV_FAULT, Coordination, hard_exit, is_deadline, named_in
 
 log = logging.getLogger("minickpt")
@@ -120,16 +121,25 @@ class DistributedSync(Sync):
         c = self._coord.client
         me, n = self.process_index, self.process_count
         base = f"{self.PREFIX}/{key}"
-        c.key_value_set(f"{base}/{me}", json.dumps(value), allow_overwrite=True)
         try:
+            c.key_value_set(f"{base}/{me}", json.dumps(value), allow_overwrite=True)
             c.wait_at_barrier(base, max(1, int(timeout_s * 1000)))
         except Exception as e:
+            dead = lost_coordinator(e, what or key, timeout_s, me)
+            if dead is not None:  # process 0, and the coordination service with it
+                raise dead from e
             if not is_deadline(e):
                 raise MultiHostError(f"{what or key}: the coordination service failed: {e}") from e
             arrived = self._arrived(base)
             missing = (set(range(n)) - arrived) | named_in(str(e))
             raise PeerTimeoutError(what or key, missing - {me} or missing, timeout_s) from None
-        values = dict(self._read_all(base))
+        try:
+            values = dict(self._read_all(base))
+        except Exception as e:  # process 0 died right after the barrier
+            dead = lost_coordinator(e, what or key, timeout_s, me)
+            if dead is not None:
+                raise dead from e
+            raise
         if len(values) != n:  # pragma: no cover - the barrier guarantees every value
             raise MultiHostError(f"{key}: only processes {sorted(values)} published a value")
         return [values[p] for p in range(n)]
@@ -170,7 +180,13 @@ class DistributedSync(Sync):
             assert data is not None and data.nbytes == nbytes
             raw = memoryview(np.ascontiguousarray(data).reshape(-1).view(np.uint8))
             for i in range(nchunks):
-                self._set_bytes(f"{data_key}/{i}", bytes(raw[i * chunk:(i + 1) * chunk]))
+                try:
+                    self._set_bytes(f"{data_key}/{i}", bytes(raw[i * chunk:(i + 1) * chunk]))
+                except Exception as e:
+                    dead = lost_coordinator(e, what, timeout_s, me)
+                    if dead is not None:
+                        raise dead from e
+                    raise
         # every chunk is in the store once the source arrives here
         self.exchange(f"{key}/sent", nchunks if me == src else None, timeout_s,
                       f"{what}: waiting for the data")
@@ -184,6 +200,9 @@ class DistributedSync(Sync):
                 try:
                     got = self._get_bytes(f"{data_key}/{i}", left_ms)
                 except Exception as e:
+                    dead = lost_coordinator(e, what, timeout_s, me)
+                    if dead is not None:
+                        raise dead from e
                     raise MultiHostError(f"{what}: chunk {i} of {nchunks} could not be read "
                                          f"from the coordination service: {e}") from e
                 lo = i * chunk

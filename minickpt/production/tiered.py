@@ -50,7 +50,12 @@ from ..commit import (
     parse_step,
     step_dir_name,
 )
-from ..errors import CheckpointCorruptedError, CheckpointNotFoundError, MiniCkptError
+from ..errors import (
+    CheckpointCorruptedError,
+    CheckpointNotFoundError,
+    FormatVersionError,
+    MiniCkptError,
+)
 from ..fallback import Restored
 from ..fs import DEFAULT_FS, FileSystem
 from ..manager import CheckpointManager, CheckpointManagerOptions, _makedirs
@@ -369,7 +374,7 @@ class TieredCheckpointManager:
         # Local retention runs here, after each copy, never deleting a checkpoint that has
         # not reached the mirror yet; the local manager itself keeps everything.
         self.local = CheckpointManager(local_directory, dataclasses.replace(
-            self.options, max_to_keep=None, keep_period=None), fs=fs)
+            self.options, max_to_keep=None, keep_period=None, keep_latest=None), fs=fs)
         self.store = open_store(mirror)
         self.mirror_max_to_keep = self.options.max_to_keep if mirror_max_to_keep == "same" \
             else mirror_max_to_keep
@@ -378,6 +383,8 @@ class TieredCheckpointManager:
         self.failed: dict[int, str] = {}  # step -> last error, after every retry
         self.mirrored: list[int] = []  # steps copied by this manager, in order
         self._mirror_infos: dict[int, policy.StepInfo] = {}
+        self._mirror_unreadable: set[int] = set()  # listed, but retention leaves them be
+        self._local_damage: dict[int, BaseException] = {}  # local copies found damaged
         self._store_lock = threading.RLock()  # one operation on the mirror at a time
         self._queue: queue.Queue[int | None] = queue.Queue()
         self._pending: collections.Counter[int] = collections.Counter()  # queued or copying
@@ -515,10 +522,16 @@ class TieredCheckpointManager:
         name = os.path.basename(src)
         with self._store_lock:
             if name in self.store.listdir(""):
-                if self.store.exists(f"{name}/{METADATA_FILE}"):
+                if not self.store.exists(f"{name}/{METADATA_FILE}"):
+                    self.store.remove_temporary(name)  # an upload cut short (object stores)
+                elif b"".join(self.store.read_chunks(f"{name}/{METADATA_FILE}")) \
+                        == lfs.read_file(os.path.join(src, METADATA_FILE)):
                     self._remember(step, name)
                     return 0  # already there (copied before a restart)
-                self.store.remove_temporary(name)  # an upload cut short (object stores)
+                else:  # another checkpoint of this step (damaged, set aside, saved again)
+                    log.warning("minickpt: replacing %s in the mirror: it is not the local "
+                                "checkpoint of step %d", name, step)
+                    self.store.delete(name)
             dirs, files = _walk(lambda r: lfs.listdir(os.path.join(src, r)),
                                 lambda r: lfs.is_dir(os.path.join(src, r)), "")
             files.sort(key=lambda f: f == METADATA_FILE)
@@ -564,8 +577,10 @@ class TieredCheckpointManager:
         try:
             meta = self.store.metadata(name)
             info = policy.StepInfo(step, meta.metrics, meta.time or 0.0)
-        except Exception:  # unreadable metadata: kept like a checkpoint without metrics
+            self._mirror_unreadable.discard(step)
+        except Exception:  # unreadable metadata: listed, never counted nor deleted
             info = policy.StepInfo(step, None, 0.0)
+            self._mirror_unreadable.add(step)
         self._mirror_infos[step] = info
 
     def _scan_mirror(self) -> None:
@@ -581,7 +596,7 @@ class TieredCheckpointManager:
         """Queue the local checkpoints the mirror lacks and its retention would keep: a
         previous process may have died between a local commit and its copy."""
         missing = [s for s in self.local.all_steps() if s not in self._mirror_infos]
-        infos = list(self._mirror_infos.values())
+        infos = [i for s, i in self._mirror_infos.items() if s not in self._mirror_unreadable]
         # a step damaged locally is left out: nothing worth copying
         infos += [i for s in missing if (i := self._local_info(s)) is not None]
         keep = self._keep(infos, self.mirror_max_to_keep)
@@ -591,8 +606,10 @@ class TieredCheckpointManager:
 
     def _apply_mirror_retention(self) -> None:
         with self._store_lock:
-            keep = self._keep(list(self._mirror_infos.values()), self.mirror_max_to_keep)
-            for step in sorted(set(self._mirror_infos) - keep):
+            readable = [i for s, i in self._mirror_infos.items()
+                        if s not in self._mirror_unreadable]
+            keep = self._keep(readable, self.mirror_max_to_keep)
+            for step in sorted({i.step for i in readable} - keep):
                 name = self._name(step)
                 try:
                     self.store.delete(name)
@@ -605,8 +622,8 @@ class TieredCheckpointManager:
     def _apply_local_retention(self) -> None:
         """The options' retention on the local tier, sparing steps still waiting for their
         copy (a step whose copy failed every retry is no longer spared: it was reported)."""
-        infos = [self._local_info(s) or policy.StepInfo(s, None, 0.0)
-                 for s in self.local.all_steps()]
+        # a step whose metadata cannot be read (EIO, damage) is neither counted nor deleted
+        infos = [i for s in self.local.all_steps() if (i := self._local_info(s)) is not None]
         keep = self._keep(infos, self.options.max_to_keep)
         with self._idle:
             spared = set(self._pending)
@@ -633,7 +650,8 @@ class TieredCheckpointManager:
         return policy.steps_to_keep(
             infos, max_to_keep=max_to_keep, keep_period=o.keep_period, best_fn=o.best_fn,
             best_mode=o.best_mode,
-            keep_checkpoints_without_metrics=o.keep_checkpoints_without_metrics)
+            keep_checkpoints_without_metrics=o.keep_checkpoints_without_metrics,
+        ) | policy.newest_steps(infos, o.keep_latest)
 
     def _name(self, step: int) -> str:
         return step_dir_name(step, self.options.step_prefix,
@@ -715,7 +733,12 @@ class TieredCheckpointManager:
             except (CheckpointCorruptedError, OSError) as e:
                 if isinstance(e, CheckpointNotFoundError) and len(steps) == 1:
                     raise
-                msg = f"minickpt: skipping step {s}, damaged locally and in the mirror: {e}"
+                # As CheckpointManager.restore does: the damaged local copy is moved aside
+                # (kept for a look), so that the resumed loop can save step s again.
+                aside = self.local._set_aside(s) if self._local_damage.pop(s, None) else None
+                msg = f"minickpt: skipping step {s}, damaged locally and in the mirror: {e}" + (
+                    f"; the local copy moved to {aside} so that step {s} can be saved again"
+                    if aside else "")
                 log.error(msg)
                 warnings.warn(msg, stacklevel=2)
                 errors.append(f"step {s}: {e}")
@@ -724,11 +747,15 @@ class TieredCheckpointManager:
 
     def _restore_step(self, step: int, target: Any, kw: Mapping[str, Any]) -> Restored:
         local_error: BaseException | None = None
+        self._local_damage.pop(step, None)
         if step in self.local.all_steps(read=True):
             try:
                 return self.local.restore(step, target, fallback=False, **kw)
             except (CheckpointCorruptedError, OSError) as e:
                 local_error = e
+                if isinstance(e, CheckpointCorruptedError) \
+                        and not isinstance(e, FormatVersionError):
+                    self._local_damage[step] = e  # restore() sets it aside if all else fails
                 msg = (f"minickpt: the local copy of step {step} is damaged ({e}); fetching it "
                        f"from the mirror {self.store.url}")
                 log.error(msg)
