@@ -307,3 +307,75 @@ def test_a_primary_killed_mid_save_real_processes(tmp_path):
     else:
         assert "Terminating process" in out, out
     assert not [n for n in os.listdir(tmp_path) if n.startswith("step_5") and "tmp" not in n]
+
+
+# ---- the rest of item 1's kind: an I/O error on restore is raised, never a fallback -----
+def _eio_reading(step_dir) -> FaultyFileSystem:
+    """EIO on every read of one step's data files (a persistent bad sector)."""
+    prefix = os.path.join(str(step_dir), "")
+
+    def hit(op, args):
+        return op == "open" and str(args[0]).startswith(prefix) and "data" in \
+            os.path.basename(str(args[0]))
+
+    return FaultyFileSystem(0, when=hit, persistent=True)
+
+
+def test_tiered_restore_raises_an_io_error_instead_of_skipping_the_step(tmp_path):
+    from minickpt.production import TieredCheckpointManager
+
+    local, mirror = tmp_path / "local", tmp_path / "mirror"
+    o = CheckpointManagerOptions(max_to_keep=3)
+    with TieredCheckpointManager(local, mirror, o) as m:
+        m.save(1, tree(1))
+        m.save(2, tree(2))
+        m.wait_until_mirrored()
+    import shutil
+
+    shutil.rmtree(mirror / "step_2")  # not mirrored (yet): the local copy is the only one
+    from minickpt.production.tiered import MirrorError
+
+    lfs = _eio_reading(local / "step_2")
+    m = TieredCheckpointManager(local, mirror, o, fs=lfs)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        with pytest.raises(OSError) as e:
+            m.restore(target=tree())  # returned step 1, as if step 2 were damaged
+        with pytest.raises(MirrorError, match="step 2"):  # it cannot be read to be mirrored
+            m.close()
+    assert e.value.errno == errno.EIO
+    assert os.path.isdir(local / "step_2")  # not moved aside: nothing says it is damaged
+
+
+def test_multihost_restore_raises_an_io_error_instead_of_falling_back(tmp_path):
+    import jax
+    from jax.sharding import Mesh, NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    from minickpt import MultiHostOptions
+    from minickpt.multihost import sync as mh
+
+    mesh = Mesh(np.array(jax.devices()[:4]).reshape(2, 2), ("p", "l"))
+    g = np.arange(32, dtype=np.float32).reshape(8, 4)
+    w = {"w": jax.device_put(g, NamedSharding(mesh, P("p")))}
+    o = CheckpointManagerOptions(multihost=MultiHostOptions(timeout_s=20))
+
+    def save(sync):
+        with CheckpointManager(tmp_path, o, sync=sync) as m:
+            m.save(1, {"params": w})
+            m.save(2, {"params": w})
+
+    for r in mh.LocalGroup(2).run(save):
+        assert not isinstance(r, BaseException), r
+
+    def resume(sync):
+        fs = _eio_reading(tmp_path / "step_2") if sync.process_index == 1 else None
+        with CheckpointManager(tmp_path, o, sync=sync, fs=fs) as m:
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")
+                return m.restore(target={"params": w}).step  # was 1: a fallback past EIO
+
+    results = mh.LocalGroup(2).run(resume)
+    assert all(isinstance(r, BaseException) for r in results), results
+    assert "EIO" in str(results[1]) or "Input/output" in str(results[1]), results
+    assert os.path.isdir(tmp_path / "step_2")

@@ -61,7 +61,9 @@ def failure_status(e: BaseException | None = None, **extra: Any) -> dict[str, An
         return {"ok": True, **extra}
     return {"ok": False, "type": type(e).__name__, "message": str(e),
             "errno": getattr(e, "errno", None),
-            "damage": isinstance(e, (CheckpointCorruptedError, OSError))
+            # only verified damage: an I/O error (EIO ...) says nothing about the checkpoint,
+            # so a restore raises it rather than falling back past a valid step
+            "damage": isinstance(e, CheckpointCorruptedError)
             and not isinstance(e, (CheckpointNotFoundError, PeerTimeoutError, MultiHostError))}
 
 

@@ -730,7 +730,7 @@ class TieredCheckpointManager:
         for s in steps:
             try:
                 return self._restore_step(s, target, kw)
-            except (CheckpointCorruptedError, OSError) as e:
+            except CheckpointCorruptedError as e:  # an I/O error is raised: not damage
                 if isinstance(e, CheckpointNotFoundError) and len(steps) == 1:
                     raise
                 # As CheckpointManager.restore does: the damaged local copy is moved aside
@@ -756,7 +756,9 @@ class TieredCheckpointManager:
                 if isinstance(e, CheckpointCorruptedError) \
                         and not isinstance(e, FormatVersionError):
                     self._local_damage[step] = e  # restore() sets it aside if all else fails
-                msg = (f"minickpt: the local copy of step {step} is damaged ({e}); fetching it "
+                how = "is damaged" if isinstance(e, CheckpointCorruptedError) \
+                    else "could not be read"
+                msg = (f"minickpt: the local copy of step {step} {how} ({e}); fetching it "
                        f"from the mirror {self.store.url}")
                 log.error(msg)
                 warnings.warn(msg, stacklevel=3)
