@@ -420,3 +420,38 @@ def test_the_browser_check_finds_each_kind_of_problem(tmp_path):
                      "Failed to load resource"):
         assert expected in text, f"the check missed {expected!r}; it found:\n{text}"
     assert "#here" not in text and "colab" not in text
+
+
+FORMULAS = """
+const math = Array.from(document.querySelectorAll('math'));
+const sizes = math.map(m => { const r = m.getBoundingClientRect(); return [r.width, r.height]; });
+return {count: math.length, sizes: sizes, text: document.body.innerText,
+        scripts: document.querySelectorAll('script').length};
+"""
+
+
+def test_a_feedback_page_renders_its_formulas_with_no_network(tmp_path):
+    """Issue 34: the feedback page of a lab whose text holds formulas shows them typeset (MathML,
+    drawn by the browser itself), with no script and nothing fetched; no raw TeX is left."""
+    from autograder import feedback
+
+    lab = grader_nb.load_lab(ROOT / "solutions" / "lab06_production" / "lab06_production.ipynb")
+    text = [c for c in lab.cells if c.kind == "markdown"]
+    assert any("$" in c.source for c in text), "lab 6's text has no formula to render"
+    cells = [{"kind": "markdown", "role": "text", "grade_id": "", "show": c.source,
+              "outputs": []} for c in text]
+    result = {"student": "ann", "lab": lab.name, "status": "graded", "reason": "", "notes": [],
+              "scores": {}, "messages": {}, "points": {}, "group_of": {}, "groups": {},
+              "total": 0.0, "max_score": 0.0}
+    page = tmp_path / "feedback.html"
+    page.write_text(feedback.feedback_html(result, cells, {}, set()), encoding="utf-8")
+    with _browser() as driver:
+        driver.get(page.as_uri())
+        facts = driver.execute_script(FORMULAS)
+        driver.save_screenshot(str(tmp_path / "feedback.png"))
+    assert facts["scripts"] == 0, "the feedback page runs a script"
+    assert facts["count"] >= 3, f"only {facts['count']} formulas typeset"
+    flat = [s for s in facts["sizes"] if s[0] < 1 or s[1] < 1]
+    assert not flat, f"{len(flat)} of {facts['count']} formulas drawn with no size"
+    for raw in ("\\(", "\\frac", "\\sqrt", "$$"):
+        assert raw not in facts["text"], f"raw TeX {raw!r} shown on the feedback page"
