@@ -24,8 +24,9 @@ from .errors import (
 )
 from .fallback import Restored
 from .legacy import restore_checkpoint, save_checkpoint
-from .manager import CheckpointManager, CheckpointManagerOptions
+from .manager import CheckpointManager
 from .multihost.save import MultiHostOptions
+from .options import CheckpointManagerOptions
 from .tree import HostKey
 
 __all__ = [

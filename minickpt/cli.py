@@ -391,7 +391,7 @@ def cmd_diff(args: argparse.Namespace) -> int:
 
 
 def cmd_convert_orbax(args: argparse.Namespace) -> int:
-    from .manager import CheckpointManagerOptions
+    from .options import CheckpointManagerOptions
     from .orbax_convert import convert
 
     def show(c: Any) -> None:

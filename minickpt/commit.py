@@ -204,3 +204,16 @@ def cleanup_temporaries(fs: FileSystem, root: str) -> list[str]:
     if removed:
         fs.fsync_dir(root)
     return removed
+
+
+def makedirs(fs: FileSystem, path: str) -> None:
+    """Create ``path`` and its missing parents, each made durable (its parent fsynced)."""
+    parent = os.path.dirname(path)
+    if parent and parent != path and not fs.exists(parent):
+        makedirs(fs, parent)
+    try:
+        fs.mkdir(path)
+    except FileExistsError:
+        return
+    if parent:
+        fs.fsync_dir(parent)

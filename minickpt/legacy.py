@@ -31,10 +31,9 @@ import re
 from typing import Any
 
 from .checkpointer import Checkpointer
-from .commit import METADATA_FILE, delete_dir, is_temporary
+from .commit import METADATA_FILE, delete_dir, is_temporary, makedirs
 from .errors import CheckpointNotFoundError, MiniCkptError
 from .fs import DEFAULT_FS, FileSystem
-from .manager import _makedirs
 from .policy import legacy_steps_to_keep
 
 log = logging.getLogger("minickpt")
@@ -95,7 +94,7 @@ def save_checkpoint(ckpt_dir: str | os.PathLike[str], target: Any, step: int,
     if keep < 0:  # checked before anything is written
         raise ValueError(f"keep must be >= 0, got {keep}")
     if not fs.is_dir(ckpt_dir):
-        _makedirs(fs, ckpt_dir)
+        makedirs(fs, ckpt_dir)
     steps = _steps(fs, ckpt_dir, prefix)
     path = os.path.join(ckpt_dir, f"{prefix}{step}")
     if steps and max(steps) >= step:

@@ -14,8 +14,7 @@ import os
 import threading
 import time
 import warnings
-from collections.abc import Callable, Collection, Mapping
-from dataclasses import dataclass, field
+from collections.abc import Callable, Mapping
 from typing import Any
 
 from . import policy
@@ -23,6 +22,7 @@ from .asynchronous import AsyncCheckpointer
 from .checkpointer import Checkpointer, CheckpointMetadata, SaveStats, VerifyReport, _json_safe
 from .commit import (
     cleanup_temporaries,
+    makedirs,
     parse_step,
     step_dir_name,
 )
@@ -35,66 +35,15 @@ from .fallback import Restoring
 from .fs import DEFAULT_FS, FileSystem
 from .lock import DirectoryLock
 from .multihost.save import (
-    MultiHostOptions,
     prepare_save,
 )
 from .multihost.sync import Sync, default_sync
+from .options import CheckpointManagerOptions
 from .orbax_dirs import ORBAX, foreign_note, is_orbax_checkpoint, orbax_step_number
 from .retention import Retention
 from .tree import from_skeleton
 
 log = logging.getLogger("minickpt")
-
-
-@dataclass
-class CheckpointManagerOptions:
-    """Options with Orbax's names and meanings (``step_prefix`` defaults to ``"step"`` here,
-    giving ``step_100/``; Orbax's default is a bare ``100/``)."""
-
-    save_interval_steps: int = 1
-    save_on_steps: Collection[int] | None = None
-    max_to_keep: int | None = None
-    keep_period: int | None = None
-    best_fn: Callable[[Mapping[str, Any]], float] | None = None
-    best_mode: str = "max"
-    keep_checkpoints_without_metrics: bool = True
-    # minickpt's: the keep_latest newest steps are kept besides max_to_keep's (with best_fn:
-    # "the last K for resuming, and the best N"); None keeps none besides
-    keep_latest: int | None = None
-    step_prefix: str | None = "step"
-    step_format_fixed_length: int | None = None
-    create: bool = True
-    cleanup_tmp_directories: bool = True
-    read_only: bool = False
-    enable_async_checkpointing: bool = False
-    # Remove a deleted checkpoint's files on a background thread. The deletion itself (the
-    # rename out of the step namespace) still happens inside save(), after the new
-    # checkpoint is durable; the fsync that makes it durable and the unlinking — slow on a
-    # busy or remote file system — leave the critical path, in that order.
-    # wait_until_finished()/close() wait for them.
-    enable_background_delete: bool = False
-    # minickpt's own
-    verify_on_restore: bool = True
-    fallback_on_damage: bool = True
-    lock: bool = True  # flock <dir>/.minickpt.lock; without it, temporaries are not cleaned
-    # chapter 4: time-outs and roles when several processes save together
-    multihost: MultiHostOptions = field(default_factory=MultiHostOptions)
-
-    def __post_init__(self) -> None:
-        if not isinstance(self.save_interval_steps, int) or self.save_interval_steps < 1:
-            raise ValueError(f"save_interval_steps must be an int >= 1, got "
-                             f"{self.save_interval_steps!r}")
-        if self.max_to_keep is not None and self.max_to_keep < 1:
-            raise ValueError(f"max_to_keep must be None or >= 1, got {self.max_to_keep!r}")
-        if self.keep_latest is not None and (not isinstance(self.keep_latest, int)
-                                             or self.keep_latest < 0):
-            raise ValueError(f"keep_latest must be None or an int >= 0, got "
-                             f"{self.keep_latest!r}")
-        if self.keep_period is not None and self.keep_period < 1:
-            raise ValueError(f"keep_period must be None or >= 1, got {self.keep_period!r}")
-        if self.best_mode not in ("min", "max"):
-            raise ValueError(f"best_mode must be 'min' or 'max', got {self.best_mode!r}")
-        self.save_on_steps = frozenset(self.save_on_steps or ())
 
 
 class CheckpointManager(DirectoryLock, Retention, Restoring):
@@ -154,7 +103,7 @@ class CheckpointManager(DirectoryLock, Retention, Restoring):
                     raise CheckpointNotFoundError(
                         f"checkpoint directory {self.directory} does not exist"
                         + ("" if opts.read_only else " (pass create=True to make it)"))
-                _makedirs(self.fs, real)
+                makedirs(self.fs, real)
             # look again: another process of the job may have made it meanwhile
             if not self.fs.is_dir(real):
                 raise NotADirectoryError(f"{self.directory} exists and is not a directory")
@@ -473,7 +422,7 @@ class CheckpointManager(DirectoryLock, Retention, Restoring):
                 "named as this manager names its own, and a minickpt step among them would "
                 "stop Orbax from opening the directory. Save into another directory; "
                 + foreign_note(self.directory, self.foreign_steps))
-        _check_metric(self.options.best_fn, metrics)
+        policy.check_metric(self.options.best_fn, metrics)
         t0, wall0 = time.perf_counter(), time.time()
         if self._sync.process_count > 1:
             return self._save_collective(step, items, metrics, metadata, force, t0, wall0)
@@ -664,34 +613,3 @@ class CheckpointManager(DirectoryLock, Retention, Restoring):
         self.save_history.append(stats)
         if self.listeners:  # as_dict() deep-copies: only when someone listens
             self._emit("save", stats.as_dict())
-
-    # ---- restoring -----------------------------------------------------------------------
-
-
-def _check_metric(best_fn: Callable[[Mapping[str, Any]], float] | None,
-                  metrics: Mapping[str, Any] | None) -> None:
-    """Refuse a metric that is text: ``float("nan")`` would make the string ``"nan"`` (or
-    ``"0.5"``) a number that ranks checkpoints, from what is likely a formatting slip."""
-    if best_fn is None or metrics is None:
-        return
-    try:
-        value = best_fn(metrics)
-    except (KeyError, TypeError, ValueError):
-        return  # no metric: keep_checkpoints_without_metrics decides
-    if isinstance(value, (str, bytes)):
-        raise TypeError(f"best_fn gives {value!r} for metrics {dict(metrics)!r}: a metric "
-                        "must be a number, not text (pass float(loss), not a formatted string)")
-
-
-def _makedirs(fs: FileSystem, path: str) -> None:
-    parent = os.path.dirname(path)
-    if parent and parent != path and not fs.exists(parent):
-        _makedirs(fs, parent)
-    try:
-        fs.mkdir(path)
-    except FileExistsError:
-        return
-    if parent:
-        fs.fsync_dir(parent)
-
-

@@ -14,7 +14,8 @@ import numpy as np
 from .commit import METADATA_FILE
 from .errors import CheckpointCorruptedError, CheckpointNotFoundError, MiniCkptError
 from .fs import DEFAULT_FS, FileSystem
-from .manager import CheckpointManager, CheckpointManagerOptions
+from .manager import CheckpointManager
+from .options import CheckpointManagerOptions
 from .orbax_dirs import ITEM_FILES, orbax_steps, read_json, real_dir
 
 

@@ -178,3 +178,18 @@ def capacity(total_bytes: int, checkpoint_bytes: int) -> int:
     if checkpoint_bytes <= 0:
         raise ValueError("checkpoint_bytes must be positive")
     return total_bytes // checkpoint_bytes
+
+
+def check_metric(best_fn: Callable[[Mapping[str, Any]], float] | None,
+                  metrics: Mapping[str, Any] | None) -> None:
+    """Refuse a metric that is text: ``float("nan")`` would make the string ``"nan"`` (or
+    ``"0.5"``) a number that ranks checkpoints, from what is likely a formatting slip."""
+    if best_fn is None or metrics is None:
+        return
+    try:
+        value = best_fn(metrics)
+    except (KeyError, TypeError, ValueError):
+        return  # no metric: keep_checkpoints_without_metrics decides
+    if isinstance(value, (str, bytes)):
+        raise TypeError(f"best_fn gives {value!r} for metrics {dict(metrics)!r}: a metric "
+                        "must be a number, not text (pass float(loss), not a formatted string)")

@@ -106,7 +106,8 @@ def crash_every_call(*fns: Callable[..., Any], before: tuple[int, ...] = (1, 2),
     from ..commit import DELETE_MARK, TMP_MARK, is_temporary
     from ..crashsim import AssertionFailure, explore
     from ..fs import FileSystem
-    from ..manager import CheckpointManager, CheckpointManagerOptions
+    from ..manager import CheckpointManager
+    from ..options import CheckpointManagerOptions
 
     class _NoSync(FileSystem):  # setting up and checking: durability is modelled, not needed
         def fsync(self, fd: int) -> None:

@@ -109,7 +109,8 @@ def lab3_drill(resume_fn: Callable[..., Any], *, steps: int = 15, every: int = 5
     import subprocess
     import textwrap
 
-    from ..manager import CheckpointManager, CheckpointManagerOptions
+    from ..manager import CheckpointManager
+    from ..options import CheckpointManagerOptions
 
     fn = inspect.unwrap(resume_fn)
     try:

@@ -128,7 +128,8 @@ def async_training_run(directory: str, *, steps: int = 4, every: int = 2,
 
     from ..asynchronous import SNAPSHOT_ENV
     from ..demo import batch
-    from ..manager import CheckpointManager, CheckpointManagerOptions
+    from ..manager import CheckpointManager
+    from ..options import CheckpointManagerOptions
 
     state, rng = fresh_train_state()
     loader = {"position": np.zeros(4, np.int64), "ema": np.zeros(3, np.float32)}
@@ -219,7 +220,8 @@ def record_async_run(directory: str, *, steps: int = 12, every: int = 2,
 
     from ..asynchronous import save_intervals
     from ..demo import SlowDisk, batch
-    from ..manager import CheckpointManager, CheckpointManagerOptions
+    from ..manager import CheckpointManager
+    from ..options import CheckpointManagerOptions
 
     state, rng = fresh_train_state()
     train_step = donating_train_step()

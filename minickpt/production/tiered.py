@@ -47,6 +47,7 @@ from ..commit import (
     delete_dir,
     is_temporary,
     make_temporary,
+    makedirs,
     parse_step,
     step_dir_name,
 )
@@ -58,7 +59,8 @@ from ..errors import (
 )
 from ..fallback import Restored
 from ..fs import DEFAULT_FS, FileSystem
-from ..manager import CheckpointManager, CheckpointManagerOptions, _makedirs
+from ..manager import CheckpointManager
+from ..options import CheckpointManagerOptions
 
 log = logging.getLogger("minickpt")
 CHUNK = 8 << 20
@@ -99,7 +101,7 @@ class LocalStore:
         return self.fs.exists(self.path(rel))
 
     def makedirs(self, rel: str) -> None:
-        _makedirs(self.fs, self.path(rel))
+        makedirs(self.fs, self.path(rel))
 
     def write_file(self, rel: str, chunks: Iterator[bytes]) -> int:
         return self.fs.write_file(self.path(rel), chunks, fsync=True)
