@@ -74,6 +74,7 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import minickpt as mc
+from minickpt.labkit.claims import claim, verdict
 from minickpt.launch import launch
 
 WORK = Path("ch04-work").absolute()
@@ -209,6 +210,10 @@ for p, r in enumerate(dp):
     print(f"process {p}: checksum of its parameters {r['crc']}   w[0] = {r['w0']:.6f}   "
           f"restored == saved: {r['same']}")
 print("files of the checkpoint's params item:", dp[0]["files"])
+claim(len({r["crc"] for r in dp}) == 1, "the four processes' parameters are bit-identical",
+      seen=[r["crc"] for r in dp])
+claim(dp[0]["files"] == ["data.bin", "manifest.json"] and all(r["same"] for r in dp),
+      "one data.bin and one manifest.json, and every process got its copy back", seen=dp[0]["files"])
 
 # %% [markdown]
 # Look at the four checksums: they are equal — the replicas are bit-identical after 20 steps,
@@ -270,10 +275,10 @@ if ME == 0:
     try:
         got = np.load(os.path.join(naive, "C.npy"))
         whole = values("C", (8, 4))
-        report(naive=f"an array of shape {got.shape}: rows "
-               f"{[r for r in range(8) if any(np.array_equal(g, whole[r]) for g in got)]} of the 8 rows of C")
+        report(naive={"readable": True, "shape": list(got.shape),
+                      "rows": [r for r in range(8) if any(np.array_equal(g, whole[r]) for g in got)]})
     except Exception as e:                                         # interleaved writes: not even readable
-        report(naive=f"unreadable ({type(e).__name__}: {e})")
+        report(naive={"readable": False, "error": f"{type(e).__name__}: {e}"})
 
 # 2c: a commit that does not wait for the slowest process (plugged in for this save only)
 def two_barrier_commit(save):
@@ -305,6 +310,10 @@ if ME == 0:
         report(hasty_restore="restored")
     except Exception as e:
         report(hasty_restore=f"{type(e).__name__}: {str(e)[:300]}")
+    published = os.path.join(DIR, "ckpt", "step_2", "params")
+    with open(os.path.join(published, "manifest.json")) as f:
+        listed = [r["process"] for r in json.load(f)["shard_files"]]
+    report(hasty_listed=listed, hasty_files=sorted(n for n in os.listdir(published) if n.startswith("data")))
 shutil = __import__("shutil")
 default_sync().exchange("hasty-done", None, 20.0)
 if ME == 0:
@@ -315,10 +324,30 @@ default_sync().exchange("hasty-cleaned", None, 20.0)
 with mc.CheckpointManager(os.path.join(DIR, "ckpt"), opts) as mngr:
     try:
         mngr.save(3 if ME != 3 else 4, {"params": params})
+        report(disagree="saved")
     except Exception as e:
         report(disagree=f"{type(e).__name__}: {e}")
+default_sync().exchange("disagree-done", None, 20.0)
+if ME == 0:
+    report(after_disagree=sorted(n for n in os.listdir(os.path.join(DIR, "ckpt")) if not n.startswith(".")))
 
-# 2e: a process that stops answering (it hangs before writing) with a 3 s time-out
+# 2e: which step is the newest? Processes 0-1 look before a commit lands, 2-3 after it
+def newest():
+    with mc.CheckpointManager(os.path.join(DIR, "ckpt"), mc.CheckpointManagerOptions(read_only=True)) as r:
+        return r.latest_step()
+seen = newest() if ME < 2 else None
+with mc.CheckpointManager(os.path.join(DIR, "ckpt"), opts) as mngr:
+    mngr.save(6, {"params": params})                       # the commit lands here
+if ME >= 2:
+    seen = newest()
+everyone = default_sync().exchange("newest", seen, 20.0)  # what each process would restore
+agreed = everyone[0]                                      # the primary's choice, for all of them
+with mc.CheckpointManager(os.path.join(DIR, "ckpt"), opts) as mngr:
+    back = mngr.restore(agreed, target={"params": {k: jax.ShapeDtypeStruct(v.shape, v.dtype, sharding=v.sharding)
+                                                   for k, v in params.items()}})
+report(newest_seen=everyone, restored_step=back.step)
+
+# 2f: a process that stops answering (it hangs before writing) with a 3 s time-out
 hung = mc.CheckpointManagerOptions(multihost=mc.MultiHostOptions(timeout_s=3))
 if ME == 3:
     def vanish():
@@ -328,7 +357,7 @@ if ME == 3:
 t = time.perf_counter()
 with mc.CheckpointManager(os.path.join(DIR, "ckpt"), hung) as mngr:
     try:
-        mngr.save(5, {"params": params})
+        mngr.save(7, {"params": params})
         report(dead="saved")
     except Exception as e:
         report(dead=f"{type(e).__name__}: {e}", dead_after_s=round(time.perf_counter() - t, 1),
@@ -339,6 +368,11 @@ sh, sh_dir = run_job("sharded", SHARDED, n=4, k=2)
 print(f"{'array':6s}{'device':>7s}{'process':>9s}   {'box (rows, cols)':22s}writes it")
 for k, dev, proc, box, writes in sh[0]["table"]:
     print(f"{k:6s}{dev:>7d}{proc:>9d}   {str(box):22s}{'yes' if writes else '-'}")
+written = {(k, proc) for k, _, proc, _, w in sh[0]["table"] if w}
+claim(sum(w for k, *_, w in sh[0]["table"] if k == "A") == 8 and {p for k, p in written if k == "A"} == {0, 1, 2, 3},
+      "A's 8 pieces are written by their own devices, two per process", seen=sorted(written))
+claim(sum(w for k, *_, w in sh[0]["table"] if k == "B") == 2 and {p for k, p in written if k == "B"} == {0},
+      "B's 2 pieces are written once each, both by process 0", seen=sorted(written))
 
 # %%
 fig, axes = plt.subplots(1, 2, figsize=(9, 3.4))
@@ -390,6 +424,8 @@ plt.show()
 # %%
 print("files of step_1/params:", sh[0]["layout"])
 print("where process 0's save time went (s):", sh[0]["stats"])
+claim(sh[0]["layout"] == sorted(["manifest.json"] + [f"data.p{i}.bin" for i in range(4)] + [f"manifest.p{i}.json" for i in range(4)]),
+      "one manifest.json, and a data.p<i>.bin and a manifest.p<i>.json per process", seen=sh[0]["layout"])
 
 # %% [markdown]
 # One `manifest.json` (the primary's: every leaf's global shape and dtype, and the list of shard
@@ -404,14 +440,26 @@ print("where process 0's save time went (s):", sh[0]["stats"])
 # the 8 rows of an array `C` (`P("p", None)`) and saves them as `C.npy`:
 
 # %%
-print("C.npy holds", sh[0]["naive"])
+nv = sh[0]["naive"]
+if nv["readable"]:
+    print(f"C.npy holds an array of shape {tuple(nv['shape'])}: rows {nv['rows']} of the 8 rows of C")
+else:
+    print("C.npy is not even readable:", nv["error"])
+claim(not nv["readable"] or len(nv["rows"]) <= 2,
+      "the file that remains holds at most one process's 2 rows of the 8", seen=nv)
 
 # %% [markdown]
 # Four processes wrote `C.npy`; the file that remains is whichever write landed last: one
-# process's 2 rows of 8 (which rows depends on timing — look for a quarter of the array; if the
-# writes interleaved, the file is not even readable). The rest
-# of the model is gone, and nothing said so. Under data parallelism the same mistake is only
-# wasteful (four identical files written at once, racing); under sharding it loses the model.
+# process's 2 rows of 8 (which rows depends on timing; if the writes interleaved, the file is
+# not even readable). The rest of the model is gone, and nothing said so.
+#
+# Under data parallelism the same mistake is not merely wasteful. The four files would hold the
+# same bytes, but every writer truncates the file when it opens it while the others go on writing
+# at their own offsets: until the last writer finishes — and for good, if a process dies meanwhile
+# — the file can hold zeros where another writer's bytes were, or the bytes of two writers (a
+# *torn* file), and nothing stops a reader from reading it then. (On GPUs, where replicas may
+# differ in the last bits, the two writers' bytes are not even the same.) Under sharding it loses
+# the model for certain.
 #
 # ### 2c. A commit that does not wait for the slowest process
 #
@@ -422,37 +470,105 @@ print("C.npy holds", sh[0]["naive"])
 for p, r in enumerate(sh):
     print(f"process {p}: {r['hasty']}")
 print("restoring step 2:", sh[0]["hasty_restore"])
+print(f"step_2's manifest lists the shard files of process(es) {sh[0]['hasty_listed']}; "
+      f"the data files in step_2/params: {sh[0]['hasty_files']}")
+claim(all(r["hasty"] != "saved" for r in sh), "the save of step 2 failed on every process",
+      seen=[r["hasty"][:40] for r in sh])
+claim(sh[0]["hasty_listed"] == [0], "the published manifest lists only the primary's shard files",
+      seen=sh[0]["hasty_listed"])
+claim(sh[0]["hasty_restore"].startswith("CheckpointCorruptedError")
+      and "24 element(s) not covered" in sh[0]["hasty_restore"],
+      "the restore refuses step 2: 24 of A's 32 elements (rows 2-8, processes 1-3) are covered by no "
+      "listed shard", seen=sh[0]["hasty_restore"][:120])
 
 # %% [markdown]
-# The primary renamed the temporary directory while process 3 had not written yet, so process 3
-# had nowhere to write (its error names the vanished directory) — and `step_2` was *published
-# without process 3's shards*. The restore refuses it, naming the region no shard covers. Had the
-# job crashed at that moment, the newest checkpoint on disk would have been this incomplete one:
-# the barrier before the commit is what makes "published" mean "complete".
+# The primary committed as soon as its own write was done, and it committed what it knew: a
+# manifest that lists *its own* shard files only (the `[files]` in `two_barrier_commit`; the other
+# processes' lists travel with the `written` barrier it no longer waits for). Process 3, 1 s late,
+# found the temporary directory already renamed (its error names the vanished path); processes 1
+# and 2 may have written their `data.p<i>.bin` into it in time — look at the data files printed —
+# but no manifest names them. So `step_2` was *published with only process 0's shards*: the
+# restore refuses it, because rows 2–8 of `A` (the rows of processes 1–3) are covered by no
+# listed shard. Had the job crashed at that moment, the newest checkpoint on disk would have been
+# this incomplete one: the barrier before the commit is what makes "published" mean "complete".
 #
 # ### 2d. Processes that want different steps
 
 # %%
-print(sh[0]["disagree"])
+for p, r in enumerate(sh):
+    print(f"process {p}: {r['disagree']}")
+print("in the checkpoint directory afterwards:", sh[0]["after_disagree"])
+claim(len({r["disagree"] for r in sh}) == 1 and sh[0]["disagree"].startswith("ProcessDisagreementError"),
+      "every process raised the same ProcessDisagreementError", seen=[r["disagree"][:40] for r in sh])
+claim(sh[0]["after_disagree"] == ["step_1"], "nothing of step 3 or step 4 was written",
+      seen=sh[0]["after_disagree"])
 
 # %% [markdown]
-# Every process raised the same `ProcessDisagreementError`, before anything was written: mixing
-# the shards of step 3 and step 4 in one checkpoint would restore a model that never existed.
+# All four processes raised the same `ProcessDisagreementError`, naming who wanted which step,
+# and nothing of step 3 or step 4 reached the disk: mixing the shards of two steps in one
+# checkpoint would restore a model that never existed.
 #
-# ### 2e. A process that dies during a save
+# **What Orbax does here.** A seed tutorial says Orbax "agrees on the global step with an
+# all-gather before saving". It does not (orbax-checkpoint 0.12.8). The barriers of its
+# blocking phase (`CheckpointManager:save_start`, `create_tmp_directory:pre`/`post`) go through
+# `multihost.sync_global_processes`, which by default calls JAX's
+# `multihost_utils.sync_global_devices(name)`: an all-gather of the CRC-32 of the barrier's
+# *name* — and the names carry no step (in `checkpoint_manager.py` the `suffix=str(step)` is
+# commented out). The signals that tell the others the directory exists are keyed by an
+# operation counter (`OperationIdGenerator`), not by the step. Only the background phase's
+# barriers (`async_write_complete.<directory name>`) end with the step directory's name: processes
+# that disagree are not stopped before they write; they wait at two different barriers until the
+# time-out (`AsyncOptions.timeout_secs`, 1200 s). Agreeing on the step is left to your loop.
+#
+# ### 2e. Which step is the newest? Agree on restore too
+#
+# Restoring needs an agreement as well. Each process that asks `latest_step()` lists the
+# directory *itself*, at its own moment; while a commit lands, some see the new step and some do
+# not. The job made that happen on purpose: processes 0–1 looked before the collective save of
+# step 6, processes 2–3 after it. Then they exchanged what they saw and all restored the
+# primary's choice:
+
+# %%
+print("the newest step each process saw:", sh[0]["newest_seen"])
+print("the step each restored after agreeing:", [r["restored_step"] for r in sh])
+claim(sh[0]["newest_seen"] == [1, 1, 6, 6], "processes 0-1 saw step 1 as the newest, 2-3 saw step 6",
+      seen=sh[0]["newest_seen"])
+claim({r["restored_step"] for r in sh} == {sh[0]["newest_seen"][0]},
+      "after agreeing, every process restored the primary's step", seen=[r["restored_step"] for r in sh])
+
+# %% [markdown]
+# Without the exchange, processes 0–1 would have restored step 1 and processes 2–3 step 6: one
+# model assembled from two moments, with no error anywhere. So pick the step once — the primary
+# lists and broadcasts, or every process publishes its newest and all take the same one — and
+# pass it to `restore(step)` explicitly. Orbax offers the first as an option:
+# `CheckpointManagerOptions(single_host_load_and_broadcast=True)` makes process 0 list the steps and
+# broadcast them; by default (`False`) every process lists on its own, as here.
+#
+# ### 2f. A process that dies during a save
 
 # %%
 for p in range(3):
     print(f"process {p}: after {sh[p]['dead_after_s']} s: {sh[p]['dead']}")
 print("left in the checkpoint directory:", sh[0]["left"])
+claim(all(sh[p]["dead"].startswith("PeerTimeoutError") and "process(es) 3" in sh[p]["dead"] for p in range(3)),
+      "processes 0-2 raised PeerTimeoutError naming process 3", seen=[sh[p]["dead"][:60] for p in range(3)])
+claim(sh[0]["left"] == ["step_1", "step_6"], "step_7 does not exist and no temporary is left",
+      seen=sh[0]["left"])
+waited = [sh[p]["dead_after_s"] for p in range(3)]
+verdict(all(3.0 <= w < 6.0 for w in waited), "they gave up a little after the 3 s time-out",
+        otherwise="a busy machine delays the processes that wait too; the time-out is a lower bound",
+        seen=f"{waited} s")
 
 # %% [markdown]
 # Process 3 stopped answering before writing. The others waited at the barrier for the time-out
-# (3 s here; 60 s by default: keep it above your slowest write and below JAX's heartbeat
-# time-out), then raised `PeerTimeoutError` naming process 3. The primary removed the temporary
-# directory: `step_5` does not exist, and `step_1` is still the newest checkpoint. (After such an
-# error, leave with `minickpt.multihost.process.hard_exit()`: a normal exit would wait for the dead process
-# at JAX's shutdown barrier.)
+# (3 s here; 60 s by default: keep it above your slowest write), then raised `PeerTimeoutError`
+# naming process 3 — the printed times say how much longer than 3 s they took on this machine.
+# The primary removed the temporary directory: `step_7` does not exist, and `step_6` is still the
+# newest checkpoint. JAX has a coarser guard of its own: the coordination service declares a
+# process dead when its heartbeats stop (`jax.distributed.initialize(heartbeat_timeout_seconds=100)`
+# by default, in `jax/_src/distributed.py`) and brings the job down. (After such an error, leave
+# with `minickpt.multihost.process.hard_exit()`: a normal exit would wait for the dead process at
+# JAX's shutdown barrier.)
 
 # %% [markdown]
 # ## 3. The barrel effect
@@ -473,7 +589,7 @@ BARREL = f'''
 from minickpt.multihost.sync import default_sync
 import orbax.checkpoint as ocp
 m = mesh((N, 2), ("p", "l"))
-noise = np.random.default_rng(0).standard_normal((1024, 4096), dtype=np.float32)  # incompressible
+noise = np.random.default_rng(0).standard_normal((1024, 4096), dtype=np.float32)  # random values
 params = {{"w": jax.make_array_from_callback(noise.shape, NamedSharding(m, P(("p", "l"))),
                                              lambda index: noise[index])}}       # 16 MiB in all
 sync, marks = default_sync(), {{}}
@@ -497,11 +613,22 @@ for i in range(2):                                                  # the first 
     ck.save(os.path.join(DIR, "orbax", f"step_{{i}}"), {{"params": params}})
     ck.wait_until_finished()
     report(**{{f"orbax_{{i}}": time.perf_counter() - t}})
+# a *replicated* array (every device holds all of it): who writes its bytes, in each library?
+rep = {{"r": jax.make_array_from_callback((512, 1024), NamedSharding(m, P()), lambda index: noise[:512, :1024][index])}}
+ck.save(os.path.join(DIR, "orbax", "replicated"), rep)
+ck.wait_until_finished()
 ck.close()
+with mc.CheckpointManager(os.path.join(DIR, "mini_replicated"), opts) as mngr:
+    mngr.save(0, {{"params": rep}})
+
+def tree_bytes(top):
+    return {{os.path.relpath(os.path.join(r, f), top): os.path.getsize(os.path.join(r, f))
+            for r, _, fs in os.walk(top) for f in fs}}
 if ME == 0:
     top = os.path.join(DIR, "orbax", "step_1")
-    report(orbax_layout=sorted(os.path.relpath(os.path.join(r, f), top) for r, _, fs in os.walk(top) for f in fs),
-           orbax_bytes=sum(os.path.getsize(os.path.join(r, f)) for r, _, fs in os.walk(top) for f in fs))
+    report(orbax_layout=sorted(tree_bytes(top)), orbax_bytes=sum(tree_bytes(top).values()),
+           orbax_rep=tree_bytes(os.path.join(DIR, "orbax", "replicated")),
+           mini_rep=tree_bytes(os.path.join(DIR, "mini_replicated", "step_0")))
 '''
 barrel, barrel_dir = run_job("barrel", BARREL, n=4, k=2)
 save = np.array([[r[f"save_{i}"] for i in range(len(DELAYS))] for r in barrel])
@@ -509,6 +636,15 @@ own = np.array([[r[f"own_{i}"] for i in range(len(DELAYS))] for r in barrel])
 print("delay of process 3 (s):      ", DELAYS)
 for p in range(4):
     print(f"process {p}: save() took (s) ", np.round(save[p], 2), "  its own write (s)", np.round(own[p], 2))
+slopes = [float(np.polyfit(DELAYS, save[p], 1)[0]) for p in range(4)]
+verdict(all(0.8 <= k <= 1.2 for k in slopes),
+        "every process's save() grows by about one second per second of process 3's delay",
+        otherwise="a busy machine adds its own delays; read the slope of the medians, not one point",
+        seen="slopes " + ", ".join(f"{k:.2f}" for k in slopes))
+verdict(float(own[:3].max()) < 0.25 * max(DELAYS),
+        "the fast processes' own writes stay short, whatever process 3's delay",
+        otherwise="their writes were slowed by something else on this machine (other programs, a busy disk)",
+        seen=f"longest {own[:3].max():.2f} s")
 
 # %%
 fig, ax = plt.subplots(figsize=(6.5, 4))
@@ -525,12 +661,12 @@ fig.tight_layout()
 plt.show()
 
 # %% [markdown]
-# *Every process's `save()` grows with the delay of process 3 alone, about one second per second,
-# while the fast processes' own writes stay short and flat.* The four solid lines lie on top of
-# each other and follow the dotted line $d + T_{\mathrm{write}}$: the three fast processes spend
-# the difference waiting at the `written` barrier. (The absolute times depend on your disk and on
-# how busy the machine is; what to look for is the slope of about 1 and the flat gray line.) The
-# cure is never to skip the barrier but to remove the slow stave: balanced shards, a fast local
+# *Each process's whole `save()` (solid) and the fast processes' own write (gray), against the
+# delay of process 3 alone.* What to look for: the four solid lines on top of each other, along
+# the dotted line $d + T_{\mathrm{write}}$ (a slope of about 1), and a flat gray line — the three
+# fast processes spend the difference waiting at the `written` barrier. The two verdicts above say
+# whether this run shows it. (The absolute times depend on your disk and on how busy the machine
+# is.) The cure is never to skip the barrier but to remove the slow stave: balanced shards, a fast local
 # disk for the write (chapter 6's tiered storage), and writing in the background (chapter 5).
 
 # %% [markdown]
@@ -556,6 +692,7 @@ report(identical={{k: all(np.array_equal(np.asarray(s.data), values(k, shapes[k]
 rs, _ = run_job("restore_on_2", RESTORE, n=2, k=2)
 for p, r in enumerate(rs):
     print(f"process {p} of 2: every local piece identical to the saved values: {r['identical']}")
+claim(all(all(r["identical"].values()) for r in rs), "both processes restored identical values", seen=rs)
 
 # %% [markdown]
 # And by this notebook alone — one process — onto its own devices (4 CPU devices locally, the GPU
@@ -573,6 +710,8 @@ for k in ("A", "B"):
     print(f"{k}: restored by 1 process on {one[k].sharding.spec}: identical "
           f"{np.array_equal(np.asarray(one[k]), values(k, (8, 4)))};  as numpy: identical "
           f"{np.array_equal(plain[k], values(k, (8, 4)))}")
+claim(all(np.array_equal(np.asarray(one[k]), values(k, (8, 4))) and np.array_equal(plain[k], values(k, (8, 4)))
+          for k in ("A", "B")), "one process restores identical values, onto its devices and as numpy")
 
 # %% [markdown]
 # Identical values, from 4 processes to 2 and to 1, across three mesh shapes. Replicated state
@@ -582,9 +721,9 @@ for k in ("A", "B"):
 # ## 5. Orbax beside minickpt
 #
 # Orbax's `StandardCheckpointer` (and `CheckpointManager`) do the same collective job in a
-# `jax.distributed` program: every process calls `save`, each writes the shards it owns
-# (`replica_id == 0`), barriers separate the phases, and the primary process commits. The barrel
-# job above saved the same 16 MiB state with both:
+# `jax.distributed` program: every process calls `save`, barriers separate the phases, each
+# process writes its part, and the primary process commits. The barrel job above saved the same
+# 16 MiB state with both:
 
 # %%
 ox = np.array([[r["orbax_0"], r["orbax_1"]] for r in barrel])
@@ -596,15 +735,58 @@ for f in layout[:12]:
     print("   ", f)
 print("minickpt's checkpoint:",
       sorted(str(p.relative_to(barrel_dir / "barrel" / "step_1")) for p in (barrel_dir / "barrel" / "step_1").rglob("*") if p.is_file()))
+raw = 1024 * 4096 * 4
+print(f"the state's raw bytes: {raw:,}; Orbax's files: {barrel[0]['orbax_bytes']:,} "
+      f"({barrel[0]['orbax_bytes'] / raw:.0%})")
+claim(barrel[0]["orbax_bytes"] < raw, "Orbax's files are smaller than the raw array: it compresses",
+      seen=barrel[0]["orbax_bytes"])
 
 # %% [markdown]
-# The layouts differ, the protocol is the same. Orbax gives each process its own OCDBT key-value
+# The layouts differ, the protocol is alike. Orbax gives each process its own OCDBT key-value
 # store (`ocdbt.process_<i>/`, TensorStore chunks under `d/`), which the primary's `manifest.ocdbt`
 # ties together, adds `array_metadatas/process_<i>` and the tree's `_METADATA`, and marks
 # completion with `commit_success.txt` and a rename; minickpt writes `data.p<i>.bin` and
 # `manifest.p<i>.json` per process and one `manifest.json` with every shard file's checksum. Both
-# restore onto any mesh. (Timings on a busy 2-core machine vary by tens of percent from run to
-# run; the benchmark in `benchmarks/multihost_save.py` measures properly.)
+# restore onto any mesh. Orbax's files are also *smaller* than the array: it compresses every
+# chunk with zstd by default (`build_array_metadata(..., use_compression=True)` in
+# `orbax/checkpoint/_src/serialization/tensorstore_utils.py`), and even random normal float32
+# values give up a few percent (their exponent bytes repeat); minickpt stores the raw bytes.
+# (Timings on a busy 2-core machine vary by tens of percent from run to run; the benchmark in
+# `benchmarks/multihost_save.py` measures properly.)
+#
+# **Who writes a replicated array.** The job also saved a replicated `(512, 1024)` float32 array
+# (2 MiB, held whole by all 8 devices) with each library. Count each process's bytes:
+
+# %%
+def by_process(files, pattern):
+    out = {}
+    for name, size in files.items():
+        for part in name.split("/"):
+            if part.startswith(pattern):
+                p = int(part[len(pattern):].split(".")[0])
+                out[p] = out.get(p, 0) + size
+    return dict(sorted(out.items()))
+
+
+orbax_rep = by_process(barrel[0]["orbax_rep"], "ocdbt.process_")
+mini_rep = by_process(barrel[0]["mini_rep"], "data.p")
+mini_rep[0] = mini_rep.get(0, 0) + sum(v for k, v in barrel[0]["mini_rep"].items() if k.endswith("/data.bin"))
+print("Orbax, bytes in each process's ocdbt.process_<i>/:", orbax_rep)
+print("minickpt, bytes in each process's data files:     ", mini_rep)
+claim(len([b for b in orbax_rep.values() if b > 0]) == 4,
+      "Orbax split the replicated array over all 4 processes", seen=orbax_rep)
+claim(mini_rep.get(0, 0) >= 2 * 2**20 and all(v == 0 for k, v in mini_rep.items() if k != 0),
+      "minickpt's process 0 wrote all of it", seen=mini_rep)
+
+# %% [markdown]
+# minickpt's rule — the first holder of a piece writes it — gives all of a replicated array to
+# process 0: exactly the imbalance that makes one stave short in section 3. Orbax avoids it: with
+# *replica-parallel* saving (`ArrayHandler(use_replica_parallel=...)`, on by default unless the
+# environment variable `JAX_PLATFORMS` names `gpu` or `cuda`: `_get_default_use_replica_parallel`
+# in `jax_array_handlers.py`), each of the $n$ replicas of a shard writes $1/n$ of it, cut along the
+# first axis that $n$ divides (`get_replica_slices` in `replica_slices.py`; it falls back to one
+# writer when no axis divides). The bytes above are spread over the four processes for that
+# reason. Splitting the write of replicated leaves is a fair exercise after lab 4.
 
 # %% [markdown]
 # ## 6. Common misconceptions
@@ -618,15 +800,26 @@ print("minickpt's checkpoint:",
 # **"Each host can save when it reaches the step; they will all get there."** Not at the same
 # time, and perhaps not at the same step (section 2d). Without agreement and barriers, a crash
 # between two hosts' writes leaves a checkpoint stitched from two moments, or one published
-# without a slow host's shards (section 2c).
+# without a slow host's shards (section 2c). The same holds on restore: processes that each take
+# their own `latest_step()` can restore two different steps (section 2e).
 #
-# **"Orbax uses file locks to stop processes from colliding."** It does not: it relies on the same
-# protocol as minickpt — one writer per shard, barriers between phases, one process that commits.
-# A lock file on shared storage would not order the writes of hundreds of hosts anyway.
+# **"Orbax uses file locks to stop processes from colliding."** (A seed's.) Its commit takes no
+# lock: the primary writes `commit_success.txt` into the temporary directory and renames it
+# (`AtomicRenameTemporaryPath.finalize` in `orbax/checkpoint/_src/path/atomicity.py`). What keeps
+# processes apart is the protocol of this chapter — each piece has its writers, barriers separate
+# the phases, one process commits. Locks do appear one level down: TensorStore's `file` key-value
+# store, which writes Orbax's chunk files, locks each file it writes (the filesystem's locks,
+# used "to safely allow concurrent access from multiple processes", in its documentation), so two
+# writers of one key do not tear it. That protects a file, not a checkpoint: it neither makes the
+# processes agree on a step nor waits for a slow one.
 #
 # **"A barrier without a time-out is fine: the processes will come."** A dead process never comes.
-# minickpt bounds every barrier and names the missing process (section 2e); JAX's own collectives
-# have no time-out, which is why minickpt never waits on them.
+# minickpt bounds every barrier and names the missing process (section 2f). JAX's collectives have
+# no time-out, which is why minickpt never waits on them; Orbax's blocking-phase barriers are such
+# a collective by default (`sync_global_devices`; the flag `experimental_orbax_use_distributed_barrier`
+# switches them to the coordination service), while its background barriers are the coordination
+# service's `wait_at_barrier`, which does time out (`AsyncOptions.timeout_secs`, 1200 s). Behind
+# both, JAX's heartbeats (100 s) detect a dead process and stop the job.
 #
 # **"A checkpoint saved on 64 hosts needs 64 hosts to restore."** It needs the bytes, not the
 # hosts: every restoring device reads the region it needs from whatever pieces overlap it
@@ -642,11 +835,17 @@ print("minickpt's checkpoint:",
 #   shards — barrier — the primary commits — barrier. Every barrier has a time-out that names the
 #   missing process; a failure anywhere fails the save everywhere and commits nothing.
 # - Without the agreement, steps mix; without the barrier before the commit, an incomplete
-#   checkpoint is published; "every process saves its own copy" loses a sharded model.
+#   checkpoint is published; "every process saves its own copy" loses a sharded model and can
+#   tear a replicated one. Agree on the step to restore as well: processes can list different
+#   newest steps while a commit lands.
+# - Orbax has no step agreement (its barriers compare names, not steps), splits replicated arrays
+#   over their replicas' processes, and compresses with zstd.
 # - The barrel effect: $T_{\mathrm{save}} \approx \max_p T^{(p)}_{\mathrm{write}} + \dots$ on every
 #   process; one slow process slows everyone, second for second.
 # - A checkpoint of global boxes restores onto any mesh and any number of processes, values
 #   identical. Orbax does the same with another layout.
+# - The barrel effect has a cause minickpt itself creates: "first holder writes" hands every
+#   replicated array to process 0; Orbax's replica-parallel saving spreads it.
 #
 # ## Lab 4
 #

@@ -10,8 +10,9 @@ during saves.
     python -m minickpt.production.drill --kills 5 --steps 200 --every 10
 
 The worker is any command that prints the protocol of :func:`minickpt.demo.worker`, one line
-per event: ``step N``, ``saving step N`` (optional: lets the drill aim at saves), ``resumed
-from step N``, ``final <fingerprint>``; ``{dir}`` in the command is replaced by the
+per event: ``step N``, ``saving step N`` (optional: lets the drill aim at saves), ``saved
+step N`` (optional: a save without it ends when a later step is reported, see
+:func:`save_progress`), ``resumed from step N``, ``final <fingerprint>``; ``{dir}`` in the command is replaced by the
 checkpoint directory. Bit-identical is the expectation on CPU; on GPUs some reductions are
 not deterministic, so compare steps and losses there instead.
 """
@@ -212,7 +213,7 @@ class KillRecord:
     index: int
     kind: str  # what was aimed at: "step" or "save"
     killed_after_step: int | None  # the last step the killed process had computed
-    in_save: bool  # killed between "saving step N" and "saved step N"
+    in_save: bool  # killed between "saving step N" and its end (see save_progress)
     temporary_left: bool  # ... and the write had begun: a temporary directory was left
     last_saved: int | None  # the newest checkpoint the killed process knew to be committed
     resumed_from: int | None  # the step the restarted process restored (0: from scratch)
@@ -341,6 +342,36 @@ def compile_cache_env(directory: str, env: dict[str, str] | None = None) -> dict
     return out
 
 
+def save_progress(events: Sequence[tuple[float, str, Any]], *,
+                  announces_saves: bool) -> tuple[bool, int | None]:
+    """From a killed worker's events: was a save in progress, and which step was the newest
+    one it knew to be committed?
+
+    A save of step N begins at ``saving step N``. It is known to have ended at ``saved step
+    N``; a worker that never prints ``saved step`` lines (``announces_saves`` false: no
+    process of the drill, the uninterrupted one included, printed one) ends it by reporting a
+    later step, since its save returned before that step began (right for a synchronous
+    save; a worker that saves asynchronously must print ``saved step N``). Without that rule
+    every kill after the first save would count as a kill in a save. ``resumed from step N``
+    says that N was committed.
+    """
+    pending: int | None = None
+    known: int | None = None
+    for _, kind, value in events:
+        if kind == "saving step":
+            pending = value
+        elif kind == "saved step":
+            known = value
+            if pending == value:
+                pending = None
+        elif kind == "resumed from step":
+            known = value if known is None else max(known, value)
+        elif kind == "step" and not announces_saves and pending is not None \
+                and value > pending:
+            known, pending = pending, None
+    return pending is not None, known
+
+
 def _temporaries(directory: str) -> list[str]:
     try:
         return sorted(n for n in DEFAULT_FS.listdir(directory) if is_temporary(n))
@@ -430,11 +461,10 @@ def run_drill(directory: str | None = None, *, kills: int = 3, steps: int = 60, 
                 break
             t_kill = proc.kill()
             proc.finish(deadline)
-            saving, saved = proc.last("saving step"), proc.last("saved step")
-            known = saved if saved is not None else proc.last("resumed from step")
+            announces = any(kind == "saved step" for p in procs for _, kind, _ in p.events)
+            in_save, known = save_progress(proc.events, announces_saves=announces)
             # a save cut short in its write phase leaves a temporary (removed at the restart)
-            rec = KillRecord(i, k.kind, proc.last("step"),
-                             saving is not None and saving != saved,
+            rec = KillRecord(i, k.kind, proc.last("step"), in_save,
                              bool(_temporaries(ckpt)), known, None, None, None, None)
             report.kills.append(rec)
             pending = (rec, t_kill)
