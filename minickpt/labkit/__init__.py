@@ -52,6 +52,7 @@ from .devices import (
 from .lab2 import (
     LOOKALIKES,
     CrashReport,
+    crash_commit,
     crash_every_call,
     describe_retention,
     lab2_items,
@@ -133,6 +134,7 @@ __all__ = [
     "claim",
     "close_to",
     "coverage_message",
+    "crash_commit",
     "crash_every_call",
     "describe_devices",
     "describe_retention",
