@@ -216,7 +216,7 @@ def _files_of(root: str) -> dict[str, bytes | None]:
     import os
 
     out: dict[str, bytes | None] = {}
-    for d, subdirs, files in os.walk(root):
+    for d, _subdirs, files in os.walk(root):
         rel = os.path.relpath(d, root)
         if rel != ".":
             out[rel] = None
@@ -343,9 +343,11 @@ def crash_commit(commit: Callable[..., Any], *, subdirs: tuple[str, ...] = ("par
     outcome = raised[-1] if raised else ""  # the run that was not crashed
     outcome = re.sub(r"\S*/point\d+/run/", "<run>/", outcome)
     if existing and outcome != "exists":
+        lost = (f"; and {len(report.problems)} crash states lost the old checkpoint, the first: "
+                f"{report.first()}") if report.problems else ""
         report.problems.insert(0, f"committing onto the existing {final_name} should raise "
                                "StepAlreadyExistsError; it " +
-                               ("returned normally" if not outcome else f"raised {outcome}"))
+                               ("returned normally" if not outcome else f"raised {outcome}") + lost)
     elif not existing and outcome:
         report.problems.insert(0, f"commit raised {outcome} on a plain first commit")
     return report
