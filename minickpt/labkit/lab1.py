@@ -118,7 +118,9 @@ def roundtrip_every_dtype(*fns: Callable[..., Any], seed: int = 0) -> RoundTripR
         try:  # each leaf on its own first, so that one that raises is named
             planner(("t", name), to_host(leaf))
         except Exception as e:
-            report.add(name, f"plan_leaf raised {type(e).__name__}: {str(e)[:200]}")
+            layout = ("" if not isinstance(leaf, np.ndarray) or leaf.flags.c_contiguous else
+                      " (this leaf is a strided view, not C-contiguous)")
+            report.add(name, f"plan_leaf raised {type(e).__name__}: {str(e)[:200]}{layout}")
             del cases[name]
     with plugged_in(*fns) if fns else contextlib.nullcontext(), tempdir() as d:
         path = os.path.join(d, "c")
@@ -129,8 +131,11 @@ def roundtrip_every_dtype(*fns: Callable[..., Any], seed: int = 0) -> RoundTripR
             return report
         with open(os.path.join(path, "t", "manifest.json")) as f:
             manifest = json.load(f)
-        with open(os.path.join(path, "t", "data.bin"), "rb") as f:
-            data = f.read()
+        data_file = os.path.join(path, "t", "data.bin")
+        data = b""
+        if os.path.exists(data_file):
+            with open(data_file, "rb") as f:
+                data = f.read()
         entries = {"/".join(e.get("path", [])): e for e in manifest.get("leaves", [])}
         for name, leaf in cases.items():  # what is on disk
             e = entries.get(name)
