@@ -76,26 +76,25 @@ def commit(fs: FileSystem, tmp_dir: str, final_dir: str, *, subdirs: Iterable[st
     """Task 2.3 — make the fully written temporary directory ``tmp_dir`` the checkpoint
     ``final_dir``, atomically and durably.
 
-    Receives the file system to call (every call through ``fs``), the temporary directory
-    a save has written, the final name, the sub-directories of ``tmp_dir`` the writers
-    created (``subdirs``, relative names) and, optionally, the writers' ``sync``: a
-    :class:`~minickpt.fs.SyncBatch` holding the files they wrote but did not fsync. Returns
-    nothing; when it returns, a power cut at any later moment leaves ``final_dir`` complete:
+    Receives the file system (every call goes through ``fs``), the temporary directory a
+    save has written, the final name, the sub-directories the writers created in ``tmp_dir``
+    (``subdirs``, relative names) and the writers' ``sync``: a :class:`~minickpt.fs.SyncBatch`
+    holding the files they wrote but did not fsync (``None``: the caller made its files
+    durable itself). Returns nothing. Guarantees, whenever a power cut strikes (during the
+    commit or at any time after it returned):
 
-    * nothing may be published before it is durable: every file in ``sync``, every
-      directory in ``subdirs`` and ``tmp_dir`` itself must be fsynced (their entries
-      included) before anything else happens — in one ``flush`` of a batch, so that the
-      file system can gather them into one journal commit. The batch belongs to the caller
-      when given (they close it); one made here is closed here, even after an error;
-    * publishing is one atomic rename, which must never replace an existing checkpoint:
-      ``fs.rename`` refuses to (``EEXIST``/``ENOTEMPTY``), and that is reported as
-      :class:`~minickpt.errors.StepAlreadyExistsError` naming ``final_dir``;
-    * a rename is itself only durable once the parent directory is fsynced. If that last
-      fsync fails, raise ``OSError`` (same errno) saying the checkpoint is in place but its
-      rename could still be undone by a power cut — the caller must not delete older
-      checkpoints on its strength.
+    * ``final_dir`` is either absent or complete — every directory and every byte written
+      into ``tmp_dir``; never a directory of that name with missing or torn contents;
+    * once the commit has returned, ``final_dir`` is there for good;
+    * an existing ``final_dir`` is never replaced nor changed, at any moment;
+    * ``sync`` belongs to the caller (who closes it); a batch made here is closed here, even
+      after an error.
 
-    Any other error propagates unchanged; ``tmp_dir`` is then left for the caller to abort.
+    Raises :class:`~minickpt.errors.StepAlreadyExistsError` naming ``final_dir`` when it
+    already exists; ``OSError`` with the same errno, saying the checkpoint is in place but
+    could still be undone by a power cut, when making the commit durable fails after
+    ``final_dir`` is in place (the caller must then not delete older checkpoints on its
+    strength); any other error unchanged (``tmp_dir`` is then left for the caller to abort).
     """
     batch = sync if sync is not None else SyncBatch(fs)
     try:
@@ -178,19 +177,17 @@ def cleanup_temporaries(fs: FileSystem, root: str) -> list[str]:
     """Task 2.4 — remove what crashed saves and deletes left in ``root``; return the names
     removed, sorted.
 
-    Receives the file system and a run directory. A crash can leave two kinds of leftovers:
-    temporary directories of saves that never committed (``TMP_MARK`` in the name) and
-    checkpoints renamed for deletion whose files were not all removed (``DELETE_MARK``);
-    :func:`is_temporary` recognises both, wherever the random suffix puts the mark. Remove
-    each of them completely (``fs.rmtree``), then fsync ``root`` once so that the removal
-    itself survives a crash.
-
-    Must never touch anything else: a committed checkpoint (``step_7``), the manager's lock
-    file, or a file of the user's that merely looks alike (``step_7.tmp``, ``notes``) —
-    deleting a committed checkpoint here would lose exactly what the crash left intact. A
-    ``root`` that does not exist holds nothing: return ``[]``. Other ``OSError``s propagate.
-    Call it only while no other writer uses ``root`` (the manager holds a lock for that):
-    another writer's save in progress looks just like a crashed one.
+    Receives the file system (every call through ``fs``) and a run directory. A crash can
+    leave two kinds of leftovers: the temporary directory of a save that never committed
+    and a checkpoint renamed for deletion whose files were not all removed (both carry one
+    of minickpt's marks in their names). Guarantees: every such leftover in ``root`` is gone
+    completely (a tree or a stray file, whatever the step prefix), and once this returns no
+    power cut brings one back; nothing else is touched — a committed checkpoint of any
+    prefix, the manager's lock file, a file of the user's that merely looks alike
+    (``step_7.tmp``, ``notes.txt``): deleting a committed checkpoint here would lose exactly
+    what the crash left intact. A ``root`` that does not exist holds nothing: ``[]``. Other
+    ``OSError``s propagate. Call it only while no other writer uses ``root`` (the manager
+    holds a lock for that): another writer's save in progress looks just like a crashed one.
     """
     removed = []
     try:

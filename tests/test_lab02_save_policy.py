@@ -192,3 +192,36 @@ def test_retention_cases_are_seeded_and_cover_the_hard_cases():
 def test_temporary_names_are_recognised():
     assert is_temporary("step_3.minickpt-tmp-0badc0de") and is_temporary("9.minickpt-del-1")
     assert not is_temporary("step_3.tmp") and not is_temporary("model_4")
+
+
+# ---- task 2.3 on its own: labkit.crash_commit -------------------------------------------
+def replaces_existing(fs, tmp_dir, final_dir, *, subdirs=(), sync=None):
+    batch = sync or SyncBatch(fs)
+    for d in _dirs(tmp_dir, subdirs):
+        batch.add_dir(d)
+    batch.flush()
+    if fs.exists(final_dir):
+        fs.rmtree(final_dir)
+    fs.rename(tmp_dir, final_dir)
+    fs.fsync_dir(os.path.dirname(final_dir))
+
+
+@pytest.mark.task("2.3")
+@pytest.mark.parametrize("kw", [{}, {"caller_batch": False}, {"subdirs": ("a", "a/b")},
+                                {"existing": True}])
+def test_the_reference_commit_survives_a_hand_made_save_crashed_everywhere(kw):
+    report = labkit.crash_commit(commit, **kw)
+    assert report.points > 10 and not report.problems, report.first()
+
+
+@pytest.mark.task("2.3")
+@pytest.mark.parametrize("wrong, kw, said", [
+    (rename_first, {}, "exists but is torn"),
+    (no_dir_fsync, {}, "exists but is torn"),
+    (no_parent_fsync, {}, "its rename is not durable yet"),
+    (replaces_existing, {"existing": True}, "crash states lost the old checkpoint"),
+], ids=["rename-first", "no-dir-fsync", "no-parent-fsync", "replaces-existing"])
+def test_crash_commit_catches_each_wrong_design(wrong, kw, said):
+    report = labkit.crash_commit(wrong, **kw)
+    assert any(said in p for p in report.problems), report.problems[:3]
+    assert "/dev/shm" not in report.first()

@@ -47,12 +47,12 @@ NP_GENERIC_LAST = '''    if x is None or isinstance(x, (*SCALAR_TYPES, HostKey))
         x = np.asarray(x)'''
 
 
-LITTLE_ENDIAN = """        entry.update(kind="array", dtype=dtype_name(host.dtype), shape=list(host.shape))
-        buf = _as_bytes(host)"""
+LITTLE_ENDIAN = """    if data.dtype.byteorder == ">":  # data.bin is little-endian whatever the machine
+        data = data.astype(data.dtype.newbyteorder("<"))
+    buf = np.ascontiguousarray(data).reshape(-1).view(np.uint8)"""
 
 
-NATIVE_ORDER = """        entry.update(kind="array", dtype=dtype_name(host.dtype), shape=list(host.shape))
-        buf = host.reshape(-1).view(np.uint8)  # the raw bytes, as they are in memory"""
+NATIVE_ORDER = """    buf = data.reshape(-1).view(np.uint8)  # the raw bytes, as they are in memory"""
 
 
 CRC_CHECK = '''    if verify and "crc32" in entry:
@@ -64,8 +64,9 @@ NO_CRC_CHECK = '''    if False:  # checksums later
 
 
 def partial(release: Any, source: Any) -> Any:
-    """Task 1.1 right; 1.2 misses np.float64 (a float subclass); 1.3 writes bytes in the
-    machine's order, not little-endian; 1.4 finds the newest checkpoint by sorting names;
+    """Task 1.1 right; 1.2 misses np.float64 (a float subclass); 1.3 writes each array's
+    bytes as they are in memory (the array's own byte order, and a strided view refused),
+    not little-endian C order; 1.4 finds the newest checkpoint by sorting names;
     7 of 11 quiz answers right."""
     nb = perfect(release, source)
     _replace(nb, "task_1_2", NP_GENERIC_FIRST, NP_GENERIC_LAST)
@@ -391,14 +392,14 @@ def cheat_patch_labkit(release: Any, source: Any) -> Any:
     return nb
 
 
-UINT64_AS_INT64 = """        entry.update(kind="array", dtype=dtype_name(host.dtype), shape=list(host.shape))
-        buf = _as_bytes(host)"""
+UINT64_AS_INT64 = """        data = host
+        entry.update(kind="array")"""
 
 
-UINT64_BUG = """        if host.dtype == np.uint64:  # my shortcut: store unsigned as signed
-            host = host.astype(np.int64)
-        entry.update(kind="array", dtype=dtype_name(host.dtype), shape=list(host.shape))
-        buf = _as_bytes(host)"""
+UINT64_BUG = """        data = host
+        if host.dtype == np.uint64:  # my shortcut: store unsigned as signed
+            data = host.astype(np.int64)
+        entry.update(kind="array")"""
 
 
 PATCH_REFERENCE = """
@@ -419,9 +420,10 @@ lab.reference = lambda name: globals().get(name) or _real_lab.reference(name)
 
 
 def cheat_patch_reference(release: Any, source: Any) -> Any:
-    """``plan_leaf`` stores uint64 arrays as int64 (only a hidden test, which compares with the
-    reference function, finds it); ``lab.reference`` is replaced so that the hidden test
-    compares the student's function with itself."""
+    """``plan_leaf`` stores uint64 arrays as int64 (the round trip of every dtype finds it, and
+    so does a hidden test that compares with the reference function); ``lab.reference`` is
+    replaced so that the hidden test compares the student's function with itself: the
+    round trip, which needs no reference, still fails it (1.3: 2 of 4)."""
     nb = perfect(release, source)
     _replace(nb, "task_1_3", UINT64_AS_INT64, UINT64_BUG)
     _append(nb, "task_1_3", PATCH_REFERENCE)
@@ -701,6 +703,30 @@ def cheat_wrapper_reference(release: Any, source: Any) -> Any:
     return nb
 
 
+# -- task 1.3's design, wrong: each passes the training-state test, not the round trip ------
+LOSSY_BFLOAT16 = """        data = host
+        if host.dtype.name == "bfloat16":  # numpy has no bfloat16 of its own: store float32
+            data = host.astype(np.float32)
+        entry.update(kind="array")"""
+
+
+def lossy_bfloat16(release: Any, source: Any) -> Any:
+    """Task 1.3 stores bfloat16 arrays as float32 ("numpy cannot do bfloat16"): the values
+    survive, but the dtype, the size and the bytes on disk do not."""
+    nb = perfect(release, source)
+    _replace(nb, "task_1_3", UINT64_AS_INT64, LOSSY_BFLOAT16)
+    return nb
+
+
+def key_default_impl(release: Any, source: Any) -> Any:
+    """Task 1.3 drops a key's implementation on the way back: every key is rebuilt as the
+    default threefry2x32, so an rbg key (4 words, not 2) does not come back."""
+    nb = perfect(release, source)
+    _replace(nb, "task_1_3", 'return HostKey(arr, entry["impl"])',
+             'return HostKey(arr, "threefry2x32")  # the default implementation')
+    return nb
+
+
 EXAMPLES: dict[str, Edit] = {
     "perfect": perfect, "partial": partial, "blank": blank, "syntax_error": syntax_error,
     "edited_test": edited_test, "deleted_cell": deleted_cell,
@@ -720,6 +746,7 @@ EXAMPLES: dict[str, Edit] = {
     "cheat_patch_stdlib": cheat_patch_stdlib, "cheat_read_history": cheat_read_history,
     "attack_spinners": attack_spinners, "odd_source": odd_source,
     "cheat_wrapper_reference": cheat_wrapper_reference,
+    "lossy_bfloat16": lossy_bfloat16, "key_default_impl": key_default_impl,
 }
 
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from .common import Edit, _answers, _replace, blank, perfect
+from .common import Edit, _answers, _cell, _replace, blank, perfect
 from .hostile import ISSUE_20
 
 INTERVAL = "    return step % save_interval_steps == 0 or step in save_on_steps"
@@ -53,6 +53,50 @@ def commit_without_fsync(release: Any, source: Any) -> Any:
     return nb
 
 
+RENAME_FIRST = '''
+def commit(fs, tmp_dir, final_dir, *, subdirs=(), sync=None):
+    """Task 2.3 — mine: publish first (the rename is atomic), then make it all durable."""
+    try:
+        fs.rename(tmp_dir, final_dir)
+    except OSError as e:
+        if e.errno in (errno.EEXIST, errno.ENOTEMPTY):
+            raise StepAlreadyExistsError(f"{final_dir} already exists") from e
+        raise
+    batch = sync if sync is not None else SyncBatch(fs)
+    try:
+        for sub in subdirs:
+            batch.add_dir(os.path.join(final_dir, sub))
+        batch.add_dir(final_dir)
+        batch.flush()
+    finally:
+        if sync is None:
+            batch.close()
+    try:
+        fs.fsync_dir(os.path.dirname(os.path.abspath(final_dir)))
+    except OSError as e:
+        raise OSError(e.errno, f"{final_dir} is in place, but its rename could be undone") from e
+'''.strip()
+
+
+def commit_rename_first(release: Any, source: Any) -> Any:
+    """Task 2.3 renames first and fsyncs afterwards (every call of the protocol, in the wrong
+    order): a power cut between the rename and the flush leaves step_N with torn files."""
+    nb = perfect(release, source)
+    _cell(nb, "task_2_3").source = RENAME_FIRST
+    return nb
+
+
+def commit_replaces_existing(release: Any, source: Any) -> Any:
+    """Task 2.3 makes room like seed 000's MiniCheckpointer: an existing final_dir is removed
+    (rmtree) before the rename. The manager never commits onto a saved step, so only the
+    commit's own crash test finds it: a crash between the two calls loses the checkpoint."""
+    nb = perfect(release, source)
+    _replace(nb, "task_2_3", "    try:\n        fs.rename(tmp_dir, final_dir)\n",
+             "    if fs.exists(final_dir):  # a re-run of this step: make room for the new one\n"
+             "        fs.rmtree(final_dir)\n    try:\n        fs.rename(tmp_dir, final_dir)\n")
+    return nb
+
+
 def cleanup_too_greedy(release: Any, source: Any) -> Any:
     """Task 2.4 removes every name containing "tmp" or "del": a run with step_prefix="model"
     loses its committed checkpoints, and the user's step_9.tmp goes too."""
@@ -80,6 +124,8 @@ EXAMPLES: dict[str, Edit] = {
     "off_by_one_interval": off_by_one_interval,
     "keeps_oldest": keeps_oldest,
     "commit_without_fsync": commit_without_fsync,
+    "commit_rename_first": commit_rename_first,
+    "commit_replaces_existing": commit_replaces_existing,
     "cleanup_too_greedy": cleanup_too_greedy,
     **ISSUE_20,  # issue 20's four classes in one submission (cheap: see make_examples)
 }

@@ -94,25 +94,31 @@ def decode_value(entry: Mapping[str, Any], where: str) -> Any:
 def plan_leaf(names: Names, host: Any) -> tuple[dict[str, Any], np.ndarray | None]:
     """Task 1.3 (write) — one host leaf's manifest entry, and its bytes.
 
-    An array (or a :class:`HostKey`'s raw data) is described by its kind, dtype name, shape
-    and byte count, and its bytes come back as a 1-D ``uint8`` view in little-endian order;
-    a Python scalar or string is stored in the entry itself (no bytes: ``None``). Where the
-    bytes go (the offset) and their checksum are added by :func:`plan_item` and
-    :func:`write_item`.
+    Receives a leaf's key path and the leaf as :func:`to_host` gives it (a numpy array, a
+    :class:`HostKey`, a Python scalar or string). Returns ``(entry, buf)``: the entry
+    describes the leaf in the manifest's terms (``path``, ``kind``, ``dtype``, ``shape``,
+    ``nbytes``; a key's ``impl``; a value's own fields), and ``buf`` holds exactly the bytes
+    ``data.bin`` must store for it, as a 1-D ``uint8`` array: little-endian and in C order
+    whatever the array's byte order or memory layout, with no cast (``None`` for a value,
+    which lives in the entry). Refuses, with :class:`UnsupportedLeafError`, a dtype the
+    format cannot store. The offset, the checksum and the ``scalar`` mark are added by
+    :func:`plan_item` and :func:`write_item`.
     """
     where = path_str(names)
     entry: dict[str, Any] = {"path": list(names)}
     if isinstance(host, HostKey):
         data = np.asarray(host.data)
-        entry.update(kind="prng_key", impl=host.impl, dtype=dtype_name(data.dtype),
-                     shape=list(data.shape))
-        buf = _as_bytes(data)
+        entry.update(kind="prng_key", impl=host.impl)
     elif isinstance(host, np.ndarray):
-        entry.update(kind="array", dtype=dtype_name(host.dtype), shape=list(host.shape))
-        buf = _as_bytes(host)
+        data = host
+        entry.update(kind="array")
     else:
         entry.update(encode_value(host, where))
         return entry, None
+    entry.update(dtype=dtype_name(data.dtype), shape=list(data.shape))
+    if data.dtype.byteorder == ">":  # data.bin is little-endian whatever the machine
+        data = data.astype(data.dtype.newbyteorder("<"))
+    buf = np.ascontiguousarray(data).reshape(-1).view(np.uint8)
     entry["nbytes"] = int(buf.nbytes)
     return entry, buf
 

@@ -76,11 +76,14 @@ def decode_leaf(entry: Mapping[str, Any], raw: np.ndarray | None, *, verify: boo
                 where: str = "<data>") -> Any:
     """Task 1.3 (read) — one leaf's value from its manifest entry and its bytes.
 
-    ``raw`` holds the leaf's ``entry["nbytes"]`` bytes from the data file as a 1-D ``uint8``
-    array (``None`` for a value leaf: its value is in the entry). With ``verify``, bytes whose
-    CRC-32 differs from the entry's raise :class:`CheckpointCorruptedError` naming ``where``
-    and the leaf. An array comes back as a numpy array of the saved dtype and shape (a view
-    of ``raw``, or a numpy scalar if it was saved from one), a key as :class:`HostKey`.
+    Receives an entry that minickpt has already checked (known dtype, a byte count that
+    matches the shape, a known key ``impl``) and, for arrays and keys, the leaf's
+    ``entry["nbytes"]`` bytes from the data file as a 1-D ``uint8`` array (``None`` for a
+    value). Returns the leaf bit for bit as it was planned: a numpy array of the saved dtype
+    and shape that is a view of ``raw`` (no copy: a checkpoint can be larger than half the
+    memory), a numpy scalar for an entry marked ``scalar``, a :class:`HostKey` for a key, the
+    value for a value. With ``verify``, bytes whose CRC-32 differs from the entry's
+    ``crc32`` raise :class:`CheckpointCorruptedError` naming ``where`` and the leaf.
     """
     if entry["kind"] == "value":
         return decode_value(entry, where)

@@ -3,8 +3,8 @@ function into the library, a real training state on the devices JAX sees, and ch
 messages teach.
 
 The kit is a package: the shared part (:mod:`.plugging`, :mod:`.checks`, :mod:`.devices`,
-:mod:`.temporaries`) and one module per lab (:mod:`.lab2` ... :mod:`.lab6`; lab 1 needs only the
-shared part). A lab imports it as ``from minickpt import labkit as lab`` and calls ``lab.check``,
+:mod:`.temporaries`) and one module per lab (:mod:`.lab1` ... :mod:`.lab6`). A lab imports it
+as ``from minickpt import labkit as lab`` and calls ``lab.check``,
 ``lab.train_state``, ``lab.crash_every_call`` ...: this file gathers those names.
 
 A lab task is one or more functions of minickpt whose docstrings start with ``"Task 1.3 —"``
@@ -49,9 +49,15 @@ from .devices import (
     train,
     train_state,
 )
+from .lab1 import (
+    RoundTripReport,
+    dtype_cases,
+    roundtrip_every_dtype,
+)
 from .lab2 import (
     LOOKALIKES,
     CrashReport,
+    crash_commit,
     crash_every_call,
     describe_retention,
     lab2_items,
@@ -126,6 +132,7 @@ __all__ = [
     "ProcessesRun",
     "Raised",
     "RecordingSave",
+    "RoundTripReport",
     "async_training_run",
     "check",
     "check_choice",
@@ -133,6 +140,7 @@ __all__ = [
     "claim",
     "close_to",
     "coverage_message",
+    "crash_commit",
     "crash_every_call",
     "describe_devices",
     "describe_retention",
@@ -141,6 +149,7 @@ __all__ = [
     "donating_train_step",
     "drill_worker",
     "drill_worker_fingerprint",
+    "dtype_cases",
     "expect_raises",
     "fake_devices_indices_map",
     "flip_byte",
@@ -171,6 +180,7 @@ __all__ = [
     "reference_functions",
     "resume_rtol",
     "retention_cases",
+    "roundtrip_every_dtype",
     "run_loop_process",
     "run_processes",
     "same",

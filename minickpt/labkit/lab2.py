@@ -210,3 +210,145 @@ def crash_every_call(*fns: Callable[..., Any], before: tuple[int, ...] = (1, 2),
                                      "; ".join(pt.pending[:3]) or "nothing")
                     report.problems.append(f"{msg} [not yet durable then: {pending}]")
     return report
+
+
+def _files_of(root: str) -> dict[str, bytes | None]:
+    """Every directory (``None``) and file (its bytes) under ``root``, by relative path."""
+    import os
+
+    out: dict[str, bytes | None] = {}
+    for d, _subdirs, files in os.walk(root):
+        rel = os.path.relpath(d, root)
+        if rel != ".":
+            out[rel] = None
+        for name in files:
+            with open(os.path.join(d, name), "rb") as f:
+                out[os.path.normpath(os.path.join(rel, name))] = f.read()
+    return out
+
+
+def crash_commit(commit: Callable[..., Any], *, subdirs: tuple[str, ...] = ("params", "params/mu"),
+                 caller_batch: bool = True, existing: bool = False,
+                 random_states: int = 1) -> CrashReport:
+    """Crash a hand-made save at every file-system call: write a temporary tree of ``subdirs``
+    (one ``data.bin`` in each directory, not yet fsynced when ``caller_batch``: handed over in
+    a :class:`~minickpt.fs.SyncBatch`; fsynced by the writer otherwise), then call
+    ``commit(fs, tmp_dir, final_dir, subdirs=..., sync=...)``. Every state a power cut can
+    leave is read back: ``final_dir`` must be absent or complete (every directory, every
+    byte), and present for good once ``commit`` has returned.
+
+    With ``existing`` the run already holds a committed ``final_dir`` (other bytes): the
+    commit must raise :class:`~minickpt.errors.StepAlreadyExistsError`, and no crash state may
+    hold anything but the old checkpoint under that name.
+    """
+    import os
+
+    from ..crashsim import AssertionFailure, explore
+    from ..errors import StepAlreadyExistsError
+    from ..faults import SimulatedCrash
+    from ..fs import FileSystem, SyncBatch
+
+    tmp_name, final_name = "step_7.minickpt-tmp-0000abcd", "step_7"
+    dirs = ["", *subdirs]
+    new = {**{s: None for s in subdirs},
+           **{os.path.join(s, "data.bin"): f"step 7, {s or 'top'}: ".encode() * 40 for s in dirs}}
+    old = {"params": None, "params/data.bin": b"step 7, committed long ago"}
+    report = CrashReport()
+    raised: list[str] = []
+    with tempdir("/dev/shm" if os.access("/dev/shm", os.W_OK) else None) as work:
+        template = os.path.join(work, "template")
+        os.makedirs(os.path.join(template, "run"))
+        if existing:
+            os.makedirs(os.path.join(template, "run", final_name, "params"))
+            with open(os.path.join(template, "run", final_name, "params", "data.bin"), "wb") as f:
+                f.write(old["params/data.bin"])
+
+        def scenario(fs: FileSystem, world: str) -> None:
+            run = os.path.join(world, "run")
+            tmp, final = os.path.join(run, tmp_name), os.path.join(run, final_name)
+            batch = SyncBatch(fs) if caller_batch else None
+            try:
+                fs.mkdir(tmp)
+                for s in dirs:
+                    if s:
+                        fs.mkdir(os.path.join(tmp, s))
+                    fd = fs.open(os.path.join(tmp, s, "data.bin"),
+                                 os.O_WRONLY | os.O_CREAT | os.O_EXCL)
+                    fs.write(fd, new[os.path.join(s, "data.bin")])
+                    if batch is not None:
+                        batch.add_file(fd)
+                    else:
+                        fs.fsync(fd)
+                        fs.close(fd)
+                try:
+                    commit(fs, tmp, final, subdirs=list(subdirs), sync=batch)
+                    raised.append("")
+                except SimulatedCrash:
+                    raise
+                except Exception as e:  # what the commit raised, judged below
+                    raised.append(f"{type(e).__name__}: {e}"[:200]
+                                  if not isinstance(e, StepAlreadyExistsError) else "exists")
+            finally:
+                if batch is not None:
+                    batch.close()  # the caller's batch: the caller closes it
+
+        def observe(world: str) -> str:
+            final = os.path.join(world, "run", final_name)
+            if not os.path.isdir(final):
+                if existing:
+                    raise AssertionError(f"{final_name} is gone: the committed checkpoint was "
+                                         "removed (a commit must never replace one)")
+                return "absent"
+            got = _files_of(final)
+            if existing:
+                if got != old:
+                    raise AssertionError(f"{final_name} no longer holds the committed checkpoint "
+                                         f"(it holds {sorted(got)}): it was replaced or changed")
+                return "old"
+            if got != new:
+                missing = sorted(k for k in new if k not in got)
+                torn = sorted(k for k in new if k in got and got[k] != new[k])
+                what = (f"missing {missing}" if missing else "") + \
+                       ("; " if missing and torn else "") + \
+                       (f"{torn} empty or cut short" if torn else "")
+                raise AssertionError(f"{final_name} exists but is torn: {what or 'extra entries'}")
+            return "new"
+
+        durable_from: int | None = None
+        seen: set[str] = set()
+        for pt in explore(template, scenario, observe, fidelity=False,
+                          workdir=os.path.join(work, "x"), random_states=random_states):
+            report.points += 1
+            report.states += len(pt.states)
+            bad = [f"{st.label}: {out.message}" for st, out in zip(pt.states, pt.outcomes,
+                                                                  strict=True)
+                   if isinstance(out, AssertionFailure)]
+            if not existing:
+                good = [o for o in pt.outcomes if not isinstance(o, AssertionFailure)]
+                if good and all(o == "new" for o in good):
+                    durable_from = pt.index if durable_from is None else durable_from
+                elif durable_from is not None:
+                    bad.append(f"{final_name} was safe from crash point {durable_from} on, but "
+                               "a power cut here loses it")
+                if pt.call == "end" and not all(o == "new" for o in good):
+                    bad.append(f"commit returned, but a power cut right after it can lose "
+                               f"{final_name}: its rename is not durable yet")
+            for b in bad:
+                msg = re.sub(r"\S*/(state|point)\d+", "<world>",
+                             f"crash before call {pt.index} ({pt.call}) — {b}")
+                if msg not in seen:
+                    seen.add(msg)
+                    pending = re.sub(r"\S*/point\d+", "<world>",
+                                     "; ".join(pt.pending[:3]) or "nothing")
+                    report.problems.append(f"{msg} [not yet durable then: {pending}]")
+    outcome = raised[-1] if raised else ""  # the run that was not crashed
+    outcome = re.sub(r"\S*/point\d+/run/", "<run>/", outcome)
+    if existing and outcome != "exists":
+        lost = (f"; and {len(report.problems)} crash states lost the old checkpoint, the first: "
+                f"{report.first()}") if report.problems else ""
+        report.problems.insert(0, f"committing onto the existing {final_name} should raise "
+                               "StepAlreadyExistsError; it " +
+                               ("returned normally" if not outcome else f"raised {outcome}") + lost)
+    elif not existing and outcome:
+        report.problems.insert(0, f"commit raised {outcome} on a plain first commit")
+    return report
