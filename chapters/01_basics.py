@@ -306,15 +306,15 @@ else:
     verdict(same, "the full-state resume is the uninterrupted run, bit for bit",
             otherwise="this accelerator summed something in another order (chapter 3): compare "
                       "the two curves' scale, not their last digits", seen=devices[0].platform)
-verdict(abs(hist_weights[0, 1] / LR - 1) < 0.2,
-        "the weights-only resume's first step moves the weights by about eta",
-        otherwise="Adam's first step is eta * m/sqrt(v) = eta * sign(g) only where |g| >> eps; "
-                  "tiny gradients move less", seen=f"{hist_weights[0, 1]:.1e} vs eta {LR}")
-verdict(hist_weights[first, 0].max() / loss_at_k >= 10,
-        "the weights-only resume's loss jumps by more than 10x",
-        otherwise="a smaller jump: the run was not yet far enough into training for a fresh "
-                  "Adam's full-size steps to do much damage",
-        seen=f"{hist_weights[first, 0].max() / loss_at_k:.0f}x")
+_ = verdict(abs(hist_weights[0, 1] / LR - 1) < 0.2,
+            "the weights-only resume's first step moves the weights by about eta",
+            otherwise="Adam's first step is eta * m/sqrt(v) = eta * sign(g) only where |g| >> eps; "
+                      "tiny gradients move less", seen=f"{hist_weights[0, 1]:.1e} vs eta {LR}")
+_ = verdict(hist_weights[first, 0].max() / loss_at_k >= 10,
+            "the weights-only resume's loss jumps by more than 10x",
+            otherwise="a smaller jump: the run was not yet far enough into training for a fresh "
+                      "Adam's full-size steps to do much damage",
+            seen=f"{hist_weights[first, 0].max() / loss_at_k:.0f}x")
 
 # %% [markdown]
 # One run can mislead: the loss at step 300, in particular, depends on the batches the run
@@ -348,16 +348,16 @@ print(f"\nin every seed: the first update is {lo[0]:.0f}-{hi[0]:.0f}x the warm o
 worse = int((rows[:, 3] > 1.05).sum())
 print(f"the loss at step {T} relative to the uninterrupted run: {lo[3]:.2f}-{hi[3]:.2f} "
       f"({worse} of {len(rows)} seeds more than 5% worse, {(rows[:, 3] < 1).sum()} below 1)")
-verdict(bool(lo[0] > 10 and lo[1] > 10), "in every seed the first update is more than 10x the "
-        "warm one and the loss jumps more than 10x", otherwise="a seed where the fresh Adam did "
-        "less damage: the point is the detour, read its 'steps to get back'",
-        seen=f"{lo[0]:.0f}x, {lo[1]:.0f}x at least")
-verdict(bool(lo[2] >= 10), "in every seed tens of steps go to winning back the checkpoint's loss",
-        otherwise="a seed that got back within a few steps", seen=f"{lo[2]:.0f}-{hi[2]:.0f} steps")
-verdict(worse > len(rows) / 2, f"in most seeds the weights-only run still ends worse at step {T}",
-        otherwise="on this machine most seeds recovered fully within 100 steps: the end point "
-                  "depends on the batches drawn, the detour does not",
-        seen=f"{worse} of {len(rows)} more than 5% worse")
+_ = verdict(bool(lo[0] > 10 and lo[1] > 10), "in every seed the first update is more than 10x the "
+            "warm one and the loss jumps more than 10x", otherwise="a seed where the fresh Adam did "
+            "less damage: the point is the detour, read its 'steps to get back'",
+            seen=f"{lo[0]:.0f}x, {lo[1]:.0f}x at least")
+_ = verdict(bool(lo[2] >= 10), "in every seed tens of steps go to winning back the checkpoint's loss",
+            otherwise="a seed that got back within a few steps", seen=f"{lo[2]:.0f}-{hi[2]:.0f} steps")
+_ = verdict(worse > len(rows) / 2, f"in most seeds the weights-only run still ends worse at step {T}",
+            otherwise="on this machine most seeds recovered fully within 100 steps: the end point "
+                      "depends on the batches drawn, the detour does not",
+            seen=f"{worse} of {len(rows)} more than 5% worse")
 
 # %% [markdown]
 # What the numbers say:

@@ -1232,7 +1232,12 @@ with mc.CheckpointManager(WORK / "best2", mc.CheckpointManagerOptions(
 #   seeds' tmp + rename leaves torn and lost checkpoints; minickpt's commit leaves none, and each
 #   fsync removed brings a kind of loss back.
 # - The seeds' `MiniCheckpointer` also sorted step names as strings — deleting its newest
-#   checkpoint at step 100 and resuming from step 90 forever.
+#   checkpoint at step 100 and resuming from step 90 forever — and, saving a step again, removed
+#   the old one before renaming the new one (a killed process leaves neither) and listed the
+#   step twice (retention deleted valid checkpoints early).
+# - Orbax 0.12.8's save is atomic against a killed process but leaves its metadata files and
+#   its renames un-synced: after it returns, a power cut can lose the checkpoint or leave it
+#   unrestorable. Its save cost is not for minickpt's guarantee.
 #
 # ## Lab 2
 #
