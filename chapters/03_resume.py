@@ -491,10 +491,10 @@ _ = verdict(all(not found[k][0] for k in subtle), "the new key and the forgotten
 # counting on from step 31 is caught by the loss scale, and a state whose own step counter is
 # not the checkpoint's step (the seeds' bug of section 7) by step continuity. The run with a new
 # RNG key and the run without Adam's moments are the subtle ones: look at their ratios. On the
-# CPU this chapter was written on both passed (ratios 0.998 and 1.026): a forgotten optimizer
-# state did *not* make this small model's loss jump, because its learning rate is small and its
-# 30 steps had not yet made Adam's memory matter much; the check cannot tell either from
-# rounding. That is why bit-identity on a CPU is the stronger test, worth running wherever
+# CPU this chapter was checked on both passed (ratios 0.998 and 1.026): a forgotten optimizer
+# state did *not* make this small model's loss jump, unlike chapter 1's, and the check cannot
+# tell either mistake from rounding. That is why bit-identity on a CPU is the stronger test,
+# worth running wherever
 # you can (the lab runs it); step continuity and loss scale are a net for gross mistakes on an
 # accelerator, not a proof.
 
@@ -1004,12 +1004,13 @@ mini.close()
 # %% [markdown]
 # For Orbax the experiment has to be done with care to mean anything. A restore in *this*
 # process may be served from what TensorStore already read (the notebook restored step 30
-# above), and a byte flipped where no restore reads proves nothing. So: two byte-identical
-# copies of Orbax's run; a fresh process restores the first under `strace` (where it is
-# installed) to learn which byte ranges of which array files a restore reads; the byte in the
-# middle of the largest range is flipped in the second copy; another fresh process restores both
-# copies and compares them. The outcome is one of three: **detected** (the restore raised),
-# **corrupted** (it returned other values without a word), or **not read**.
+# above), and a byte flipped where no restore reads proves nothing. So: byte-identical copies
+# of Orbax's run; a fresh process restores the first under `strace` (where it is installed) to
+# learn which byte ranges of which data files a restore reads; one copy gets a byte flipped in
+# the middle of the largest range read, another a byte flipped in the largest data file that is
+# *not* read; a second fresh process restores all of them and compares each with the intact
+# copy. Each outcome is one of three: **detected** (the restore raised), **corrupted** (it
+# returned other values without a word), or **not read** (nothing changed).
 
 # %%
 ORBAX_READ_PY = """
@@ -1025,71 +1026,85 @@ def load(path):
         m.close()
 
 good = load(sys.argv[1])
-if len(sys.argv) > 2:
+for path in sys.argv[2:]:
     try:
-        bad = load(sys.argv[2])
+        bad = load(path)
     except Exception as e:
-        print(json.dumps({"outcome": "detected", "how": f"{type(e).__name__}: {str(e)[:160]}"}))
+        print(json.dumps({"outcome": "detected", "how": f"{type(e).__name__}: {str(e)[:110]}"}))
     else:
         a, b = jax.tree_util.tree_leaves(good), jax.tree_util.tree_leaves(bad)
         n = sum(not np.array_equal(np.asarray(x), np.asarray(y)) for x, y in zip(a, b))
-        print(json.dumps({"outcome": "corrupted" if n else "identical",
+        print(json.dumps({"outcome": "corrupted" if n else "not read",
                           "how": f"{n} of {len(a)} leaves differ, no error"}))
 """
-(WORK / "orbax_read.py").write_text(ORBAX_READ_PY)
-copy_a, copy_b = WORK / "orbax-copy-a", WORK / "orbax-copy-b"
-shutil.copytree(orbax_dir, copy_a)
-shutil.copytree(orbax_dir, copy_b)
+_ = (WORK / "orbax_read.py").write_text(ORBAX_READ_PY)
+copies = {name: WORK / f"orbax-copy-{name}" for name in ("intact", "read", "unread")}
+for c in copies.values():
+    shutil.copytree(orbax_dir, c)
 read_env = dict(os.environ, JAX_PLATFORMS="cpu")  # reading files: no accelerator needed
+data_files = sorted(str(p.relative_to(copies["intact"] / "30"))
+                    for p in (copies["intact"] / "30").rglob("*")
+                    if p.is_file() and p.parent.name == "d")
 strace = shutil.which("strace")
-ranges = []  # (file relative to the step, offset, length) of every read of an array file
+ranges = []  # (data file relative to the step, offset, length) of every read
 if strace:
     import re
     trace = WORK / "orbax-read.strace"  # one file per thread (-ff): no interleaved lines
-    subprocess.run([strace, "-ff", "-qq", "-y", "-s", "0", "-e", "trace=pread64",
+    subprocess.run([strace, "-ff", "-qq", "-y", "-s", "0", "-e", "trace=pread64,preadv,read",
                     "-e", "signal=none", "-o", str(trace), sys.executable,
-                    str(WORK / "orbax_read.py"), str(copy_a)],
+                    str(WORK / "orbax_read.py"), str(copies["intact"])],
                    env=read_env, capture_output=True, timeout=300)
-    step_a = str(copy_a / "30") + "/"
+    step_dir = str(copies["intact"] / "30") + "/"
     for part in WORK.glob("orbax-read.strace.*"):
         for line in part.read_text().splitlines():
             m_ = re.search(r"pread64\(\d+<([^>]+)>, .*, (\d+), (\d+)\) = (\d+)", line)
-            # array chunks live under ocdbt.process_<i>/d/; default/d/ holds the metadata
-            if m_ and m_.group(1).startswith(step_a) and "ocdbt.process_" in m_.group(1):
-                ranges.append((m_.group(1)[len(step_a):], int(m_.group(3)), int(m_.group(4))))
+            if m_ and m_.group(1).startswith(step_dir) and "/d/" in m_.group(1):
+                ranges.append((m_.group(1)[len(step_dir):], int(m_.group(3)), int(m_.group(4))))
+flips = {}
 if ranges:
     rel, offset, length = max(ranges, key=lambda r: r[2])
-    where = offset + length // 2
-    print(f"a restore reads {len(ranges)} ranges of Orbax's array-chunk files; flipping byte "
-          f"{where} of {rel} (inside the read range {offset}..{offset + length})")
+    flips["read"] = (rel, offset + length // 2)
+    read_files = {r[0] for r in ranges}
+    unread = [f for f in data_files if f not in read_files]
+    print(f"a restore reads {len(ranges)} ranges, in {len(read_files)} of the {len(data_files)} "
+          f"data files: {sorted(read_files)}")
+    if unread:
+        big = max(unread, key=lambda f: (copies["unread"] / "30" / f).stat().st_size)
+        flips["unread"] = (big, (copies["unread"] / "30" / big).stat().st_size // 2)
 else:
-    rel = str(flip_largest_file(copy_a / "30"))  # which file: the same in both copies
-    shutil.rmtree(copy_a)
-    shutil.copytree(orbax_dir, copy_a)
-    where = (copy_b / "30" / rel).stat().st_size // 2
-    print(f"no strace here: flipping byte {where}, the middle of the largest array file {rel}; "
-          "whether a restore reads it cannot be told")
-flip_byte(str(copy_b / "30" / rel), where)
-done = subprocess.run([sys.executable, str(WORK / "orbax_read.py"), str(copy_a), str(copy_b)],
-                      env=read_env, capture_output=True, text=True, timeout=300)
-result = json.loads(done.stdout.strip().splitlines()[-1])
-if result["outcome"] == "identical" and ranges:
-    result["outcome"] = "read, but no value changed"
-elif result["outcome"] == "identical":
-    result["outcome"] = "not read (or it did not matter)"
-print(f"Orbax {ocp.__version__}, fresh process, flipped byte: {result['outcome']} — "
-      f"{result['how']}")
-_ = verdict(result["outcome"] in ("detected", "corrupted"), "the flipped byte, inside a range the "
-            "restore reads, is detected or silently corrupts the values", seen=result["outcome"],
-            otherwise="the byte Orbax read did not change any value: a rare place (padding?) — "
-                      "flip another one to learn more")
+    big = max(data_files, key=lambda f: (copies["read"] / "30" / f).stat().st_size)
+    flips["read"] = (big, (copies["read"] / "30" / big).stat().st_size // 2)
+    print("no strace here: one byte flipped in the middle of the largest data file; whether a "
+          "restore reads it cannot be told")
+for name, (rel, where) in flips.items():
+    flip_byte(str(copies[name] / "30" / rel), where)
+done = subprocess.run([sys.executable, str(WORK / "orbax_read.py"), str(copies["intact"])]
+                      + [str(copies[name]) for name in flips], env=read_env,
+                      capture_output=True, text=True, timeout=300)
+results = dict(zip(flips, (json.loads(x) for x in done.stdout.strip().splitlines()[-len(flips):])))
+for name, r in results.items():
+    print(f"Orbax {ocp.__version__}, fresh process, byte {flips[name][1]} of {flips[name][0]} "
+          f"flipped ({'inside a range read' if ranges and name == 'read' else name}): "
+          f"{r['outcome']} — {r['how']}")
+if ranges:
+    _ = verdict(results["read"]["outcome"] in ("detected", "corrupted"), "a byte flipped inside "
+                "a range the restore reads is detected or changes the values",
+                seen=results["read"]["outcome"], otherwise="the byte Orbax read changed no "
+                "value (padding?): flip another one to learn more")
+    if "unread" in results:
+        claim(results["unread"]["outcome"] == "not read", "a byte flipped in a data file the "
+              "restore never opens changes nothing", seen=results["unread"])
 
 # %% [markdown]
-# Read the outcome your run printed. Orbax's array chunks are stored compressed in the OCDBT
-# files under `ocdbt.process_0/d/`, written through TensorStore, so a flipped byte inside a chunk
-# that is read usually breaks its decoding and the restore raises; where a byte lands in a part
-# that decodes anyway, the values change without an error. Either way Orbax never falls back by
-# itself: `CheckpointManager.restore` with no step takes `latest_step()`, the newest directory
+# Read the outcomes your run printed. On the machine this chapter was checked on, the restore of
+# this small state read a single data file, under `default/d/` (two ranges); the files the save
+# wrote under `ocdbt.process_0/d/` were never opened. A byte flipped inside the range read was
+# *detected*: TensorStore raised `DATA_LOSS` while reading the tree's metadata from the OCDBT
+# database. A byte flipped in an unread file changed nothing: a flipped byte followed by "no
+# error, values identical" proves nothing until you know the byte was read, and a restore in
+# the process that already read the checkpoint may not read the file again. Orbax never falls
+# back by itself:
+# `CheckpointManager.restore` with no step takes `latest_step()`, the newest directory
 # (`orbax/checkpoint/checkpoint_manager.py`), and choosing an older step after an error is left
 # to your code. minickpt verifies a CRC-32 per leaf and falls back on verified damage, with a
 # warning.
