@@ -4,6 +4,7 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/bootstrap.sh
 bash scripts/install-sandbox.sh   # bubblewrap, to grade the hostile examples in isolation
+bash scripts/install-strace.sh    # strace: chapters 2 and 3 trace what Orbax fsyncs and reads
 bash scripts/install-browser.sh   # chromium + chromedriver, to open the built site (tests/test_site.py)
 export JAX_PLATFORMS="${JAX_PLATFORMS:-cpu}" PYTHONHASHSEED=0
 # One JAX compilation cache for every process of the suite (hundreds of subprocesses, kernels
