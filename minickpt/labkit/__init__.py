@@ -82,6 +82,7 @@ from .lab4 import (
     shard_boxes,
 )
 from .lab5 import (
+    async_faulty_run,
     async_training_run,
     donating_train_step,
     fresh_train_state,
@@ -96,6 +97,7 @@ from .lab6 import (
     drill_worker_fingerprint,
     lab6_carry,
     no_array_reads,
+    preemption_drill,
     printing_worker,
     run_loop_process,
     simulate_lost_per_failure,
@@ -126,6 +128,7 @@ __all__ = [
     "ProcessesRun",
     "Raised",
     "RecordingSave",
+    "async_faulty_run",
     "async_training_run",
     "check",
     "check_choice",
@@ -162,6 +165,7 @@ __all__ = [
     "ownership_message",
     "pinning_works",
     "plugged_in",
+    "preemption_drill",
     "printing_worker",
     "process_mesh",
     "protocol_message",
