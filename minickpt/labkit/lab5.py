@@ -220,7 +220,8 @@ def async_faulty_run(directory: str, *, fail: tuple[str, str] = ("fsync", "write
     one ``fail[0]`` call of the save of step 2, which nobody waits for, and at one
     ``fail[1]`` call of the save of step 4, which ``wait_until_finished()`` waits for.
 
-    What must hold (chapter 5, sections 3-5): the failure of step 2 reaches the loop at its
+    While the save of step 1 is in flight it also calls the writer's ``start`` once more,
+    which must be refused. What must hold (chapter 5, sections 3-5): the failure of step 2 reaches the loop at its
     next ``save()``, as the ``OSError`` it was (errno ENOSPC), with a note naming step 2;
     exactly once, so that saving step 3 again commits; the failure of step 4 is raised by
     ``wait_until_finished()``, once; no save starts while another is in flight; a failed
@@ -296,6 +297,19 @@ def async_faulty_run(directory: str, *, fail: tuple[str, str] = ("fsync", "write
                 return (f"the background save of step {t} never reached the disk: does "
                         "start_in_background start a thread that runs the write phase?")
             truths[t] = truth
+            if t == 1:  # a second write started while this one is in flight must be refused
+                from ..errors import MiniCkptError
+
+                try:
+                    mngr._async._writer.start(lambda: None, what="a second save")
+                except MiniCkptError:
+                    pass
+                else:
+                    fs.open_gate()
+                    return ("while the save of step 1 was in flight, writer.start() accepted a "
+                            "second write phase: two saves at once (they compete for the disk, "
+                            "may commit out of order, and retention may delete what the other "
+                            "counts on). A start while one is in flight must be refused")
             if arm is not None:
                 fs.fail_next(arm)
             loader["position"] += 100  # save() returned: the loop goes on at once
