@@ -167,7 +167,7 @@ def _carry_of(lines: list[str]) -> np.ndarray | None:
 
 
 def preemption_drill(fn: Callable[..., Any], directory: str, *, signals: int = 3,
-                     stop: int = 60, every: int = 25, seed: int = 0, use_async: bool = False,
+                     stop: int = 40, every: int = 25, seed: int = 0, use_async: bool = False,
                      hard_exit: bool = False) -> str | None:
     """Run the student's loop ``fn`` in real processes, one after another on one checkpoint
     directory, each sent a real SIGTERM right after it reports a step drawn at random
