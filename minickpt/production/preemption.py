@@ -241,8 +241,9 @@ def train_until_preempted(manager: Any, carry: Any,
     notice and stops cleanly.
 
     Computes steps ``start+1 .. stop`` with ``step_fn(carry, step)`` (new carry, metrics),
-    calls ``on_step(step, carry, metrics)`` after each, and lets the manager see every step
-    (``items(carry)``, with its metrics: the manager's policy decides what is saved). After a
+    calls ``on_step`` with the step, the new carry and its metrics after each, and lets the
+    manager see every step (``items(carry)``, with its metrics: the manager's policy decides
+    what is saved). After a
     preemption notice it stops at the step the manager names, having lost none: that step is
     the newest checkpoint. Every save it started is on disk when it returns; it never saves
     from, or installs, a signal handler.
