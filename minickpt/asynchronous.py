@@ -104,16 +104,15 @@ def snapshot(items: Mapping[str, Any], *, executor: ThreadPoolExecutor | None = 
 
 
 def start_in_background(writer: AsyncWriter, fn: Callable[[], Any], what: str) -> None:
-    """Task 5.2 (start) — start the write phase ``fn`` in a thread of its own: the one save in flight.
+    """Task 5.2 (start) — run the write phase ``fn`` in a thread of its own and return at once.
 
-    Two saves in flight would write concurrently, commit out of order, and let retention delete
-    a checkpoint the other one still needs; so while ``writer._thread`` is alive this refuses,
-    with a :class:`MiniCkptError` naming both saves (the caller waits first). It refuses as
-    well while the last save's error (``writer._error``) has not been collected: starting
-    over it would hide that the previous checkpoint was never committed. The thread runs
-    ``run_in_background(writer, fn, what)``; it is *not* a daemon, so a normal exit of the
-    program waits for it and the pending save commits. ``writer._thread`` and
-    ``writer._what`` are set under ``writer._lock``, before the thread starts.
+    Guarantees: at most one write phase runs at any moment — a start while one is in flight
+    raises :class:`MiniCkptError` naming both saves and leaves the one in flight as it was,
+    and whoever calls ``writer.wait()`` once this returned waits for the new thread; a start
+    while a failure of the previous save has not been raised yet is refused the same way
+    (starting over it would hide that a checkpoint was never committed); a program that
+    ends normally still finishes the pending save. The thread runs
+    ``run_in_background(writer, fn, what)``.
     """
     with writer._lock:
         if writer._thread is not None and writer._thread.is_alive():
@@ -129,13 +128,13 @@ def start_in_background(writer: AsyncWriter, fn: Callable[[], Any], what: str) -
 
 
 def run_in_background(writer: AsyncWriter, fn: Callable[[], Any], what: str) -> None:
-    """Task 5.2 (run) — the body of the writer's thread: run ``fn()``, keep what it raised.
+    """Task 5.2 (run) — the body of the writer's thread: run ``fn()``; lose no failure.
 
-    Nobody is there to catch an exception in a background thread: left alone it is printed
-    by ``threading.excepthook`` and the training loop goes on, believing its checkpoint
-    exists. So every exception — ``BaseException``, the original object with its errno and
-    traceback, not a summary — is kept in ``writer._error`` (under ``writer._lock``) for the
-    next call in the training loop to raise, with a note saying which save raised it.
+    Nobody is there to catch what ``fn`` raises: left alone, an exception in a thread is
+    printed by ``threading.excepthook`` and forgotten, and the training loop goes on believing
+    its checkpoint exists. Guarantees: whatever ``fn`` raises — any ``BaseException`` — is kept
+    in the writer for the training loop, as the very object raised (errno, traceback), with a
+    note naming the save (``what``).
     """
     try:
         fn()
@@ -146,11 +145,11 @@ def run_in_background(writer: AsyncWriter, fn: Callable[[], Any], what: str) -> 
 
 
 def collect_error(writer: AsyncWriter) -> None:
-    """Task 5.2 (collect) — raise the kept error of a finished write phase, once; never block.
+    """Task 5.2 (collect) — raise the kept failure of a finished write phase; never block.
 
-    Raised as it is (an ``OSError`` keeps its errno, say ``ENOSPC``, so the loop can react to
-    it), and forgotten in the same step, under ``writer._lock``, so the next save can start:
-    one failure is reported once, not at every call that follows.
+    Guarantees: the failure is raised as it was (an ``OSError`` keeps its errno, say
+    ``ENOSPC``, so the loop can react to it), exactly once — afterwards this returns quietly
+    and the next save can start; with no failure it returns; it never waits for the disk.
     """
     with writer._lock:
         err, writer._error = writer._error, None
@@ -522,13 +521,11 @@ def overlap(steps: Sequence[tuple[float, float]],
     finished (:func:`save_intervals`); all on one clock, in seconds, in any order. Steps do
     not overlap one another, nor do two saves' background writes (one save in flight).
 
-    Returns, in seconds: ``blocked_s``, the time spent inside ``save()`` (sum of
-    ``unblocked - start``); ``stall_s``, the part of it spent waiting for the *previous*
-    save's write to end (a save that arrives before the previous one finished); ``write_s``,
-    the background time (sum of ``end - unblocked``); ``hidden_s``, the part of ``write_s``
-    that ran while a training step computed — the intersection with the steps, not the wall
-    time after ``save()`` returned, which also counts evaluation, logging or the final
-    ``wait_until_finished()``. An empty run costs nothing: every value 0.0.
+    Returns four floats, in seconds: ``blocked_s``, the time the loop spent inside
+    ``save()``; ``stall_s``, the part of it spent waiting for the *previous* save's write to
+    end; ``write_s``, the background time of the writes; ``hidden_s``, the part of
+    ``write_s`` during which a training step was computing (not evaluation, logging or the
+    final ``wait_until_finished()``). An empty run costs nothing: every value 0.0.
     """
     saves = sorted(saves)
     blocked = stall = write = hidden = 0.0

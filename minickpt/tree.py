@@ -552,15 +552,14 @@ def to_host(x: Any, *, copy: bool = False, path: str = "<leaf>") -> Any:
 def snapshot_leaf(x: Any, *, path: str = "<leaf>", pin: bool = False) -> Any:
     """Task 5.1 — one leaf as a host "photo" that nothing done to ``x`` after this returns can change.
 
-    An async ``save()`` returns as soon as every leaf has been through this, and the training
-    loop goes on: it may write into a numpy leaf in place, donate a ``jax.Array``'s buffer to
-    a jitted step (XLA writes the next state into that memory) or ``delete()`` it, while the
-    background writer has not read a byte yet. So the result must own its memory, or hold it
-    in a way JAX respects: :func:`to_host` with ``copy=True`` (host memory of its own, dtype
-    kept, typed keys as :class:`HostKey`, no double copy after a GPU/TPU transfer). With
-    ``pin=True`` a CPU array's view that pins its buffer (:func:`pinned_view`, None when it
-    cannot) is as safe and costs no copy, so it is taken where it exists. Leaves minickpt
-    cannot store raise :class:`UnsupportedLeafError` naming ``path``, before anything is written.
+    Returns the leaf as minickpt writes it (what :func:`to_host` returns for it: a numpy array
+    with the leaf's dtype and bytes, a :class:`HostKey` for a typed key, a Python scalar,
+    string or None as it is). Guarantees: no in-place write into a numpy leaf, no
+    ``x.delete()`` and no donation of ``x``'s buffer to a jitted step, after this returns,
+    changes the result. With ``pin=False`` the result never shares memory with ``x``; with
+    ``pin=True`` a CPU array whose buffer JAX can pin costs no copy. A leaf minickpt cannot
+    store raises :class:`UnsupportedLeafError` naming ``path``, now rather than later in a
+    background thread.
     """
     if pin and isinstance(x, jax.Array):
         view = pinned_view(x)

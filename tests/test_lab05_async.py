@@ -14,6 +14,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+import minickpt.asynchronous as masync
 import minickpt.tree as mtree
 from minickpt import labkit as lab
 from minickpt.asynchronous import (
@@ -199,3 +200,44 @@ def test_a_recorded_run_is_consistent_with_the_managers_own_stats(tmp_path):
     got = overlap(steps, saves)
     assert got["blocked_s"] == pytest.approx(sum(h.blocking_s for h in history), abs=1e-6)
     assert 0.0 < got["hidden_s"] < got["write_s"]  # the pause after every save hides nothing
+
+
+@pytest.mark.task("5.2")
+@pytest.mark.timeout(180)
+def test_the_faulty_run_passes_the_reference_and_names_each_wrong_writer(tmp_path):
+    """The judge of Task 5.2: the reference passes; a writer that swallows a failure, one that
+    never clears it, and one that lets a second write start are each named."""
+    assert lab.async_faulty_run(str(tmp_path / "ref")) is None
+
+    def run_in_background(writer, fn, what):  # the mistake: log and forget
+        """Task 5.2 (run) — swallows."""
+        try:
+            fn()
+        except Exception as e:
+            print("warning:", e)
+
+    with lab.plugged_in(run_in_background):
+        problem = lab.async_faulty_run(str(tmp_path / "swallow"))
+    assert problem is not None and "as if nothing had happened" in problem
+
+    def collect_error(writer):  # the mistake: raised, never forgotten
+        """Task 5.2 (collect) — never clears."""
+        if writer._error is not None:
+            raise writer._error
+
+    with lab.plugged_in(collect_error):
+        problem = lab.async_faulty_run(str(tmp_path / "stale"))
+    assert problem is not None and "never cleared" in problem
+
+    def start_in_background(writer, fn, what):  # the mistake: no check of the thread in flight
+        """Task 5.2 (start) — two in flight."""
+        with writer._lock:
+            if writer._error is not None:
+                raise MiniCkptError("uncollected")
+            t = threading.Thread(target=masync.run_in_background, args=(writer, fn, what))
+            writer._thread, writer._what = t, what
+        t.start()
+
+    with lab.plugged_in(start_in_background):
+        problem = lab.async_faulty_run(str(tmp_path / "two"))
+    assert problem is not None and "two saves at once" in problem

@@ -223,3 +223,34 @@ def test_lab_helpers_refuse_a_function_without_source():
     with pytest.raises(lab.LabCheckError, match="cannot read the source"):
         lab.run_loop_process(len, "/nonexistent", stop=1, every=1)
     assert signal.SIGTERM == 15 and sys.executable
+
+
+CHECKS_BEFORE_SAVE = '''
+def train_until_preempted(manager, carry, step_fn, *, start, stop, items, on_step=None):
+    step = start
+    for step in range(start + 1, stop + 1):
+        carry, metrics = step_fn(carry, step)
+        if manager.reached_preemption(step):
+            manager.wait_until_finished()
+            return LoopResult(carry, step, True)
+        manager.save(step, items(carry), metrics=metrics)
+    manager.wait_until_finished()
+    return LoopResult(carry, step, False)
+'''.strip()
+
+
+@pytest.mark.task("6.3")
+@pytest.mark.timeout(240)
+def test_the_preemption_drill_passes_the_reference_and_names_each_wrong_design(tmp_path):
+    """The judge of Task 6.3: the reference passes a drill of real SIGTERMs; a loop that asks
+    before offering the step loses steps; one that saves from its own handler never returns."""
+    (tmp_path / "ref").mkdir()
+    assert lab.preemption_drill(train_until_preempted, str(tmp_path / "ref"), signals=2) is None
+    first = _from_source(CHECKS_BEFORE_SAVE, str(tmp_path))
+    (tmp_path / "first").mkdir()
+    problem = lab.preemption_drill(first, str(tmp_path / "first"), signals=1)
+    assert problem is not None and "newest checkpoint" in problem and "step(s) again" in problem
+    handler = _from_source(SAVES_IN_HANDLER, str(tmp_path))
+    (tmp_path / "handler").mkdir()
+    problem = lab.preemption_drill(handler, str(tmp_path / "handler"), signals=1)
+    assert problem is not None and "LoopResult" in problem

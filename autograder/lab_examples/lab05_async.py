@@ -38,7 +38,7 @@ def partial(release: Any, source: Any) -> Any:
     nb = perfect(release, source)
     _replace(nb, "task_5_2", NOT_DAEMON, DAEMON)
     _replace(nb, "task_5_3", STALL, NO_STALL)
-    _answers(nb, Q2='{"A"}', Q4="0.5", Q6='"A"')
+    _answers(nb, Q2='{"A"}', Q4="0.5", Q6="0.0")
     return nb
 
 
@@ -60,7 +60,8 @@ def swallows_errors(release: Any, source: Any) -> Any:
 
 def two_in_flight(release: Any, source: Any) -> Any:
     """5.2 starts a second save while one is still in flight (no check of the running
-    thread); the manager, which waits first, still works."""
+    thread): the manager, which waits first, still works, but a second caller of
+    ``writer.start`` gets two writes at once (the writer's test and async_faulty_run)."""
     nb = perfect(release, source)
     _replace(nb, "task_5_2", IN_FLIGHT_CHECK, "")
     return nb

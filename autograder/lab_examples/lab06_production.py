@@ -91,6 +91,24 @@ def saves_in_handler(release: Any, source: Any) -> Any:
     return nb
 
 
+PREEMPTION_LAST = """        manager.save(step, items(carry), metrics=metrics)
+        if manager.reached_preemption(step):
+            manager.wait_until_finished()
+            return LoopResult(carry, step, True)"""
+PREEMPTION_FIRST = """        if manager.reached_preemption(step):  # stop as soon as we are told to
+            manager.wait_until_finished()
+            return LoopResult(carry, step, True)
+        manager.save(step, items(carry), metrics=metrics)"""
+
+
+def checks_before_save(release: Any, source: Any) -> Any:
+    """6.3 asks ``reached_preemption`` before offering the step to ``save``: it stops on a
+    step it computed but never offered, so the restart computes it (and more) again."""
+    nb = perfect(release, source)
+    _replace(nb, "task_6_3", PREEMPTION_LAST, PREEMPTION_FIRST)
+    return nb
+
+
 def recover_at_restore(release: Any, source: Any) -> Any:
     """6.4 stops the recovery clock at the restore ('resumed from'), not at the first step
     computed again."""
@@ -115,6 +133,7 @@ EXAMPLES = {
     "young_without_2": young_without_2,
     "p_fail_swapped": p_fail_swapped,
     "saves_in_handler": saves_in_handler,
+    "checks_before_save": checks_before_save,
     "recover_at_restore": recover_at_restore,
     "loads_every_checkpoint": loads_every_checkpoint,
     **ISSUE_20,  # issue 20's four classes in one submission (cheap: see make_examples)

@@ -88,6 +88,7 @@ from .lab4 import (
     shard_boxes,
 )
 from .lab5 import (
+    async_faulty_run,
     async_training_run,
     donating_train_step,
     fresh_train_state,
@@ -102,6 +103,7 @@ from .lab6 import (
     drill_worker_fingerprint,
     lab6_carry,
     no_array_reads,
+    preemption_drill,
     printing_worker,
     run_loop_process,
     simulate_lost_per_failure,
@@ -133,6 +135,7 @@ __all__ = [
     "Raised",
     "RecordingSave",
     "RoundTripReport",
+    "async_faulty_run",
     "async_training_run",
     "check",
     "check_choice",
@@ -171,6 +174,7 @@ __all__ = [
     "ownership_message",
     "pinning_works",
     "plugged_in",
+    "preemption_drill",
     "printing_worker",
     "process_mesh",
     "protocol_message",

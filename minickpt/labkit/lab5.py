@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable
 from functools import cache
 from typing import Any
@@ -41,8 +42,12 @@ def gated_fs() -> Any:
     """A real file system that records its calls (``calls``: ``(op, path)``) and can hold a
     save at the creation of its temporary directory (``shut()``, then ``open_gate()``), so
     that what a test does after ``save()`` returns certainly happens before the background
-    writer reads a byte. ``reached`` is set when a save arrives at the gate."""
+    writer reads a byte. ``reached`` is set when a save arrives at the gate.
+    ``fail_next("fsync")`` makes the next fsync (or ``"write"``) fail with ENOSPC."""
+    import errno
+    import os
     import threading
+    import time
 
     from ..commit import TMP_MARK
     from ..fs import FileSystem
@@ -52,6 +57,8 @@ def gated_fs() -> Any:
             self.gate, self.reached = threading.Event(), threading.Event()
             self.gate.set()
             self.calls: list[tuple[str, str]] = []
+            self.armed: dict[str, int] = {}
+            self.fsync_delay = 0.0  # seconds added to every fsync (a slow disk)
 
         def shut(self) -> None:
             self.gate.clear()
@@ -67,6 +74,31 @@ def gated_fs() -> Any:
         def rename(self, src: str, dst: str) -> None:
             self.calls.append(("rename", dst))
             super().rename(src, dst)
+
+        def fail_next(self, op: str = "fsync", err: int = errno.ENOSPC) -> None:
+            """Make the next ``op`` call (``fsync`` or ``write``) raise a fresh
+            ``OSError(err)``: a disk that fails while the background writer is at work."""
+            self.armed[op] = err
+
+        def _maybe_fail(self, op: str) -> None:
+            err = self.armed.pop(op, None)
+            if err is not None:
+                self.calls.append(("failed " + op, ""))
+                raise OSError(err, os.strerror(err))
+
+        def fsync(self, fd: int) -> None:
+            self._maybe_fail("fsync")
+            if self.fsync_delay:
+                time.sleep(self.fsync_delay)
+            super().fsync(fd)
+
+        def write(self, fd: int, data: Any) -> int:
+            self._maybe_fail("write")
+            return super().write(fd, data)
+
+        def writev(self, fd: int, buffers: Any) -> int:
+            self._maybe_fail("write")
+            return super().writev(fd, buffers)
 
         def mkdir(self, path: str, mode: int = 0o755) -> None:
             self.calls.append(("mkdir", path))
@@ -175,6 +207,211 @@ def async_training_run(directory: str, *, steps: int = 4, every: int = 2,
                 os.environ.pop(SNAPSHOT_ENV, None)
             else:
                 os.environ[SNAPSHOT_ENV] = before
+    return None
+
+
+def async_faulty_run(directory: str, *, fail: tuple[str, str] = ("fsync", "write"),
+                     fsync_delay: float = 0.02) -> str | None:
+    """A real training loop with async saves on a disk that fails in the background.
+
+    The loop saves steps 1 to 5, one save per step, and right after each ``save()`` returns
+    it moves its numpy leaves on in place and runs a step that donates the state's buffers,
+    while the writer is held at its first file-system call (so it reads only afterwards).
+    The disk is slow (every fsync takes ``fsync_delay`` longer). It fails with ENOSPC at
+    one ``fail[0]`` call of the save of step 2, which nobody waits for, and at one
+    ``fail[1]`` call of the save of step 4, which ``wait_until_finished()`` waits for.
+
+    While the save of step 1 is in flight it also calls the writer's ``start`` once more,
+    which must be refused. What must hold (chapter 5, sections 3-5): the failure of step 2 reaches the loop at its
+    next ``save()``, as the ``OSError`` it was (errno ENOSPC), with a note naming step 2;
+    exactly once, so that saving step 3 again commits; the failure of step 4 is raised by
+    ``wait_until_finished()``, once; no save starts while another is in flight; a failed
+    save commits nothing, deletes nothing older and leaves no temporary; every committed
+    checkpoint holds the state at its ``save()``; ``close()`` raises nothing more and no
+    writer thread outlives it. Returns None, or a message saying what went wrong.
+    """
+    import errno
+
+    from ..commit import is_temporary
+    from ..demo import batch
+    from ..manager import CheckpointManager, CheckpointManagerOptions
+
+    state, rng = fresh_train_state()
+    loader = {"position": np.zeros(4, np.int64), "ema": np.zeros(3, np.float32)}
+    fs = gated_fs()
+    fs.fsync_delay = fsync_delay
+    step_fn = donating_train_step()
+    truths: dict[int, Any] = {}
+    where = "before the first save"
+
+    def disk_full(e: BaseException) -> bool:
+        return isinstance(e, OSError) and e.errno == errno.ENOSPC
+
+    def describe(e: BaseException) -> str:
+        return f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
+
+    def overlapped(t: int) -> bool:
+        """Whether the save of step t began writing before the save of t - 1 had ended."""
+        calls = list(fs.calls)
+
+        def made(k: int) -> int | None:
+            return next((i for i, (op, p) in enumerate(calls) if op == "mkdir"
+                         and p.rsplit("/", 1)[-1].startswith(f"step_{k}.")), None)
+
+        mine, prev = made(t), made(t - 1)
+        if mine is None or prev is None:
+            return False
+        if t - 1 in (2, 4):  # a failed save ends where its disk call failed
+            end = next((i for i in range(prev, len(calls))
+                        if calls[i][0].startswith("failed")), None)
+        else:
+            end = next((i for i in range(prev, len(calls)) if calls[i][0] == "rename"
+                        and calls[i][1].endswith(f"step_{t - 1}")), None)
+        return end is None or mine < end
+
+    def two_in_flight(t: int) -> str:
+        return (f"the save of step {t} began writing while the save of step {t - 1} was still "
+                "in flight: two saves at once. The manager waits for the thread the writer "
+                "records before it starts the next save, and the writer refuses a second one")
+
+    def body(mngr: Any) -> str | None:
+        nonlocal where
+
+        def train(t: int) -> dict[str, Any]:
+            nonlocal state, rng
+            x, y = batch(t)
+            state, rng, loss = step_fn(state, rng, x, y)
+            loader["position"] += 1
+            loader["ema"] *= 0.9
+            loader["ema"] += 0.1 * float(loss)
+            return {"state": state, "loader": loader}
+
+        def save(t: int, items: dict[str, Any], arm: str | None = None) -> str | None:
+            """save(t); then, while the writer is held, mutate and donate."""
+            nonlocal state, rng, where
+            where = f"save({t})"
+            truth = _host_truth(items)
+            fs.shut()
+            if mngr.save(t, items, force=True) is not True:
+                return f"save({t}, force=True) did not save"
+            if not fs.reached.wait(20):
+                return (f"the background save of step {t} never reached the disk: does "
+                        "start_in_background start a thread that runs the write phase?")
+            truths[t] = truth
+            if t == 1:  # a second write started while this one is in flight must be refused
+                from ..errors import MiniCkptError
+
+                try:
+                    mngr._async._writer.start(lambda: None, what="a second save")
+                except MiniCkptError:
+                    pass
+                else:
+                    fs.open_gate()
+                    return ("while the save of step 1 was in flight, writer.start() accepted a "
+                            "second write phase: two saves at once (they compete for the disk, "
+                            "may commit out of order, and retention may delete what the other "
+                            "counts on). A start while one is in flight must be refused")
+            if arm is not None:
+                fs.fail_next(arm)
+            loader["position"] += 100  # save() returned: the loop goes on at once
+            loader["ema"][:] = -1.0
+            x, y = batch(1000 + t)
+            state, rng, _ = jax.block_until_ready(step_fn(state, rng, x, y))
+            fs.open_gate()
+            return two_in_flight(t) if overlapped(t) else None
+
+        for t, arm in ((1, None), (2, fail[0])):
+            problem = save(t, train(t), arm)
+            if problem:
+                return problem
+        items = train(3)
+        where = "save(3) after the failed save of step 2"
+        try:
+            fs.shut()
+            saved = mngr.save(3, items, force=True)
+        except BaseException as e:  # what the writer raised
+            if not disk_full(e):
+                return (f"the save of step 2 failed in the background with OSError(ENOSPC), "
+                        f"but the next save() raised {describe(e)} instead of that error: the "
+                        "training loop must get the original exception, errno intact, so that "
+                        "it can tell a full disk from a bug")
+            if not any("step 2" in n for n in getattr(e, "__notes__", [])):
+                return ("the OSError(ENOSPC) of step 2 reached the loop, but without a note "
+                        "naming the save that raised it (step 2): a loop that saves every few "
+                        "steps cannot tell which checkpoint is missing")
+        else:
+            fs.reached.wait(20)
+            fs.open_gate()
+            if overlapped(3):
+                return two_in_flight(3)
+            return (f"the save of step 2 failed in the background with OSError(ENOSPC), and the "
+                    f"next save() returned {saved!r} as if nothing had happened: the training "
+                    "loop goes on believing step 2 is on disk. A background error must be "
+                    "kept and raised at the next call of the loop")
+        finally:
+            fs.open_gate()
+        where = "save(3) once more, after the error of step 2 was raised"
+        try:
+            problem = save(3, items)
+        except BaseException as e:
+            return (f"the error of step 2 was raised once; saving step 3 again raised "
+                    f"{describe(e)}: a background error is reported once, then forgotten, so "
+                    "that the next save can run (collected, but never cleared?)")
+        if problem:
+            return problem
+        problem = save(4, train(4), fail[1])
+        if problem:
+            return problem
+        where = "wait_until_finished() after the save of step 4"
+        try:
+            mngr.wait_until_finished()
+        except BaseException as e:
+            if not disk_full(e):
+                return (f"the save of step 4 failed in the background with OSError(ENOSPC); "
+                        f"wait_until_finished() raised {describe(e)} instead")
+        else:
+            return ("the save of step 4 failed in the background with OSError(ENOSPC), and "
+                    "wait_until_finished() returned without raising it: whoever waits for the "
+                    "save must learn that it failed")
+        where = "wait_until_finished() once more"
+        try:
+            mngr.wait_until_finished()
+        except BaseException as e:
+            return (f"the error of step 4 was raised once; wait_until_finished() raised again, "
+                    f"{describe(e)}: once raised, an error must be forgotten")
+        return save(5, train(5))
+
+    opts = CheckpointManagerOptions(max_to_keep=None, enable_async_checkpointing=True)
+    mngr = CheckpointManager(directory, opts, fs=fs)
+    problem: str | None = None
+    try:
+        problem = body(mngr)
+    except BaseException as e:  # reported, not raised: the message is the verdict
+        problem = f"{where} raised {describe(e)}"
+    finally:
+        fs.open_gate()
+        try:
+            mngr.close()
+        except BaseException as e:
+            problem = problem or (f"close() raised {describe(e)}, after every error had been "
+                                  "raised once: nothing was left to report")
+    if problem:
+        return problem
+    steps = mngr.all_steps()
+    if steps != [1, 3, 5]:
+        return (f"the steps on disk are {steps}, expected [1, 3, 5]: the saves of steps 2 and "
+                "4 failed and must commit nothing, and no other checkpoint may be lost")
+    left = [n for n in os.listdir(directory) if is_temporary(n)]
+    if left:
+        return f"a failed save left its temporary directory behind: {left}"
+    with CheckpointManager(directory, CheckpointManagerOptions(read_only=True)) as reader:
+        for t in (1, 3, 5):
+            message = _first_changed(t, reader.restore(t), truths[t])
+            if message is not None:
+                return message
+    alive = writer_threads()
+    if alive:
+        return f"background save threads still running after close(): {alive}"
     return None
 
 

@@ -82,6 +82,9 @@ def step_fn(w, step):
     return w, {{"loss": float(w.sum())}}
 
 res = {name}(mngr, w, step_fn, start=start, stop=stop, items=lambda w: {{"w": w}})
+carry = getattr(res, "carry", None)
+print("carry " + (np.asarray(carry, np.float64).tobytes().hex() if carry is not None else "-"),
+      flush=True)
 print(f"result {{type(res).__name__}} {{getattr(res, 'step', None)}} "
       f"{{getattr(res, 'preempted', None)}}", flush=True)
 if hard_exit:  # the grace period ends the moment the loop returns: nothing else runs
@@ -150,6 +153,107 @@ def run_loop_process(fn: Callable[..., Any], directory: str, *, stop: int, every
             proc.kill()
             proc.wait()
     return rc, lines, err[-3000:]
+
+
+def _carry_of(lines: list[str]) -> np.ndarray | None:
+    """The carry the driver printed (``carry <hex of float64 bytes>``), or None."""
+    for line in lines:
+        if line.startswith("carry ") and line != "carry -":
+            try:
+                return np.frombuffer(bytes.fromhex(line.split()[1]), np.float64)
+            except ValueError:
+                return None
+    return None
+
+
+def preemption_drill(fn: Callable[..., Any], directory: str, *, signals: int = 3,
+                     stop: int = 40, every: int = 25, seed: int = 0, use_async: bool = False,
+                     hard_exit: bool = False) -> str | None:
+    """Run the student's loop ``fn`` in real processes, one after another on one checkpoint
+    directory, each sent a real SIGTERM right after it reports a step drawn at random
+    (``signals`` of them, ``seed``), then one last process that runs to ``stop``.
+
+    What must hold after every SIGTERM (chapter 6, section 4): the process exits 0 after its
+    loop returned ``LoopResult(carry, step, True)``; ``step`` is the step it was computing
+    when the notice came, or the next one (the manager's decision); it computed no step
+    after it; the newest checkpoint is that step, holding exactly the carry after it (no
+    step lost); the next process resumes from there and computes the following step. The
+    last process ends at ``stop``, not preempted, with the carry of an uninterrupted run.
+    ``use_async``: the manager saves asynchronously; ``hard_exit``: the process ends with
+    ``os._exit`` right after the loop returns (nothing else runs). Returns None, or what
+    went wrong (a message naming the process and the step).
+    """
+    import os
+    import random
+
+    from ..manager import CheckpointManager, CheckpointManagerOptions
+
+    rnd = random.Random(seed)
+    ckpt = os.path.join(directory, "ckpt")
+    resumed, plan = 0, []
+    for _ in range(signals):
+        at = resumed + 1 + rnd.randrange(0, 9)
+        plan.append(at)
+        resumed = at + 1  # at the latest
+    plan.append(None)
+    done = 0
+    for i, at in enumerate(plan, 1):
+        run = f"process {i} (SIGTERM after step {at})" if at else f"process {i} (no signal)"
+        rc, out, err = run_loop_process(fn, directory, stop=stop, every=every, signal_after=at,
+                                        hard_exit=hard_exit, use_async=use_async)
+        tail = err.strip()[-1200:]
+        if done:
+            if out[:2] != [f"resumed from step {done}", f"step {done + 1}"]:
+                return (f"{run} should resume from step {done} (the newest checkpoint) and "
+                        f"compute step {done + 1} next; it printed {out[:3]}. {tail}")
+        result = [line for line in out if line.startswith("result ")]
+        if rc != 0 or len(result) != 1:
+            return (f"{run} exited with code {rc} and printed {out[-3:]}: the loop should "
+                    "return a LoopResult, and the process end normally (exit 0), after a "
+                    f"SIGTERM as without one"
+                    + (" (did something end the process before the loop returned: sys.exit "
+                       "in a signal handler?)" if rc == 0 else "")
+                    + f". Its stderr ends with:\n{tail}")
+        _, kind, step_s, preempted = (result[0].split() + ["?"] * 4)[:4]
+        steps = [int(line.split()[1]) for line in out if line.startswith("step ")]
+        last = steps[-1] if steps else done
+        if kind != "LoopResult" or not step_s.lstrip("-").isdigit():
+            return f"{run}: the loop returned {result[0][7:]!r}, not a LoopResult"
+        stopped = int(step_s)
+        if at is None:
+            carry = _carry_of(out)
+            if preempted != "False" or stopped != stop:
+                return (f"{run}: without a notice the loop should run to step {stop} and return "
+                        f"preempted=False; it returned step {stopped}, preempted={preempted}")
+            if carry is None or not np.array_equal(carry, lab6_carry(stop)):
+                return (f"{run}: after {len(plan) - 1} preemptions and resumes the final carry "
+                        f"is {carry}, not the uninterrupted run's {lab6_carry(stop)}")
+            return None
+        if preempted != "True":
+            return (f"{run}: the loop returned preempted={preempted} at step {stopped}; a "
+                    "SIGTERM arrived, so it should stop early and say so")
+        if stopped not in (at, at + 1):
+            return (f"{run}: the SIGTERM came right after step {at} was computed, so the job "
+                    f"stops at step {at} or {at + 1} (the first step boundary the manager "
+                    f"names); the loop returned step {stopped}")
+        if last != stopped:
+            return (f"{run}: the loop returned step {stopped} but computed step {last}: a "
+                    "step computed after the one the job stopped at is lost")
+        with CheckpointManager(ckpt, CheckpointManagerOptions(read_only=True)) as m:
+            newest = m.latest_step()
+            w = m.restore(newest)["w"] if newest is not None else None
+        if newest != stopped:
+            lost = stopped - (newest or 0)
+            return (f"{run}: the loop stopped after step {stopped}, but the newest checkpoint "
+                    f"is {newest}: the restart will compute {lost} step(s) again, and a "
+                    "preemption notice is there so that none is lost. Which step did the "
+                    "manager decide to save, and did your loop give it the chance?")
+        if not np.array_equal(np.asarray(w), lab6_carry(stopped)):
+            return (f"{run}: the checkpoint of step {stopped} holds {np.asarray(w)}, not the "
+                    f"carry after step {stopped} ({lab6_carry(stopped)}): was it saved in the "
+                    "middle of a step (from a signal handler), under the wrong step number?")
+        done = stopped
+    return None
 
 
 _DRILL_WORKER = '''

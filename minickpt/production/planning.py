@@ -35,10 +35,10 @@ def _check_cost(save_cost_s: float, mtbf_s: float) -> None:
 def optimal_interval(save_cost_s: float, mtbf_s: float, *, method: str = "daly") -> float:
     """Task 6.1 — the compute time τ between saves that minimises the expected run time.
 
-    ``"young"``: τ ≈ √(2·C·M) (Young 1974), first order in C/M.
-    ``"daly"``: τ = √(2·C·M)·[1 + ⅓·√(C/2M) + ⅑·(C/2M)] − C when C < 2M, else τ = M
-    (Daly 2006, the higher-order estimate), which stays accurate when saves are not cheap
-    compared with the MTBF. Both need the same time unit for C and M and return it.
+    ``"young"``: Young's first-order optimum (1974); ``"daly"``: Daly's higher-order one
+    (2006), which stays accurate when saves are not cheap compared with the MTBF, and is the
+    MTBF itself once C >= 2M (chapter 6, section 2). C >= 0 and M > 0 share a time unit, which
+    the float result has; anything else (an unknown method, NaN) is a ValueError.
     """
     if not save_cost_s >= 0:  # also False for NaN
         raise ValueError(f"save cost must be >= 0, got {save_cost_s!r}")
@@ -73,9 +73,9 @@ def expected_lost_work(interval_s: float, *, save_cost_s: float = 0.0, restart_s
     failure throws away everything since the last *committed* checkpoint — the compute of
     the current segment and, if it strikes during the save, the part of the save already
     done — and then costs the restart R. Without ``mtbf_s`` the failure time is uniform over
-    the segment (valid when τ + C ≪ M): (τ + C)/2 + R. With ``mtbf_s`` it is the exact mean
-    of an exponential failure time conditioned to fall within the segment L = τ + C:
-    M − L/(e^{L/M} − 1) + R, which is a little less than L/2 + R.
+    the segment (valid when τ + C ≪ M). With ``mtbf_s`` it is the exact mean of an
+    exponential failure time conditioned to fall within the segment, plus R: accurate to
+    a relative 1e-6 for segments far shorter than M, and R alone for an empty segment.
     """
     if not interval_s >= 0 or not save_cost_s >= 0 or not restart_s >= 0:
         raise ValueError("interval, save cost and restart cost must be >= 0")

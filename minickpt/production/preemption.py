@@ -240,11 +240,13 @@ def train_until_preempted(manager: Any, carry: Any,
     """Task 6.3 — a training loop that saves at the next step boundary after a preemption
     notice and stops cleanly.
 
-    Runs steps ``start+1 .. stop``: ``step_fn(carry, step)`` gives the new carry and the
-    step's metrics; then ``items(carry)`` is offered to ``manager.save`` (which saves on the
-    interval, and at the preemption step), and the loop stops if
-    ``manager.reached_preemption(step)``. Waits for pending (async)
-    saves before returning, so the process can exit right after.
+    Computes steps ``start+1 .. stop`` with ``step_fn(carry, step)`` (new carry, metrics),
+    calls ``on_step`` with the step, the new carry and its metrics after each, and lets the
+    manager see every step (``items(carry)``, with its metrics: the manager's policy decides
+    what is saved). After a
+    preemption notice it stops at the step the manager names, having lost none: that step is
+    the newest checkpoint. Every save it started is on disk when it returns; it never saves
+    from, or installs, a signal handler.
     """
     step = start
     for step in range(start + 1, stop + 1):
