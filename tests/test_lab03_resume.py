@@ -69,9 +69,36 @@ def test_resume_fresh_then_at_t_ckpt_plus_one(tmp_path):
 def test_the_drill_runs_the_students_resume_in_a_killed_process():
     from minickpt.restore import resume as ref
 
-    out = labkit.lab3_drill(ref, steps=15, every=5, kill_after=8)
-    assert out["first_rc"] == -9 and out["second_rc"] == 0, out
-    assert out["second_steps"][0] == out["on_disk"] + 1 and out["diff"] is None, out
+    out = labkit.lab3_drill(ref, steps=15, every=5, kill_after=[8, 12])
+    runs = out["runs"]
+    assert [r["killed_after"] for r in runs] == [8, 12, None] and runs[-1]["rc"] == 0, out
+    assert [r["rc"] for r in runs[:2]] == [-9, -9], out
+    assert runs[1]["on_disk"] == runs[1]["resumed_from"] == 5, out
+    assert runs[2]["on_disk"] == runs[2]["resumed_from"] == 10, out
+    assert runs[2]["steps"] == list(range(11, 16)) and out["diff"] is None, out
+    assert labkit.drill_message(out) is None
+
+
+@pytest.mark.task("3.3")
+def test_the_drill_message_names_what_a_wrong_resume_did():
+    """drill_message on the records of wrong resumes (no processes: the records as the drill
+    makes them)."""
+    def record(runs, diff=None):
+        return {"steps": 15, "every": 5, "runs": runs, "diff": diff}
+
+    killed = {"on_disk": None, "resumed_from": 0, "steps": list(range(1, 9)), "killed_after": 8,
+              "rc": -9, "err": ""}
+    at_t_ckpt = {"on_disk": 5, "resumed_from": 4, "steps": [5], "killed_after": None, "rc": 1,
+                 "err": "minickpt.errors.StepAlreadyExistsError: step 5 exists"}
+    assert "t_ckpt + 1" in labkit.drill_message(record([killed, at_t_ckpt]))
+    scratch = {"on_disk": 5, "resumed_from": 0, "steps": list(range(1, 16)), "killed_after": None,
+               "rc": 0, "err": ""}
+    assert "started from scratch" in labkit.drill_message(record([killed, scratch]))
+    fine = {"on_disk": 5, "resumed_from": 5, "steps": list(range(6, 16)), "killed_after": None,
+            "rc": 0, "err": ""}
+    msg = labkit.drill_message(record([killed, fine], diff="state/opt_state/0/mu: values differ"))
+    assert "Adam's moments" in msg and "opt_state" in msg
+    assert labkit.drill_message(record([killed, fine])) is None
 
 
 @pytest.mark.task("3.4")

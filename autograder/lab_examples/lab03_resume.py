@@ -20,6 +20,14 @@ FIRST_MISSING = ('            problems.append(Mismatch(where, "missing"))\n     
 # 3.3: continues at t_ckpt, computing the checkpoint's own step again
 AT_T_CKPT = ("    return saved, restored[\"rng\"], t_ckpt + 1",
              "    return saved, restored[\"rng\"], t_ckpt  # continue from the checkpoint's step")
+# 3.3: only the parameters (and the step counter) come back; Adam's moments stay the fresh ones
+PARAMS_ONLY_RESUME = ('    restored = mngr.restore(target={"state": state, "rng": rng})\n'
+                      '    t_ckpt = restored.step\n'
+                      '    saved = restored["state"]',
+                      '    restored = mngr.restore(target={"state": {"params": state.params}, "rng": rng},\n'
+                      '                            partial=True)\n'
+                      '    t_ckpt = restored.step\n'
+                      '    saved = state.replace(params=restored["state"]["params"], step=t_ckpt)  # the weights')
 # 3.4: only the parameters migrate; Adam's moments start fresh
 PARAMS_ONLY = ("        by_new[new] = leaf",
                "        if old.startswith(\"params\"):  # the weights are what matters\n"
@@ -32,13 +40,13 @@ def _release_cell(nb: Any, release: Any, grade_id: str) -> None:
 
 def partial(release: Any, source: Any) -> Any:
     """3.1 and 3.3 right; 3.2 stops at the first mismatch; 3.4 not attempted; 6 of 9 quiz
-    answers right (Q2: "the RNG key was not restored", Q5: falls back on EIO, Q8: "nothing
-    visible")."""
+    answers right (Q2: "the RNG key was not restored", Q5: falls back on EIO, Q8: 35, the loop's
+    step rather than the state's counter)."""
     nb = perfect(release, source)
     _replace(nb, "task_3_2", *FIRST_ONLY)
     _replace(nb, "task_3_2", *FIRST_MISSING)
     _release_cell(nb, release, "task_3_4")
-    _answers(nb, Q2='"C"', Q5='"A"', Q8='"A"')
+    _answers(nb, Q2='"C"', Q5='"A"', Q8="35")
     return nb
 
 
@@ -57,6 +65,14 @@ def resumes_at_t_ckpt(release: Any, source: Any) -> Any:
     return nb
 
 
+def restores_params_only(release: Any, source: Any) -> Any:
+    """3.3 restores the parameters and the step counter and leaves Adam's moments fresh: the run
+    trains on, on the same loss scale, and the drill finds it elsewhere than the uninterrupted one."""
+    nb = perfect(release, source)
+    _replace(nb, "task_3_3", *PARAMS_ONLY_RESUME)
+    return nb
+
+
 def migrates_params_only(release: Any, source: Any) -> Any:
     """3.4 migrates the parameters and leaves Adam's moments fresh (listed as filled)."""
     nb = perfect(release, source)
@@ -67,6 +83,7 @@ def migrates_params_only(release: Any, source: Any) -> Any:
 EXAMPLES: dict[str, Edit] = {
     "perfect": perfect, "blank": blank, "partial": partial,
     "falls_back_on_io_error": falls_back_on_io_error, "resumes_at_t_ckpt": resumes_at_t_ckpt,
+    "restores_params_only": restores_params_only,
     "migrates_params_only": migrates_params_only,
     **ISSUE_20,  # issue 20's four classes in one submission (cheap: see make_examples)
 }

@@ -39,6 +39,17 @@ COMMIT_BEFORE_BARRIER = '''    info: dict[str, Any] = {}
             error = e
     save.barrier("written", error, files)
 '''
+# 4.3: every step in turn between the barriers, but an error raised where it happens: the others
+# are left waiting at the next barrier for the time-out
+RAISES_BEFORE_BARRIER = '''def two_barrier_commit(save):
+    """Task 4.3 — mine: each step in turn, between the barriers."""
+    if save.primary:
+        save.create()
+    save.barrier("created")
+    files = save.write()
+    written = save.barrier("written", None, files)
+    info = save.commit(written) if save.primary else {}
+    save.barrier("committed", None, info)'''
 # 4.4: a restoring device's region is looked up among the saved pieces, as if the mesh were the same
 ASSUMES_SAVING_MESH = '''def region_from_pieces(box, dtype, pieces):
     """Task 4.4 — mine: every device gets back the piece it saved."""
@@ -79,6 +90,14 @@ def commit_before_barrier(release: Any, source: Any) -> Any:
     return nb
 
 
+def raises_before_barrier(release: Any, source: Any) -> Any:
+    """4.3: the order is right, but a failed step raises at once instead of reaching the next
+    barrier: the other processes learn of it only from the time-out."""
+    nb = perfect(release, source)
+    _cell(nb, "task_4_3").source = RAISES_BEFORE_BARRIER
+    return nb
+
+
 def assumes_saving_mesh(release: Any, source: Any) -> Any:
     """4.4: a region is looked up as one saved piece: works only on the saving mesh."""
     nb = perfect(release, source)
@@ -93,6 +112,7 @@ EXAMPLES: dict[str, Edit] = {
     "primary_only_compares": primary_only_compares,
     "every_replica_writes": every_replica_writes,
     "commit_before_barrier": commit_before_barrier,
+    "raises_before_barrier": raises_before_barrier,
     "assumes_saving_mesh": assumes_saving_mesh,
     **ISSUE_20,  # issue 20's four classes in one submission (cheap: see make_examples)
 }

@@ -64,6 +64,7 @@ from .lab2 import (
     retention_cases,
 )
 from .lab3 import (
+    drill_message,
     lab3_drill,
     lab3_loss,
     lab3_manifest,
@@ -150,6 +151,7 @@ __all__ = [
     "devices",
     "distinct_boxes",
     "donating_train_step",
+    "drill_message",
     "drill_worker",
     "drill_worker_fingerprint",
     "dtype_cases",

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import inspect
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import jax
@@ -95,14 +95,20 @@ def lab3_namespace() -> dict[str, Any]:
 
 
 def lab3_drill(resume_fn: Callable[..., Any], *, steps: int = 15, every: int = 5,
-               kill_after: int | None = None, timeout_s: float = 50.0) -> dict[str, Any]:
+               kills: int = 2, kill_after: Sequence[int] | int | None = None,
+               timeout_s: float = 50.0) -> dict[str, Any]:
     """The crash drill of task 3.3: minickpt.demo's training worker, with ``resume_fn`` in place
     of the library's ``resume``, runs in a subprocess; it is killed with SIGKILL right after
-    a step that is not a save step (drawn at random unless ``kill_after``), restarted, and
-    left to finish. Returns what happened: the steps each run printed, the checkpoint on
-    disk at the restart, the restart's exit code and output, and the difference between
-    its final checkpoint and an uninterrupted run (``diff``, None when identical within
-    :func:`resume_rtol`)."""
+    a step drawn at random once the run is under way (``kills`` times, each time after the
+    step it resumed from; ``kill_after`` fixes the steps instead, for tests), restarted each
+    time, and the last run is left to finish.
+
+    Returns what happened: ``runs``, one dict per process started (``steps`` it computed,
+    ``resumed_from`` as it printed it, 0 for none, ``on_disk`` the newest committed step when
+    it started, ``killed_after``, ``rc``, ``err``), and ``diff``, the difference between the
+    final checkpoint and an uninterrupted run (None when identical within
+    :func:`resume_rtol`), ``identical`` (the final fingerprints are equal). Read it with
+    :func:`drill_message`."""
     import os
     import random
     import signal
@@ -120,10 +126,18 @@ def lab3_drill(resume_fn: Callable[..., Any], *, steps: int = 15, every: int = 5
                             f"run it in a training process: {e}") from None
     if getattr(fn, "__name__", None) != "resume":
         raise LabCheckError("the drill runs your function called resume")
-    if kill_after is None:
-        choices = [s for s in range(every + 1, steps - every) if s % every]  # a save to come
-        kill_after = random.Random().choice(choices)
-    out: dict[str, Any] = {"kill_after": kill_after}
+    fixed = [kill_after] if isinstance(kill_after, int) else list(kill_after or [])
+    if fixed:
+        kills = len(fixed)
+    chance = random.SystemRandom()  # the kill steps: chosen by nobody
+    out: dict[str, Any] = {"steps": steps, "every": every, "runs": []}
+
+    def latest(ckpt: str) -> int | None:
+        if not os.path.isdir(ckpt):
+            return None
+        with CheckpointManager(ckpt, CheckpointManagerOptions(read_only=True)) as m:
+            return m.latest_step()
+
     with tempdir() as d:
         code = os.path.join(d, "resume_task_3_3.py")
         with open(code, "w") as f:
@@ -133,54 +147,109 @@ def lab3_drill(resume_fn: Callable[..., Any], *, steps: int = 15, every: int = 5
         env = dict(os.environ, JAX_COMPILATION_CACHE_DIR=os.path.join(d, "jax-cache"),
                    JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0",
                    JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES="0")
-        first = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                                 stdin=subprocess.DEVNULL, text=True, env=env)
-        lines = []
-        try:
-            assert first.stdout is not None
-            for line in first.stdout:
-                lines.append(line.strip())
-                if line.strip() == f"step {kill_after}":
-                    first.send_signal(signal.SIGKILL)
-                    break
-            else:
-                first.wait(timeout=timeout_s)
-                err = first.stderr.read() if first.stderr else ""
-                out.update(first_failed=True, first_rc=first.returncode, first_out=lines,
-                           first_err=err[-3000:])
-                return out
-            rest, _ = first.communicate(timeout=timeout_s)
-            lines += [x.strip() for x in rest.splitlines()]
-        finally:
-            if first.poll() is None:
-                first.kill()
-                first.wait()
-        out.update(first_failed=False, first_rc=first.returncode, first_out=lines)
-        out["on_disk"] = None
-        if os.path.isdir(ckpt):
-            with CheckpointManager(ckpt, CheckpointManagerOptions(read_only=True)) as m:
-                out["on_disk"] = m.latest_step()
-        second = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout_s,
-                                env=env)
-        out.update(second_rc=second.returncode, second_out=second.stdout.splitlines(),
-                   second_err=second.stderr[-3000:])
-        done = [int(x.split()[1]) for x in out["second_out"] if x.startswith("step ")]
-        resumed = [int(x.split()[3]) for x in out["second_out"]
-                   if x.startswith("resumed from step ")]
-        out.update(second_steps=done, resumed_from=resumed[0] if resumed else 0)
-        out["diff"] = "the restarted run did not finish"
-        if second.returncode == 0:
+        for i in range(kills + 1):
+            run: dict[str, Any] = {"on_disk": latest(ckpt), "killed_after": None,
+                                   "resumed_from": 0, "steps": []}
+            out["runs"].append(run)
+            proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                    stdin=subprocess.DEVNULL, text=True, env=env)
+            target = None
+            try:
+                assert proc.stdout is not None
+                for line in proc.stdout:
+                    line = line.strip()
+                    if line.startswith("resumed from step "):
+                        run["resumed_from"] = int(line.split()[3])
+                    elif line.startswith("step "):
+                        step = int(line.split()[1])
+                        run["steps"].append(step)
+                        if i < kills and target is None:
+                            first = run["resumed_from"] + 1
+                            if fixed:
+                                target = fixed[i]
+                            elif first + 1 <= steps - 1:  # one step done, one still to do
+                                target = chance.randint(first + 1, steps - 1)
+                        if target is not None and step >= target:
+                            proc.send_signal(signal.SIGKILL)
+                            run["killed_after"] = step
+                            break
+                    elif line.startswith("final "):
+                        run["final"] = line.split()[1]
+                rest, err = proc.communicate(timeout=timeout_s)
+                for line in rest.splitlines():  # what it printed before it died
+                    if line.startswith("step "):
+                        run["steps"].append(int(line.split()[1]))
+                    elif line.startswith("final "):
+                        run["final"] = line.split()[1]
+                run["err"] = (err or "")[-3000:]
+            except subprocess.TimeoutExpired:
+                run["err"] = f"still running after {timeout_s:.0f} s"
+            finally:
+                if proc.poll() is None:
+                    proc.kill()
+                    proc.wait()
+            run["rc"] = proc.returncode
+            if run["killed_after"] is None:
+                break  # it ended by itself (finished or failed): no restart
+        out["diff"] = "the last run did not finish"
+        last = out["runs"][-1]
+        if last["rc"] == 0:
             from ..demo import fingerprint, make_state
             from ..demo import train as demo_train
 
             ref_state, ref_rng, _ = demo_train(make_state(), jax.random.key(42), 0, steps)
-            final = [x.split()[1] for x in out["second_out"] if x.startswith("final ")]
-            out["identical"] = bool(final) and final[0] == fingerprint((ref_state, ref_rng))
+            out["identical"] = last.get("final") == fingerprint((ref_state, ref_rng))
             with CheckpointManager(ckpt, CheckpointManagerOptions(read_only=True)) as m:
                 if m.latest_step() != steps:
                     out["diff"] = f"the last checkpoint is step {m.latest_step()}, not {steps}"
                 else:
                     got = m.restore(target={"state": ref_state, "rng": ref_rng})
-                    out["diff"] = tree_diff((got["state"], got["rng"]), (ref_state, ref_rng),
+                    out["diff"] = tree_diff({"state": got["state"], "rng": got["rng"]},
+                                            {"state": ref_state, "rng": ref_rng},
                                             rtol=resume_rtol())
     return out
+
+
+def drill_message(r: Mapping[str, Any]) -> str | None:
+    """None if the drill ``r`` (from :func:`lab3_drill`) went as a correct resume makes it
+    go — every restart resumed from the newest committed checkpoint, computed each later step
+    once and in order, and the run ended where the uninterrupted run ends — else what went
+    wrong first, said for the student."""
+    runs = r["runs"]
+    for i, run in enumerate(runs):
+        what = "the first run" if i == 0 else f"restart {i}"
+        killed = run["killed_after"] is not None
+        if not killed and run["rc"] != 0:
+            err = run.get("err", "")
+            hint = ""
+            if "StepAlreadyExistsError" in err:
+                hint = ("\n(StepAlreadyExistsError: the worker saved a step that is already "
+                        "committed — it computed the checkpoint's own step again: the first "
+                        "step to compute is t_ckpt + 1)")
+            return (f"{what} of the training worker failed (exit {run['rc']}) after computing "
+                    f"steps {run['steps']}:\n{err[-1500:]}{hint}")
+        if i == 0:
+            continue
+        prev = runs[i - 1]
+        disk = run["on_disk"] or 0
+        story = (f"{what}: the worker was killed right after step {prev['killed_after']}, "
+                 f"when the newest committed checkpoint was step {run['on_disk']}; ")
+        if run["resumed_from"] != disk:
+            said = (f"it resumed from step {run['resumed_from']}" if run["resumed_from"]
+                    else "it started from scratch (resume returned first step 1)")
+            return story + (f"{said}. resume should restore the newest checkpoint and return "
+                            "t_ckpt + 1 as the first step")
+        want = list(range(disk + 1, disk + 1 + len(run["steps"])))
+        if not run["steps"] or run["steps"] != want:
+            return story + (f"it computed steps {run['steps'][:6]}..., expected "
+                            f"{want[:6] or [disk + 1]}... (each step once, from t_ckpt + 1)")
+    last = runs[-1]
+    if last["steps"] and last["steps"][-1] != r["steps"]:
+        return f"the last run stopped at step {last['steps'][-1]}, not {r['steps']}"
+    if r["diff"] is not None:
+        kills = [run["killed_after"] for run in runs if run["killed_after"] is not None]
+        return (f"killed after steps {kills} and restarted, the run ended elsewhere than the "
+                f"uninterrupted one: {r['diff']}. Every step after a restart used what resume "
+                "returned: did it bring back the whole state — parameters, Adam's moments, the "
+                "step counter — and the saved RNG key, restored into the fresh ones?")
+    return None

@@ -351,18 +351,17 @@ class CollectiveSave:
 
 
 def two_barrier_commit(save: CollectiveSave) -> None:
-    """Task 4.3 — the two-barrier commit of one collective save, run by every process.
+    """Task 4.3 — publish one collective save on every process, or fail it on every process.
 
-    Every process writes its own shards into one temporary directory that only the primary
-    (``save.primary``) creates and only the primary publishes, by renaming it
-    (``save.commit``). The barriers make that safe: nobody writes before the directory
-    exists (``"created"``); the primary commits only once every process's shards are durable
-    (``"written"``, whose values are every process's files, which the manifest lists); and
-    nobody returns before the step is published (``"committed"``). A step that fails on one
-    process must fail on all, with nothing left behind: a process whose step raised still
-    goes to the next barrier and reports the error there (``save.barrier(phase, error)``
-    raises it everywhere and removes the temporary directory); raising at once would leave
-    the others waiting for the time-out.
+    Run by every process with its own ``save``, once the step is agreed. Guarantees: the step
+    is published (the primary's ``save.commit`` renames the temporary directory) only once
+    every process's shards are durable, and its manifest lists every process's files; nobody
+    writes before the temporary directory exists; nobody returns before the step is
+    published; a failure of ``create``, ``write`` or ``commit`` on any process makes every
+    process raise — learned at a barrier (``save.barrier``), not from a time-out — and leaves
+    neither the step nor its temporary directory (unless the rename had happened: the step is
+    then complete and stays); a process that dies makes every survivor raise, and nothing
+    incomplete is ever published.
     """
     error: Exception | None = None
     if save.primary:

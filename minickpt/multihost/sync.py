@@ -344,7 +344,9 @@ def agree_on_step(steps: Sequence[int]) -> int:
     with one step, or all raise. Processes that disagree would mix two training states in
     one checkpoint (each process's shards from its own step): raise
     :class:`ProcessDisagreementError` naming each process and its step. A step is an int
-    >= 0 (not a bool); anything else is a ``ValueError`` naming the process that sent it.
+    >= 0 (not a bool, not a float); anything else is a plain ``ValueError`` (not a
+    disagreement: a bug in the process that sent it) naming that process, found before any
+    comparison. An empty list is a ``ValueError`` too.
     """
     if len(steps) == 0:
         raise ValueError("no steps to agree on: every process reports the step it saves")
