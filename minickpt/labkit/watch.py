@@ -38,7 +38,7 @@ that task); None outside the referee: the tasks of the functions given."""
 REACHED: list[str] = []
 """What workers reported (``"reached minickpt's own resume (task 3.3)"``), for the referee."""
 
-_setprofile, _getprofile = sys.setprofile, sys.getprofile
+_setprofile, _getprofile, _settrace = sys.setprofile, sys.getprofile, sys.settrace
 _thread_setprofile = threading.setprofile
 _get_ident = threading.get_ident
 _threading_file = threading.__file__
@@ -86,7 +86,12 @@ class Watch:
                 if on_hit is not None:
                     on_hit(what)
 
+        in_c: dict[int, Any] = {}   # the C function each thread is calling, as the watch saw
+        lost: set[int] = set()      # threads whose watch an exception inside it dropped
+
         def profile(frame: Any, event: str, arg: Any) -> None:
+            if event == "c_call":
+                in_c[_get_ident()] = arg
             if not active[0]:  # a thread the student's code started, after the test
                 own[0] = True
                 try:
@@ -121,8 +126,14 @@ class Watch:
                 finally:
                     own[0] = False
 
-        def leave() -> None:
+        def leave(failed: bool = False) -> None:
             me = _get_ident()
+            if me in lost and not failed:  # the call went on, unwatched, after an exception
+                lost.discard(me)           # raised inside the watch (a signal handler's)
+                hit("went on after the grader's watch was dropped (an exception raised "
+                    "inside it, by a signal handler?)")
+            elif failed:
+                lost.discard(me)
             d = depth.get(me, 1) - 1
             active[0] -= 1
             if d:
@@ -138,6 +149,7 @@ class Watch:
                 own[0] = False
 
         self.profile, self._enter, self._leave, self._active = profile, enter, leave, active
+        self._in_c, self._lost = in_c, lost
         self._hit = hit
 
     def active(self) -> bool:
@@ -149,6 +161,14 @@ class Watch:
         watch while the student's code runs is a hit; the hook refuses it (raise)."""
         if (event == "sys.setprofile" or event == "sys.settrace") and not self._own[0] \
                 and self._active[0]:
+            me = _get_ident()
+            calling = self._in_c.get(me)
+            if event == "sys.setprofile" and _getprofile() is self.profile and \
+                    calling is not _setprofile and calling is not _settrace and \
+                    type(getattr(calling, "__self__", None)).__module__ != "_lsprof" and \
+                    "ctypes" not in str(type(calling).__module__):
+                self._lost.add(me)  # Python drops a profile function that raised: a signal
+                return None         # handler's exception inside it (see leave)
             f = _getframe(1)
             while f is not None and f.f_code.co_name in ("audit", "_audit"):
                 f = f.f_back  # the audit hooks calling this
@@ -171,11 +191,16 @@ class Watch:
                 before()
             enter()
             try:
-                return fn(*args, **kwargs)
-            finally:
-                leave()
+                result = fn(*args, **kwargs)
+            except BaseException:
+                leave(True)
                 if after is not None:
                     after()
+                raise
+            leave()
+            if after is not None:
+                after()
+            return result
 
         for attr in ("__name__", "__qualname__", "__doc__", "__module__"):
             try:
