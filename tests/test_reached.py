@@ -108,6 +108,20 @@ def to_host(x):
 case("library helper", """
 def to_host(x):
     return np.asarray(mc.tree.path_str(("a", "b")) and x)""")
+
+# a worker the private copy of the kit starts (lab 6's loop process), told the task by the referee
+import linecache, tempfile
+LOOP = """import minickpt as mc
+def train_until_preempted(mngr, carry, step_fn, *, start=0, stop, items,
+                          _f=mc.production.preemption.__dict__["train_until_preempted"]):
+    return _f(mngr, carry, step_fn, start=start, stop=stop, items=items)
+"""
+name = "/tmp/ipykernel_0/reached-cell.py"
+linecache.cache[name] = (len(LOOP), None, LOOP.splitlines(True), name)
+exec(compile(LOOP, name, "exec"), ns)
+ns["tempfile"] = tempfile
+run("worker", "test_6_3_1", "d = tempfile.mkdtemp()\n"
+    "lab.run_loop_process(train_until_preempted, d, stop=6, every=3)")
 '''
 
 
@@ -128,6 +142,10 @@ def test_the_reference_reached_from_the_students_code_in_the_kernel_earns_nothin
     assert "called sys.setprofile while the grader watched" in lines["profile off"]
     assert lines["profile off"] != "receipt"
     assert "started a thread around the grader's watch" in lines["raw thread"]
+    assert lines["worker"].startswith("LabCheckError: while your code ran in the worker "
+                                      "process it reached minickpt's own train_until_preempted "
+                                      "(task 6.3)"), lines["worker"]
+    assert "watch: reached minickpt's own train_until_preempted (task 6.3)" in lines["worker"]
 
 
 def test_a_workers_namespace_holds_no_reference_before_the_students_cell():

@@ -29,6 +29,11 @@ import threading
 from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
+# at import, not in a function: the referee's private copy of the kit is not in sys.modules
+# once loaded, so a relative import at run time would not find its modules
+from .checks import LabCheckError
+from .plugging import reference_functions
+
 ENV_FD = "MINICKPT_WATCH_FD"
 ENV_TASKS = "MINICKPT_WATCH_TASKS"
 MARK = b"[minickpt-reached] "
@@ -48,8 +53,6 @@ _getframe = sys._getframe
 
 
 def _task_refs(tasks: Iterable[str]) -> dict[str, tuple[Callable[..., Any], ...]]:
-    from .plugging import reference_functions
-
     refs = reference_functions()
     return {t: refs[t] for t in tasks if t in refs}
 
@@ -215,8 +218,6 @@ class Watch:
 def without_references(ns: dict[str, Any]) -> dict[str, Any]:
     """``ns`` without any task's reference function (under any name): a worker's namespace
     before the student's cell runs, as the kernel's holds none."""
-    from .plugging import reference_functions
-
     refs = {id(f) for fns in reference_functions().values() for f in fns}
     for k in [k for k, v in ns.items() if id(v) in refs]:
         del ns[k]
@@ -228,8 +229,6 @@ def watched_tasks(fns: Iterable[Any]) -> list[str]:
     ``fns`` (by name)."""
     if CURRENT[0] is not None:
         return [CURRENT[0]]
-    from .plugging import reference_functions
-
     names = {getattr(inspect_unwrap(f), "__name__", None) for f in fns}
     return [t for t, refs in reference_functions().items()
             if any(r.__name__ in names for r in refs)]
@@ -266,8 +265,6 @@ class Reports:
     :class:`~minickpt.labkit.LabCheckError` naming what any of them reached."""
 
     def __init__(self, fns: Iterable[Any]) -> None:
-        from .checks import LabCheckError
-
         fns = list(fns)
         for fn in fns:
             what = is_reference(fn)
@@ -305,8 +302,6 @@ class Reports:
         return list(dict.fromkeys(found))
 
     def check(self) -> None:
-        from .checks import LabCheckError
-
         found = self.read()
         self.close()
         if found:
