@@ -187,8 +187,9 @@ def boot(key_file: str, nonce: str, shell: object = None) -> types.SimpleNamespa
             restored = referee.repair()
             payload = referee.run(grade_id, source, report, restored)
         except BaseException:
-            if restored:  # the test fails, but what was put back before it is for review
-                note = repr(restored)
+            seen = restored + [f"watch: {w}" for w in referee.reached]
+            if seen:  # the test fails, but what was put back before it (or what the
+                note = repr(seen)  # student's code reached) is for review
                 write(f"\n{RECEIPT} {grade_id} {sign(f'{nonce}|restored|{grade_id}|{note}')} "
                       f"{note}", flush=True)
             raise
@@ -225,6 +226,9 @@ class Referee:
         self._hooks_refused = 0
         self._failures: list = []       # every check that failed in the running test
         self._watched: dict = {}        # id -> every function and module at the seal
+        self._watch = None              # the running test's watch (labkit.watch.Watch)
+        self._watch_profile = None
+        self.reached: list[str] = []    # what the running test's watch saw
         count = [0]
         sys.stdout, sys.stderr = _Capped(sys.stdout, count), _Capped(sys.stderr, count)
         if shell is not None:  # a fresh count for every cell
@@ -239,6 +243,10 @@ class Referee:
         if event == "sys.addaudithook":
             self._hooks_refused += 1
             raise RuntimeError("the grader allows no audit hooks")
+        if (event == "sys.setprofile" or event == "sys.settrace") and self._watch is not None \
+                and self._watch.audit(event, args) is not None:
+            raise RuntimeError("the grader's watch allows no profile or trace function while "
+                               "your code runs under test")
         if (event != "object.__setattr__" and event != "object.__delattr__") or self._quiet \
                 or not self._sealed or len(args) < 2:
             return
@@ -318,6 +326,8 @@ class Referee:
         self._meta_path, self._path_hooks = list(sys.meta_path), list(sys.path_hooks)
         self._reference_ids = {id(f) for f, *_ in self._functions}
         self._labkit = self._fresh_labkit()
+        self._refs = dict(self._labkit.reference_functions())
+        self._task_names = {f.__name__ for fns in self._refs.values() for f in fns}
         real = sys.modules.get("minickpt.labkit")
         sealed = {}
         for k, v in namespace.items():
@@ -475,7 +485,9 @@ class Referee:
                                else "sys.path_hooks")
                 if fix:
                     hooks[:] = snap + [h for h in hooks if not any(h is s for s in snap)]
-        if self._gettrace() is not None or self._getprofile() is not None:
+        profile = self._getprofile()
+        if self._gettrace() is not None or (profile is not None
+                                            and profile is not self._watch_profile):
             changed.append("sys.settrace/setprofile")
             if fix:
                 self._settrace(None)
@@ -486,14 +498,16 @@ class Referee:
                 self._hooks_refused = 0
         return changed
 
-    def _wrap(self, fn, allowed: set[int], calls: list[str]):
+    def _wrap(self, fn, allowed: set[int], calls: list[str], watch=None):
         """The student's function, checked after every call: a call that changes a protected
-        module (other than plugged_in's swaps, which are these wrappers) fails the test."""
+        module (other than plugged_in's swaps, which are these wrappers) fails the test; and
+        run under the test's ``watch``, which sees the task's reference run inside it."""
         referee = self
+        inner = fn if watch is None else watch.wrap(fn)
 
         def checked(*args, **kwargs):
             try:
-                return fn(*args, **kwargs)
+                return inner(*args, **kwargs)
             finally:
                 changed = referee._changes(frozenset(allowed), fix=True, full=False)
                 if changed:
@@ -540,19 +554,40 @@ class Referee:
         self._reap_children()
         allowed: set[int] = set()
         calls: list[str] = []
+        # the task under test: its reference functions must not run inside the student's code
+        # (in this kernel: the watch; in a worker the labkit starts: the private copy's
+        # watch module, told the task, reports into REACHED)
+        found = re_fullmatch(r"test_(\d+)_(\d+)(_.*)?", grade_id)
+        task = f"{found.group(1)}.{found.group(2)}" if found else None
+        kit = self._labkit.watch
+        kit.CURRENT[0] = task
+        del kit.REACHED[:]
+        watch = kit.Watch({task: self._refs[task]} if task in self._refs else {})
+        self._watch, self._watch_profile, self.reached = watch, watch.profile, []
         ns = {}
         for k, v in self._ns.items():
             if _internal(k):
                 continue
-            if isinstance(v, self._FunctionType) and id(v) not in self._reference_ids:
-                v = self._wrap(v, allowed, calls)
-            ns[k] = v
+            if k not in self._setup_names and callable(v) and \
+                    not isinstance(v, self._ModuleType) and \
+                    (not isinstance(v, type) or k in self._task_names):
+                v = self._wrap(v, allowed, calls, watch)  # a reference bound to a task's
+            ns[k] = v                                     # name too: the watch sees it run
         ns.update(self._setup_names)
         ns["__builtins__"] = self._builtins
         ns["__name__"] = "__main__"
         code = self._compile(source, f"<{grade_id}>", "exec")
         del self._failures[:]
-        self._exec(code, ns)
+        try:
+            self._exec(code, ns)
+        finally:
+            self.reached = list(dict.fromkeys(watch.hits + list(kit.REACHED)))
+            kit.CURRENT[0] = None
+            self._watch = None
+        if self.reached:
+            raise TamperedError(f"while your code ran it {self.reached[0]}: minickpt's own "
+                                f"implementation of task {task} must not run inside yours, "
+                                "so this test does not count")
         after = self._changes(fix=True)
         if after:
             raise TamperedError(f"the test left {', '.join(sorted(set(after))[:6])} changed: "

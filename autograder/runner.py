@@ -225,7 +225,9 @@ def _run(job: Job, cfg: dict[str, Any], lab: Lab, student: list[Any], iso: sandb
         if g.message:
             result["messages"][g.grade_id] = g.message
         for what in g.restored:
-            result["review"].append(f"changed {what} (put back before {g.grade_id})")
+            result["review"].append(f"{what[len('watch: '):]} (in {g.grade_id})"
+                                    if what.startswith("watch: ") else
+                                    f"changed {what} (put back before {g.grade_id})")
     result["notes"] = asm.notes
     if report.fate:
         result["reason"] = f"{report.fate}: the cells after it were not run (0 points)"

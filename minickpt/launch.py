@@ -114,13 +114,15 @@ def launch(argv: Sequence[str], num_processes: int, *, devices_per_process: int 
            env: Mapping[str, str] | None = None,
            env_per_process: Mapping[int, Mapping[str, str]] | None = None,
            echo: TextIO | None = None, cwd: str | None = None,
-           heartbeat_timeout_s: int | None = None, port_retries: int = 2) -> LaunchResult:
+           heartbeat_timeout_s: int | None = None, port_retries: int = 2,
+           pass_fds: Sequence[int] = ()) -> LaunchResult:
     """Run ``python *argv`` as ``num_processes`` processes of one JAX job; wait for them.
 
     ``argv`` is what follows ``python``: ``["train.py", "--steps", "10"]`` or
     ``["-m", "pkg.mod"]``. Output lines are collected (and copied to ``echo`` with a
     ``[p<i>]`` prefix). Once a process exits non-zero the others are killed ``grace_s``
-    seconds later; everything is killed at ``timeout_s``.
+    seconds later; everything is killed at ``timeout_s``. ``pass_fds``: file descriptors
+    every process inherits.
     """
     if num_processes < 1 or devices_per_process < 1:
         raise ValueError("num_processes and devices_per_process must be >= 1")
@@ -129,7 +131,7 @@ def launch(argv: Sequence[str], num_processes: int, *, devices_per_process: int 
         port = pick_free_port()
         result = _run_once(argv, num_processes, port, token, devices_per_process, timeout_s,
                            grace_s, platforms, env, env_per_process, echo, cwd,
-                           heartbeat_timeout_s)
+                           heartbeat_timeout_s, tuple(pass_fds))
         if attempt < port_retries and any(_BIND_FAILED in line for line in result.outputs[0]):
             if echo is not None:
                 echo.write(f"[launch] the coordinator could not bind port {port}; retrying\n")
@@ -141,7 +143,8 @@ def launch(argv: Sequence[str], num_processes: int, *, devices_per_process: int 
 def _run_once(argv: Sequence[str], n: int, port: int, token: str, k: int, timeout_s: float,
               grace_s: float, platforms: str | None, env: Mapping[str, str] | None,
               env_per_process: Mapping[int, Mapping[str, str]] | None, echo: TextIO | None,
-              cwd: str | None, heartbeat_timeout_s: int | None) -> LaunchResult:
+              cwd: str | None, heartbeat_timeout_s: int | None,
+              pass_fds: tuple[int, ...] = ()) -> LaunchResult:
     outputs: list[list[str]] = [[] for _ in range(n)]
     lock = threading.Lock()
     procs: list[subprocess.Popen[str]] = []
@@ -154,7 +157,8 @@ def _run_once(argv: Sequence[str], n: int, port: int, token: str, k: int, timeou
             procs.append(subprocess.Popen([sys.executable, *argv], env=e, cwd=cwd,
                                           stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                                           stdin=subprocess.DEVNULL, text=True, bufsize=1,
-                                          errors="replace", start_new_session=True))
+                                          errors="replace", start_new_session=True,
+                                          pass_fds=pass_fds))
 
         def pump(i: int, p: subprocess.Popen[str]) -> None:
             assert p.stdout is not None

@@ -14,6 +14,7 @@ from .checks import LabCheckError, check, expect_raises, same, tree_diff
 from .devices import resume_rtol
 from .plugging import plugged_in
 from .temporaries import tempdir
+from .watch import Reports, without_references
 
 
 def lab3_manifest(tree: Any, item: str = "state") -> Any:
@@ -66,11 +67,13 @@ def lab3_loss(state: Any, rng: jax.Array, step: int) -> float:
 _LAB3_DRIVER = """
 import sys
 from minickpt import demo, labkit
-ns = labkit.lab3_namespace()
+from minickpt.labkit import watch
+_w, _plug, _run, _argv = watch.worker(), labkit.plugged_in, demo.worker, list(sys.argv)
+ns = _w.namespace(labkit.lab3_namespace())
 with open(sys.argv[1]) as f:
     exec(compile(f.read(), "your resume (task 3.3)", "exec"), ns)
-with labkit.plugged_in(ns["resume"]):
-    demo.worker(sys.argv[2], int(sys.argv[3]), int(sys.argv[4]), float(sys.argv[5]))
+with _plug(_w.wrap(ns["resume"])):
+    _run(_argv[2], int(_argv[3]), int(_argv[4]), float(_argv[5]))
 """
 
 
@@ -91,7 +94,7 @@ def lab3_namespace() -> dict[str, Any]:
         ns.update({k: v for k, v in vars(mod).items() if not k.startswith("__")})
     ns.update(jax=jax, jnp=jnp, np=np, mc=mc, lab=sys.modules[__name__], check=check,
               same=same, expect_raises=expect_raises, plugged_in=plugged_in)
-    return ns
+    return without_references(ns)
 
 
 def lab3_drill(resume_fn: Callable[..., Any], *, steps: int = 15, every: int = 5,
@@ -138,7 +141,7 @@ def lab3_drill(resume_fn: Callable[..., Any], *, steps: int = 15, every: int = 5
         with CheckpointManager(ckpt, CheckpointManagerOptions(read_only=True)) as m:
             return m.latest_step()
 
-    with tempdir() as d:
+    with tempdir() as d, Reports([resume_fn]) as reports:
         code = os.path.join(d, "resume_task_3_3.py")
         with open(code, "w") as f:
             f.write(textwrap.dedent(src))
@@ -147,12 +150,14 @@ def lab3_drill(resume_fn: Callable[..., Any], *, steps: int = 15, every: int = 5
         env = dict(os.environ, JAX_COMPILATION_CACHE_DIR=os.path.join(d, "jax-cache"),
                    JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0",
                    JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES="0")
+        env = reports.env(env)
         for i in range(kills + 1):
             run: dict[str, Any] = {"on_disk": latest(ckpt), "killed_after": None,
                                    "resumed_from": 0, "steps": []}
             out["runs"].append(run)
             proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                                    stdin=subprocess.DEVNULL, text=True, env=env)
+                                    stdin=subprocess.DEVNULL, text=True, env=env,
+                                    pass_fds=reports.pass_fds)
             target = None
             try:
                 assert proc.stdout is not None

@@ -13,6 +13,7 @@ import numpy as np
 from .checks import LabCheckError
 from .plugging import reference
 from .temporaries import tempdir
+from .watch import Reports
 
 # What every process launched by run_processes imports before the student's code: the names
 # of lab 4's setup cell (tests/test_lab04_multihost.py checks that the two agree).
@@ -53,6 +54,8 @@ import minickpt.multihost.process as _mhp
 import minickpt.multihost.sync as _mhs
 _mhp.initialize()
 {imports}
+from minickpt.labkit import watch as _watch
+_w = _watch.worker()
 ME, N = jax.process_index(), jax.process_count()
 directory = sys.argv[1]
 _results = {{}}
@@ -64,10 +67,13 @@ def report(**values):
 
 
 _error = None
-try:
-    exec(compile({source!r}, "<your task cell>", "exec"), globals())
-    with plugged_in(*[globals()[_n] for _n in {names!r}]):
-        exec(compile({body!r}, "<the test>", "exec"), globals())
+try:  # the student's cell in a namespace of its own; the test's: theirs, the harness's on top
+    _harness = dict(globals())
+    _mine = _w.namespace(_harness)
+    exec(compile({source!r}, "<your task cell>", "exec"), _mine)
+    _test = _w.test_namespace(_mine, _harness, {names!r})
+    with _harness["plugged_in"](*[_test[_n] for _n in {names!r}]):
+        exec(compile({body!r}, "<the test>", "exec"), _test)
 except BaseException as _e:
     _error = {{"type": type(_e).__name__, "message": str(_e),
               "kinds": [_c.__name__ for _c in type(_e).__mro__]}}
@@ -176,7 +182,7 @@ def run_processes(body: str, *, processes: int = 4, devices: int = 2,
     for fn in functions:
         reference(fn.__name__)  # a name no task has fails here, not in every process
     source = _task_source(functions)
-    with tempdir() as work:
+    with tempdir() as work, Reports(functions) as reports:
         script = os.path.join(work, "lab4_process.py")
         with open(script, "w", encoding="utf-8") as f:
             f.write(_WORKER.format(imports=LAB4_IMPORTS, source=source, names=names,
@@ -185,7 +191,7 @@ def run_processes(body: str, *, processes: int = 4, devices: int = 2,
         os.makedirs(shared, exist_ok=True)
         res = launch([script, shared], processes, devices_per_process=devices,
                      timeout_s=timeout_s, grace_s=timeout_s, cwd=work,
-                     env={"JAX_PLATFORMS": "cpu"})
+                     env=reports.env({"JAX_PLATFORMS": "cpu"}), pass_fds=reports.pass_fds)
     return ProcessesRun(processes, res)
 
 

@@ -10,6 +10,7 @@ from typing import Any
 import numpy as np
 
 from .checks import LabCheckError
+from .watch import Reports
 
 
 def simulate_waste(interval: float, save_cost: float, mtbf: float, *, segments: int = 200,
@@ -62,7 +63,11 @@ from typing import Any
 import numpy as np
 import minickpt as mc
 from minickpt.production.preemption import LoopResult, PreemptionHandler
-{source}
+from minickpt.labkit import watch as _watch
+_w = _watch.worker()
+_mine = _w.namespace(globals())  # the student's cell in a namespace of its own
+exec(compile({source!r}, "<your task cell>", "exec"), _mine)
+{name} = _w.wrap(_mine[{name!r}])
 directory, stop, every, hard_exit, use_async = (sys.argv[1], int(sys.argv[2]), int(sys.argv[3]),
                                                 sys.argv[4] == "1", sys.argv[5] == "1")
 opts = mc.CheckpointManagerOptions(save_interval_steps=every, max_to_keep=None,
@@ -127,8 +132,10 @@ def run_loop_process(fn: Callable[..., Any], directory: str, *, stop: int, every
     ckpt = os.path.join(directory, "ckpt")
     cmd = [sys.executable, path, ckpt, str(stop), str(every), "1" if hard_exit else "0",
            "1" if use_async else "0"]
+    reports = Reports([fn])
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            stdin=subprocess.DEVNULL)
+                            stdin=subprocess.DEVNULL, env=reports.env(os.environ),
+                            pass_fds=reports.pass_fds)
     lines: list[str] = []
     import threading
 
@@ -152,6 +159,7 @@ def run_loop_process(fn: Callable[..., Any], directory: str, *, stop: int, every
         if proc.poll() is None:
             proc.kill()
             proc.wait()
+    reports.check()
     return rc, lines, err[-3000:]
 
 
