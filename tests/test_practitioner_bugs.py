@@ -116,8 +116,9 @@ def test_tiered_resume_loop_saves_again_a_step_damaged_in_both_tiers(tmp_path):
         assert float(m.restore(2)["params"]["w"][0, 0]) == 20.0
 
 
-def test_multihost_resume_loop_saves_again_a_damaged_step(tmp_path):
-    """Every manager sets a damaged step aside: several processes too (LocalGroup threads)."""
+def _two_processes_saved_steps_1_and_2(tmp_path):
+    """Two processes (LocalGroup threads) saved a row-sharded array as steps 1 and 2 in
+    ``tmp_path``: (the sync module, the array's tree, the options)."""
     import jax
     from jax.sharding import Mesh, NamedSharding
     from jax.sharding import PartitionSpec as P
@@ -137,6 +138,12 @@ def test_multihost_resume_loop_saves_again_a_damaged_step(tmp_path):
 
     for r in mh.LocalGroup(2).run(save):
         assert not isinstance(r, BaseException), r
+    return mh, w, o
+
+
+def test_multihost_resume_loop_saves_again_a_damaged_step(tmp_path):
+    """Every manager sets a damaged step aside: several processes too (LocalGroup threads)."""
+    mh, w, o = _two_processes_saved_steps_1_and_2(tmp_path)
     data = tmp_path / "step_2" / "params" / "data.p1.bin"
     raw = bytearray(data.read_bytes())
     raw[5] ^= 0xFF
@@ -348,25 +355,7 @@ def test_tiered_restore_raises_an_io_error_instead_of_skipping_the_step(tmp_path
 
 
 def test_multihost_restore_raises_an_io_error_instead_of_falling_back(tmp_path):
-    import jax
-    from jax.sharding import Mesh, NamedSharding
-    from jax.sharding import PartitionSpec as P
-
-    from minickpt import MultiHostOptions
-    from minickpt.multihost import sync as mh
-
-    mesh = Mesh(np.array(jax.devices()[:4]).reshape(2, 2), ("p", "l"))
-    g = np.arange(32, dtype=np.float32).reshape(8, 4)
-    w = {"w": jax.device_put(g, NamedSharding(mesh, P("p")))}
-    o = CheckpointManagerOptions(multihost=MultiHostOptions(timeout_s=20))
-
-    def save(sync):
-        with CheckpointManager(tmp_path, o, sync=sync) as m:
-            m.save(1, {"params": w})
-            m.save(2, {"params": w})
-
-    for r in mh.LocalGroup(2).run(save):
-        assert not isinstance(r, BaseException), r
+    mh, w, o = _two_processes_saved_steps_1_and_2(tmp_path)
 
     def resume(sync):
         fs = _eio_reading(tmp_path / "step_2") if sync.process_index == 1 else None

@@ -695,8 +695,9 @@ def restore_checkpoint(*args, **kwargs):
 def cheat_wrapper_reference(release: Any, source: Any) -> Any:
     """Every task cell is a one-line wrapper around minickpt's own function, reached under
     another name (an import alias, a module attribute, ``lab.reference``); the quiz is right.
-    Every test passes (students may read minickpt): the points stay, and the review column
-    names each task whose reference was handed in."""
+    The watch (``minickpt.labkit.watch``) sees the task's reference run inside the student's
+    call: every task test earns nothing, the quiz keeps its points, and the review column names
+    each task, statically (the spelling) and dynamically (what ran)."""
     nb = perfect(release, source)
     for gid, code in WRAPPERS.items():
         _cell(nb, gid).source = code

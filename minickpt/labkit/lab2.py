@@ -201,15 +201,20 @@ def crash_every_call(*fns: Callable[..., Any], before: tuple[int, ...] = (1, 2),
             if pt.call == "end" and not all(step in o for o in good):
                 bad.append(f"save({step}) returned, but a power cut right after it can lose "
                            f"step {step}")
-            for b in bad:
-                msg = re.sub(r"\S*/(state|point)\d+", "<world>",
-                             f"crash before call {pt.index} ({pt.call}) — {b}")
-                if msg not in seen:
-                    seen.add(msg)
-                    pending = re.sub(r"\S*/point\d+", "<world>",
-                                     "; ".join(pt.pending[:3]) or "nothing")
-                    report.problems.append(f"{msg} [not yet durable then: {pending}]")
+            _note(report, seen, pt, bad)
     return report
+
+
+def _note(report: Any, seen: set[str], pt: Any, bad: list[str]) -> None:
+    """Add each problem found at crash point ``pt`` once, with what was not yet durable then
+    (the temporary worlds' paths hidden, so that the same problem reads the same)."""
+    for b in bad:
+        msg = re.sub(r"\S*/(state|point)\d+", "<world>",
+                     f"crash before call {pt.index} ({pt.call}) — {b}")
+        if msg not in seen:
+            seen.add(msg)
+            pending = re.sub(r"\S*/point\d+", "<world>", "; ".join(pt.pending[:3]) or "nothing")
+            report.problems.append(f"{msg} [not yet durable then: {pending}]")
 
 
 def _files_of(root: str) -> dict[str, bytes | None]:
@@ -333,14 +338,7 @@ def crash_commit(commit: Callable[..., Any], *, subdirs: tuple[str, ...] = ("par
                 if pt.call == "end" and not all(o == "new" for o in good):
                     bad.append(f"commit returned, but a power cut right after it can lose "
                                f"{final_name}: its rename is not durable yet")
-            for b in bad:
-                msg = re.sub(r"\S*/(state|point)\d+", "<world>",
-                             f"crash before call {pt.index} ({pt.call}) — {b}")
-                if msg not in seen:
-                    seen.add(msg)
-                    pending = re.sub(r"\S*/point\d+", "<world>",
-                                     "; ".join(pt.pending[:3]) or "nothing")
-                    report.problems.append(f"{msg} [not yet durable then: {pending}]")
+            _note(report, seen, pt, bad)
     outcome = raised[-1] if raised else ""  # the run that was not crashed
     outcome = re.sub(r"\S*/point\d+/run/", "<run>/", outcome)
     if existing and outcome != "exists":
