@@ -95,6 +95,7 @@ print(f"this notebook: JAX {jax.__version__}, {jax.device_count()} {jax.devices(
 # %%
 PRELUDE = '''
 import json, os, sys, time, zlib
+from minickpt.launch import report as _report
 from minickpt.multihost.process import hard_exit, initialize
 from minickpt.multihost.sync import default_sync
 initialize()                          # join the job: before any other JAX call
@@ -107,7 +108,7 @@ DIR = sys.argv[1]
 DONE_WAIT = 30.0                         # at the end, wait this long for the others (0: don't)
 
 def report(**values):                    # one JSON line the notebook reads
-    print("RESULT " + json.dumps(values, default=str), flush=True)
+    _report(values)                      # written in one piece: no log line splits it
 
 def mesh(shape, axes):                   # all devices, process 0's first
     devs = sorted(jax.devices(), key=lambda d: (d.process_index, d.id))
@@ -146,10 +147,9 @@ def run_job(name, script, n, k, timeout_s=120):
     res = launch([str(path), str(job_dir)], n, devices_per_process=k, timeout_s=timeout_s,
                  cwd=str(WORK))
     results = [{} for _ in range(n)]
-    for p in range(n):
-        for line in res.outputs[p]:
-            if line.startswith("RESULT "):
-                results[p].update(json.loads(line[len("RESULT "):]))
+    for p, reports in enumerate(res.reports()):  # every `report(...)` of process p, in order
+        for values in reports:
+            results[p].update(values)
     if not all(results):
         print(res.output()[-4000:])
         raise RuntimeError(f"job {name}: {res.describe()}")

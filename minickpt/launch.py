@@ -19,6 +19,7 @@ launcher (SLURM, Kubernetes...) and let ``jax.distributed.initialize()`` detect 
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import signal
 import socket
@@ -28,7 +29,7 @@ import threading
 import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import TextIO
+from typing import Any, TextIO
 
 from .multihost.process import (
     ENV_COORDINATOR,
@@ -75,10 +76,44 @@ class LaunchResult:
         return "".join(f"[p{i}] {line}" for i, lines in enumerate(self.outputs)
                        for line in lines)
 
+    def reports(self, tag: str = "RESULT") -> list[list[Any]]:
+        """The JSON values each process wrote with :func:`report` under ``tag``, in order.
+
+        Processes share one pipe for stdout and stderr, and JAX's C++ logger writes to stderr
+        from its own threads: a log line may follow a report on the same line. So each
+        report is read as one JSON value from where its tag starts, and what follows is
+        ignored.
+        """
+        marker, decoder = f"{tag} ", json.JSONDecoder()
+        found: list[list[Any]] = []
+        for lines in self.outputs:
+            found.append([])
+            for line in lines:
+                at = line.find(marker)
+                if at >= 0 and (at == 0 or not (line[at - 1].isalnum() or line[at - 1] == "_")):
+                    try:
+                        found[-1].append(decoder.raw_decode(line, at + len(marker))[0])
+                    except json.JSONDecodeError:
+                        continue  # the tag inside other text, not a report
+        return found
+
     def describe(self) -> str:
         codes = ", ".join(f"p{i}={rc}" for i, rc in enumerate(self.returncodes))
         return (f"{len(self.returncodes)} processes, exit codes {codes}"
                 + (", timed out" if self.timed_out else "") + f", {self.wall_s:.1f} s")
+
+
+def report(value: Any, tag: str = "RESULT") -> None:
+    """Write ``tag {json}`` as one line in one ``write``, for :meth:`LaunchResult.reports`.
+
+    Launched processes are unbuffered, where ``print`` writes the text and its newline in two
+    calls, and another thread's log line can land between them. One ``os.write`` of less
+    than ``PIPE_BUF`` bytes to a pipe is never interleaved.
+    """
+    data = f"{tag} {json.dumps(value, default=repr)}\n".encode()
+    sys.stdout.flush()
+    while data:
+        data = data[os.write(sys.stdout.fileno(), data):]
 
 
 def pick_free_port(host: str = "127.0.0.1") -> int:

@@ -10,12 +10,12 @@ process (and the test) knows what each global array holds without communicating.
 from __future__ import annotations
 
 import errno
-import json
 import os
 import sys
 import threading
 import time
 
+from minickpt.launch import report
 from minickpt.multihost.ownership import owned_shards
 from minickpt.multihost.process import hard_exit, initialize
 from minickpt.multihost.save import prepare_save
@@ -121,7 +121,7 @@ def check_restored(r: dict) -> list[str]:
 
 
 def result(**kw) -> None:
-    print("RESULT " + json.dumps({"process": ME, **kw}), flush=True)
+    report({"process": ME, **kw})
 
 
 def opts(timeout_s: float = 30.0, **kw) -> mc.CheckpointManagerOptions:

@@ -744,6 +744,33 @@ def test_launch_gives_each_process_its_environment_and_prefixes_output(tmp_path)
     assert "[p2] 2 3" in r.output()
 
 
+def test_a_report_survives_another_threads_log_on_the_same_pipe(tmp_path):
+    """CI saw JAX's C++ log land between a ``print``'s text and its newline (stdout and
+    stderr share the pipe, unbuffered): the report must still be read, whole."""
+    s = _script(tmp_path, (
+        "import threading\nfrom minickpt.launch import report\n"
+        "stop = threading.Event()\n"
+        "def log():\n"
+        "    while not stop.is_set():\n"
+        "        os.write(2, b'E1202 coordination_service_agent.cc:289] Polled an error\\n')\n"
+        "t = threading.Thread(target=log); t.start()\n"
+        "for i in range(300):\n"
+        "    report({'i': i, 'pad': 'x' * 600})\n"
+        "stop.set(); t.join()\n"))
+    r = launch([s], 2, timeout_s=60)
+    assert r.ok, r.output()
+    assert [[v["i"] for v in found] for found in r.reports()] == [list(range(300))] * 2
+
+
+def test_reports_are_read_when_a_log_line_follows_on_the_same_line():
+    from minickpt.launch import LaunchResult
+
+    r = LaunchResult([0, 0], [['RESULT {"a": 1}E1202 agent.cc:289] Polled an error {x}\n',
+                               "noise RESULT not json\n", 'RESULT {"a": 2}\n'],
+                              ["MY_RESULT {\"b\": 0}\n"]], 1.0)
+    assert r.reports() == [[{"a": 1}, {"a": 2}], []]
+
+
 def test_launch_fails_fast_and_reports_the_first_failure(tmp_path):
     s = _script(tmp_path, "if os.environ['MINICKPT_PROCESS_ID'] == '1':\n    sys.exit(3)\n"
                           "time.sleep(60)\n")
@@ -782,11 +809,7 @@ def test_initialize_is_a_no_op_when_not_launched(monkeypatch):
 # ---------------------------------------------------------------------------------------
 def _run(args, n, k, timeout_s=150, **kw):
     r = launch([WORKER, *args], n, devices_per_process=k, timeout_s=timeout_s, cwd=HERE, **kw)
-    results = {}
-    for p in range(n):
-        for line in r.outputs[p]:
-            if line.startswith("RESULT "):
-                results[p] = json.loads(line[len("RESULT "):])
+    results = {p: found[-1] for p, found in enumerate(r.reports()) if found}
     return r, results
 
 

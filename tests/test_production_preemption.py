@@ -233,7 +233,6 @@ def test_sigterm_to_one_of_two_processes_saves_the_same_step_on_both(tmp_path):
     """Launched processes; only process 1 gets SIGTERM (at step 4). Both save step 6 (the
     next check step), exit 0, and the restarted job resumes there and ends as an
     uninterrupted one."""
-    import json
 
     from minickpt.launch import launch
 
@@ -242,8 +241,7 @@ def test_sigterm_to_one_of_two_processes_saves_the_same_step_on_both(tmp_path):
     def run(scenario):
         r = launch([os.path.join(here, "mh_worker.py"), scenario, str(tmp_path)], 2,
                    timeout_s=120, cwd=here)
-        results = {p: json.loads(line[len("RESULT "):]) for p in range(2)
-                   for line in r.outputs[p] if line.startswith("RESULT ")}
+        results = {p: found[-1] for p, found in enumerate(r.reports()) if found}
         assert r.ok and sorted(results) == [0, 1], r.output()
         return results
 
