@@ -58,7 +58,6 @@ if "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", "")
 # CPU beside the notebook's GPU or TPU.
 
 # %%
-import json
 import os
 import shutil
 import sys
@@ -526,7 +525,7 @@ claim(sh[0]["after_disagree"] == ["step_1"], "nothing of step 3 or step 4 was wr
 # directory *itself*, at its own moment; while a commit lands, some see the new step and some do
 # not. The job made that happen on purpose: processes 0–1 looked before the collective save of
 # step 6, processes 2–3 after it. Then they exchanged what they saw and all restored the
-# primary's choice:
+# primary's choice. Look at which step that is:
 
 # %%
 print("the newest step each process saw:", sh[0]["newest_seen"])
@@ -536,7 +535,16 @@ claim(sh[0]["newest_seen"] == [1, 1, 6, 6], "processes 0-1 saw step 1 as the new
 claim({r["restored_step"] for r in sh} == {sh[0]["newest_seen"][0]},
       "after agreeing, every process restored the primary's step", seen=[r["restored_step"] for r in sh])
 
+claim(sh[0]["restored_step"] < max(sh[0]["newest_seen"]),
+      "the agreed step is the older one: the primary had looked before step 6 landed",
+      seen=(sh[0]["restored_step"], max(sh[0]["newest_seen"])))
+
 # %% [markdown]
+# The agreement buys consistency, not recency: step 6 is complete on disk, yet every process
+# restored step 1, because the primary's list was taken before the commit. That is the right
+# trade — a job restarted a moment later lists again and takes step 6 — but it is why the step
+# must be read *once*, after the save that might still be landing has returned everywhere.
+#
 # Without the exchange, processes 0–1 would have restored step 1 and processes 2–3 step 6: one
 # model assembled from two moments, with no error anywhere. So pick the step once — the primary
 # lists and broadcasts, or every process publishes its newest and all take the same one — and
@@ -740,6 +748,9 @@ print(f"the state's raw bytes: {raw:,}; Orbax's files: {barrel[0]['orbax_bytes']
       f"({barrel[0]['orbax_bytes'] / raw:.0%})")
 claim(barrel[0]["orbax_bytes"] < raw, "Orbax's files are smaller than the raw array: it compresses",
       seen=barrel[0]["orbax_bytes"])
+claim(0.8 < barrel[0]["orbax_bytes"] / raw < 1.0,
+      "random normal values compress by a few bytes in each hundred, not by a factor",
+      seen=f"{barrel[0]['orbax_bytes'] / raw:.1%}")
 
 # %% [markdown]
 # The layouts differ, the protocol is alike. Orbax gives each process its own OCDBT key-value
@@ -749,8 +760,9 @@ claim(barrel[0]["orbax_bytes"] < raw, "Orbax's files are smaller than the raw ar
 # `manifest.p<i>.json` per process and one `manifest.json` with every shard file's checksum. Both
 # restore onto any mesh. Orbax's files are also *smaller* than the array: it compresses every
 # chunk with zstd by default (`build_array_metadata(..., use_compression=True)` in
-# `orbax/checkpoint/_src/serialization/tensorstore_utils.py`), and even random normal float32
-# values give up a few percent (their exponent bytes repeat); minickpt stores the raw bytes.
+# `orbax/checkpoint/_src/serialization/tensorstore_utils.py`). Even these random normal float32
+# values shrank to the fraction printed above: their sign and exponent bits repeat, their mantissas
+# do not, so the saving is a few bytes in each hundred, not a factor. minickpt stores the raw bytes.
 # (Timings on a busy 2-core machine vary by tens of percent from run to run; the benchmark in
 # `benchmarks/multihost_save.py` measures properly.)
 #
