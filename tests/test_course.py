@@ -327,6 +327,8 @@ def test_hints_stay_out_of_what_a_text_dump_of_the_lab_or_the_package_shows(lab)
         shown = [f for f in fragments if f in dump]
         assert not shown, f"{where} shows hint text of {lab}: {shown[:3]}"
     assert "<details" not in released and "Hint 1" not in released
+    assert "`lab.reference(name)` is minickpt's own implementation" in text, \
+        "the lab must say what lab.reference is, and that a task reaching it scores 0"
     for task in build.lab_tasks(nbformat.read(SOLUTIONS / lab / f"{lab}.ipynb", as_version=4)):
         assert f'lab.hint("{task}")' in text and f'lab.hint("{task}", 2)' in text, task
 
