@@ -7,6 +7,11 @@ One source of truth for the reference solutions: the solution cell of task X.Y i
 functions whose docstrings start with ``"Task X.Y"``: their signature and docstring, then their
 body between ``### BEGIN SOLUTION`` and ``### END SOLUTION``. Change the library and rebuild; a
 solution cell edited by hand, or a library change without a rebuild, fails ``--check`` in CI.
+
+The hints ``lab.hint("X.Y", level)`` shows come from ``solutions/hints/<lab>.md`` (outside the
+lab's folder, so neither nbgrader nor the grader copies them anywhere) and are written,
+compressed, into ``minickpt/labkit/hints_data.py``: every task of a lab must have both levels,
+and its markdown must offer ``lab.hint("X.Y")`` instead of showing a hint.
 """
 
 from __future__ import annotations
@@ -33,6 +38,8 @@ from .notebook_io import BEGIN, END, write_notebook
 
 LAB_RE = re.compile(r"^lab\d\d_[a-z0-9_]+$")
 TASK_CELL_RE = re.compile(r"^task_(\d+)_(\d+)$")
+HINTS_DIR = "hints"
+HINTS_MODULE = ROOT / "minickpt" / "labkit" / "hints_data.py"
 
 
 def lab_names(solutions: Path) -> list[str]:
@@ -89,6 +96,50 @@ def sync_solutions(nb: Any, lab: str) -> Any:
 
 
 # ---------------------------------------------------------------------------------------
+# the hints, encoded into the kit
+# ---------------------------------------------------------------------------------------
+def lab_tasks(nb: Any) -> list[str]:
+    """The task IDs of a lab notebook, from its solution cells' grade ids."""
+    out = []
+    for cell in nb.cells:
+        meta = cell.metadata.get("nbgrader", {})
+        m = TASK_CELL_RE.match(meta.get("grade_id", ""))
+        if m and meta.get("solution"):
+            out.append(f"{m.group(1)}.{m.group(2)}")
+    return out
+
+
+def hints_module(solutions: Path, labs: list[str]) -> str:
+    """The text of ``hints_data.py``: every lab's hints, checked against its tasks."""
+    from minickpt.labkit.hints import encode_hints, parse_hints_md
+
+    hints: dict[str, dict[int, str]] = {}
+    for lab in labs:
+        src = solutions / HINTS_DIR / f"{lab}.md"
+        if not src.is_file():
+            raise ValueError(f"{src}: missing (every task of {lab} needs two hints)")
+        got = parse_hints_md(src.read_text(encoding="utf-8"), str(src))
+        nb = nbformat.read(solutions / lab / f"{lab}.ipynb", as_version=4)
+        tasks = lab_tasks(nb)
+        if sorted(got) != sorted(tasks):
+            raise ValueError(f"{src}: hints for tasks {sorted(got)}, but {lab} has tasks "
+                             f"{sorted(tasks)}")
+        text = "\n".join(c.source for c in nb.cells if c.cell_type == "markdown")
+        if "<details>" in text:
+            raise ValueError(f"{lab}: a <details> block shows in the notebook's text; hints go "
+                             f"in {src} and the lab offers lab.hint(...)")
+        for t in tasks:
+            if f'lab.hint("{t}")' not in text:
+                raise ValueError(f'{lab}: task {t}\'s text does not offer lab.hint("{t}")')
+        hints.update(got)
+    blob = encode_hints(hints)
+    lines = [blob[i:i + 96] for i in range(0, len(blob), 96)]
+    return ('"""The hints of every lab task, compressed (written by ``python -m autograder.build``\n'
+            'from ``solutions/hints/``; read them with ``lab.hint(task, level)``)."""\n\n'
+            "BLOB = (\n" + "".join(f'    "{line}"\n' for line in lines) + ")\n")
+
+
+# ---------------------------------------------------------------------------------------
 # labs/ from solutions/ (nbgrader generate_assignment)
 # ---------------------------------------------------------------------------------------
 def generate_labs(solutions: Path, release: Path, labs: list[str]) -> None:
@@ -133,9 +184,11 @@ def build(out: Path, *, solutions_in: Path) -> dict[str, Path]:
 
     for lab in labs:  # what the grader needs of a lab (a setup cell, quiz checks that stand alone)
         load_lab(sol_out / lab / f"{lab}.ipynb")
+    hints_out = out / "hints_data.py"
+    hints_out.write_text(hints_module(solutions_in, labs), encoding="utf-8")
     generate_labs(sol_out, labs_out, labs)
     write_examples(labs_out, sol_out, ex_out)
-    return {"solutions": sol_out, "labs": labs_out, "examples": ex_out}
+    return {"solutions": sol_out, "labs": labs_out, "examples": ex_out, "hints": hints_out}
 
 
 def _files(d: Path) -> dict[str, bytes]:
@@ -154,6 +207,14 @@ EXAMPLE_EXTRA = frozenset({"README.md"} | {p.name for p in COMMITTED["examples"]
 def compare(built: dict[str, Path]) -> list[str]:
     """Differences between the committed folders and a build, one line (plus a diff) each."""
     problems = []
+    if "hints" in built:
+        want, have = built["hints"].read_bytes(), \
+            HINTS_MODULE.read_bytes() if HINTS_MODULE.is_file() else None
+        if have is None:
+            problems.append("minickpt/labkit/hints_data.py: missing (the build writes it)")
+        elif want != have:
+            problems.append("minickpt/labkit/hints_data.py: differs from the build (the hints in "
+                            "solutions/hints/ changed)")
     for name, committed in COMMITTED.items():
         want, have = _files(built[name]), _files(committed)
         if name == "solutions":
@@ -179,8 +240,8 @@ def compare(built: dict[str, Path]) -> list[str]:
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m autograder.build", description=__doc__)
     p.add_argument("--check", action="store_true",
-                   help="write nothing; exit 1 if solutions/, labs/ or autograder/examples/ "
-                        "differ from what the build writes")
+                   help="write nothing; exit 1 if solutions/, labs/, autograder/examples/ "
+                        "or minickpt/labkit/hints_data.py differ from what the build writes")
     a = p.parse_args(argv)
     os.environ.setdefault("JAX_PLATFORMS", "cpu")
     tools_on_path()
@@ -194,7 +255,7 @@ def main(argv: list[str] | None = None) -> int:
                 print(f"\n{len(problems)} file(s) out of date: run `python -m autograder.build` "
                       "and commit the result", file=sys.stderr)
                 return 1
-            print("solutions/, labs/ and autograder/examples/ are up to date")
+            print("solutions/, labs/, autograder/examples/ and the hints are up to date")
             return 0
         for name, committed in COMMITTED.items():
             keep = {committed / x for x in EXAMPLE_EXTRA} if name == "examples" else set()
@@ -207,6 +268,9 @@ def main(argv: list[str] | None = None) -> int:
                 dest.parent.mkdir(parents=True, exist_ok=True)
                 if not dest.exists() or dest.read_bytes() != data:
                     dest.write_bytes(data)
+        hints = built["hints"].read_bytes()
+        if not HINTS_MODULE.is_file() or HINTS_MODULE.read_bytes() != hints:
+            HINTS_MODULE.write_bytes(hints)
         changed = [line.split(":")[0] for line in problems]
         print("updated: " + (", ".join(changed) if changed else "nothing (all up to date)"))
     return 0

@@ -80,7 +80,7 @@ from flax.training import train_state
 import minickpt as mc
 from minickpt import crashsim, labkit
 from minickpt import policy as mpol
-from minickpt.fs import FileSystem, SyncBatch
+from minickpt.fs import FileSystem
 from minickpt.labkit.claims import claim, verdict
 
 devices = jax.devices()
@@ -493,20 +493,32 @@ for label, losses in [("all NaN", [math.nan] * 6), ("good, then NaN", [0.5, 0.3,
 #
 # A save must leave either the complete new checkpoint or the old state of the directory —
 # never a directory with the right name and the wrong contents, and never *less* than before.
-# A power cut (not merely a killed process) loses whatever the program wrote but did not make
-# durable: a file's data is durable only after `fsync(file)`, and a directory entry (a create,
-# a rename, an unlink) only after `fsync(directory that holds it)`. minickpt's commit
-# (`minickpt.commit.commit`, lab task 2.3) is therefore:
+# Two failures threaten that, and they are not alike. A *killed process* stops between two
+# calls, but everything it had handed to the kernel survives. A *power cut* also loses what the
+# kernel still held in memory and had not written to the disk. Three facts decide what survives
+# a power cut:
 #
-# 1. write everything into `step_30.minickpt-tmp-<random>/`, a name no reader takes for a
-#    checkpoint;
-# 2. fsync every file, every directory in the temporary tree and the temporary directory;
-# 3. rename it to `step_30` (atomic; never over an existing checkpoint);
-# 4. fsync the parent, so that the rename itself survives;
-# 5. only then delete old checkpoints (rename out of the namespace, fsync, remove), and at the
-#    next start remove any temporary a crash left behind (task 2.4).
+# - a file's **data** is durable only once the file has been fsynced;
+# - a **name** — a file created in a directory, a sub-directory, a rename, a removal — is an
+#   entry of the directory that holds it, durable only once *that directory* has been fsynced;
+#   a name and the data behind it persist independently, each can survive without the other;
+# - a **rename** is atomic (a reader sees the old entry or the new one, never half of it), so it
+#   is the one moment at which a checkpoint can appear; but it is a name like any other, and a
+#   power cut can take it back.
 #
-# The seeds do steps 1 and 3 only: write into `step_30.tmp`, `os.rename` — no fsync anywhere.
+# What the save must therefore keep are rules, not a sequence: write under a name that no reader
+# takes for a checkpoint (`step_30.minickpt-tmp-<random>`); publish with one atomic rename, and
+# only once everything it publishes — every byte and every name behind it — is durable; report
+# success only once the rename itself is durable; delete an old checkpoint only after the new one
+# is durable; never publish over a name that already exists; and at the next start remove what a
+# crash left under a temporary name (task 2.4). Which calls, in which order, keep them for a
+# whole tree is lab task 2.3's question, not this chapter's. Here each rule is *counted*: a save
+# is crashed before every file-system call it makes, `minickpt.crashsim` materialises every state
+# a power cut at that moment could leave, and a fresh process restarts in each and reports what
+# it got back.
+#
+# The seeds keep two of the rules — a temporary name, one rename — and no fsync anywhere: they
+# write into `step_30.tmp` and `os.rename` it.
 # Below is the seeds' `MiniCheckpointer`, rewritten (same calls, same order) on minickpt's file
 # system layer, so that `minickpt.crashsim` can record it.
 
@@ -677,9 +689,8 @@ SCRATCH = Path("/dev/shm") if os.access("/dev/shm", os.W_OK) else WORK
 SCRATCH = SCRATCH / f"ch02-crash-{os.getpid()}"
 
 
-def count_crashes(make_world, save, restart, commit=None, random_states=1):
-    """Crash ``save`` before each of its calls; classify every state a power cut can leave
-    (with ``commit`` plugged into minickpt in place of its own, when given)."""
+def count_crashes(make_world, save, restart, random_states=1):
+    """Crash ``save`` before each of its calls; classify every state a power cut can leave."""
     template = SCRATCH / f"template-{next(_ids)}"
     (template / "run").mkdir(parents=True)
     make_world(template / "run")
@@ -690,10 +701,9 @@ def count_crashes(make_world, save, restart, commit=None, random_states=1):
 
     counts = dict.fromkeys(KINDS, 0)
     first_bad = {}
-    with labkit.plugged_in(commit) if commit else contextlib.nullcontext():
-        points = list(crashsim.explore(str(template), scenario, restart, fidelity=False,
-                                       random_states=random_states,
-                                       workdir=str(template) + "-explore"))
+    points = list(crashsim.explore(str(template), scenario, restart, fidelity=False,
+                                   random_states=random_states,
+                                   workdir=str(template) + "-explore"))
     shutil.rmtree(template)
     for pt in points:
         for st, got in zip(pt.states, pt.outcomes):
@@ -772,93 +782,89 @@ claim(not bad_kinds("minickpt, max_to_keep=2") and not bad_kinds("minickpt, max_
 # checkpoint, and once `save()` returns, step 30 is there for good — even with one slot, because
 # the old checkpoint is deleted only after the new one is durable.
 #
-# ### Why each fsync is there: remove it and count again
+# ### Why each rule is there: leave one out and count again
 #
-# Lab task 2.3 is minickpt's `commit`. Below, four wrong versions of it, each plugged into the
-# real library with `labkit.plugged_in` (the lab's tests do the same with yours), crashed at
-# every call of the same save.
+# To see one rule at a time, take the smallest checkpoint there is: *one file* in a flat
+# directory, saved by the rules above — and four variants, each leaving one rule out. (A real
+# checkpoint is a tree of directories, filled by writers that hand over files they did not
+# fsync, on a run that may already hold the step; applying the rules to that is lab task 2.3,
+# and nothing below is its solution.) The run holds steps 10 and 20, durable; the save is step
+# 30, with no retention after it, so nothing else touches the run directory.
 
 # %%
-def _tmp_dirs(tmp_dir, subdirs):
-    return [os.path.join(tmp_dir, s) for s in subdirs] + [tmp_dir]
+def payload(step):
+    return f"step {step}: ".encode() * 64
 
 
-def no_file_fsync(fs, tmp_dir, final_dir, *, subdirs=(), sync=None):
-    dirs = list(sync.dirs) if sync is not None else []
-    if sync is not None:
-        sync.close()  # the files are closed, never fsynced
-    fs.fsync_all([], dirs + _tmp_dirs(tmp_dir, subdirs))
-    fs.rename(tmp_dir, final_dir)
-    fs.fsync_dir(os.path.dirname(final_dir))
+def flat_save(fs, root, step, data, *, leave_out=None):
+    """One file, ``data.bin``, in ``step_<step>``; ``leave_out`` drops one rule."""
+    final = os.path.join(root, f"step_{step}")
+    tmp = final + ".minickpt-tmp-flat"
+    fs.mkdir(tmp)
+    fd = fs.open(os.path.join(tmp, "data.bin"), os.O_WRONLY | os.O_CREAT | os.O_EXCL)
+    fs.write(fd, data)
+    if leave_out == "publish first":  # the rename before anything behind it is durable
+        fs.rename(tmp, final)
+        tmp = final
+    if leave_out != "the file's fsync":
+        fs.fsync(fd)
+    fs.close(fd)
+    if leave_out != "the directory's fsync":  # the file's name in the directory
+        fs.fsync_dir(tmp)
+    if leave_out != "publish first":
+        fs.rename(tmp, final)
+    if leave_out != "the parent's fsync":  # the rename, in the run directory
+        fs.fsync_dir(root)
 
 
-def no_dir_fsync(fs, tmp_dir, final_dir, *, subdirs=(), sync=None):
-    batch = sync or SyncBatch(fs)
-    batch.dirs = []  # the files only: their names inside the temporary tree are not durable
-    batch.flush()
-    fs.rename(tmp_dir, final_dir)
-    fs.fsync_dir(os.path.dirname(final_dir))
+def flat_world(root):
+    for s in (10, 20):
+        flat_save(FileSystem(), str(root), s, payload(s))
 
 
-def rename_first(fs, tmp_dir, final_dir, *, subdirs=(), sync=None):
-    fs.rename(tmp_dir, final_dir)  # published before anything is durable
-    batch = sync or SyncBatch(fs)
-    batch.dirs = [final_dir + d[len(tmp_dir):] for d in batch.dirs]  # they moved
-    for d in _tmp_dirs(final_dir, subdirs):
-        batch.add_dir(d)
-    batch.flush()
-    fs.fsync_dir(os.path.dirname(final_dir))
-
-
-def no_parent_fsync(fs, tmp_dir, final_dir, *, subdirs=(), sync=None):
-    batch = sync or SyncBatch(fs)
-    for d in _tmp_dirs(tmp_dir, subdirs):
-        batch.add_dir(d)
-    batch.flush()
-    fs.rename(tmp_dir, final_dir)  # and the rename is never made durable
-
-
-def mc_save_alone(fs, root):
-    """The same save without retention: nothing after the commit fsyncs the parent."""
-    m = mc.CheckpointManager(root, fs=fs)
+def flat_restart(world):
+    """The newest step's number, or ("torn", it) when its file is missing or wrong."""
+    run = Path(world) / "run"
+    steps = sorted(int(n.split("_")[1]) for n in os.listdir(run)
+                   if n.startswith("step_") and n.split("_")[1].isdigit())
+    if not steps:
+        return None
     try:
-        m.save(30, {"p": {"w": np.full(16, 30, np.float32)}})
-        m.close()
-    finally:
-        m._lock_fd = None
+        intact = (run / f"step_{steps[-1]}" / "data.bin").read_bytes() == payload(steps[-1])
+    except OSError:
+        intact = False
+    return steps[-1] if intact else ("torn", steps[-1])
 
 
+LEFT_OUT = (None, "the file's fsync", "the directory's fsync", "publish first",
+            "the parent's fsync")
 ablations = {}
-for wrong in (no_file_fsync, no_dir_fsync, rename_first, no_parent_fsync):
-    label = wrong.__name__
-    wrong.__name__ = "commit"  # plugged_in finds the function it replaces by name
-    ablations[label] = count_crashes(mc_world, mc_save, mc_restart, commit=wrong)
-    if label == "no_parent_fsync":
-        ablations[label + " (no retention)"] = count_crashes(mc_world, mc_save_alone,
-                                                             mc_restart, commit=wrong)
-control = count_crashes(mc_world, mc_save_alone, mc_restart)
+for rule in LEFT_OUT:
+    label = "one file, every rule" if rule is None else f"one file, without {rule}" \
+        if rule != "publish first" else "one file, published first"
+    ablations[label] = count_crashes(
+        flat_world, lambda fs, r, rule=rule: flat_save(fs, str(r), 30, payload(30), leave_out=rule),
+        flat_restart)
+shutil.rmtree(SCRATCH, ignore_errors=True)
 for name, (n, counts, first_bad) in ablations.items():
-    print(f"{name}: {n} crash points")
+    print(f"{name}: {n} crash points", {k: v for k, v in counts.items() if v})
     for kind, where in first_bad.items():
         print(f"    first '{kind}': {where}")
-shutil.rmtree(SCRATCH, ignore_errors=True)
 ab = {name: counts for name, (_, counts, _) in ablations.items()}
-torn = {name: c["torn new"] for name, c in ab.items()}
-claim(torn["no_file_fsync"] > 0 and torn["rename_first"] > 0
-      and max(torn, key=torn.get) == "no_dir_fsync",
-      "without the files' fsync or renaming first the save leaves torn states; without the "
-      "directory fsyncs, more torn states than any other variant", seen=torn)
-claim(sum(ab["no_parent_fsync"][k] for k in KINDS[2:]) == 0
-      and ab["no_parent_fsync (no retention)"]["lost after return"] > 0
-      and ab["no_parent_fsync (no retention)"]["torn new"] == 0,
-      "without the parent's fsync nothing is torn; the save is lost after it returned only "
-      "when no retention fsyncs the parent afterwards")
-claim(sum(control[1][k] for k in KINDS[2:]) == 0,
-      "minickpt's own commit, without retention, leaves only 'new' and 'previous'")
+bad = {name: {k for k in KINDS[2:] if c[k]} for name, c in ab.items()}
+claim(bad["one file, every rule"] == set(),
+      "the save that keeps every rule leaves only 'new' and 'previous'", seen=bad)
+claim(all(bad[k] == {"torn new"} for k in ("one file, without the file's fsync",
+                                           "one file, without the directory's fsync",
+                                           "one file, published first")),
+      "without the file's fsync, without the directory's fsync, or publishing first, the save "
+      "leaves torn states of step 30, and nothing else that is bad", seen=bad)
+claim(bad["one file, without the parent's fsync"] == {"lost after return"},
+      "without the parent's fsync nothing is torn, but step 30 can be lost after save() "
+      "returned", seen=bad)
 
 # %%
-table = {**results, **{f"commit: {k}": v for k, v in ablations.items()},
-         "minickpt (no retention)": control}
+table = {**results, **ablations}
 kinds = KINDS
 print(f"{'save':45s}" + "".join(f"{k:>19s}" for k in kinds))
 for name, (_, counts, _) in table.items():
@@ -874,7 +880,7 @@ for k in kinds:
     ax.barh(names, share, left=bottom, color=colors[k], label=k)
     bottom += share
 ax.set_xlabel("share of the crash states (every crash point x every state a power cut leaves)")
-ax.set_ylabel("save / commit variant")
+ax.set_ylabel("save")
 ax.invert_yaxis()
 ax.legend(ncol=3, fontsize=8, loc="lower right")
 ax.set_title("What a fresh process restores after a power cut during a save")
@@ -884,21 +890,23 @@ plt.show()
 # %% [markdown]
 # *Figure: for each way of saving, the share of all crash states by what a restart gets back;
 # green is safe, everything else lost or damaged something.* These counts come from a model of
-# the file system (`minickpt.crashsim`), not from timing, so they are the same on every machine.
-# Read the rows:
+# the file system (`minickpt.crashsim`), not from timing, so they are the same on every machine,
+# and the claims under the counts were checked on this run. Read the one-file rows:
 #
-# - without the files' fsync, the rename can publish empty or half-written files — *torn new*;
-# - without the temporary tree's directory fsyncs, the files' *names* inside it can vanish
-#   while the rename in the parent survives — *torn new* again, in more states than any other;
-# - renaming first publishes a directory before anything in it is durable — *torn new* in the
-#   states between the rename and the fsyncs that follow it;
-# - without the parent's fsync nothing is torn, but the rename itself can vanish *after the save
-#   returned* — visible only when nothing later fsyncs the parent: in the row with retention,
-#   the deletion's own fsync of the parent happens to cover for it; without retention it does
-#   not (*lost after return*).
+# - without the file's fsync, the rename can publish a name whose bytes never reached the disk —
+#   *torn new*;
+# - without the directory's fsync, every byte was fsynced, yet the file's *name* can vanish while
+#   the rename that published the directory survives — *torn new* again: the data is durable,
+#   the entry that finds it is not;
+# - published first, the name is out before anything behind it is durable — *torn new* in the
+#   states between the rename and the fsyncs after it, however many fsyncs follow;
+# - without the parent's fsync nothing is ever torn, but the rename itself can vanish *after the
+#   save returned* — *lost after return*. Someone else's later fsync of the run directory would
+#   cover for it, but a save cannot promise what it did not do itself.
 #
-# Each fsync of the protocol closes one of these holes; minickpt's commit, in the same
-# scenarios, has none of them.
+# Each rule closes exactly one hole; the save that keeps them all, in the same scenario, has
+# none. How the bugs are counted is the part to keep: name what a restart may get back, crash
+# before every call, and open every state a power cut there could leave.
 
 # %% [markdown]
 # ### Bugs 5 and 6: saving a step that is already on disk
@@ -1227,10 +1235,12 @@ with mc.CheckpointManager(WORK / "best2", mc.CheckpointManagerOptions(
 # - **How many:** $K = \lfloor S_{\text{total}} / S_{\text{ckpt}} \rfloor$ fit; `max_to_keep`,
 #   `keep_period` and the best $N$ by `best_fn` decide which survive — the same steps as
 #   Orbax after every save, except for NaN metrics, which minickpt ranks last.
-# - **How safely:** temporary directory, fsync of every file and directory, rename, fsync of the
-#   parent, then retention; stale temporaries removed at start-up. Crashed at every call, the
-#   seeds' tmp + rename leaves torn and lost checkpoints; minickpt's commit leaves none, and each
-#   fsync removed brings a kind of loss back.
+# - **How safely:** a power cut keeps a file's data only once it is fsynced, and a name only once
+#   its directory is; so a checkpoint is published by one atomic rename, only when every byte and
+#   name behind it is durable, the rename is made durable before the save returns, and old
+#   checkpoints go only after the new one is durable; stale temporaries are removed at start-up.
+#   Crashed at every call, the seeds' tmp + rename leaves torn and lost checkpoints; minickpt's
+#   save leaves none, and each rule left out brings one kind of loss back.
 # - The seeds' `MiniCheckpointer` also sorted step names as strings — deleting its newest
 #   checkpoint at step 100 and resuming from step 90 forever — and, saving a step again, removed
 #   the old one before renaming the new one (a killed process leaves neither) and listed the

@@ -299,3 +299,76 @@ def test_labs_run_in_a_plain_kernel_as_students_run_them(lab, tmp_path):
     odd = [e for e in errors if e[1] not in ("NotImplementedError", "LabCheckError")]
     assert not odd, odd
     assert all(gid.startswith("test_") for gid, _, _ in errors), errors
+
+
+# ---------------------------------------------------------------------------------------
+# hints on request: out of the notebook, out of a grep of the package
+# ---------------------------------------------------------------------------------------
+def _hint_fragments(lab: str) -> list[str]:
+    from minickpt.labkit.hints import parse_hints_md
+
+    hints = parse_hints_md((SOLUTIONS / build.HINTS_DIR / f"{lab}.md").read_text())
+    return [line.strip() for levels in hints.values() for text in levels.values()
+            for line in text.split("\n") if len(line.strip()) >= 24]
+
+
+@pytest.mark.parametrize("lab", LAB_NAMES)
+def test_hints_stay_out_of_what_a_text_dump_of_the_lab_or_the_package_shows(lab):
+    """A student who dumps the notebook as text, or greps the installed package, reads no hint;
+    every task offers both levels through lab.hint."""
+    released = (LABS / lab / f"{lab}.ipynb").read_text()
+    text = "\n".join(c.source for c in cells(LABS / lab / f"{lab}.ipynb"))
+    package = "\n".join(p.read_text(errors="replace")
+                        for p in (ROOT / "minickpt").rglob("*") if p.is_file()
+                        and p.suffix in (".py", ".md", ".txt", ".json"))
+    fragments = _hint_fragments(lab)
+    assert len(fragments) >= 8, "found almost nothing to look for: the check would be empty"
+    for where, dump in (("labs/", text), ("minickpt/", package)):
+        shown = [f for f in fragments if f in dump]
+        assert not shown, f"{where} shows hint text of {lab}: {shown[:3]}"
+    assert "<details" not in released and "Hint 1" not in released
+    assert "`lab.reference(name)` is minickpt's own implementation" in text, \
+        "the lab must say what lab.reference is, and that a task reaching it scores 0"
+    for task in build.lab_tasks(nbformat.read(SOLUTIONS / lab / f"{lab}.ipynb", as_version=4)):
+        assert f'lab.hint("{task}")' in text and f'lab.hint("{task}", 2)' in text, task
+
+
+def test_hint_shows_each_level_on_request_and_says_what_is_wrong(capsys):
+    from minickpt.labkit.hints import parse_hints_md
+
+    want = parse_hints_md((SOLUTIONS / build.HINTS_DIR / "lab02_save_policy.md").read_text())
+    assert labkit.hint("2.3") is None
+    out = capsys.readouterr().out
+    assert "Task 2.3, hint 1 (the idea)" in out and want["2.3"][1] in out
+    labkit.hint("2.3", 2)
+    assert want["2.3"][2] in capsys.readouterr().out
+    with pytest.raises(labkit.LabCheckError, match="use 1 .* or 2"):
+        labkit.hint("2.3", 3)
+    with pytest.raises(labkit.LabCheckError, match="no hints for task '9.9'.*2.3"):
+        labkit.hint("9.9")
+
+
+def test_the_shipped_hints_are_the_instructors_and_authoring_mistakes_stop_the_build(tmp_path):
+    from minickpt.labkit.hints import decode_hints, parse_hints_md
+
+    assert build.hints_module(SOLUTIONS, LAB_NAMES) == build.HINTS_MODULE.read_text(), \
+        "minickpt/labkit/hints_data.py is out of date: run `python -m autograder.build`"
+    shipped = labkit.hints._all()
+    for lab in LAB_NAMES:
+        for task, levels in parse_hints_md(
+                (SOLUTIONS / build.HINTS_DIR / f"{lab}.md").read_text()).items():
+            assert shipped[task] == levels
+    assert decode_hints(labkit.hints.encode_hints({"1.1": {1: "a", 2: "b"}})) == \
+        {"1.1": {1: "a", 2: "b"}}
+    with pytest.raises(ValueError, match="task 1.1 has no hint 2"):
+        parse_hints_md("## 1.1\n\n### 1\n\nthe idea\n", "x.md")
+    with pytest.raises(ValueError, match="x.md:3: hint level 3"):
+        parse_hints_md("## 1.1\n\n### 3\n\nmore\n", "x.md")
+    (tmp_path / build.HINTS_DIR).mkdir()
+    (tmp_path / "lab01_basics").mkdir()
+    (tmp_path / "lab01_basics" / "lab01_basics.ipynb").write_bytes(
+        (SOLUTIONS / "lab01_basics" / "lab01_basics.ipynb").read_bytes())
+    (tmp_path / build.HINTS_DIR / "lab01_basics.md").write_text(
+        "## 1.1\n\n### 1\n\na\n\n### 2\n\nb\n")
+    with pytest.raises(ValueError, match=r"hints for tasks \['1.1'\], but lab01_basics has"):
+        build.hints_module(tmp_path, ["lab01_basics"])

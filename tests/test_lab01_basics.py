@@ -68,3 +68,24 @@ def test_each_wrong_design_is_caught_naming_the_leaf(fns, leaf, said):
     report = labkit.roundtrip_every_dtype(*fns)
     hit = [p for p in report.problems if p.startswith(f"{leaf}: ")]
     assert hit and said in hit[0], report.problems[:3]
+
+
+@pytest.mark.task("1.2")
+def test_np_str_is_a_numpy_scalar_although_it_is_a_python_str():
+    """The contract's clause: every np.generic becomes a 0-d array, np.str_ and np.float64
+    included (both also subclass a Python type)."""
+    to_host = labkit.reference("to_host")
+    for scalar, dt in ((np.str_("ab"), "<U2"), (np.float64(1.5), "float64"), (np.bool_(True), "bool")):
+        got = to_host(scalar)
+        assert type(got) is np.ndarray and got.shape == () and got.dtype == np.dtype(dt), got
+    assert to_host("ab") == "ab" and type(to_host(1.5)) is float
+
+
+@pytest.mark.task("1.3")
+def test_dtype_names_say_what_the_numbers_are_never_their_byte_order():
+    plan_leaf = labkit.reference("plan_leaf")
+    for dt in (">f4", "<f4", ">i2", ">u8", "bfloat16"):
+        assert dtype_name(np.dtype(dt)) == np.dtype(dt).newbyteorder("=").name
+    big = np.arange(5, dtype=">f4")
+    entry, buf = plan_leaf(("big",), big)
+    assert entry["dtype"] == "float32" and bytes(buf) == big.astype("<f4").tobytes()

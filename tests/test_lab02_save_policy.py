@@ -225,3 +225,22 @@ def test_crash_commit_catches_each_wrong_design(wrong, kw, said):
     report = labkit.crash_commit(wrong, **kw)
     assert any(said in p for p in report.problems), report.problems[:3]
     assert "/dev/shm" not in report.first()
+
+
+def trusts_sync_none(fs, tmp_dir, final_dir, *, subdirs=(), sync=None):
+    """sync=None read as "everything is durable already": the directories are never fsynced."""
+    if sync is not None:
+        for d in _dirs(tmp_dir, subdirs):
+            sync.add_dir(d)
+        sync.flush()
+    fs.rename(tmp_dir, final_dir)
+    fs.fsync_dir(os.path.dirname(final_dir))
+
+
+@pytest.mark.task("2.3")
+def test_sync_none_promises_the_files_data_only_and_crash_commit_says_so():
+    """The contract's clause: with sync=None the names in tmp_dir are still the commit's to make
+    durable; a commit that trusts sync=None for them passes with a batch and tears without."""
+    assert not labkit.crash_commit(trusts_sync_none).problems
+    report = labkit.crash_commit(trusts_sync_none, caller_batch=False)
+    assert any("exists but is torn" in p for p in report.problems), report.problems[:3]

@@ -241,3 +241,14 @@ def test_the_faulty_run_passes_the_reference_and_names_each_wrong_writer(tmp_pat
     with lab.plugged_in(start_in_background):
         problem = lab.async_faulty_run(str(tmp_path / "two"))
     assert problem is not None and "two saves at once" in problem
+
+
+@pytest.mark.task("5.1")
+@pytest.mark.parametrize("pin", [False, True])
+def test_a_leaf_deleted_before_the_snapshot_raises_and_is_never_photographed(pin):
+    """The contract's clause: a jax.Array deleted (or donated) before the call has nothing to
+    photograph; the snapshot raises rather than return freed memory."""
+    x = jnp.arange(4.0)
+    x.delete()
+    with pytest.raises(RuntimeError, match="deleted"):
+        snapshot_leaf(x, path="params/w", pin=pin)

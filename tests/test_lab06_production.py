@@ -254,3 +254,36 @@ def test_the_preemption_drill_passes_the_reference_and_names_each_wrong_design(t
     (tmp_path / "handler").mkdir()
     problem = lab.preemption_drill(handler, str(tmp_path / "handler"), signals=1)
     assert problem is not None and "LoopResult" in problem
+
+
+@pytest.mark.task("6.3")
+def test_on_step_runs_before_the_manager_is_offered_the_step(tmp_path):
+    """The contract's clause: a notice that arrives during on_step(8, ...) makes 8 the step to
+    save and stop at; a loop that offers the step to save() first stops one step later."""
+    from minickpt.production.preemption import PreemptionHandler
+
+    def run(loop, d):
+        handler = PreemptionHandler(install=False)
+        opts = mc.CheckpointManagerOptions(save_interval_steps=100)
+        with mc.CheckpointManager(d, opts) as m:
+            handler.attach(m)
+            res = loop(m, np.zeros(2), lambda w, s: (w + s, {"loss": float(s)}), start=0,
+                       stop=20, items=lambda w: {"w": w},
+                       on_step=lambda s, c, mt: handler.notify() if s == 8 else None)
+            return res.step, res.preempted, m.all_steps()
+
+    def save_first(manager, carry, step_fn, *, start, stop, items, on_step=None):
+        step = start
+        for step in range(start + 1, stop + 1):
+            carry, metrics = step_fn(carry, step)
+            manager.save(step, items(carry), metrics=metrics)
+            if on_step is not None:
+                on_step(step, carry, metrics)
+            if manager.reached_preemption(step):
+                manager.wait_until_finished()
+                return LoopResult(carry, step, True)
+        manager.wait_until_finished()
+        return LoopResult(carry, step, False)
+
+    assert run(train_until_preempted, tmp_path / "ref") == (8, True, [1, 8])
+    assert run(save_first, tmp_path / "wrong") == (9, True, [1, 9])

@@ -50,6 +50,7 @@ from .devices import (
     train,
     train_state,
 )
+from .hints import hint
 from .lab1 import (
     RoundTripReport,
     dtype_cases,
@@ -162,6 +163,7 @@ __all__ = [
     "fresh_train_state",
     "gated_fs",
     "global_array",
+    "hint",
     "is_key",
     "lab2_items",
     "lab3_drill",

@@ -61,7 +61,11 @@ def _task_key(tid: str) -> tuple[int, ...]:
 
 
 def reference(name: str) -> Callable[..., Any]:
-    """The reference function called ``name`` (any task)."""
+    """The reference function called ``name`` (any task): minickpt's own implementation, the
+    oracle the hidden tests compare a student's results with. It is not the student's to call:
+    under the grader, a task whose code reaches it while the task's tests run (directly, through
+    the library, a default argument, a thread ...) scores 0 and is flagged (:mod:`.watch`);
+    every lab says so in its introduction."""
     for fns in reference_functions().values():
         for fn in fns:
             if fn.__name__ == name:
