@@ -232,16 +232,14 @@ class FaultProxy:
                 i = self.count
                 self.count += 1
                 req = (method, target)
-                # aiohttp sends an idempotent request once more after a reset: that resend
-                # (the same request, next in line) is faulted too, so that the fault reaches
-                # the mirror rather than being absorbed by the HTTP client
-                again = self._last == (i - 1, req) and i - 1 == self.at and self.mode in (
-                    "reset", "truncate")
+                # aiohttp sends an idempotent request once more when the connection closed
+                # before a status line came: that resend (the same request, next in line) is
+                # faulted too, so that the fault reaches the mirror, not absorbed below it
+                again = self._last == (i - 1, req) and i - 1 == self.at
                 fault = self.mode if self.mode is not None and (
                     i == self.at or again or (self.mode == "outage" and i > self.at)) else None
                 if fault:
                     self.faulted += 1
-                    self._last = (i, req)
                 # (index, method, target, whether the server saw it)
                 self.log.append((i, method.decode(), target.decode(),
                                  fault not in ("503", "outage")))
@@ -256,13 +254,15 @@ class FaultProxy:
                 response = self._forward(_upstream_request(head, body))
             except OSError:
                 return _reset(conn)
+            rhead, _, rbody = response.partition(b"\r\n\r\n")
+            if fault == "reset" or (fault == "truncate" and not rbody):
+                with self.lock:  # no status line reaches the client: it resends
+                    self._last = (i, req)
             if fault == "reset":
                 return _reset(conn)
             if fault == "truncate":
-                rhead, _, rbody = response.partition(b"\r\n\r\n")
-                cut = (rhead + b"\r\n\r\n" + rbody[:len(rbody) // 2]) if rbody \
-                    else rhead[:len(rhead) // 2]
-                conn.sendall(cut)
+                conn.sendall((rhead + b"\r\n\r\n" + rbody[:len(rbody) // 2]) if rbody
+                             else rhead[:len(rhead) // 2])
                 return
             with contextlib.suppress(OSError):
                 conn.sendall(response)
