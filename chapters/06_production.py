@@ -700,6 +700,20 @@ with TieredCheckpointManager(local, remote, opts) as tm:
 # Local retention waits for the mirror: a checkpoint is deleted locally only once its copy is
 # complete, otherwise a node lost at the wrong moment would leave no copy anywhere.
 #
+# A folder mirror gets the same commit as a local save: a temporary name, then one rename. An
+# object store offers no such step. S3, and a GCS bucket without hierarchical namespace, cannot
+# rename a prefix: a "move" copies each object, then deletes it. A listing also shows every
+# object uploaded so far. A reader that lists the bucket during an upload, or after a job died
+# half-way, would see a step that is not all there. So the mirror writes a commit marker last,
+# after every file has been uploaded and re-read against its checksums. The marker is
+# `commit_success.txt`: the name and the role Orbax gives it in its `CommitFileTemporaryPath`,
+# its default on `gs://`. Only a step that holds it is listed or restored, a restore checks it
+# again, and a delete removes it first. `s3://` and `gs://` go through the same fsspec code
+# (`FsspecStore`, over s3fs or gcsfs). The library's tests run it against a real S3 API on
+# localhost (moto's server), with a connection reset, a 503 SlowDown or a cut-short response
+# at every request of an upload. No step was lost and none was published half-written. GCS
+# itself is not in those tests; it is reached through the same interface.
+#
 # ## 8. Versioning: which code, which metrics — and the best checkpoint without loading it
 #
 # Every checkpoint's metadata records who wrote it (`writer`, including the git commit of the

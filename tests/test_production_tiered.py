@@ -235,6 +235,10 @@ class CrashingFsspec:
         self._check("write" if "w" in mode else None)
         return self._fs.open(path, mode, **kw)
 
+    def pipe_file(self, path, value, **kw):
+        self._check("write")
+        return self._fs.pipe_file(path, value, **kw)
+
     def rm_file(self, path):
         self._check("rm")
         self._fs.rm_file(path)
@@ -294,8 +298,9 @@ def test_an_upload_cut_short_is_never_restored(tmp_path):
         m.save(0, _items(0))
         m.wait_until_mirrored(timeout=60)
     files = _mirror_files(url, 0)
-    assert files[-1] != "_CHECKPOINT_METADATA" and "_CHECKPOINT_METADATA" in files
+    assert {"_CHECKPOINT_METADATA", "commit_success.txt"} <= set(files)
     for at in range(1, len(files) + 1):  # the power goes at each file of step 1's upload
+        # (the last write is the commit marker: the metadata is there, the step is not)
         store = _object_store(url, crash=("write", at))
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
@@ -304,7 +309,9 @@ def test_an_upload_cut_short_is_never_restored(tmp_path):
             m.wait_until_mirrored(timeout=60)
             m.close()
         left = _mirror_files(url, 1)
-        assert left is not None and "_CHECKPOINT_METADATA" not in left  # a half-written copy
+        # a half-written copy (nothing at all when the first upload failed: no directories)
+        assert (left is not None) == (at > 1) and "commit_success.txt" not in (left or [])
+        assert ("_CHECKPOINT_METADATA" in (left or [])) == (at == len(files)), (at, left)
         with _restart(tmp_path, url) as m2:
             assert m2.mirror_steps() == [0], at  # never listed, and cleaned up
             r = m2.restore()
@@ -333,7 +340,7 @@ def test_a_delete_cut_short_is_never_restored(tmp_path):
                 store.delete("step_0")
             m.local.close()  # the mirror thread is idle; the 'machine' is gone
         left = _mirror_files(url, 0)
-        if at == 1:  # the power went as the metadata was removed: nothing is gone
+        if at == 1:  # the power went as the commit marker was removed: nothing is gone
             assert left == full
             with _restart(tmp_path, url) as m2:
                 r = m2.restore(0)
@@ -341,7 +348,7 @@ def test_a_delete_cut_short_is_never_restored(tmp_path):
                 m2.store.delete("step_0")
             assert _mirror_files(url, 0) is None
         else:  # half deleted: no longer a checkpoint
-            assert left and "_CHECKPOINT_METADATA" not in left, left
+            assert left and "commit_success.txt" not in left, left
             with _restart(tmp_path, url) as m2:
                 assert 0 not in m2.mirror_steps()
                 with pytest.raises(CheckpointNotFoundError):

@@ -6,10 +6,12 @@ store survives it but is slow. :class:`TieredCheckpointManager` saves to the loc
 thread to the mirror — another directory or an fsspec URL (``pip install minickpt[remote]``)
 — with its own atomic commit there: every file is written under a temporary name, fsynced
 where the store can, verified (every leaf's checksum, re-read from the mirror), then renamed
-into place. (Object stores cannot rename a directory atomically; there every file but the
-metadata is uploaded and verified, then the metadata, which makes a checkpoint valid, is
-written last, and a delete removes it first: a copy or a delete cut short is never listed.) Retention applies to both tiers; on the local one a checkpoint is deleted only once
-its copy is done, so the local disk holds more than ``max_to_keep`` while the mirror lags.
+into place. (Object stores cannot rename a prefix atomically, and a listing shows an upload
+half done; there every file is uploaded and verified, then a commit marker,
+``commit_success.txt`` as Orbax names it, is written last, and a delete removes it first: a
+step without it is never listed nor restored.) Retention applies to both tiers; on the local
+one a checkpoint is deleted only once its copy is done, so the local disk holds more than
+``max_to_keep`` while the mirror lags.
 A copy that fails is reported to the manager's
 listeners (so the monitor records it), logged, warned about, retried with a bounded
 exponential backoff, and if it still fails, :meth:`wait_until_mirrored` raises: never silently
@@ -66,6 +68,12 @@ log = logging.getLogger("minickpt")
 CHUNK = 8 << 20
 
 
+# Orbax's name for the same object (orbax.checkpoint's CommitFileTemporaryPath, its default on
+# gs://): written last into a checkpoint saved in place; a step directory without it is not
+# finalized, never listed, and removed as a temporary.
+COMMIT_SUCCESS_FILE = "commit_success.txt"
+
+
 class MirrorError(MiniCkptError):
     """Checkpoints that could not be copied to the mirror, after every retry."""
 
@@ -100,6 +108,10 @@ class LocalStore:
     def exists(self, rel: str) -> bool:
         return self.fs.exists(self.path(rel))
 
+    def committed(self, rel: str) -> bool:
+        """A checkpoint under its final name: the rename that put it there was its commit."""
+        return self.fs.is_dir(self.path(rel)) and self.exists(f"{rel}/{METADATA_FILE}")
+
     def makedirs(self, rel: str) -> None:
         makedirs(self.fs, self.path(rel))
 
@@ -112,8 +124,8 @@ class LocalStore:
     def size(self, rel: str) -> int:
         return self.fs.lstat(self.path(rel)).st_size
 
-    def metadata(self, rel: str) -> CheckpointMetadata:
-        return Checkpointer(self.fs).metadata(self.path(rel))
+    def metadata(self, rel: str, data: bytes | None = None) -> CheckpointMetadata:
+        return Checkpointer(self.fs).metadata(self.path(rel))  # a local read is cheap
 
     def verify(self, rel: str) -> list[str]:
         rep = Checkpointer(self.fs).verify(self.path(rel), deep=True)
@@ -136,13 +148,20 @@ class _FsspecReader(FileSystem):
     """minickpt's :class:`FileSystem`, read-only, over an fsspec file system: the library's own
     verification (metadata, manifests, every leaf's CRC) then runs on a mirror copy where it
     lies. ``overlay`` serves files not uploaded yet (the metadata, checked before it is
-    published) from memory."""
+    published) from memory. One reader serves one check: what it learnt of a path (its
+    size, its type) is kept, as each request to an object store is a round trip."""
 
     def __init__(self, fs: Any, overlay: Mapping[str, bytes] | None = None):
         self.fs = fs
         self.overlay = dict(overlay or {})
         self._files: dict[int, tuple[Any, int]] = {}
         self._fds = itertools.count(1 << 20)
+        self._infos: dict[str, dict[str, Any]] = {}
+
+    def _info(self, path: str) -> dict[str, Any]:
+        if path not in self._infos:
+            self._infos[path] = self.fs.info(path)  # FileNotFoundError as the OS raises it
+        return self._infos[path]
 
     @staticmethod
     def _stat(mode: int, size: int) -> os.stat_result:
@@ -155,10 +174,14 @@ class _FsspecReader(FileSystem):
             f: Any = io.BytesIO(self.overlay[path])
             size = len(self.overlay[path])
         else:
-            info = self.fs.info(path)  # FileNotFoundError as the OS would raise it
+            info = self._info(path)
             if info.get("type") != "file":
                 raise IsADirectoryError(errno.EISDIR, os.strerror(errno.EISDIR), path)
-            f, size = self.fs.open(path, "rb"), int(info.get("size") or 0)
+            size = int(info.get("size") or 0)
+            try:  # the size known: no second request for it
+                f = self.fs.open(path, "rb", size=size)
+            except TypeError:  # pragma: no cover - a file system without that argument
+                f = self.fs.open(path, "rb")
         fd = next(self._fds)
         self._files[fd] = (f, size)
         return fd
@@ -184,13 +207,18 @@ class _FsspecReader(FileSystem):
     def lstat(self, path: str) -> os.stat_result:
         if path in self.overlay:
             return self._stat(stat.S_IFREG | 0o444, len(self.overlay[path]))
-        info = self.fs.info(path)
+        if any(p.startswith(path.rstrip("/") + "/") for p in self.overlay):
+            return self._stat(stat.S_IFDIR | 0o555, 0)  # it holds a file served from memory
+        info = self._info(path)
         if info.get("type") == "directory":
             return self._stat(stat.S_IFDIR | 0o555, 0)
         return self._stat(stat.S_IFREG | 0o444, int(info.get("size") or 0))
 
     def listdir(self, path: str) -> list[str]:
-        names = {os.path.basename(x.rstrip("/")) for x in self.fs.ls(path, detail=False)}
+        entries = self.fs.ls(path, detail=True)
+        for e in entries:  # what a listing says of each entry: no request per entry later
+            self._infos.setdefault(e["name"].rstrip("/"), e)
+        names = {os.path.basename(e["name"].rstrip("/")) for e in entries}
         names |= {os.path.basename(p) for p in self.overlay if os.path.dirname(p) == path}
         return sorted(names)
 
@@ -207,20 +235,25 @@ class FsspecStore:
     ``atomic_rename`` (default: only for a local file system, whose directory rename is one
     system call): copies are written under a temporary name and renamed. Elsewhere —
     object stores, and fsspec's memory file system, whose ``mv`` is a copy then a delete —
-    a copy is written under its final name, every file but the metadata, verified (every
-    leaf's checksum, the metadata served from memory), and only then is the metadata, which
-    makes a checkpoint valid, written. A delete removes the metadata first. So a copy or a
-    delete cut short leaves a directory without metadata: never listed, never restored, and
-    removed by the next :meth:`cleanup`."""
+    there is no rename of a prefix, and a listing shows every object uploaded so far. A copy
+    is written under its final name, every file but the metadata, verified (every leaf's
+    checksum, the metadata served from memory), then the metadata, its size checked, and
+    last :data:`COMMIT_SUCCESS_FILE`, the commit marker: only a step that holds it is listed
+    or restored. A delete removes the marker first. So a copy or a delete cut short leaves a
+    directory without the marker: never listed, never restored, and removed by the next
+    :meth:`cleanup`. ``storage_options`` go to fsspec (for ``s3://``: ``endpoint_url``,
+    ``key``, ``secret``, ``client_kwargs`` ...); ``gs://`` (gcsfs) takes the same code path.
+    """
 
-    def __init__(self, url: str, *, atomic_rename: bool | None = None):
+    def __init__(self, url: str, *, atomic_rename: bool | None = None,
+                 **storage_options: Any):
         try:
             import fsspec
         except ImportError as e:  # pragma: no cover - depends on the environment
             raise ImportError(f"mirroring to {url} needs fsspec: pip install "
                               "'minickpt[remote]'") from e
         self.url = url
-        self.fs, self.root = fsspec.core.url_to_fs(url)
+        self.fs, self.root = fsspec.core.url_to_fs(url, **storage_options)
         protocols = self.fs.protocol if isinstance(self.fs.protocol, tuple) else (
             self.fs.protocol,)
         self.atomic_rename = bool({"file", "local"} & set(protocols)) \
@@ -231,10 +264,14 @@ class FsspecStore:
         return f"{self.root.rstrip('/')}/{rel}" if rel else self.root
 
     def listdir(self, rel: str = "") -> list[str]:
+        """The names under ``rel``, listed afresh (never from fsspec's listing cache: what is
+        removed or published is decided on it)."""
         p = self.path(rel)
-        if not self.fs.exists(p):
+        self.fs.invalidate_cache(p)
+        try:
+            return [os.path.basename(x.rstrip("/")) for x in self.fs.ls(p, detail=False)]
+        except FileNotFoundError:
             return []
-        return [os.path.basename(x.rstrip("/")) for x in self.fs.ls(p, detail=False)]
 
     def is_dir(self, rel: str) -> bool:
         return bool(self.fs.isdir(self.path(rel)))
@@ -242,8 +279,25 @@ class FsspecStore:
     def exists(self, rel: str) -> bool:
         return bool(self.fs.exists(self.path(rel)))
 
+    def committed(self, rel: str) -> bool:
+        """Whether ``rel`` is a complete checkpoint: renamed into place (``atomic_rename``),
+        or else holding the commit marker, which is written last."""
+        if self.atomic_rename:
+            return self.is_dir(rel) and self.exists(f"{rel}/{METADATA_FILE}")
+        self.fs.invalidate_cache(self.path(rel))  # a cached listing may predate the marker
+        return self.exists(f"{rel}/{COMMIT_SUCCESS_FILE}")
+
     def makedirs(self, rel: str) -> None:
-        self.fs.makedirs(self.path(rel), exist_ok=True)
+        if self.atomic_rename:  # an object store has no directories: a key implies them
+            self.fs.makedirs(self.path(rel), exist_ok=True)
+
+    def sizes(self, rel: str) -> dict[str, int]:
+        """The size of every file under ``rel``, from one listing (one request per thousand
+        objects on S3, not one per file)."""
+        p = self.path(rel)
+        self.fs.invalidate_cache(p)
+        return {k[len(p) + 1:]: int(v.get("size") or 0)
+                for k, v in self.fs.find(p, detail=True).items()}
 
     def write_file(self, rel: str, chunks: Iterator[bytes]) -> int:
         n = 0
@@ -264,8 +318,10 @@ class FsspecStore:
     def size(self, rel: str) -> int:
         return int(self.fs.size(self.path(rel)))
 
-    def metadata(self, rel: str) -> CheckpointMetadata:
-        return Checkpointer(_FsspecReader(self.fs)).metadata(self.path(rel))
+    def metadata(self, rel: str, data: bytes | None = None) -> CheckpointMetadata:
+        """``data``: the metadata file's bytes when the caller has them (no request)."""
+        overlay = {} if data is None else {self.path(f"{rel}/{METADATA_FILE}"): data}
+        return Checkpointer(_FsspecReader(self.fs, overlay)).metadata(self.path(rel))
 
     def verify(self, rel: str, metadata: bytes | None = None) -> list[str]:
         """Re-read the copy and check it as a local checkpoint is checked (every leaf's CRC);
@@ -275,21 +331,29 @@ class FsspecStore:
         return [] if rep.ok else rep.problems
 
     def commit(self, tmp: str, final: str, subdirs: list[str]) -> None:
+        """Publish a verified copy: rename it into place, or (written in place) write the
+        commit marker, the last object of a checkpoint."""
         if tmp == final:
+            # one PUT: on S3 and GCS an object is whole once its upload has succeeded
+            self.fs.pipe_file(self.path(f"{final}/{COMMIT_SUCCESS_FILE}"),
+                              f"Checkpoint commit was successful to {self.path(final)}\n"
+                              .encode())
             return
         if self.exists(final):
             raise FileExistsError(f"{self.path(final)} already exists")
         self.fs.mv(self.path(tmp), self.path(final), recursive=True)
 
     def delete(self, rel: str) -> None:
-        """Crash-safe: the checkpoint stops being one (renamed away, or its metadata
-        removed) before any of its data goes."""
+        """Crash-safe: the checkpoint stops being one (renamed away, or its commit marker
+        removed, then its metadata) before any of its data goes."""
         if self.atomic_rename:  # out of the checkpoint namespace first, as on a local disk
             doomed = f"{rel}{DELETE_MARK}{secrets.token_hex(4)}"
             self.fs.mv(self.path(rel), self.path(doomed), recursive=True)
             rel = doomed
-        elif self.exists(f"{rel}/{METADATA_FILE}"):
-            self.fs.rm_file(self.path(f"{rel}/{METADATA_FILE}"))
+        else:
+            for f in (COMMIT_SUCCESS_FILE, METADATA_FILE):
+                if self.exists(f"{rel}/{f}"):
+                    self.fs.rm_file(self.path(f"{rel}/{f}"))
         self.fs.rm(self.path(rel), recursive=True)
 
     def remove_temporary(self, rel: str) -> None:
@@ -304,11 +368,14 @@ class FsspecStore:
             pass
 
     def cleanup(self) -> list[str]:
-        """Remove temporaries and, on object stores, uploads cut short (no metadata yet)."""
+        """Remove temporaries and, on object stores, uploads cut short (no commit marker)."""
         out = [n for n in self.listdir("") if is_temporary(n) or (
-            not self.atomic_rename and self.is_dir(n) and not self.exists(f"{n}/{METADATA_FILE}"))]
+            not self.atomic_rename and self.is_dir(n) and not self.committed(n))]
         for n in out:
-            self.fs.rm(self.path(n), recursive=True)
+            if is_temporary(n):
+                self.fs.rm(self.path(n), recursive=True)
+            else:
+                self.delete(n)  # the metadata first: a crash here leaves no checkpoint
         return out
 
 
@@ -524,7 +591,7 @@ class TieredCheckpointManager:
         name = os.path.basename(src)
         with self._store_lock:
             if name in self.store.listdir(""):
-                if not self.store.exists(f"{name}/{METADATA_FILE}"):
+                if not self.store.committed(name):
                     self.store.remove_temporary(name)  # an upload cut short (object stores)
                 elif b"".join(self.store.read_chunks(f"{name}/{METADATA_FILE}")) \
                         == lfs.read_file(os.path.join(src, METADATA_FILE)):
@@ -542,21 +609,32 @@ class TieredCheckpointManager:
             tmp = f"{name}{TMP_MARK}{secrets.token_hex(4)}" if self.store.atomic_rename \
                 else name
             nbytes = 0
-            # Without a rename the metadata is the publication: every other file is
-            # uploaded and verified (the metadata served from memory) before it is written.
+            # Without a rename the commit marker is the publication: every other file is
+            # uploaded and verified (the metadata served from memory) before the metadata,
+            # then the marker (store.commit), are written.
             verify_first = not self.store.atomic_rename
             try:
                 self.store.makedirs(tmp)
                 for d in dirs:
                     self.store.makedirs(f"{tmp}/{d}")
+                sizes = {f: lfs.lstat(os.path.join(src, f)).st_size for f in files}
+                meta = lfs.read_file(os.path.join(src, METADATA_FILE))
                 for f in files:  # the metadata, which makes a checkpoint valid, goes last
                     if f == METADATA_FILE and verify_first:
-                        self._check_copy(tmp, lfs.read_file(os.path.join(src, f)))
+                        # every file there, whole (one listing), and every leaf's checksum
+                        there = self.store.sizes(tmp)
+                        wrong = [f"{g}: {there.get(g, 'missing')} bytes of {sizes[g]}"
+                                 for g in files if g != f and there.get(g) != sizes[g]]
+                        if wrong:
+                            raise OSError(f"{self.store.path(tmp)}: " + "; ".join(wrong))
+                        self._check_copy(tmp, meta)
                     n = self.store.write_file(f"{tmp}/{f}", _read_chunks(lfs, os.path.join(src, f)))
-                    want = lfs.lstat(os.path.join(src, f)).st_size
-                    if n != want or self.store.size(f"{tmp}/{f}") != want:
+                    # (the files before the metadata were sized above, from one listing)
+                    got = self.store.size(f"{tmp}/{f}") \
+                        if not verify_first or f == METADATA_FILE else n
+                    if n != sizes[f] or got != sizes[f]:
                         raise OSError(f"{self.store.path(f'{tmp}/{f}')}: wrote {n} bytes of "
-                                      f"{want}")
+                                      f"{sizes[f]}, {got} there")
                     nbytes += n
                 if not verify_first:
                     self._check_copy(tmp, None)
@@ -564,7 +642,7 @@ class TieredCheckpointManager:
             except BaseException:
                 self.store.remove_temporary(tmp)
                 raise
-            self._remember(step, name)
+            self._remember(step, name, meta)
             return nbytes
 
     def _check_copy(self, rel: str, metadata: bytes | None) -> None:
@@ -575,9 +653,11 @@ class TieredCheckpointManager:
             raise CheckpointCorruptedError(self.store.path(rel), "the mirror copy does not "
                                            "verify: " + "; ".join(problems))
 
-    def _remember(self, step: int, name: str) -> None:
+    def _remember(self, step: int, name: str, data: bytes | None = None) -> None:
+        """Note a committed mirror step and its metrics (``data``: its metadata file, just
+        uploaded and sized, so not fetched again)."""
         try:
-            meta = self.store.metadata(name)
+            meta = self.store.metadata(name, data)
             info = policy.StepInfo(step, meta.metrics, meta.time or 0.0)
             self._mirror_unreadable.discard(step)
         except Exception:  # unreadable metadata: listed, never counted nor deleted
@@ -589,9 +669,8 @@ class TieredCheckpointManager:
         self._mirror_infos = {}
         for name in self.store.listdir(""):
             step = parse_step(name, self.options.step_prefix)
-            # no metadata: an upload or a delete cut short (object stores), not a checkpoint
-            if (step is not None and self.store.is_dir(name)
-                    and self.store.exists(f"{name}/{METADATA_FILE}")):
+            # no commit marker: an upload or a delete cut short (object stores)
+            if step is not None and self.store.committed(name):
                 self._remember(step, name)
 
     def _catch_up(self) -> None:
@@ -732,9 +811,14 @@ class TieredCheckpointManager:
         for s in steps:
             try:
                 return self._restore_step(s, target, kw)
-            except CheckpointCorruptedError as e:  # an I/O error is raised: not damage
-                if isinstance(e, CheckpointNotFoundError) and len(steps) == 1:
+            except CheckpointNotFoundError as e:  # gone from the mirror since it was listed
+                if len(steps) == 1:
                     raise
+                msg = f"minickpt: skipping step {s}: {e}"
+                log.error(msg)
+                warnings.warn(msg, stacklevel=2)
+                errors.append(f"step {s}: {e}")
+            except CheckpointCorruptedError as e:  # an I/O error is raised: not damage
                 # As CheckpointManager.restore does: the damaged local copy is moved aside
                 # (kept for a look), so that the resumed loop can save step s again.
                 aside = self.local._set_aside(s) if self._local_damage.pop(s, None) else None
@@ -745,7 +829,7 @@ class TieredCheckpointManager:
                 warnings.warn(msg, stacklevel=2)
                 errors.append(f"step {s}: {e}")
         raise CheckpointCorruptedError(self.local.directory, "every checkpoint is damaged in "
-                                       "both tiers:\n  " + "\n  ".join(errors))
+                                       "both tiers or gone:\n  " + "\n  ".join(errors))
 
     def _restore_step(self, step: int, target: Any, kw: Mapping[str, Any]) -> Restored:
         local_error: BaseException | None = None
@@ -764,13 +848,23 @@ class TieredCheckpointManager:
                        f"from the mirror {self.store.url}")
                 log.error(msg)
                 warnings.warn(msg, stacklevel=3)
-        if step not in self.mirror_steps():
+        if step not in self.mirror_steps() or not self._still_committed(step):
             if local_error is not None:
                 raise local_error
             raise CheckpointNotFoundError(f"no checkpoint for step {step} in "
                                           f"{self.local.directory} nor in {self.store.url}")
         self._fetch(step)
         return self.local.restore(step, target, fallback=False, **kw)
+
+    def _still_committed(self, step: int) -> bool:
+        """Look again, just before fetching: the listing may be older than a delete (another
+        job's retention, an operator); a step without its commit marker is not fetched."""
+        with self._store_lock:
+            if self.store.committed(self._name(step)):
+                return True
+            self._mirror_infos.pop(step, None)
+            self._mirror_unreadable.discard(step)
+            return False
 
     def _fetch(self, step: int) -> None:
         """Copy a step from the mirror back to the local disk: into a temporary directory,
@@ -785,6 +879,8 @@ class TieredCheckpointManager:
                 for d in dirs:
                     lfs.mkdir(os.path.join(tmp, d))
                 for f in files:
+                    if f == COMMIT_SUCCESS_FILE:  # the mirror's marker; a local step is renamed
+                        continue
                     lfs.write_file(os.path.join(tmp, f), self.store.read_chunks(f"{name}/{f}"))
                 rep = Checkpointer(lfs).verify(tmp, deep=True)
                 if not rep.ok:
