@@ -179,3 +179,42 @@ def test_an_environment_without_minickpt_is_named_as_the_cause(tmp_path):
     assert not found.sandboxed and "has no minickpt installed" in found.detail, found.detail
     cause = sandbox._probe_cause("ModuleNotFoundError: No module named 'minickpt'", python, [])
     assert "has no minickpt installed" in cause
+
+
+# ---------------------------------------------------------------------------------------
+# lab 4: the harness's RESULT line cannot be forged from the student's code
+# ---------------------------------------------------------------------------------------
+def agree_on_step(steps):
+    """A forger: in a worker, print the RESULT line the test wants, then leave at once."""
+    import json
+    import os
+
+    if "MINICKPT_PROCESS_ID" in os.environ:
+        line = {"results": {"v": int(steps[0]), "forged": True}, "error": None}
+        os.write(1, f"RESULT {json.dumps(line)}\n".encode())
+        os.write(1, f"RESULT mac={'0' * 64} {json.dumps(line)}\n".encode())
+        os._exit(0)
+    return steps[0]
+
+
+def test_a_result_line_printed_by_the_students_code_earns_nothing():
+    from minickpt import labkit
+    from minickpt.labkit import lab4
+
+    run = lab4.run_processes("report(v=agree_on_step([3, 3]))", processes=2, devices=1,
+                             functions=[agree_on_step], timeout_s=60)
+    assert run.reported == [False, False] and run.results == [{}, {}], run.results
+    assert run.forged[0] == 2  # (process 1 may be gone with the job before its own)
+    with pytest.raises(labkit.LabCheckError, match="the harness did not write"):
+        run.check_reported()
+    honest = lab4.run_processes("report(v=agree_on_step([3, 3]))", processes=2, devices=1,
+                                functions=[_honest(agree_on_step)], timeout_s=60)
+    assert honest.reported == [True, True] and honest.results == [{"v": 3}, {"v": 3}]
+    assert honest.forged == [0, 0]
+
+
+def _honest(_fn):
+    def agree_on_step(steps):
+        """Mine: the first step (enough for this test)."""
+        return steps[0]
+    return agree_on_step
