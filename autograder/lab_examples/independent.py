@@ -15,6 +15,240 @@ from typing import Any
 
 from .common import Edit, _answers, _cell, perfect
 
+LAB2_SHOULD_SAVE = """def should_save(step: int, *, last_saved_step: int | None, save_interval_steps: int = 1,
+                save_on_steps: Collection[int] = ()) -> bool:
+    \"\"\"Task 2.1 — mine: the first save always; then on the interval or a listed step.\"\"\"
+    if last_saved_step is None:
+        return True
+    on_interval = step % save_interval_steps == 0  # (never asks whether step is past the last)
+    return on_interval or step in set(save_on_steps)
+"""
+LAB2_KEEP = """def steps_to_keep(infos: Sequence[StepInfo], *, max_to_keep: int | None = None,
+                  keep_period: int | None = None,
+                  best_fn: Callable[[Mapping[str, Any]], float] | None = None,
+                  best_mode: str = "max",
+                  keep_checkpoints_without_metrics: bool = True) -> set[int]:
+    \"\"\"Task 2.2 — mine: the best (or newest) few, the metric-less ones, every period-th.\"\"\"
+    every = {info.step for info in infos}
+    if max_to_keep is None or len(every) <= max_to_keep:
+        return every
+    room = max(max_to_keep, 0)
+    if best_fn is not None:
+        order = rank_by_metric(infos, best_fn, best_mode)
+        survivors = {info.step for info in order[:room]}
+        if keep_checkpoints_without_metrics:
+            survivors.update(every - {info.step for info in order})
+    else:
+        survivors = set(sorted(every, reverse=True)[:room])
+    if keep_period:
+        survivors.update(s for s in every if s % keep_period == 0)
+    return survivors
+
+
+def legacy_steps_to_keep(steps: Sequence[int], keep: int,
+                         keep_every_n_steps: int | None = None) -> set[int]:
+    \"\"\"Task 2.2 (Flax) — mine: the newest ``keep``, and a thinned-out history before them.\"\"\"
+    if keep < 0:
+        raise ValueError(f"keep={keep}: Flax's keep counts checkpoints, it cannot be negative")
+    ordered = sorted(steps)
+    if keep == 0 or len(ordered) <= keep:
+        return set(ordered)
+    result = set(ordered[-keep:])
+    previous = None
+    for s in ordered[:-keep]:
+        if not keep_every_n_steps or s == 0:
+            continue
+        if previous is None or s - previous >= keep_every_n_steps:
+            result.add(s)
+            previous = s
+    return result
+"""
+LAB2_COMMIT = """def commit(fs: FileSystem, tmp_dir: str, final_dir: str, *, subdirs: Iterable[str] = (),
+           sync: SyncBatch | None = None) -> None:
+    \"\"\"Task 2.3 — mine: everything the writers left made durable, the rename, its parent.\"\"\"
+    own = sync is None
+    pending = SyncBatch(fs) if own else sync
+    try:
+        for name in subdirs:
+            pending.add_dir(os.path.join(tmp_dir, name))
+        pending.add_dir(tmp_dir)
+        pending.flush()
+    finally:
+        if own:
+            pending.close()
+    fs.rename(tmp_dir, final_dir)  # (a final_dir already there: its OSError goes through as is)
+    where = os.path.dirname(os.path.abspath(final_dir))
+    try:
+        fs.fsync_dir(where)
+    except OSError as err:
+        raise OSError(err.errno, f"{final_dir} is in place but a power cut could undo it: "
+                                 f"the fsync of {where} failed ({err})") from err
+"""
+LAB2_CLEANUP = """def cleanup_temporaries(fs: FileSystem, root: str) -> list[str]:
+    \"\"\"Task 2.4 — mine: every leftover of a crashed save or delete, removed.\"\"\"
+    try:
+        entries = sorted(fs.listdir(root))
+    except FileNotFoundError:
+        return []
+    gone = [name for name in entries if is_temporary(name)]
+    for name in gone:
+        fs.rmtree(os.path.join(root, name))
+    return gone  # (the removals are not made durable: no fsync of root)
+"""
+
+
+def lab02_partial(release: Any, source: Any) -> Any:
+    """2.1 may save backwards (no check against the last saved step); 2.2 right; 2.3 lets
+    the rename's EEXIST through as a bare OSError; 2.4 never fsyncs the directory; 6 of 10
+    quiz answers right."""
+    nb = perfect(release, source)
+    _cell(nb, "task_2_1").source = LAB2_SHOULD_SAVE
+    _cell(nb, "task_2_2").source = LAB2_KEEP
+    _cell(nb, "task_2_3").source = LAB2_COMMIT
+    _cell(nb, "task_2_4").source = LAB2_CLEANUP
+    _answers(nb, Q1='"B"', Q4="23", Q7='{"A", "C"}', Q10="10.0")
+    return nb
+
+
+LAB5_SNAPSHOT = """def snapshot_leaf(x: Any, *, path: str = "<leaf>", pin: bool = False) -> Any:
+    \"\"\"Task 5.1 — mine: a pinned view when asked for and possible, else a private copy.\"\"\"
+    photo = pinned_view(x) if pin and isinstance(x, jax.Array) else None
+    return photo if photo is not None else to_host(x, path=path, copy=True)
+"""
+LAB5_WRITER = """def start_in_background(writer: AsyncWriter, fn: Callable[[], Any], what: str) -> None:
+    \"\"\"Task 5.2 (start) — mine: one write phase at a time, in a thread of its own.\"\"\"
+    with writer._lock:
+        busy = writer._thread is not None and writer._thread.is_alive()
+        if busy or writer._error is not None:
+            why = "is still running" if busy else "failed and its error was not raised yet"
+            raise MiniCkptError(f"{what} cannot start: the save of {writer._what} {why}")
+        worker = threading.Thread(target=run_in_background, args=(writer, fn, what),
+                                  daemon=True, name=f"{writer.name}:{what}")  # (exit: gone)
+        writer._what, writer._thread = what, worker
+    worker.start()
+
+
+def run_in_background(writer: AsyncWriter, fn: Callable[[], Any], what: str) -> None:
+    \"\"\"Task 5.2 (run) — mine: whatever fn raises waits in the writer.\"\"\"
+    try:
+        fn()
+    except BaseException as exc:
+        exc.add_note(f"(in the background save of {what})")
+        with writer._lock:
+            writer._error = exc
+
+
+def collect_error(writer: AsyncWriter) -> None:
+    \"\"\"Task 5.2 (collect) — mine: raise the kept failure once.\"\"\"
+    with writer._lock:
+        pending = writer._error
+        writer._error = None
+    if pending is not None:
+        raise pending
+"""
+LAB5_OVERLAP = """def overlap(steps: Sequence[tuple[float, float]],
+            saves: Sequence[tuple[float, float, float]]) -> dict[str, float]:
+    \"\"\"Task 5.3 — mine: the time in save(), the writes, and what of them a step covered.\"\"\"
+    totals = dict.fromkeys(("blocked_s", "stall_s", "write_s", "hidden_s"), 0.0)
+    for begin, back, done in saves:
+        totals["blocked_s"] += back - begin
+        totals["write_s"] += done - back
+        for a, b in steps:
+            both = min(b, done) - max(a, back)
+            if both > 0:
+                totals["hidden_s"] += both
+    return totals  # (a stall behind the previous save is never counted)
+"""
+
+
+def lab05_partial(release: Any, source: Any) -> Any:
+    """5.1 right; 5.2's thread is a daemon (a normal exit would kill a pending save); 5.3
+    never counts a stall; 5 of 8 quiz answers right."""
+    nb = perfect(release, source)
+    _cell(nb, "task_5_1").source = LAB5_SNAPSHOT
+    _cell(nb, "task_5_2").source = LAB5_WRITER
+    _cell(nb, "task_5_3").source = LAB5_OVERLAP
+    _answers(nb, Q2='{"A"}', Q4="0.5", Q6="0.0")
+    return nb
+
+
+LAB6_INTERVAL = """def optimal_interval(save_cost_s: float, mtbf_s: float, *, method: str = "daly") -> float:
+    \"\"\"Task 6.1 — mine: Young's sqrt(2CM), or Daly's series (M itself once C >= 2M).\"\"\"
+    C, M = save_cost_s, mtbf_s
+    if method not in ("young", "daly"):
+        raise ValueError(f"unknown method {method!r}: 'young' or 'daly'")
+    if math.isnan(C) or math.isnan(M) or C < 0 or M <= 0:
+        raise ValueError(f"need C >= 0 and M > 0, got C={C!r}, M={M!r}")
+    root = math.sqrt(2 * C * M)
+    if method == "young":
+        return float(root)
+    if C >= 2 * M:
+        return float(M)
+    r = math.sqrt(C / (2 * M))
+    return float(root * (1 + r / 3 + r * r / 9) - C)
+"""
+LAB6_LOST = """def expected_lost_work(interval_s: float, *, save_cost_s: float = 0.0, restart_s: float = 0.0,
+                       mtbf_s: float | None = None) -> float:
+    \"\"\"Task 6.2 — mine: half a segment (uniform), or the exponential's conditional mean.\"\"\"
+    for name, v in (("interval", interval_s), ("save cost", save_cost_s), ("restart", restart_s)):
+        if not v >= 0:
+            raise ValueError(f"{name} must be >= 0, got {v!r}")
+    T = float(interval_s + save_cost_s)
+    if mtbf_s is None:
+        return T / 2 + float(restart_s)
+    if not mtbf_s > 0:
+        raise ValueError(f"the MTBF must be > 0, got {mtbf_s!r}")
+    if T == 0:
+        return float(restart_s)
+    # E[t | t < T] for t exponential of mean M: M - T / (e^(T/M) - 1)
+    return float(mtbf_s - T / math.expm1(T / mtbf_s) + restart_s)
+
+
+def p_fail(p: float, total: float, interval: float) -> float:
+    \"\"\"Task 6.2 — mine: at least one of the floor(total / interval) windows interrupted.\"\"\"
+    if not (0 <= p <= 1):
+        raise ValueError(f"p={p!r} is not a probability")
+    if not (interval > 0 and total >= 0):
+        raise ValueError(f"total={total!r} must be >= 0 and interval={interval!r} > 0")
+    windows = math.floor(total / interval)
+    if p == 1:
+        return 1.0 if windows else 0.0
+    return -math.expm1(windows * math.log1p(-p))  # 1 - (1 - p)^n without cancellation
+"""
+LAB6_BEST = """def best_checkpoint(source: Any, metric: str | Callable[[Mapping[str, Any]], Any], *,
+                    mode: str = "min",
+                    where: Mapping[str, Any] | Callable[[CheckpointMetadata], bool] | None = None,
+                    fs: FileSystem | None = None) -> CheckpointMetadata | None:
+    \"\"\"Task 6.5 — mine: one pass over the metadata, the best so far kept.\"\"\"
+    if mode not in ("min", "max"):
+        raise ValueError(f"mode is 'min' or 'max', not {mode!r}")
+    sign = 1 if mode == "max" else -1
+    chosen, score = None, None
+    for meta in checkpoint_metadata(source, fs=fs):
+        if not metadata_matches(meta, where):
+            continue
+        value = metric_value(meta, metric)
+        if value is None:
+            continue
+        step = -1 if meta.step is None else meta.step
+        if chosen is None or sign * value > score[0] or (sign * value == score[0] and step > score[1]):
+            chosen, score = meta, (sign * value, step)
+    return chosen
+"""
+
+
+def lab06_partial(release: Any, source: Any) -> Any:
+    """6.1, 6.2 and 6.5 done, 6.3 and 6.4 not started (stubs), 5 of 9 quiz answers right."""
+    nb = perfect(release, source)
+    _cell(nb, "task_6_1").source = LAB6_INTERVAL
+    _cell(nb, "task_6_2").source = LAB6_LOST
+    _cell(nb, "task_6_5").source = LAB6_BEST
+    for gid in ("task_6_3", "task_6_4"):
+        _cell(nb, gid).source = _cell(release, gid).source
+    _answers(nb, Q2='"A"', Q3="0.0", Q5="8", Q9='"A"')
+    return nb
+
+
 LAB3_NEWEST = """def restore_newest_valid(directory: str, steps: Iterable[int],
                          restore_step: Callable[[int], Any], *, fallback: bool = True,
                          on_skip: Callable[[int, BaseException], None] | None = None
@@ -131,6 +365,9 @@ def lab04_partial(release: Any, source: Any) -> Any:
 
 
 EXAMPLES: dict[str, dict[str, Edit]] = {
+    "lab02_save_policy": {"partial": lab02_partial},
     "lab03_resume": {"partial": lab03_partial},
+    "lab05_async": {"partial": lab05_partial},
+    "lab06_production": {"partial": lab06_partial},
     "lab04_multihost": {"partial": lab04_partial},
 }
