@@ -15,6 +15,101 @@ from typing import Any
 
 from .common import Edit, _answers, _cell, perfect
 
+LAB1_BODIES = {
+    "flatten_with_names": """    pairs = []
+    known = set()
+    for key_path, leaf in jax.tree_util.tree_flatten_with_path(tree)[0]:
+        names = path_names(key_path)
+        if names in known:
+            raise ValueError(f"the key path {path_str(names)!r} appears twice: they must differ")
+        known.add(names)
+        pairs.append((names, leaf))
+    return pairs
+""",
+    "unflatten_like": """    flat, structure = jax.tree_util.tree_flatten_with_path(target)
+    new = []
+    for key_path, _old in flat:
+        names = path_names(key_path)
+        if names not in values:
+            raise KeyError(f"nothing saved for {path_str(names)!r}")
+        new.append(values[names])
+    return jax.tree_util.tree_unflatten(structure, new)
+""",
+    "to_host": """    if x is None or isinstance(x, (*SCALAR_TYPES, HostKey)):
+        return x  # (np.float64 is a float: it slips through here as it is)
+    if isinstance(x, np.generic):
+        x = np.asarray(x)
+    if isinstance(x, jax.Array):
+        if is_prng_key(x):
+            bits = np.asarray(jax.random.key_data(x))
+            return HostKey(bits.copy() if copy else bits, str(jax.random.key_impl(x)))
+        here = np.asarray(x)
+        return here.copy() if copy else here
+    if isinstance(x, np.ndarray):
+        if x.dtype.hasobject:
+            raise UnsupportedLeafError(f"leaf {path}: an object array ({x.dtype}) cannot be "
+                                       "stored without pickle")
+        return x.copy() if copy else x
+    raise UnsupportedLeafError(f"leaf {path}: a {type(x).__name__} is not an array, a "
+                               "number, a string or None")
+""",
+    "plan_leaf": """    if isinstance(host, HostKey):
+        arr = np.asarray(host.data)
+        entry = {"path": list(names), "kind": "prng_key", "impl": host.impl}
+    elif isinstance(host, np.ndarray):
+        arr = host
+        entry = {"path": list(names), "kind": "array"}
+    else:
+        return {"path": list(names), **encode_value(host, path_str(names))}, None
+    raw = arr.reshape(-1).view(np.uint8)  # (the bytes as they are in memory)
+    entry.update(dtype=dtype_name(arr.dtype), shape=list(arr.shape), nbytes=int(raw.nbytes))
+    return entry, raw
+""",
+    "decode_leaf": """    if entry["kind"] == "value":
+        return decode_value(entry, where)
+    if verify and "crc32" in entry:
+        actual = zlib.crc32(raw)
+        if actual != entry["crc32"]:
+            raise CheckpointCorruptedError(
+                where, f"CRC-32 {actual:#010x} where the manifest says {entry['crc32']:#010x}: "
+                       "damaged bytes", leaf=path_str(entry["path"]))
+    values = raw.view(DTYPES[entry["dtype"]]).reshape(entry["shape"])
+    if entry["kind"] == "prng_key":
+        return HostKey(values, entry["impl"])
+    if entry.get("scalar"):
+        return values[()]
+    return values
+""",
+}
+
+
+def _fill(nb: Any, grade_id: str, bodies: dict[str, str]) -> None:
+    """The release's stub of each function (its signature and docstring, as a student
+    starts) with ``bodies[name]`` in place of ``raise NotImplementedError``."""
+    cell = _cell(nb, grade_id)
+    for name, body in bodies.items():
+        stub = f'    # YOUR CODE HERE\n    raise NotImplementedError("Task {grade_id[5:].replace("_", ".")}: {name}")\n'
+        if stub not in cell.source + "\n":
+            raise ValueError(f"independent.py: no stub of {name} in the release's {grade_id}")
+        cell.source = (cell.source + "\n").replace(stub, body, 1).rstrip("\n") + "\n"
+
+
+def lab01_partial(release: Any, source: Any) -> Any:
+    """Task 1.1 right; 1.2 misses np.float64 (a float subclass); 1.3 writes each array's
+    bytes as they are in memory, not little-endian C order; 1.4 finds the newest checkpoint
+    by sorting names; 7 of 11 quiz answers right."""
+    from .lab01_basics import LEXICAL_RESTORE
+
+    nb = perfect(release, source)
+    for gid in ("task_1_1", "task_1_2", "task_1_3"):
+        _cell(nb, gid).source = _cell(release, gid).source
+        _fill(nb, gid, {k: v for k, v in LAB1_BODIES.items()
+                        if f"def {k}(" in _cell(release, gid).source})
+    _cell(nb, "task_1_4").source = LEXICAL_RESTORE
+    _answers(nb, Q2='"B"', Q7="100.0", Q9='"B"', Q10="{100, 400}")
+    return nb
+
+
 LAB2_SHOULD_SAVE = """def should_save(step: int, *, last_saved_step: int | None, save_interval_steps: int = 1,
                 save_on_steps: Collection[int] = ()) -> bool:
     \"\"\"Task 2.1 — mine: the first save always; then on the interval or a listed step.\"\"\"
@@ -365,6 +460,7 @@ def lab04_partial(release: Any, source: Any) -> Any:
 
 
 EXAMPLES: dict[str, dict[str, Edit]] = {
+    "lab01_basics": {"partial": lab01_partial},
     "lab02_save_policy": {"partial": lab02_partial},
     "lab03_resume": {"partial": lab03_partial},
     "lab05_async": {"partial": lab05_partial},
