@@ -78,7 +78,17 @@ def cache_env(path: str, *, fill: bool) -> dict[str, str]:
             "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0" if fill else NEVER_WRITE_SECS,
             "JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES": "0",
             "JAX_PERSISTENT_CACHE_ENABLE_XLA_CACHES": "none",
-            "JAX_COMPILATION_CACHE_MAX_SIZE": "-1"}  # -1: no eviction, no lock or atime files
+            "JAX_COMPILATION_CACHE_MAX_SIZE": "-1",  # -1: no eviction, no lock or atime files
+            **NO_SOURCE_INFO}
+
+
+NO_SOURCE_INFO = {"JAX_TRACEBACK_IN_LOCATIONS_LIMIT": "0"}
+"""No Python frame in the programs' locations. By default every op of an entry carries the
+traceback that traced it (the hidden test's cell file, its line, the ``<test_…>`` names of
+the referee's test functions), and the fill is the source notebook with its hidden tests: a
+submission that read the entries learnt which hidden test ran which ops where. With no frame
+an entry holds the program and the op names only. JAX's keys hash the program with its
+locations stripped, and fill and submission both get this setting, so they still match."""
 
 
 def where(option: str | None) -> Path | None:

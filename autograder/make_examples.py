@@ -35,10 +35,11 @@ TOUR: dict[str, tuple[str, ...]] = {}
 ``lab_examples/lab01_basics.py``)."""
 
 
-CROSS_LAB = ("copies", "reached")
+CROSS_LAB = ("copies", "reached", "independent")
 """Modules of ``lab_examples/`` whose ``EXAMPLES`` are ``{lab: {student: edit}}``: issue 31's
-copies (minickpt's code or another student's handed in) and the task's reference reached from
-the student's code; their expected rows are in each lab's ``expected-<lab>.csv``."""
+copies (minickpt's code or another student's handed in), the task's reference reached from
+the student's code, and ``partial`` written independently (it replaces the lab module's); their
+expected rows are in each lab's ``expected-<lab>.csv``."""
 
 
 def _other_labs() -> None:

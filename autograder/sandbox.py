@@ -13,6 +13,11 @@ sandbox's uid owns: TCP cannot cross the sandbox's own network namespace). Insid
   machine are out of reach too); its own pid, ipc and uts namespaces;
 * runs as a uid that only this slot uses (a run takes one per parallel slot, under a lock), with
   no capabilities and ``no_new_privs``, so the process limit counts exactly its processes;
+* makes no keyring call and no new user namespace (a seccomp filter:
+  :mod:`autograder.seccomp`), and a slot's uid starts each run with empty keyrings, so
+  nothing passes from one submission graded in a slot to the next;
+* imports the grader's own ``minickpt``, bound where its environment imports it from (an
+  editable install of another checkout points elsewhere: :func:`package_binds`);
 * is bounded by rlimits: address space per process, CPU seconds, processes (threads count),
   file size, open files, no core dumps; and, as a whole, by its slot's cgroup (a share of the
   cores, memory, tasks: :mod:`autograder.cgroups`). Wall time and output size are bounded by
@@ -200,7 +205,7 @@ def probe(python: str = sys.executable) -> Isolation:
         uid = slot.uids[0]
         cmd = kernel_command(iso, [inside, "-c", PROBE_CODE], uid=uid,
                              cwd="/tmp", ipc_dir=tmp, read_only=paths,
-                             limits=Limits(), env={})
+                             limits=Limits(), env={}, extra_ro=package_binds(python))
         try:
             proc = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
         except (OSError, subprocess.TimeoutExpired) as e:
@@ -221,6 +226,15 @@ PROBE_CODE = "import ipykernel, minickpt, numpy; print('ok')"
 def _probe_cause(err: str, python: str, paths: list[str]) -> str:
     """The probe's error said as its cause: which path the sandbox did not show."""
     shown = ", ".join(paths) or "nothing beyond /usr"
+    if "No module named 'minickpt'" in err:
+        theirs, mine = env_package(python), grader_package()
+        if theirs is None:
+            return (f"the environment of {python} has no minickpt installed (the kernel imports "
+                    f"it from there; `pip install -e {os.path.dirname(mine or '.')}`)")
+        if theirs != mine:
+            return (f"the environment of {python} imports minickpt from {theirs} (an editable "
+                    f"install of another checkout?), not this checkout's {mine}, and the "
+                    f"sandbox could not show it there ({err})")
     if "failed to execute" in err or "No such file" in err or "execvp" in err:
         return (f"the Python interpreter {python} is not visible inside the sandbox (it shows "
                 f"/usr, /etc and {shown}; the error: {err})")
@@ -245,21 +259,65 @@ def sandbox_python(python: str = sys.executable) -> str:
 def python_paths(python: str = sys.executable) -> list[str]:
     """Folders the kernel's interpreter needs, read-only: its environment (at its real place),
     the base installation, and the ``minickpt`` package (an editable install points into the
-    repository: only that folder is bound, never the repository itself)."""
+    repository: only that folder is bound, never the repository itself). Where the
+    environment imports minickpt from elsewhere, :func:`package_binds` binds this one there."""
     inside = sandbox_python(python)
     paths = {os.path.realpath(sys.prefix), os.path.realpath(sys.base_prefix),
              os.path.dirname(os.path.dirname(inside)),
              os.path.dirname(os.path.dirname(os.path.realpath(python)))}
-    try:
-        import minickpt
-
-        paths.add(os.path.dirname(os.path.realpath(minickpt.__file__)))
-    except ImportError:  # pragma: no cover - the grader always has it
-        pass
+    mine = grader_package()
+    if mine is not None and env_package(python) in (None, mine):
+        paths.add(mine)
     system = ("/usr", "/etc", "/bin", "/lib", "/lib64", "/sbin")
     keep = sorted(p for p in paths if not any(p == s or p.startswith(s + "/") for s in system))
     # drop folders inside another kept folder
     return [p for p in keep if not any(p != q and p.startswith(q + "/") for q in keep)]
+
+
+def grader_package() -> str | None:
+    """The ``minickpt`` folder the grader itself runs (its tests, its cache key)."""
+    try:
+        import minickpt
+    except ImportError:  # pragma: no cover - the grader always has it
+        return None
+    return os.path.dirname(os.path.realpath(minickpt.__file__))
+
+
+FIND_PACKAGE = ("import importlib.util as u; s = u.find_spec('minickpt'); "
+                "print((s.submodule_search_locations or [''])[0] if s else '')")
+
+
+def env_package(python: str = sys.executable) -> str | None:
+    """The ``minickpt`` folder the kernel's interpreter imports, asked of that interpreter
+    with the kernel's environment (no PYTHONPATH, no user site): an editable install of
+    another checkout points elsewhere than the grader's. None: it imports none."""
+    return _env_package(sandbox_python(python))
+
+
+_FOUND: dict[str, str | None] = {}
+
+
+def _env_package(python: str) -> str | None:
+    if python not in _FOUND:
+        try:
+            proc = subprocess.run([python, "-c", FIND_PACKAGE], capture_output=True, text=True,
+                                  timeout=60, cwd="/", env={"PATH": "/usr/bin:/bin",
+                                                            "PYTHONNOUSERSITE": "1",
+                                                            "HOME": "/nonexistent"})
+            found = proc.stdout.strip() if proc.returncode == 0 else ""
+        except (OSError, subprocess.SubprocessError):
+            found = ""
+        _FOUND[python] = os.path.realpath(found) if found else None
+    return _FOUND[python]
+
+
+def package_binds(python: str = sys.executable) -> dict[str, str]:
+    """{grader's minickpt: where the environment imports it} when the two differ (the
+    environment is an editable install of another checkout, or holds an installed copy): the
+    kernel then runs the very package the grader grades with, at the place its environment
+    looks. {} when they agree or the environment has none."""
+    mine, theirs = grader_package(), env_package(python)
+    return {mine: theirs} if mine and theirs and theirs != mine else {}
 
 
 # ---------------------------------------------------------------------------------------
@@ -284,6 +342,11 @@ def kernel_command(iso: Isolation, argv: list[str], *, uid: int, cwd: str, ipc_d
                     "--unshare-cgroup-try", "--hostname", "sandbox"]
     if iso.mode == "bwrap-user":
         a += ["--unshare-user", "--cap-drop", "ALL"]
+    from . import seccomp
+
+    filtered = seccomp.supported()
+    if filtered:  # no keyrings, no new user namespaces (autograder/seccomp.py says why)
+        a += ["--seccomp", str(seccomp.FD)]
     a += ["--ro-bind", "/usr", "/usr", "--ro-bind", "/etc", "/etc"]
     for name in ("bin", "lib", "lib64", "sbin"):
         target = os.path.join("/", name)
@@ -346,7 +409,7 @@ def kernel_command(iso: Isolation, argv: list[str], *, uid: int, cwd: str, ipc_d
         if iso.mode == "bwrap-root":
             a.append(f"--nproc={limits.processes}")
         a.append("--")
-    return a + list(argv)
+    return seccomp.wrap(a + list(argv)) if filtered else a + list(argv)
 
 
 SHARED_CACHE_ENV = ("JAX_COMPILATION_CACHE", "JAX_PERSISTENT_CACHE_", "JAX_ENABLE_COMPILATION_CACHE",
@@ -504,6 +567,36 @@ def _reap() -> None:
             return
 
 
+KEYCTL = {"x86_64": 250, "aarch64": 219}
+"""The ``keyctl`` system call's number per machine."""
+
+
+def clear_keyrings(uid: int) -> bool:
+    """Empty the user keyrings of ``uid`` (as root: a forked child that becomes the uid does
+    it, no interpreter started). The sandbox's seccomp filter denies every keyring call, so
+    nothing new lands there; this clears what a run before that filter left."""
+    import ctypes
+    import platform
+
+    nr = KEYCTL.get(platform.machine())
+    if os.geteuid() != 0 or not sys.platform.startswith("linux") or nr is None:
+        return False
+    syscall = ctypes.CDLL(None, use_errno=True).syscall  # looked up before the fork
+    pid = os.fork()
+    if pid == 0:  # pragma: no cover - the child
+        code = 1
+        try:
+            os.setgroups([])
+            os.setresgid(uid, uid, uid)
+            os.setresuid(uid, uid, uid)
+            # KEYCTL_CLEAR (7) of KEY_SPEC_USER_KEYRING (-4), KEY_SPEC_USER_SESSION_KEYRING (-5)
+            code = 0 if all(syscall(nr, 7, ring) == 0 for ring in (-4, -5)) else 1
+        finally:
+            os._exit(code)
+    _, status = os.waitpid(pid, 0)
+    return os.waitstatus_to_exitcode(status) == 0
+
+
 # ---------------------------------------------------------------------------------------
 # one uid per parallel slot, never shared with another grade.sh running at the same time
 # ---------------------------------------------------------------------------------------
@@ -529,6 +622,7 @@ class SlotUids:
                 continue
             if processes_of(uid):  # left over from a run that was killed
                 kill_uid(uid)
+            clear_keyrings(uid)
             self.uids.append(uid)
             self._locks.append(f)
         if len(self.uids) < self.n:
@@ -587,7 +681,8 @@ def make_kernel_manager(iso: Isolation, *, uid: int, ipc_dir: str, cwd: str, lim
                 inside = (IN_SANDBOX, cache[1])
             cmd = kernel_command(iso, cmd, uid=uid, cwd=cwd, ipc_dir=ipc_dir,
                                  read_only=read_only, limits=limits,
-                                 env=kernel_env(cache=inside), extra_ro=extra_ro,
+                                 env=kernel_env(cache=inside),
+                                 extra_ro={**package_binds(python), **extra_ro},
                                  cache=cache)
             return cgroup.join_command(cmd) if cgroup is not None else cmd
 

@@ -19,6 +19,7 @@ launcher (SLURM, Kubernetes...) and let ``jax.distributed.initialize()`` detect 
 from __future__ import annotations
 
 import argparse
+import hmac
 import json
 import os
 import signal
@@ -97,20 +98,56 @@ class LaunchResult:
                         continue  # the tag inside other text, not a report
         return found
 
+    def signed_reports(self, key: bytes, tag: str = "RESULT") -> tuple[list[list[Any]],
+                                                                         list[int]]:
+        """The values each process wrote with :func:`report` signed by ``key``, and how
+        many lines of each carried the tag without a valid signature (written by other
+        code of the process: the student's, in a lab's worker, earns nothing that way)."""
+        marker, decoder = f"{tag} ", json.JSONDecoder()
+        found: list[list[Any]] = []
+        forged: list[int] = []
+        for lines in self.outputs:
+            found.append([])
+            forged.append(0)
+            for line in lines:
+                at = line.find(marker)
+                if at < 0 or (at > 0 and (line[at - 1].isalnum() or line[at - 1] == "_")):
+                    continue
+                rest = at + len(marker)
+                mac, _, _ = line[rest:].partition(" ")
+                start = rest + len(mac) + 1
+                try:
+                    value, end = decoder.raw_decode(line, start)
+                except (json.JSONDecodeError, ValueError):
+                    forged[-1] += 1
+                    continue
+                want = "mac=" + hmac.new(key, line[start:end].encode(), "sha256").hexdigest()
+                if hmac.compare_digest(mac, want):
+                    found[-1].append(value)
+                else:
+                    forged[-1] += 1
+        return found, forged
+
     def describe(self) -> str:
         codes = ", ".join(f"p{i}={rc}" for i, rc in enumerate(self.returncodes))
         return (f"{len(self.returncodes)} processes, exit codes {codes}"
                 + (", timed out" if self.timed_out else "") + f", {self.wall_s:.1f} s")
 
 
-def report(value: Any, tag: str = "RESULT") -> None:
-    """Write ``tag {json}`` as one line in one ``write``, for :meth:`LaunchResult.reports`.
+def report(value: Any, tag: str = "RESULT", key: bytes | None = None) -> None:
+    """Write ``tag {json}`` as one line in one ``write``, for :meth:`LaunchResult.reports`;
+    with ``key``, ``tag mac=<HMAC-SHA256 of the json> {json}``, for
+    :meth:`LaunchResult.signed_reports` (a line anyone else in the process prints is not
+    taken for the harness's).
 
     Launched processes are unbuffered, where ``print`` writes the text and its newline in two
     calls, and another thread's log line can land between them. One ``os.write`` of less
     than ``PIPE_BUF`` bytes to a pipe is never interleaved.
     """
-    data = f"{tag} {json.dumps(value, default=repr)}\n".encode()
+    text = json.dumps(value, default=repr)
+    if key is not None:
+        text = f"mac={hmac.new(key, text.encode(), 'sha256').hexdigest()} {text}"
+    data = f"{tag} {text}\n".encode()
     sys.stdout.flush()
     while data:
         data = data[os.write(sys.stdout.fileno(), data):]

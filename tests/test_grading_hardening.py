@@ -882,7 +882,7 @@ def test_the_sandbox_hides_the_machine_and_bounds_the_process(tmp_path):
         code = SANDBOX_PROBE.format(secret=str(secret), outside=str(tmp_path / "outside.txt"),
                                     port=listener.port)
         cmd = sandbox.kernel_command(
-            ISOLATION, [sys.executable, "-c", code], uid=uid, cwd="/home/student/x",
+            ISOLATION, [sandbox.sandbox_python(), "-c", code], uid=uid, cwd="/home/student/x",
             ipc_dir=str(ipc), read_only=sandbox.python_paths(),
             limits=sandbox.Limits(memory_bytes=1 << 30, processes=64), env={})
         try:

@@ -320,3 +320,23 @@ def _flood(tmp: str) -> dict[str, int]:
             "grew_mib": (_rss_kib() - before) >> 10,
             "errors": sum(o.get("output_type") == "error" for o in nb.cells[0].outputs),
             "log_flood_ran": "log flood done" in json.dumps(nb.cells[1].outputs)}
+
+
+@pytest.mark.parametrize("lab", sorted(__import__(
+    "autograder.lab_examples.independent", fromlist=["EXAMPLES"]).EXAMPLES))
+def test_an_independently_written_partial_is_not_flagged_but_perfect_is(lab):
+    """``partial`` of the labs in lab_examples/independent.py was written from the released lab
+    alone: honest work, under the threshold against minickpt; ``perfect`` (minickpt) above."""
+    import nbformat
+
+    from autograder import similarity
+
+    info = grade.lab_info(SOURCE / lab / f"{lab}.ipynb", lab)
+    students = {s: _task_code(nbformat.read(ROOT / "autograder" / "examples" / s / lab /
+                                            f"{lab}.ipynb", as_version=4))
+                for s in ("partial", "perfect")}
+    matches, _ = similarity.compare(info.tasks, students)
+    vs_lib = {m.student: m for m in matches if m.other == similarity.MINICKPT}
+    assert vs_lib["perfect"].flagged
+    assert "partial" not in vs_lib or not vs_lib["partial"].flagged, vs_lib["partial"].score
+    assert all(not m.flagged for m in matches if "partial" in (m.student, m.other))

@@ -1,10 +1,11 @@
-"""Lab 3's example submissions: one typical mistake per task, a partial and the two ends."""
+"""Lab 3's example submissions: one typical mistake per task and the two ends (``partial``:
+written independently, in ``independent.py``)."""
 
 from __future__ import annotations
 
 from typing import Any
 
-from .common import Edit, _answers, _cell, _replace, blank, perfect
+from .common import Edit, _cell, _replace, blank, perfect
 from .hostile import ISSUE_20
 
 # 3.1: every exception taken for damage (issue 21's bug 2): an EIO falls back to an older step
@@ -38,18 +39,6 @@ def _release_cell(nb: Any, release: Any, grade_id: str) -> None:
     _cell(nb, grade_id).source = _cell(release, grade_id).source
 
 
-def partial(release: Any, source: Any) -> Any:
-    """3.1 and 3.3 right; 3.2 stops at the first mismatch; 3.4 not attempted; 6 of 9 quiz
-    answers right (Q2: "the RNG key was not restored", Q5: falls back on EIO, Q8: 35, the loop's
-    step rather than the state's counter)."""
-    nb = perfect(release, source)
-    _replace(nb, "task_3_2", *FIRST_ONLY)
-    _replace(nb, "task_3_2", *FIRST_MISSING)
-    _release_cell(nb, release, "task_3_4")
-    _answers(nb, Q2='"C"', Q5='"A"', Q8="35")
-    return nb
-
-
 def falls_back_on_io_error(release: Any, source: Any) -> Any:
     """3.1 takes every exception for damage: an EIO silently returns an older step."""
     nb = perfect(release, source)
@@ -81,7 +70,7 @@ def migrates_params_only(release: Any, source: Any) -> Any:
 
 
 EXAMPLES: dict[str, Edit] = {
-    "perfect": perfect, "blank": blank, "partial": partial,
+    "perfect": perfect, "blank": blank,
     "falls_back_on_io_error": falls_back_on_io_error, "resumes_at_t_ckpt": resumes_at_t_ckpt,
     "restores_params_only": restores_params_only,
     "migrates_params_only": migrates_params_only,

@@ -1,12 +1,13 @@
-"""Lab 4's example submissions (multi-host): perfect, blank, partial, and one typical mistake
-per task. Each edits the reference code of ``perfect`` the way a student's first attempt would
-go wrong; the expected grades are in ``autograder/examples/expected-lab04_multihost.csv``."""
+"""Lab 4's example submissions (multi-host): perfect, blank, and one typical mistake per task
+(``partial``: written independently, in ``independent.py``). Each edits the reference code of
+``perfect`` the way a student's first attempt would go wrong; the expected grades are in
+``autograder/examples/expected-lab04_multihost.csv``."""
 
 from __future__ import annotations
 
 from typing import Any
 
-from .common import Edit, _answers, _cell, _replace, blank, perfect
+from .common import Edit, _cell, _replace, blank, perfect
 from .hostile import ISSUE_20
 
 # 4.1: the steps are compared, but their types never checked (True and 5.0 pass as steps)
@@ -59,16 +60,6 @@ ASSUMES_SAVING_MESH = '''def region_from_pieces(box, dtype, pieces):
     raise KeyError(f"no saved piece {box}")'''
 
 
-def partial(release: Any, source: Any) -> Any:
-    """4.1 without the type checks (2 of 4), 4.2 right, 4.3 left blank, 4.4 right; 5 of 7
-    quiz answers right."""
-    nb = perfect(release, source)
-    _replace(nb, "task_4_1", TYPE_CHECK, "")
-    _cell(nb, "task_4_3").source = _cell(release, "task_4_3").source
-    _answers(nb, Q3="2.0", Q6='{"A", "C"}')
-    return nb
-
-
 def primary_only_compares(release: Any, source: Any) -> Any:
     """4.1: only process 0 compares the steps; the others go on and wait at the barrier."""
     nb = perfect(release, source)
@@ -105,14 +96,47 @@ def assumes_saving_mesh(release: Any, source: Any) -> Any:
     return nb
 
 
+# issue 31: a RESULT line of the student's own in a worker, then a hard exit before the harness
+# reports: the values the test wants (worked out from the visible test), a step_20 folder
+# where that test lists the directory. Signed reports: the forged line counts for nothing.
+FORGED_RESULT = '''def agree_on_step(steps):
+    """Task 4.1 — mine."""
+    import json
+    import os
+    import sys
+    import time
+
+    if "MINICKPT_PROCESS_ID" in os.environ:  # in a worker process of the test
+        if list(steps) == [10, 10, 10, 12]:
+            os.makedirs(os.path.join(sys.argv[1], "step_20"), exist_ok=True)
+        said = ", ".join(f"process {p}: {s}" for p, s in enumerate(steps))
+        line = {"results": {"first": "ProcessDisagreementError", "steps": [20],
+                            "message": f"the processes disagree on the step to save: {said}"},
+                "error": None}
+        sys.stdout.flush()
+        os.write(1, ("RESULT " + json.dumps(line) + "\\n").encode())
+        time.sleep(3)  # (the others write theirs before process 0's coordinator is gone)
+        os._exit(0)
+    return steps[0]
+'''
+
+
+def forged_result(release: Any, source: Any) -> Any:
+    """Blank but 4.1, whose function prints the harness's RESULT line in every worker and
+    exits: it earns what a blank gets."""
+    nb = blank(release, source)
+    _cell(nb, "task_4_1").source = FORGED_RESULT
+    return nb
+
+
 EXAMPLES: dict[str, Edit] = {
     "perfect": perfect,
     "blank": blank,
-    "partial": partial,
     "primary_only_compares": primary_only_compares,
     "every_replica_writes": every_replica_writes,
     "commit_before_barrier": commit_before_barrier,
     "raises_before_barrier": raises_before_barrier,
     "assumes_saving_mesh": assumes_saving_mesh,
+    "forged_result": forged_result,
     **ISSUE_20,  # issue 20's four classes in one submission (cheap: see make_examples)
 }

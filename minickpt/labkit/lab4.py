@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import inspect
 import re
+import secrets
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, NamedTuple
 
@@ -42,6 +43,29 @@ from minickpt.multihost.sync import default_sync
 
 _WORKER = '''\
 import json, os, sys
+
+
+def _signer():
+    """The harness's report, signed with the key its parent sent down a pipe: read, and the
+    pipe closed, before any code of the student's runs (a RESULT line of theirs is unsigned)."""
+    fd = os.environ.pop({key_env!r}, "")
+    key = b""
+    if fd.isdigit():
+        try:
+            key = os.read(int(fd), 32)
+        finally:
+            os.close(int(fd))
+
+    caller = sys._getframe(1).f_code  # this script's own code: the only one that may send
+
+    def send(value):
+        if sys._getframe(1).f_code is caller:
+            _report(value, key=key)
+    return send
+
+
+_send = _signer()
+del _signer
 _me = int(os.environ.get("MINICKPT_PROCESS_ID", "0"))
 try:  # at most 2 CPUs each, so that JAX's thread pools stay small on a many-core machine
     _cpus = sorted(os.sched_getaffinity(0))
@@ -69,7 +93,7 @@ def report(**values):
 
 _error = None
 try:  # the student's cell in a namespace of its own; the test's: theirs, the harness's on top
-    _harness = dict(globals())
+    _harness = {{_k: _v for _k, _v in globals().items() if _k != "_send"}}
     _mine = _w.namespace(_harness)
     exec(compile({source!r}, "<your task cell>", "exec"), _mine)
     _test = _w.test_namespace(_mine, _harness, {names!r})
@@ -78,7 +102,7 @@ try:  # the student's cell in a namespace of its own; the test's: theirs, the ha
 except BaseException as _e:
     _error = {{"type": type(_e).__name__, "message": str(_e),
               "kinds": [_c.__name__ for _c in type(_e).__mro__]}}
-_report({{"results": _results, "error": _error}})  # one write: no log line splits it
+_send({{"results": _results, "error": _error}})  # one write: no log line splits it
 try:  # process 0 hosts the coordination service: nobody leaves before everybody is done
     # a body whose job loses a process on purpose sets DONE_WAIT: then nobody waits long for it
     _mhs.default_sync().exchange("lab4-done", None, float(globals().get("DONE_WAIT", 20.0)),
@@ -94,19 +118,20 @@ _mhp.hard_exit(0)  # no jax.distributed.shutdown(): a failed peer would make it 
 class ProcessesRun:
     """What the processes of one :func:`run_processes` job reported."""
 
-    def __init__(self, n: int, launched: Any):
+    def __init__(self, n: int, launched: Any, key: bytes):
         self.n = n
         self.launched = launched
         self.results: list[dict[str, Any]] = [{} for _ in range(n)]
         self.errors: list[dict[str, Any] | None] = [None] * n
         self.reported = [False] * n
-        for p, found in enumerate(launched.reports()):
-            for got in found:
+        found, self.forged = launched.signed_reports(key)
+        for p, values in enumerate(found):
+            for got in values[-1:]:  # the harness reports once, at the end
                 self.results[p], self.errors[p] = got["results"], got["error"]
                 self.reported[p] = True
 
     def output_tail(self, process: int, lines: int = 8) -> str:
-        out = [x for x in self.launched.outputs[process] if "RESULT {" not in x]
+        out = [x for x in self.launched.outputs[process] if "RESULT " not in x]
         return "".join(out[-lines:]).strip()
 
     def check_reported(self) -> None:
@@ -116,8 +141,10 @@ class ProcessesRun:
                 rc = self.launched.returncodes[p]
                 why = ("it was still running at the time limit" if self.launched.timed_out
                        else f"it exited with code {rc}")
-                raise LabCheckError(f"process {p} of {self.n} never reported ({why}); its last "
-                                    f"output:\n{self.output_tail(p)}")
+                forged = (f"; it printed {self.forged[p]} RESULT line(s) the harness did not "
+                          "write, which count for nothing" if self.forged[p] else "")
+                raise LabCheckError(f"process {p} of {self.n} never reported ({why}{forged}); "
+                                    f"its last output:\n{self.output_tail(p)}")
 
     def error_of(self, p: int) -> str | None:
         e = self.errors[p]
@@ -179,17 +206,36 @@ def run_processes(body: str, *, processes: int = 4, devices: int = 2,
     for fn in functions:
         reference(fn.__name__)  # a name no task has fails here, not in every process
     source = _task_source(functions)
+    key = secrets.token_bytes(32)  # signs the harness's reports (see _WORKER's _signer)
     with tempdir() as work, Reports(functions) as reports:
         script = os.path.join(work, "lab4_process.py")
         with open(script, "w", encoding="utf-8") as f:
             f.write(_WORKER.format(imports=LAB4_IMPORTS, source=source, names=names,
-                                   body=body))
+                                   body=body, key_env=KEY_ENV))
         shared = directory or os.path.join(work, "shared")
         os.makedirs(shared, exist_ok=True)
-        res = launch([script, shared], processes, devices_per_process=devices,
-                     timeout_s=timeout_s, grace_s=timeout_s, cwd=work,
-                     env=reports.env({"JAX_PLATFORMS": "cpu"}), pass_fds=reports.pass_fds)
-    return ProcessesRun(processes, res)
+        r, w = os.pipe()
+        try:
+            os.write(w, key * processes)  # each process reads its 32 bytes (<= PIPE_BUF)
+            os.close(w)
+            w = -1
+            env = {**reports.env({"JAX_PLATFORMS": "cpu"}), KEY_ENV: str(r)}
+            res = launch([script, shared], processes, devices_per_process=devices,
+                         timeout_s=timeout_s, grace_s=timeout_s, cwd=work, env=env,
+                         pass_fds=(*reports.pass_fds, r))
+        finally:
+            for fd in (r, w):
+                if fd >= 0:
+                    os.close(fd)
+    return ProcessesRun(processes, res, key)
+
+
+KEY_ENV = "MINICKPT_LAB4_REPORT_KEY_FD"
+"""The descriptor a worker reads its report key from (then closes, before the student's cell).
+The key is the only thing that tells the harness's RESULT line from one the student's code
+prints (or writes to a descriptor, then ``os._exit``): the parent takes signed lines only.
+Code that reads the harness's own memory could sign too, but it could as well change what
+the test body reports; the classes closed are the printed or written line."""
 
 
 def global_array(name: str, shape: Sequence[int], sharding: Any,

@@ -1,0 +1,226 @@
+"""The sandbox's edges of issue 31: no keyring passes a value from one submission to the next,
+no nested user namespace, a compilation cache that names no hidden test, and an environment
+whose ``minickpt`` is an editable install of another checkout.
+
+Each test starts a few bare sandboxed processes (seconds), never a graded lab.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+import subprocess
+import sys
+import zlib
+from pathlib import Path
+
+import pytest
+
+from autograder import sandbox, seccomp
+
+REQUIRE = os.environ.get("MINICKPT_REQUIRE_SANDBOX") == "1"
+
+
+@functools.cache
+def _probe() -> sandbox.Isolation:
+    return sandbox.probe()
+
+
+def _isolation() -> sandbox.Isolation:
+    iso = _probe()
+    if iso.mode != "bwrap-root":
+        why = f"needs the sandbox as root (have {iso.mode}: {iso.detail})"
+        if REQUIRE:
+            pytest.fail(why)
+        pytest.skip(why)
+    return iso
+
+
+def _run(iso, uid: int, ipc: Path, code: str, python: str | None = None):
+    sandbox.prepare_ipc_dir(ipc, iso, uid)
+    python = python or sys.executable
+    cmd = sandbox.kernel_command(
+        iso, [sandbox.sandbox_python(python), "-c", code], uid=uid, cwd="/home/student/x",
+        ipc_dir=str(ipc), read_only=sandbox.python_paths(python), limits=sandbox.Limits(),
+        env={}, extra_ro=sandbox.package_binds(python))
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=120)
+
+
+ADD_KEY = r'''
+import ctypes, platform
+libc = ctypes.CDLL(None, use_errno=True)
+nr = {"x86_64": 248, "aarch64": 217}[platform.machine()]
+for ring in (-4, -5, -3):  # the user, user-session and session keyrings
+    got = libc.syscall(nr, b"user", b"covert-31", b"answer=42", 9, ctypes.c_int(ring))
+    print("add", ring, got, ctypes.get_errno())
+'''
+READ_KEY = r'''
+import ctypes, platform
+libc = ctypes.CDLL(None, use_errno=True)
+nr = {"x86_64": 250, "aarch64": 219}[platform.machine()]
+found = []
+for ring in (-4, -5, -3):
+    key = libc.syscall(nr, 10, ctypes.c_int(ring), b"user", b"covert-31", 0)  # KEYCTL_SEARCH
+    if key > 0:
+        buf = ctypes.create_string_buffer(64)
+        n = libc.syscall(nr, 11, key, buf, 64)  # KEYCTL_READ
+        found.append(buf.raw[:max(n, 0)].decode())
+found += [line for line in open("/proc/keys") if "covert-31" in line]
+print("found", found)
+'''
+
+
+def test_a_key_one_submission_adds_never_reaches_the_next_in_its_slot(tmp_path):
+    """The slot's uid is reused: its user keyring outlived the submission that wrote it.
+    Every keyring call is refused in the sandbox, and a slot's keyrings start empty."""
+    iso = _isolation()
+    with sandbox.SlotUids(1) as slot:
+        uid = slot.uids[0]
+        first = _run(iso, uid, tmp_path / "ipc", ADD_KEY)
+        second = _run(iso, uid, tmp_path / "ipc", READ_KEY)
+    assert first.returncode == 0 and second.returncode == 0, first.stderr + second.stderr
+    assert [line.split()[2] for line in first.stdout.splitlines()] == ["-1"] * 3, first.stdout
+    assert second.stdout.strip() == "found []", second.stdout
+    with sandbox.SlotUids(1) as slot:  # a later run, the same uid
+        third = _run(iso, slot.uids[0], tmp_path / "ipc", READ_KEY)
+    assert third.stdout.strip() == "found []", third.stdout
+
+
+def test_no_user_namespace_can_be_made_inside_the_sandbox(tmp_path):
+    iso = _isolation()
+    code = ("import os, subprocess, threading\n"
+            "r = subprocess.run(['unshare', '-Ur', 'true'], capture_output=True)\n"
+            "print('unshare', r.returncode)\n"
+            "import ctypes\nlibc = ctypes.CDLL(None, use_errno=True)\n"
+            "print('os.unshare', 0 if libc.unshare(0x10000000) == 0 else ctypes.get_errno())\n"
+            "t = threading.Thread(target=print, args=('thread',)); t.start(); t.join()\n")
+    with sandbox.SlotUids(1) as slot:
+        proc = _run(iso, slot.uids[0], tmp_path / "ipc", code)
+    assert proc.returncode == 0, proc.stderr
+    lines = proc.stdout.split("\n")
+    assert lines[0] != "unshare 0" and lines[1] == "os.unshare 1", proc.stdout  # EPERM
+    assert "thread" in lines  # threads and processes (clone without the flag) still work
+
+
+def test_the_filter_is_a_short_program_for_each_machine_it_knows():
+    prog = seccomp.program("x86_64")
+    assert len(prog) % 8 == 0 and len(prog) // 8 < 64
+    assert seccomp.supported("aarch64") and not seccomp.supported("sparc")
+    with pytest.raises(ValueError, match="sparc"):
+        seccomp.program("sparc")
+
+
+HIDDEN_CELL = '''
+import jax, jax.numpy as jnp
+def program(x):
+    return jnp.cos(x) * 3 + 2
+def test_hidden_marker_31():
+    return float(jax.jit(program)(jnp.float32(1.0)))
+print(test_hidden_marker_31())
+'''
+
+
+def test_the_compilation_cache_names_no_hidden_test(tmp_path):
+    """What a fill writes carries no frame of the code that traced it: not the hidden test's
+    cell file, not its function's name (the jitted function's own name stays: it names the
+    program, as the entry's file name does)."""
+    cell = tmp_path / "ipykernel_7" / "cell_hidden_31.py"
+    cell.parent.mkdir()
+    cell.write_text(HIDDEN_CELL)
+    cache = tmp_path / "cache"
+    env = {**os.environ, "JAX_PLATFORMS": "cpu",
+           **sandbox.kernel_env({}, cache=(str(cache), True))}
+    proc = subprocess.run([sys.executable, str(cell)], env=env, capture_output=True,
+                          text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    entries = [p for p in cache.iterdir() if p.name.endswith("-cache")]
+    assert any(p.name.startswith("jit_program-") for p in entries), entries
+    for p in entries:
+        raw = p.read_bytes()
+        try:
+            raw = zlib.decompress(raw)
+        except zlib.error:
+            pass
+        for marker in (b"cell_hidden_31", b"ipykernel_7", b"test_hidden_marker_31"):
+            assert marker not in raw, (p.name, marker)
+
+
+def _venv_importing(tmp_path: Path, package: Path | None) -> str:
+    """A bare environment (no pip) that sees the shared one's packages through a .pth and,
+    first, ``package``'s folder (a checkout elsewhere, as an editable install points)."""
+    env = tmp_path / "env"
+    subprocess.run([sys.base_prefix + "/bin/python3", "-m", "venv", "--without-pip", str(env)],
+                   check=True, timeout=120)
+    site = next((env / "lib").glob("python3*/site-packages"))
+    shared = next(p for p in sys.path if p.endswith("site-packages") and
+                  Path(p).resolve().is_relative_to(Path(sys.prefix).resolve()))
+    lines = ([str(package.parent)] if package else []) + [str(Path(shared).resolve())]
+    (site / "zz_course.pth").write_text("\n".join(lines) + "\n")
+    return str(env / "bin" / "python")
+
+
+def test_an_editable_install_of_another_checkout_runs_this_checkouts_minickpt(tmp_path):
+    iso = _isolation()
+    other = tmp_path / "other-checkout" / "minickpt"
+    other.mkdir(parents=True)
+    (other / "__init__.py").write_text("WHICH = 'the other checkout'\n")
+    python = _venv_importing(tmp_path, other)
+    assert sandbox.env_package(python) == str(other.resolve())
+    assert sandbox.package_binds(python) == {sandbox.grader_package(): str(other.resolve())}
+    found = sandbox.probe(python)
+    assert found.mode == "bwrap-root" and not found.detail, found.detail
+    with sandbox.SlotUids(1) as slot:
+        proc = _run(iso, slot.uids[0], tmp_path / "ipc",
+                    "import minickpt; print(getattr(minickpt, 'WHICH', 'this checkout'))",
+                    python=python)
+    assert proc.stdout.strip() == "this checkout", proc.stdout + proc.stderr
+
+
+def test_an_environment_without_minickpt_is_named_as_the_cause(tmp_path):
+    _isolation()
+    python = _venv_importing(tmp_path, None)
+    found = sandbox.probe(python)
+    if sandbox.env_package(python) is not None:  # the shared site-packages holds a copy
+        pytest.skip("the shared environment has minickpt installed as a plain package")
+    assert not found.sandboxed and "has no minickpt installed" in found.detail, found.detail
+    cause = sandbox._probe_cause("ModuleNotFoundError: No module named 'minickpt'", python, [])
+    assert "has no minickpt installed" in cause
+
+
+# ---------------------------------------------------------------------------------------
+# lab 4: the harness's RESULT line cannot be forged from the student's code
+# ---------------------------------------------------------------------------------------
+def agree_on_step(steps):
+    """A forger: in a worker, print the RESULT line the test wants, then leave at once."""
+    import json
+    import os
+
+    if "MINICKPT_PROCESS_ID" in os.environ:
+        line = {"results": {"v": int(steps[0]), "forged": True}, "error": None}
+        os.write(1, f"RESULT {json.dumps(line)}\n".encode())
+        os.write(1, f"RESULT mac={'0' * 64} {json.dumps(line)}\n".encode())
+        os._exit(0)
+    return steps[0]
+
+
+def test_a_result_line_printed_by_the_students_code_earns_nothing():
+    from minickpt import labkit
+    from minickpt.labkit import lab4
+
+    run = lab4.run_processes("report(v=agree_on_step([3, 3]))", processes=2, devices=1,
+                             functions=[agree_on_step], timeout_s=60)
+    assert run.reported == [False, False] and run.results == [{}, {}], run.results
+    assert run.forged[0] == 2  # (process 1 may be gone with the job before its own)
+    with pytest.raises(labkit.LabCheckError, match="the harness did not write"):
+        run.check_reported()
+    honest = lab4.run_processes("report(v=agree_on_step([3, 3]))", processes=2, devices=1,
+                                functions=[_honest(agree_on_step)], timeout_s=60)
+    assert honest.reported == [True, True] and honest.results == [{"v": 3}, {"v": 3}]
+    assert honest.forged == [0, 0]
+
+
+def _honest(_fn):
+    def agree_on_step(steps):
+        """Mine: the first step (enough for this test)."""
+        return steps[0]
+    return agree_on_step
