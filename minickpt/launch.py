@@ -103,35 +103,44 @@ class LaunchResult:
         """The values each process wrote with :func:`report` signed by ``key``, and how
         many lines of each carried the tag without a valid signature (written by other
         code of the process: the student's, in a lab's worker, earns nothing that way)."""
-        marker, decoder = f"{tag} ", json.JSONDecoder()
         found: list[list[Any]] = []
         forged: list[int] = []
         for lines in self.outputs:
-            found.append([])
-            forged.append(0)
-            for line in lines:
-                at = line.find(marker)
-                if at < 0 or (at > 0 and (line[at - 1].isalnum() or line[at - 1] == "_")):
-                    continue
-                rest = at + len(marker)
-                mac, _, _ = line[rest:].partition(" ")
-                start = rest + len(mac) + 1
-                try:
-                    value, end = decoder.raw_decode(line, start)
-                except (json.JSONDecodeError, ValueError):
-                    forged[-1] += 1
-                    continue
-                want = "mac=" + hmac.new(key, line[start:end].encode(), "sha256").hexdigest()
-                if hmac.compare_digest(mac, want):
-                    found[-1].append(value)
-                else:
-                    forged[-1] += 1
+            values, bad = read_signed(lines, key, tag)
+            found.append(values)
+            forged.append(bad)
         return found, forged
 
     def describe(self) -> str:
         codes = ", ".join(f"p{i}={rc}" for i, rc in enumerate(self.returncodes))
         return (f"{len(self.returncodes)} processes, exit codes {codes}"
                 + (", timed out" if self.timed_out else "") + f", {self.wall_s:.1f} s")
+
+
+def read_signed(lines: Sequence[str], key: bytes, tag: str = "RESULT") -> tuple[list[Any], int]:
+    """The values of the lines :func:`report` signed with ``key``, in order, and how many
+    lines carried ``tag`` without a valid signature (written by other code of the process)."""
+    marker, decoder = f"{tag} ", json.JSONDecoder()
+    found: list[Any] = []
+    forged = 0
+    for line in lines:
+        at = line.find(marker)
+        if at < 0 or (at > 0 and (line[at - 1].isalnum() or line[at - 1] == "_")):
+            continue
+        rest = at + len(marker)
+        mac, _, _ = line[rest:].partition(" ")
+        start = rest + len(mac) + 1
+        try:
+            value, end = decoder.raw_decode(line, start)
+        except (json.JSONDecodeError, ValueError):
+            forged += 1
+            continue
+        want = "mac=" + hmac.new(key, line[start:end].encode(), "sha256").hexdigest()
+        if hmac.compare_digest(mac, want):
+            found.append(value)
+        else:
+            forged += 1
+    return found, forged
 
 
 def report(value: Any, tag: str = "RESULT", key: bytes | None = None) -> None:

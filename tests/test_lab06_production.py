@@ -256,6 +256,31 @@ def test_the_preemption_drill_passes_the_reference_and_names_each_wrong_design(t
     assert problem is not None and "LoopResult" in problem
 
 
+FORGES_THE_DRIVER = '''
+def train_until_preempted(manager, carry, step_fn, *, start, stop, items, on_step=None):
+    import os
+    import numpy as np
+    w = np.zeros(4)
+    for s in range(start + 1, stop + 1):  # the carry computed aside, no step_fn, no manager
+        w = 0.5 * w + s
+    print("carry " + np.asarray(w, np.float64).tobytes().hex(), flush=True)
+    print(f"result LoopResult {stop} False", flush=True)  # the driver's lines, printed by hand
+    os._exit(0)
+'''.strip()
+
+
+@pytest.mark.task("6.3")
+@pytest.mark.timeout(120)
+def test_the_drill_takes_only_the_drivers_own_lines(tmp_path):
+    """The drill's driver signs what it reports (a key read from a pipe before the student's
+    cell runs): a loop that prints the driver's lines itself, then ends the process, earns
+    nothing."""
+    forger = _from_source(FORGES_THE_DRIVER, str(tmp_path))
+    (tmp_path / "forged").mkdir()
+    problem = lab.preemption_drill(forger, str(tmp_path / "forged"), signals=0)
+    assert problem is not None and "LoopResult" in problem, problem
+
+
 @pytest.mark.task("6.3")
 def test_on_step_runs_before_the_manager_is_offered_the_step(tmp_path):
     """The contract's clause: a notice that arrives during on_step(8, ...) makes 8 the step to

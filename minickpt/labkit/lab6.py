@@ -62,10 +62,33 @@ from collections.abc import Callable, Mapping
 from typing import Any
 import numpy as np
 import minickpt as mc
+from minickpt.launch import report as _report
 from minickpt.production.preemption import LoopResult, PreemptionHandler
 from minickpt.labkit import watch as _watch
+
+
+def _signer():
+    """What the driver reports, signed with the key its parent sent down a pipe: read, and
+    the pipe closed, before the student's cell runs; only the driver's own code may sign."""
+    fd = os.environ.pop({key_env!r}, "")
+    key = b""
+    if fd.isdigit():
+        try:
+            key = os.read(int(fd), 32)
+        finally:
+            os.close(int(fd))
+    allowed = {{sys._getframe(1).f_code}}
+
+    def say(text):
+        if sys._getframe(1).f_code in allowed:
+            _report({{"line": text}}, tag={tag!r}, key=key)
+    return say, allowed.add
+
+
+_say, _permit = _signer()
+del _signer
 _w = _watch.worker()
-_mine = _w.namespace(globals())  # the student's cell in a namespace of its own
+_mine = _w.namespace({{_k: _v for _k, _v in globals().items() if _k not in ("_say", "_permit")}})
 exec(compile({source!r}, "<your task cell>", "exec"), _mine)
 {name} = _w.wrap(_mine[{name!r}])
 directory, stop, every, hard_exit, use_async = (sys.argv[1], int(sys.argv[2]), int(sys.argv[3]),
@@ -78,25 +101,36 @@ start, w = 0, np.zeros(4)
 if mngr.latest_step() is not None:
     restored = mngr.restore()
     start, w = restored.step, restored["w"]
-    print(f"resumed from step {{start}}", flush=True)
+    _say(f"resumed from step {{start}}")
 
 def step_fn(w, step):
     time.sleep(0.02)  # a step long enough for a signal to land inside it
     w = 0.5 * w + step
-    print(f"step {{step}}", flush=True)
+    _say(f"step {{step}}")
     return w, {{"loss": float(w.sum())}}
+
+
+_permit(step_fn.__code__)
+del _permit
 
 res = {name}(mngr, w, step_fn, start=start, stop=stop, items=lambda w: {{"w": w}})
 carry = getattr(res, "carry", None)
-print("carry " + (np.asarray(carry, np.float64).tobytes().hex() if carry is not None else "-"),
-      flush=True)
-print(f"result {{type(res).__name__}} {{getattr(res, 'step', None)}} "
-      f"{{getattr(res, 'preempted', None)}}", flush=True)
+_say("carry " + (np.asarray(carry, np.float64).tobytes().hex() if carry is not None else "-"))
+_say(f"result {{type(res).__name__}} {{getattr(res, 'step', None)}} "
+     f"{{getattr(res, 'preempted', None)}}")
 if hard_exit:  # the grace period ends the moment the loop returns: nothing else runs
     sys.stdout.flush()
     os._exit(0)
 mngr.close()
 '''
+
+
+_KEY_ENV = "MINICKPT_LAB6_REPORT_KEY_FD"
+_TAG = "LAB6"
+"""The driver's lines travel signed (HMAC-SHA256, a key the parent sends down a pipe the
+driver reads and closes before the student's cell runs): a line the student's loop prints
+itself, then ``os._exit``, is not taken for the driver's. Code that digs the key out of the
+driver's memory could sign too; the class closed is the printed or written line."""
 
 
 def lab6_carry(step: int) -> np.ndarray:
@@ -125,7 +159,12 @@ def run_loop_process(fn: Callable[..., Any], directory: str, *, stop: int, every
     except (OSError, TypeError) as e:
         raise LabCheckError(f"cannot read the source of {getattr(fn, '__name__', fn)!r} ({e}): "
                             "define it with def in the task's cell and run that cell") from None
-    script = _LOOP_DRIVER.format(source=source, name=fn.__name__)
+    import secrets
+
+    from ..launch import read_signed
+
+    script = _LOOP_DRIVER.format(source=source, name=fn.__name__, key_env=_KEY_ENV, tag=_TAG)
+    key = secrets.token_bytes(32)
     path = os.path.join(directory, "driver.py")
     with open(path, "w") as f:
         f.write(script)
@@ -133,9 +172,17 @@ def run_loop_process(fn: Callable[..., Any], directory: str, *, stop: int, every
     cmd = [sys.executable, path, ckpt, str(stop), str(every), "1" if hard_exit else "0",
            "1" if use_async else "0"]
     reports = Reports([fn])
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            stdin=subprocess.DEVNULL, env=reports.env(os.environ),
-                            pass_fds=reports.pass_fds)
+    r, w = os.pipe()
+    try:
+        os.write(w, key)
+        os.close(w)
+        proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                                stdin=subprocess.DEVNULL,
+                                env={**reports.env(os.environ), _KEY_ENV: str(r)},
+                                pass_fds=(*reports.pass_fds, r))
+    finally:
+        os.close(r)
+    forged = 0
     lines: list[str] = []
     import threading
 
@@ -147,7 +194,11 @@ def run_loop_process(fn: Callable[..., Any], directory: str, *, stop: int, every
     try:
         assert proc.stdout is not None
         for raw in proc.stdout:
-            line = raw.strip()
+            said, bad = read_signed([raw], key, _TAG)
+            forged += bad
+            if not said:
+                continue  # the student's own output: never taken for the driver's
+            line = str(said[0].get("line", "")).strip()
             lines.append(line)
             if signal_after is not None and line == f"step {signal_after}":
                 proc.send_signal(_signal.Signals(sig))
@@ -160,6 +211,9 @@ def run_loop_process(fn: Callable[..., Any], directory: str, *, stop: int, every
             proc.kill()
             proc.wait()
     reports.check()
+    if forged:
+        err += (f"\n[the drill ignored {forged} {_TAG} line(s) not signed by its driver: "
+                "only the driver reports the loop's steps and result]")
     return rc, lines, err[-3000:]
 
 
