@@ -69,6 +69,12 @@ fi
 rm -rf "$STATE"
 mkdir -p "$STATE"/{ctld,spool,run,log,munge,munge-socket}
 chmod 755 "$STATE"
+if ! runuser -u munge -- test -x "$STATE"; then
+  say "the munge user cannot reach $STATE: every folder above it must be world-searchable" \
+      "(chmod o+x), e.g. a folder in /tmp"
+  rm -rf "$STATE"
+  exit 1
+fi
 
 # munge: a key of our own (0400 in a 0700 folder), its socket in STATE_DIR (a folder every
 # job's user may enter), run as the munge user
