@@ -10,8 +10,10 @@ What it checks: the three jobs ran as designed (the fill filled the compilation 
 task of the array reused it and graded only its slice, the merge ran after the array), and the
 merged results equal, file by file, what one ``grade.sh`` run over the same folder writes: the
 same files, byte for byte, except what says how and when they were made (run.json's
-settings, timings.csv that only a grading run writes, the logs' text). The similarity flags are
-among the bytes compared: the merge compares the whole class, as the single run does.
+settings, timings.csv that only a grading run writes, the logs' text) and what differs between
+two runs on one machine as well (VOLATILE: temp names, fd numbers, an output's trailing
+newlines). The similarity flags are among the bytes compared: the merge compares the whole
+class, as the single run does.
 The throughput of both runs is printed (the numbers in docs/slurm.md come from such runs).
 """
 
@@ -176,22 +178,49 @@ def test_the_fill_the_array_and_the_merge_ran_one_after_the_other(runs):
         dict.fromkeys(LABS, "filled")
 
 
+VOLATILE = [
+    (re.compile(r"minickpt-lab-[a-z0-9_]{8}"), "minickpt-lab-XXXXXXXX"),  # a lab's mkdtemp
+    (re.compile(r"\btmp[a-z0-9_]{8}\b"), "tmpXXXXXXXX"),  # tempfile's names
+    (re.compile(r"\bfd \d+\b"), "fd N"),  # lab 2's crash states name the fd of each call
+    (re.compile(r"\n\s*\n"), "\n"),  # a kernel's output may end in an empty line, or not,
+    (re.compile(r"\s+</pre>"), "</pre>"),  # and in its last newline, or not
+]
+"""What differs between two grade.sh runs over the same folder on one machine too (two runs
+of four of lab 2's examples: the messages, summaries and feedback pages of three of them):
+compared without it, and only where the bytes differ."""
+
+
+def _stable(text: str) -> str:
+    for pattern, same in VOLATILE:
+        text = pattern.sub(same, text)
+    return text
+
+
 @real
 def test_the_merged_results_equal_one_grade_sh_run_file_by_file(runs):
-    """Every file of the merge's --out is the single run's, byte for byte: grades.csv,
-    grades-<lab>.csv, class-summary*, similarity-<lab>.*, summary.txt, results.json, every
-    feedback page; the logs are the same files (their text holds times and pids); run.json
-    the same labs and isolation."""
+    """Every file of the merge's --out is the single run's: grades.csv, grades-<lab>.csv,
+    class-summary*, similarity-<lab>.*, summary.txt, results.json, every feedback page, byte
+    for byte or, where a run's own temp names, fd numbers or a kernel output's trailing newlines
+    differ (VOLATILE, as between two single runs), equal without those; the logs are the same
+    files (their text holds times and pids); run.json the same labs and isolation."""
     one = runs["one"]
     assert one.returncode == 0, one.stdout[-3000:] + one.stderr[-3000:]
-    merged, single = _files(runs["tmp"] / "slurm"), _files(runs["tmp"] / "one")
+    top = {d: runs["tmp"] / d for d in ("slurm", "one")}
+    merged, single = _files(top["slurm"]), _files(top["one"])
     assert sorted(set(merged) - NOT_COMPARED) == sorted(set(single) - NOT_COMPARED)
     assert any(name.startswith("feedback/") for name in merged)
     assert any(name.startswith("similarity-") for name in merged)
-    differ = [name for name in merged if name not in NOT_COMPARED
-              and not name.startswith("logs/") and merged[name] != single[name]]
+    compared = [name for name in merged if name not in NOT_COMPARED
+                and not name.startswith("logs/")]
+    volatile = [name for name in compared if merged[name] != single[name]]
+    differ = [name for name in volatile
+              if _stable((top["slurm"] / name).read_text(encoding="utf-8"))
+              != _stable((top["one"] / name).read_text(encoding="utf-8"))]
+    print(f"compared {len(compared)} files: {len(compared) - len(volatile)} byte for byte, "
+          f"{len(volatile) - len(differ)} without VOLATILE ({', '.join(volatile) or 'none'}), "
+          f"{len(differ)} different")
     assert differ == [], differ
-    a, b = (json.loads((runs["tmp"] / d / "run.json").read_text()) for d in ("slurm", "one"))
+    a, b = (json.loads((top[d] / "run.json").read_text()) for d in ("slurm", "one"))
     assert a["labs"] == b["labs"] and a["isolation"] == b["isolation"]
     assert a["shard"] is None and len(a["merged_from"]) == SHARDS
 
