@@ -48,15 +48,15 @@ def restore_newest_valid(directory: str, steps: Iterable[int],
                          restore_step: Callable[[int], Any], *, fallback: bool = True,
                          on_skip: Callable[[int, BaseException], None] | None = None
                          ) -> tuple[int, Any]:
-    """Task 3.1 — restore the newest checkpoint that is not damaged; ``(step, restored)``.
+    """Task 3.1 — restore the newest checkpoint that restores; ``(step, restored)``.
 
-    Steps are tried newest first, by number. ``restore_step(s)`` restores step ``s`` or
-    raises. Only *verified* damage — :class:`CheckpointCorruptedError` (a checksum, a
-    structure, a missing file) — or :class:`CheckpointTooLargeError` is a reason to try the
-    next older step, and only with ``fallback`` (else it propagates); ``on_skip(s, error)``
-    hears of each skipped step before the next is tried. Any other error (an ``OSError`` such
-    as EIO, a target that does not match) says nothing about the checkpoint and propagates
-    unchanged. No steps: :class:`CheckpointNotFoundError`; none restorable: one
+    ``restore_step(s)`` restores step ``s`` or raises. A step is given up only on evidence
+    about that checkpoint — verified damage, or a size this machine cannot hold (an older one
+    may fit) — and only with ``fallback``; an error that says the disk or the program is
+    failing *now* stops the search, unchanged (falling back past it would silently lose an
+    interval of training). Every step given up, the last one included, is reported to
+    ``on_skip(s, error)`` before anything else happens; no step is tried twice. No steps:
+    :class:`CheckpointNotFoundError`; every step given up: one
     :class:`CheckpointCorruptedError` naming every step tried and why it failed.
     """
     order = sorted(set(steps), reverse=True)

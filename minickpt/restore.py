@@ -137,7 +137,10 @@ def check_structure(manifest: Manifest, target: Any, *, item: str = "",
 
     Returns ``(target path, saved leaf index)`` pairs in the target's leaf order. Missing
     leaves, unexpected leaves (unless ``partial``), and shape, dtype or kind differences are
-    collected together in one :class:`StructureMismatchError`.
+    collected together in one :class:`StructureMismatchError` (the target's problems in its
+    leaf order, then the unexpected ones), so that one run tells of every change. Its hint:
+    with any missing or unexpected leaf, ``partial=True`` or a migration; with differences of
+    shape, dtype or kind alone, that minickpt never casts silently.
     """
     saved = manifest.by_path
     pairs: list[tuple[Names, int]] = []
@@ -511,10 +514,14 @@ def migrate(saved: Any, target: Any, *, rename: Rename | None = None,
     saved leaf's path is renamed by ``rename``; target leaves found after renaming take the
     saved value (shapes must match; dtypes too unless ``allow_cast``), target leaves not
     found keep their new initial value when ``fill_missing`` (and are listed in the report),
-    and saved leaves the target has no place for are dropped and listed.
+    and saved leaves the target has no place for are dropped and listed under their saved
+    (old) paths. Two saved leaves renamed onto one path would drop one silently: a
+    ``"duplicate"`` problem. The error's hint names the knobs that apply: the rename rules,
+    ``allow_cast=True`` for a dtype, ``fill_missing=True`` for a missing leaf.
     """
     report = MigrationReport()
     by_new: dict[str, Any] = {}
+    olds: dict[str, list[str]] = {}  # new path -> the saved paths renamed onto it
     for p, leaf in jax.tree_util.tree_flatten_with_path(saved)[0]:
         old = path_str(path_names(p))
         new = rename_path(old, rename)
@@ -523,9 +530,13 @@ def migrate(saved: Any, target: Any, *, rename: Rename | None = None,
             continue
         if new != old:
             report.renamed[old] = new
+        olds.setdefault(new, []).append(old)
         by_new[new] = leaf
+    dup = [new for new, o in olds.items() if len(o) > 1]  # taking one would drop the others
+    problems: list[Mismatch] = [Mismatch(new, "duplicate", saved=" and ".join(olds[new]),
+                                         expected="one saved leaf") for new in dup]
     flat, treedef = jax.tree_util.tree_flatten_with_path(target)
-    outs, problems, used = [], [], set()
+    outs, used = [], set()
     for p, leaf in flat:
         where = path_str(path_names(p))
         if where not in by_new:
@@ -535,14 +546,22 @@ def migrate(saved: Any, target: Any, *, rename: Rename | None = None,
             outs.append(leaf)
             continue
         used.add(where)
+        if where in dup:  # already a problem: its values are not compared
+            outs.append(leaf)
+            continue
         value, trouble = migrate_leaf(where, by_new[where], leaf, allow_cast=allow_cast,
                                       report=report)
         problems += trouble
         outs.append(value)
-    report.dropped += [p for p in by_new if p not in used]
+    report.dropped += [old for p in by_new if p not in used for old in olds[p]]
     if problems:
-        raise StructureMismatchError("migration", problems,
-                                     "Fix the rename rules, or pass allow_cast=True for dtypes.")
+        kinds = {m.kind for m in problems}
+        hint = "Fix the rename rules (each saved path onto the new model's path)"
+        if "dtype" in kinds:
+            hint += ", or pass allow_cast=True to cast dtypes (each cast is reported)"
+        if "missing" in kinds:
+            hint += ", or pass fill_missing=True to keep the new model's initial values"
+        raise StructureMismatchError("migration", problems, hint + ".")
     return jax.tree_util.tree_unflatten(treedef, outs), report
 
 
@@ -604,12 +623,12 @@ def _like(value: Any, leaf: Any) -> Any:
 def resume(mngr: Any, state: Any, rng: Any) -> tuple[Any, Any, int]:
     """Task 3.3 — where a (re)started run begins: ``(state, rng, first step to compute)``.
 
-    With nothing saved in ``mngr``: the fresh ``state`` and ``rng`` themselves, and step 1.
-    Otherwise the newest valid checkpoint (items ``"state"`` and ``"rng"``), restored into
-    the fresh ones as targets — so the whole state (parameters, Adam's moments, step) and
-    the RNG key come back with the targets' shapes, dtypes and placement — and step
-    t_ckpt + 1, since step t_ckpt is already in the state. A checkpoint whose own step
-    counter is not its step t_ckpt was saved under the wrong number: ``ValueError``.
+    A run killed at any moment and restarted with this computes the uninterrupted run: it
+    goes on from the newest valid checkpoint (items ``"state"`` and ``"rng"``), never
+    computing that checkpoint's own step again, with everything the next update reads, shaped
+    and placed like the given ``state`` and ``rng``. With nothing saved: those themselves, and
+    step 1. A checkpoint whose state's own step counter is not its step was saved under the
+    wrong number: ``ValueError`` naming both.
     """
     if mngr.latest_step() is None:
         return state, rng, 1

@@ -120,3 +120,34 @@ def test_migration_carries_parameters_and_optimizer_state(tmp_path):
         migrate(saved, labkit.lab3_new_state(dtype=jnp.bfloat16),
                 rename={"(.*)/Dense_0": r"\1/encoder", "(.*)/Dense_1": r"\1/head"})
     assert len(err.value.mismatches) == 12
+
+
+@pytest.mark.task("3.4")
+def test_migration_never_drops_silently_and_its_hint_names_the_knobs(tmp_path):
+    """Two saved leaves renamed onto one path are a "duplicate" problem (taking either would
+    drop the other silently); a leaf renamed onto no target leaf is dropped under its saved
+    path; the hint names the rename rules, and allow_cast / fill_missing where they apply."""
+    old, _, _ = train(make_state(), jax.random.key(42), 0, 2)
+    with CheckpointManager(tmp_path) as m:
+        m.save(2, {"state": old})
+        saved = m.restore()["state"]
+    new = labkit.lab3_new_state()
+    with pytest.raises(StructureMismatchError) as err:
+        migrate(saved, new, rename={"(.*)/Dense_[01]": r"\1/encoder"})
+    assert sorted(m.path for m in err.value.mismatches) == sorted(
+        f"{p}/params/encoder/{w}" for p in ("params", "opt_state/0/mu", "opt_state/0/nu")
+        for w in ("bias", "kernel"))
+    assert {m.kind for m in err.value.mismatches} == {"duplicate"}
+    assert "Dense_0/kernel and " in str(err.value) and "rename" in str(err.value)
+    _, report = migrate(saved, new, rename={"(.*)/Dense_0": r"\1/encoder",
+                                            "(.*)/Dense_1": r"\1/old_head"})
+    assert "params/params/Dense_1/kernel" in report.dropped
+    assert not any("old_head" in p for p in report.dropped)
+    with pytest.raises(StructureMismatchError) as err:
+        migrate(saved, labkit.lab3_new_state(dtype=jnp.bfloat16), fill_missing=False,
+                rename={"(.*)/Dense_0": r"\1/encoder", "(.*)/Dense_1": r"\1/head"})
+    assert "allow_cast=True" in str(err.value) and "fill_missing=True" in str(err.value)
+    with pytest.raises(StructureMismatchError) as err:
+        migrate(saved, new, fill_missing=False,
+                rename={"(.*)/Dense_0": r"\1/encoder", "(.*)/Dense_1": r"\1/head"})
+    assert "fill_missing=True" in str(err.value) and "allow_cast" not in str(err.value)

@@ -56,10 +56,14 @@ def test_the_processes_import_what_the_setup_cell_imports():
 # 4.1
 # ---------------------------------------------------------------------------------------
 @pytest.mark.task("4.1")
-@pytest.mark.parametrize("bad", [[5, 5.0], [True, True], [4, "4"], [2, None], [3, -1], []])
+@pytest.mark.parametrize("bad", [[5, 5.0], [True, True], [4, "4"], [2, None], [3, -1], [],
+                                 [np.int64(3), 3], [4, 5, "6"]])
 def test_4_1_a_step_is_an_int_at_least_zero(bad):
-    with pytest.raises(ValueError):
+    """A numpy integer is no step either (the manager's save refuses one too), and a
+    malformed entry is a plain ValueError even when the valid steps also disagree."""
+    with pytest.raises(ValueError) as e:
         agree_on_step(bad)
+    assert not isinstance(e.value, ProcessDisagreementError)
 
 
 @pytest.mark.task("4.1")

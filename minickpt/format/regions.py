@@ -100,11 +100,12 @@ def region_from_pieces(box: Box, dtype: np.dtype,
     number of processes, on any mesh — each ``(piece_box, read)``, where ``read(part)``
     returns the elements ``part`` (a box inside ``piece_box``, global coordinates) as an
     array of ``box_shape(part)``. The two meshes need have nothing in common: a region may
-    take a corner of one piece and all of another. Ask each piece only for the part it
-    shares with the region, and nothing of a piece it does not touch (every host of a large
-    job restores at once; reading whole pieces would multiply the bytes read). The pieces
-    cover the array exactly once (checked when the manifest was read). Returns an array of
-    ``dtype`` and ``box_shape(box)``, from ``aligned_empty`` (a CPU restore then needs no copy).
+    take a corner of one piece and all of another. The bytes read are the bytes needed: each
+    piece is asked at most once, for nothing outside the region, and a piece that shares
+    nothing with it not at all (every host of a large job restores at once; reading whole
+    pieces would multiply the bytes read). The pieces cover the array exactly once (checked
+    when the manifest was read). Returns an array of ``dtype`` and ``box_shape(box)``, 64-byte
+    aligned (a CPU restore then needs no copy).
     """
     out = aligned_empty(box_shape(box), dtype)
     for piece_box, read in pieces:

@@ -31,9 +31,9 @@ def owned_shards(shape: Sequence[int], devices_indices_map: Mapping[Any, Sequenc
 
     Pure. ``devices_indices_map`` is ``sharding.devices_indices_map(shape)``: every device
     of the sharding, in the sharding's device order, with the index of the piece it holds.
-    Several devices may hold the same piece (replication); the first of them in that order
-    owns it — the one JAX gives ``replica_id == 0`` — so across all processes each piece is
-    written exactly once.
+    Several devices may hold the same piece (replication); each process decides alone, from
+    the map, and across all processes each piece is written exactly once, by the process of
+    the device JAX gives ``replica_id == 0`` for it.
     """
     seen: set[Box] = set()
     mine = []

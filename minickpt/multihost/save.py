@@ -360,8 +360,10 @@ def two_barrier_commit(save: CollectiveSave) -> None:
     published; a failure of ``create``, ``write`` or ``commit`` on any process makes every
     process raise — learned at a barrier (``save.barrier``), not from a time-out — and leaves
     neither the step nor its temporary directory (unless the rename had happened: the step is
-    then complete and stays); a process that dies makes every survivor raise, and nothing
-    incomplete is ever published.
+    then complete and stays), the process where it failed ending with its own error; a process
+    that dies makes every survivor raise, and nothing incomplete is ever published; after a
+    success every process holds what the primary's ``commit`` returned (the manager's
+    bookkeeping: which steps retention deleted).
     """
     error: Exception | None = None
     if save.primary:

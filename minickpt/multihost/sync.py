@@ -343,10 +343,11 @@ def agree_on_step(steps: Sequence[int]) -> int:
     calls this with the same list, so every process reaches the same verdict: all go on
     with one step, or all raise. Processes that disagree would mix two training states in
     one checkpoint (each process's shards from its own step): raise
-    :class:`ProcessDisagreementError` naming each process and its step. A step is an int
-    >= 0 (not a bool, not a float); anything else is a plain ``ValueError`` (not a
-    disagreement: a bug in the process that sent it) naming that process, found before any
-    comparison. An empty list is a ``ValueError`` too.
+    :class:`ProcessDisagreementError` naming each process and its step. A step is a Python
+    int >= 0 (not a bool, a float or a numpy integer, which ``CheckpointManager.save``
+    refuses too); anything else is a plain ``ValueError`` (not a disagreement: a bug in the
+    process that sent it) naming the first such process, even when the valid steps also
+    disagree. An empty list is a ``ValueError`` too.
     """
     if len(steps) == 0:
         raise ValueError("no steps to agree on: every process reports the step it saves")
