@@ -73,7 +73,16 @@ def test_smoke_run_measures_every_figure(smoke):
         for g in r["goals"]:
             assert isinstance(g["met"], bool) and g["value"] > 0, (r["key"], g)
     # the goals of the issue are attached where the issue sets them
-    assert [g["text"] for g in rows["tiny.save"]["goals"]] == ["≥ 20× Orbax"]
+    assert [g["text"] for g in rows["tiny.save"]["goals"]] == ["≥ 20× Orbax", "≤ 1.25× limit"]
+    # small rows are held to their floors: the save's own system calls, issued bare, and
+    # the restore's reads plus device_put (issue 33)
+    for key, floor in (("tiny.save", "bare calls"), ("tiny.manager_save", "bare calls"),
+                       ("tiny.restore", "read + device_put"),
+                       ("leaves200.save", "bare calls")):
+        assert rows[key]["limit_name"] == floor, key
+    assert [g["text"] for g in rows["tiny.manager_save"]["goals"]] == [
+        "≥ 20× Orbax", "≤ 1.25× limit"]
+    assert "huge" in " ".join(res["skipped"]), "the 1 GiB / 2 GB rows ran in a smoke run"
     assert {g["text"] for g in rows["large.save"]["goals"]} == {"≥ 0.9 of limit", "≥ 3× Orbax"}
     assert {g["text"] for g in rows["large.restore"]["goals"]} == {"≥ 0.8 of limit",
                                                                    "≥ 2× Orbax"}
