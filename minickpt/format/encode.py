@@ -167,7 +167,7 @@ def plan_item(tree: Any, *, copy: bool = False, executor: Executor | None = None
             offset += buf.nbytes
         entries.append(entry)
         buffers.append(buf)
-    if offset >= DIRECT_IO_MIN_BYTES and direct_io_enabled():
+    if offset >= DIRECT_IO_MIN_BYTES:  # whether or not O_DIRECT is on: the same bytes
         offset = _page_congruent(entries, buffers)
     return ItemPlan(skel, entries, buffers, offset)
 
