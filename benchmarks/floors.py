@@ -260,3 +260,36 @@ class RestoreFloor:
 
     def op(self, label: str = "limit") -> Op:
         return Op(label, self.run)
+
+
+class UnlinkCost:
+    """The unlink of a file of the row's size written as minickpt writes it (``O_DIRECT``
+    where the file system takes it, fsynced; written untimed before each repetition): what a
+    large manager save's retention costs beyond the write, which no write limit includes."""
+
+    def __init__(self, workdir: str, src: Any):
+        self.workdir, self.src = workdir, src
+        self._path = ""
+
+    def prepare(self) -> None:
+        from minickpt.fs import DirectIORefused
+
+        fs = FileSystem()
+        self._path = fresh(self.workdir, "unlink-cost")
+        fd = fs.open(self._path, os.O_WRONLY | os.O_CREAT | os.O_EXCL)
+        try:
+            try:
+                dfd = fs.open_direct(self._path)
+                try:
+                    fs.write_all_direct(dfd, [self.src], size=len(self.src))
+                    fs.fsync(dfd)
+                finally:
+                    fs.close(dfd)
+            except DirectIORefused:
+                fs.write_all(fd, [self.src])
+                fs.fsync(fd)
+        finally:
+            fs.close(fd)
+
+    def op(self, label: str = "unlink") -> Op:
+        return Op(label, lambda: os.unlink(self._path), self.prepare)

@@ -178,12 +178,15 @@ def save_restore_rows(cfg: Config, key: str, label: str, tree: Any, *, reps: int
     with_fio = large and bool(disk) and disk.get("tool") == "fio"
 
     def row(kind: str, title: str, ops: list[Op], limit_name: str,
-            goals: Sequence[Goal]) -> Row:
+            goals: Sequence[Goal], plus_unlink: bool = False) -> Row:
         side = {"write+fsync": "write", "cold read": "read"}.get(limit_name)
         fio = None
+        unlink = plus_unlink and with_fio and side == "write"
         if with_fio and side is not None:
             fio = FioLimit(wd, size, disk, side, cold if side == "read" else None)
             ops = [*ops[:-1], replace(ops[-1], label="probe"), fio.op()]
+            if unlink:  # a manager save also removes the retired step: its unlink, measured
+                ops.append(floors.UnlinkCost(wd, limits.src).op())
         t0 = time.perf_counter()
         try:
             samples = interleaved(ops, reps, warmup)
@@ -194,10 +197,17 @@ def save_restore_rows(cfg: Config, key: str, label: str, tree: Any, *, reps: int
         if fio is not None:
             samples["fio_wall"] = samples.pop("limit")
             samples["limit"], samples["fio_bytes_per_s"] = fio.last(reps)
+            if unlink:
+                samples["fio_write"] = list(samples["limit"])
+                samples["limit"] = [w + u for w, u in
+                                    zip(samples["limit"], samples["unlink"], strict=True)]
         r = Row.from_samples(f"{key}.{kind}", f"{label} {title}", samples, nbytes=size,
                              limit_name=limit_name, goals=list(goals))
         if large:
             disk_limit(r, side, disk if fio is not None else None)
+        if unlink:
+            r.note += (f"; limit = fio's write plus the unlink of a file of this size, "
+                       f"measured in the same repetitions ({spread(samples['unlink'], fmt_time)})")
         return r
 
     bare: list[floors.BareCalls] = []
@@ -237,7 +247,7 @@ def save_restore_rows(cfg: Config, key: str, label: str, tree: Any, *, reps: int
             if large or bg:  # a background delete's calls run in a thread of their own
                 ops = [m.save() for m in mms] + [limits.write_fsync()]
                 out.append(row("manager_save" + ("_bg" if bg else ""), title, ops,
-                               "write+fsync", goals_save))
+                               "write+fsync", goals_save, plus_unlink=not bg))
             else:
                 floor = floors.BareCalls(wd, lambda root: _mm_save(None, root, tree, [0, 1]),
                                          lambda fs, root: _mm_save(fs, root, tree, [2]))
