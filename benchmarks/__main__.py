@@ -33,12 +33,16 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--dir", default="", help="where checkpoints are written (default: a "
                    "fresh folder under --out, on the same disk); removed afterwards")
     p.add_argument("--only", nargs="*", default=(), metavar="FIGURE",
-                   choices=["tiny", "leaves200", "leaves100k", "trainstate", "large", "memory",
+                   choices=["tiny", "leaves200", "leaves100k", "trainstate", "large", "huge",
+                            "memory",
                             "scaling",
                             "async", "multihost"], help="run only these figures (leaves100k, 100,000 small leaves, runs only "
                         "when named here: Orbax needs minutes a save there)")
     p.add_argument("--reps", type=int, default=None, help="repetitions of the small figures")
     p.add_argument("--large-mb", type=int, default=None, help="size of the large state in MB")
+    p.add_argument("--huge-mb", type=int, nargs="*", default=None, metavar="MB",
+                   help="sizes of the huge rows in MB (default 1 GiB and 2000 MB; none in "
+                        "--smoke; give no size to skip them)")
     p.add_argument("--many-leaves", type=int, default=None,
                    help="leaves of the many-small-leaves figure (default 100000)")
     p.add_argument("--no-orbax", action="store_true", help="leave Orbax out")
@@ -72,6 +76,8 @@ def main(argv: list[str] | None = None) -> int:
         kw["reps_small"] = a.reps
     if a.large_mb is not None:
         kw["large_bytes"] = kw["memory_bytes"] = kw["async_bytes"] = a.large_mb * 10**6
+    if a.huge_mb is not None:
+        kw["huge_sizes"] = tuple(mb * 10**6 for mb in a.huge_mb)
     if a.many_leaves is not None:
         kw["many_leaves"] = a.many_leaves
     cfg = Config.smoke(**kw) if a.smoke else Config.full(**kw)

@@ -15,6 +15,10 @@ import os
 import sys
 import time
 
+# the phases of a minickpt save (CheckpointManager.last_save_stats), timed on every process
+PHASES = ("snapshot_s", "write_s", "fsync_s", "barrier_s", "commit_s", "retention_s",
+          "total_s")
+
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser()
@@ -67,7 +71,7 @@ def main(argv: list[str] | None = None) -> int:
             mngr.save(step, args=ocp.args.StandardSave(tree), force=True)
             mngr.wait_until_finished()
 
-    times = []
+    times, phases = [], []
     for step in range(a.warmup + a.reps):
         multihost_utils.sync_global_devices(f"before-{step}")
         t0 = time.perf_counter()
@@ -75,7 +79,16 @@ def main(argv: list[str] | None = None) -> int:
         multihost_utils.sync_global_devices(f"after-{step}")
         if step >= a.warmup:
             times.append(time.perf_counter() - t0)
+            st = getattr(mngr, "last_save_stats", None)  # minickpt: each phase of the save
+            if st is not None:
+                phases.append({k: getattr(st, k, None) for k in PHASES})
     mngr.close()
+    if phases:  # every process its own: where a process's time goes (issue 33)
+        med = {k: sorted(v for ph in phases if (v := ph[k]) is not None)
+               for k in PHASES}
+        sys.stdout.write("MHPHASES " + json.dumps({
+            "process": a.pid, **{k: v[len(v) // 2] for k, v in med.items() if v}}) + "\n")
+        sys.stdout.flush()
     if a.pid == 0:
         nbytes = n * 4 * a.leaves
         sys.stdout.write("MULTIHOST " + json.dumps({

@@ -71,9 +71,13 @@ def run_once(lib: str, nproc: int, nbytes: int, workdir: str, *, reps: int = 3,
         if rc != 0:
             raise RuntimeError(f"multi-host {lib} save with {nproc} processes failed "
                                f"(exit {rc}):\n{err[-3000:]}")
+    phases = [json.loads(line[len("MHPHASES "):]) for _rc, out, _err in outs
+              for line in out.splitlines() if line.startswith("MHPHASES ")]
     for line in outs[0][1].splitlines():
         if line.startswith("MULTIHOST "):
-            return json.loads(line[len("MULTIHOST "):])
+            rep = json.loads(line[len("MULTIHOST "):])
+            rep["phases"] = sorted(phases, key=lambda p: p["process"])
+            return rep
     raise RuntimeError(f"process 0 of the {lib} run reported nothing:\n{outs[0][2][-3000:]}")
 
 
@@ -96,6 +100,8 @@ def rows(nbytes: int, workdir: str, *, procs: Sequence[int] = (1, 2, 4), reps: i
                 continue
             raw.append(rep)
             samples[lib] = rep["times"]
+            if rep.get("phases"):
+                notes.append(f"{lib} phases per process (median ms): " + phase_text(rep))
         row = Row.from_samples(f"multihost.save.{n}", f"multi-host save, {n} process"
                                f"{'es' if n > 1 else ''} × {DEVICES // n} devices",
                                samples, nbytes=nbytes, section="multihost")
@@ -109,6 +115,14 @@ def rows(nbytes: int, workdir: str, *, procs: Sequence[int] = (1, 2, 4), reps: i
         row.note = "; ".join(notes)
         out.append(row)
     return out, raw
+
+
+def phase_text(rep: dict[str, Any]) -> str:
+    """``p0 snapshot 3 write 40 fsync 12 barrier 30 commit 5 retention 2; p1 …``."""
+    return "; ".join(
+        f"p{p['process']} " + " ".join(f"{k[:-2]} {1e3 * v:.0f}" for k, v in p.items()
+                                       if k != "process" and v is not None)
+        for p in rep["phases"])
 
 
 def summary(rows_: Sequence[Row]) -> dict[str, Any]:

@@ -16,7 +16,7 @@ from typing import Any
 
 import jax
 
-from . import async_figs, machine, multihost, states
+from . import async_figs, contenders, floors, machine, multihost, states
 from .contenders import (
     FioLimit,
     Limits,
@@ -53,6 +53,10 @@ class Config:
     reps_large: int = 9
     large_bytes: int = 400 * MB
     large_leaves: int = 50
+    # the 1 GiB and 2 GB rows beside Orbax (save, restore warm and cold); none in a smoke
+    # run (skipped by size: they need ~6× their size in memory and minutes)
+    huge_sizes: Sequence[int] = (1 << 30, 2000 * MB)
+    reps_huge: int = 3
     many_leaves: int = 100_000  # the many-small-leaves figure (issue 21)
     reps_many: int = 3
     wide: tuple[int, int] | None = (1024, 4)  # hidden, layers of the wider TrainState
@@ -95,7 +99,8 @@ class Config:
                     # and the peak looked like 0.5-0.7× the state)
                     memory_bytes=16 * MB,
                     multihost_bytes=1 * MB, multihost_procs=(1, 2),
-                    fio_runtime_s=1.0, large_row_bytes=1 * MB, async_rounds=2)
+                    fio_runtime_s=1.0, large_row_bytes=1 * MB, async_rounds=2,
+                    huge_sizes=())
         base.update(kw)
         return cls(**base)
 
@@ -144,8 +149,8 @@ def log(msg: str) -> None:
 def save_restore_rows(cfg: Config, key: str, label: str, tree: Any, *, reps: int, warmup: int,
                       goals_save: Sequence[Goal] = (), goals_restore: Sequence[Goal] = (),
                       managers: bool = True, cold: Any = None, warm: Any = None,
-                      background_delete: bool = False, disk: dict[str, Any] | None = None
-                      ) -> list[Row]:
+                      background_delete: bool = False, disk: dict[str, Any] | None = None,
+                      goals_floor: Sequence[Goal] = ()) -> list[Row]:
     """Checkpointer vs StandardCheckpointer (save, restore warm, restore cold) and
     CheckpointManager vs CheckpointManager (save with retention, restore) — plus, with
     ``background_delete``, both managers' save with that option on.
@@ -156,7 +161,10 @@ def save_restore_rows(cfg: Config, key: str, label: str, tree: Any, *, reps: int
     …), so that the row and its limit are sampled at the same moments; the save rows against
     fio's best write ending in fsync, the cold restore against its best cold read. The
     probe, still timed beside them, goes to the row's note. Without fio, or for small rows,
-    the limit is the probe, and a large row's limit says so (``probe, not fio``). A warm
+    the limit is the probe, and a large row's limit says so (``probe, not fio``). A small
+    row's save (and manager save) is held to its floor instead: the very system calls one
+    minickpt save of that tree made, issued bare (:class:`floors.BareCalls`, limit "bare
+    calls"; ``goals_floor`` judge it). A warm
     restore (``warm``, a :class:`machine.WarmCache`) reads the checkpoint's files into the
     page cache before each repetition, for every library alike."""
     wd = cfg.workdir
@@ -170,12 +178,15 @@ def save_restore_rows(cfg: Config, key: str, label: str, tree: Any, *, reps: int
     with_fio = large and bool(disk) and disk.get("tool") == "fio"
 
     def row(kind: str, title: str, ops: list[Op], limit_name: str,
-            goals: Sequence[Goal]) -> Row:
+            goals: Sequence[Goal], plus_unlink: bool = False) -> Row:
         side = {"write+fsync": "write", "cold read": "read"}.get(limit_name)
         fio = None
+        unlink = plus_unlink and with_fio and side == "write"
         if with_fio and side is not None:
             fio = FioLimit(wd, size, disk, side, cold if side == "read" else None)
             ops = [*ops[:-1], replace(ops[-1], label="probe"), fio.op()]
+            if unlink:  # a manager save also removes the retired step: its unlink, measured
+                ops.append(floors.UnlinkCost(wd, limits.src).op())
         t0 = time.perf_counter()
         try:
             samples = interleaved(ops, reps, warmup)
@@ -186,17 +197,36 @@ def save_restore_rows(cfg: Config, key: str, label: str, tree: Any, *, reps: int
         if fio is not None:
             samples["fio_wall"] = samples.pop("limit")
             samples["limit"], samples["fio_bytes_per_s"] = fio.last(reps)
+            if unlink:
+                samples["fio_write"] = list(samples["limit"])
+                samples["limit"] = [w + u for w, u in
+                                    zip(samples["limit"], samples["unlink"], strict=True)]
         r = Row.from_samples(f"{key}.{kind}", f"{label} {title}", samples, nbytes=size,
                              limit_name=limit_name, goals=list(goals))
         if large:
             disk_limit(r, side, disk if fio is not None else None)
+        if unlink:
+            r.note += (f"; limit = fio's write plus the unlink of a file of this size, "
+                       f"measured in the same repetitions ({spread(samples['unlink'], fmt_time)})")
         return r
 
+    bare: list[floors.BareCalls] = []
     try:
-        ops = [c.save() for c in cks] + [limits.write_fsync()]
-        out.append(row("save", "save", ops, "write+fsync", goals_save))
-        ops = [c.restore(warm=warm) for c in cks] + [limits.read(warm=warm)]
-        out.append(row("restore", "restore", ops, "read", goals_restore))
+        if large:
+            ops = [c.save() for c in cks] + [limits.write_fsync()]
+            out.append(row("save", "save", ops, "write+fsync", goals_save))
+        else:
+            bare.append(floors.BareCalls(wd, lambda root: None,
+                                         lambda fs, root: _mc_save(fs, root, tree)))
+            ops = [c.save() for c in cks] + [bare[-1].op()]
+            out.append(row("save", "save", ops, "bare calls", [*goals_save, *goals_floor]))
+        if large:
+            ops = [c.restore(warm=warm) for c in cks] + [limits.read(warm=warm)]
+            out.append(row("restore", "restore", ops, "read", goals_restore))
+        else:  # floor: the files read and the arrays put on the device, bare
+            ops = [c.restore(warm=warm) for c in cks] + [floors.RestoreFloor(cks[0].saved).op()]
+            out.append(row("restore", "restore", ops, "read + device_put",
+                           [*goals_restore, *goals_floor]))
         if cold is not None:
             ops = [c.restore(cold) for c in cks] + [limits.read(cold)]
             out.append(row("restore_cold", "restore, cold cache", ops, "cold read",
@@ -204,16 +234,26 @@ def save_restore_rows(cfg: Config, key: str, label: str, tree: Any, *, reps: int
     finally:
         for c in cks:
             c.close()
+        for b in bare:
+            b.close()
     variants = [(False, "manager save")] if managers else []
     if managers and background_delete:
         variants.append((True, "manager save, background delete"))
     for bg, title in variants:
         mms = [MinickptManager(wd, tree, background_delete=bg)] + (
             [OrbaxManager(wd, tree, background_delete=bg)] if cfg.orbax else [])
+        floor = None
         try:
-            ops = [m.save() for m in mms] + [limits.write_fsync()]
-            out.append(row("manager_save" + ("_bg" if bg else ""), title, ops, "write+fsync",
-                           goals_save))
+            if large or bg:  # a background delete's calls run in a thread of their own
+                ops = [m.save() for m in mms] + [limits.write_fsync()]
+                out.append(row("manager_save" + ("_bg" if bg else ""), title, ops,
+                               "write+fsync", goals_save, plus_unlink=not bg))
+            else:
+                floor = floors.BareCalls(wd, lambda root: _mm_save(None, root, tree, [0, 1]),
+                                         lambda fs, root: _mm_save(fs, root, tree, [2]))
+                ops = [m.save() for m in mms] + [floor.op()]
+                out.append(row("manager_save", title, ops, "bare calls",
+                               [*goals_save, *goals_floor]))
             if not bg:
                 ops = [m.restore(warm) for m in mms] + [limits.read(warm=warm)]
                 out.append(row("manager_restore", "manager restore", ops, "read",
@@ -221,8 +261,34 @@ def save_restore_rows(cfg: Config, key: str, label: str, tree: Any, *, reps: int
         finally:
             for m in mms:
                 m.close()
+            if floor is not None:
+                floor.close()
     limits.close()
     return out
+
+
+def _mc_save(fs: Any, root: str, tree: Any) -> None:
+    """One Checkpointer save, as the row's minickpt does it, into ``root``/ck."""
+    import minickpt
+
+    minickpt.Checkpointer(fs).save(os.path.join(root, "ck"), {contenders.ITEM: tree})
+
+
+def _mm_save(fs: Any, root: str, tree: Any, steps: Sequence[int]) -> None:
+    """Manager saves of ``steps`` keeping 2 (so the last one retires the oldest), as the
+    row's minickpt manager does them; with a recording ``fs`` only the saves are recorded
+    (not the manager's opening and closing)."""
+    import minickpt
+
+    opts = minickpt.CheckpointManagerOptions(max_to_keep=2)
+    with minickpt.CheckpointManager(os.path.join(root, "m"), opts,
+                                    **({"fs": fs} if fs is not None else {})) as m:
+        if fs is not None:
+            fs.begin()
+        for step in steps:
+            m.save(step, {contenders.ITEM: tree}, force=True)
+        if fs is not None:
+            fs.end()
 
 
 def spread(xs: Sequence[float], fmt: Callable[[float], str]) -> str:
@@ -441,7 +507,8 @@ def _run_figures(cfg: Config, res: Results, cache: Any, warm: Any) -> None:
     if cfg.wants("tiny"):
         log("tiny tree")
         res.rows += save_restore_rows(cfg, "tiny", "tiny", states.tiny(), goals_save=x20,
-                                      goals_restore=x20, background_delete=True, **small)
+                                      goals_restore=x20, background_delete=True,
+                                      goals_floor=[Goal("x_limit_max", 1.25)], **small)
     if cfg.wants("leaves200"):
         log("200-leaf tree")
         res.rows += save_restore_rows(cfg, "leaves200", "200-leaf", states.leaves200(),
@@ -479,6 +546,19 @@ def _run_figures(cfg: Config, res: Results, cache: Any, warm: Any) -> None:
             goals_restore=[Goal("of_limit", 0.8), Goal("x_orbax", 2)], managers=cfg.managers,
             cold=cache, disk=disk, warm=warm)
         del tree
+    if cfg.wants("huge"):
+        if not cfg.huge_sizes:
+            res.skipped.append("huge: the 1 GiB and 2 GB rows, skipped by size in this run")
+        for n in cfg.huge_sizes:
+            log(f"huge state ({fmt_bytes(n)})")
+            tree = jax.block_until_ready(states.uniform(n, cfg.large_leaves))
+            res.rows += save_restore_rows(
+                cfg, "large_" + fmt_bytes(n).replace(" ", "").replace(".", "_"), "large",
+                tree, reps=cfg.reps_huge, warmup=1,
+                goals_save=[Goal("of_limit", 0.9), Goal("x_orbax", 3)],
+                goals_restore=[Goal("of_limit", 0.8), Goal("x_orbax", 2)], managers=False,
+                cold=cache, disk=disk, warm=warm)
+            del tree
     if cfg.wants("memory"):
         log(f"peak memory ({fmt_bytes(cfg.memory_bytes)})")
         rows, reports = memory_rows(cfg)

@@ -49,6 +49,14 @@ from .fs import Buffer, FileSystem
 DATA_MODES = ("old", "zeros", "torn", "new")
 """What a crash may leave of a file's un-synced data (see the module docstring)."""
 
+IN_FLIGHT_MODES = (*DATA_MODES, "holes")
+""":data:`DATA_MODES` and ``holes``: every other 4 KiB block of the new data, the blocks
+between as they were at the last fsync (zeros past its end) — what writes still in flight at
+a crash leave, since several queued writes finish in any order and each may be half done.
+Set :attr:`CrashRecorder.data_modes` to these to explore a write path that has them."""
+
+_HOLE = 4096
+
 Tree = dict[str, Any]  # name -> bytes (a file) or Tree (a directory)
 
 
@@ -102,6 +110,8 @@ class CrashRecorder(FileSystem):
     :class:`SimulatedCrash`. ``sync=False`` (the default) skips the real fsyncs: durability is
     modelled, not needed, and the simulation runs much faster.
     """
+
+    data_modes: tuple[str, ...] = DATA_MODES  # what un-synced data may become at a crash
 
     def __init__(self, world: str | os.PathLike[str], *, crash_at: int | None = None,
                  base: FileSystem | None = None, sync: bool = False):
@@ -185,16 +195,19 @@ class CrashRecorder(FileSystem):
             raise SimulatedCrash(f"simulated power cut at call {k}: {op} {what}")
         self.calls.append((op, what))
 
-    def _write_model(self, fd: int, data: bytes) -> None:
+    def _write_model(self, fd: int, data: bytes, at: int | None = None) -> None:
+        """``data`` written at the file position (``at=None``) or at offset ``at``, which
+        leaves the position where it was (pwrite)."""
         h = self._fds.get(fd)
         if h is None or h.ino not in self._files:
             return
         f = self._files[h.ino]
-        pos = len(f.data) if h.append else h.pos
+        pos = at if at is not None else len(f.data) if h.append else h.pos
         if pos > len(f.data):
             f.data.extend(bytes(pos - len(f.data)))
         f.data[pos:pos + len(data)] = data
-        h.pos = pos + len(data)
+        if at is None:
+            h.pos = pos + len(data)
         f.dirty = True
 
     # ---- primitives ------------------------------------------------------------------------
@@ -226,6 +239,13 @@ class CrashRecorder(FileSystem):
             self._enter("write", f"fd {fd}")
             n = self.base.write(fd, data)
             self._write_model(fd, bytes(memoryview(data).cast("B")[:n]))
+            return n
+
+    def pwrite(self, fd: int, data: Buffer, offset: int) -> int:
+        with self._lock:
+            self._enter("pwrite", f"fd {fd} at {offset}")
+            n = self.base.pwrite(fd, data, offset)
+            self._write_model(fd, bytes(memoryview(data).cast("B")[:n]), offset)
             return n
 
     def writev(self, fd: int, buffers: Sequence[Buffer]) -> int:
@@ -276,6 +296,20 @@ class CrashRecorder(FileSystem):
                 del f.data[length:]
                 f.data.extend(bytes(length - len(f.data)))
                 f.dirty = True
+
+    def allocate(self, fd: int, length: int) -> bool:
+        """The file grows to ``length`` zeros (un-synced, like a write), where the real file
+        system did it."""
+        with self._lock:
+            self._enter("allocate", f"fd {fd} to {length}")
+            done = self.base.allocate(fd, length)
+            h = self._fds.get(fd)
+            if done and h is not None and h.ino in self._files:
+                f = self._files[h.ino]
+                if length > len(f.data):
+                    f.data.extend(bytes(length - len(f.data)))
+                f.dirty = True
+            return done
 
     def start_writeback(self, fd: int, offset: int, nbytes: int) -> None:
         """A hint to start writing: one more call a crash can come before, and nothing
@@ -384,7 +418,7 @@ class CrashRecorder(FileSystem):
         durable = frozenset(i for i, op in enumerate(self._ops) if op.durable)
         pending = [i for i, op in enumerate(self._ops) if not op.durable]
         dirty = sorted(i for i, f in self._files.items() if f.dirty)
-        modes = DATA_MODES if dirty else ("new",)
+        modes = self.data_modes if dirty else ("new",)
         states = []
         for k in range(len(pending) + 1):
             ops = durable | frozenset(pending[:k])
@@ -395,7 +429,7 @@ class CrashRecorder(FileSystem):
         rng = random.Random(f"{seed}/{self.count}")
         for r in range(random_states if pending or dirty else 0):
             ops = durable | self._per_directory_prefixes(pending, rng)
-            data = tuple((i, rng.choice(DATA_MODES)) for i in dirty)
+            data = tuple((i, rng.choice(self.data_modes)) for i in dirty)
             states.append(CrashState(f"directories persisted independently (#{r}); un-synced "
                                      "data mixed", ops, data))
         return states
@@ -456,6 +490,14 @@ class CrashRecorder(FileSystem):
             return bytes(len(f.data))
         if mode == "torn":
             return bytes(f.data[: len(f.data) // 2])
+        if mode == "holes":
+            out = bytearray(f.data)
+            old = f.synced
+            for a in range(_HOLE, len(out), 2 * _HOLE):
+                b = min(a + _HOLE, len(out))
+                was = old[a:b]
+                out[a:b] = was + bytes(b - a - len(was))
+            return bytes(out)
         raise ValueError(f"unknown data mode {mode!r}")
 
     def materialise(self, state: CrashState, dest: str) -> None:

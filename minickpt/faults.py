@@ -15,9 +15,9 @@ from typing import Any
 
 from .fs import Buffer, FileSystem
 
-PRIMITIVES = ("open", "write", "writev", "preadv", "fsync", "close", "ftruncate", "mkdir",
-              "rename", "unlink", "rmdir", "listdir", "lstat", "fstat", "flock",
-              "start_writeback")
+PRIMITIVES = ("open", "write", "pwrite", "writev", "preadv", "fsync", "close", "ftruncate",
+              "mkdir", "rename", "unlink", "rmdir", "listdir", "lstat", "fstat", "flock",
+              "start_writeback", "allocate")
 
 
 class FaultyFileSystem(FileSystem):
@@ -70,6 +70,9 @@ class FaultyFileSystem(FileSystem):
     def write(self, fd: int, data: Buffer) -> int:
         return self._call("write", fd, data)
 
+    def pwrite(self, fd: int, data: Buffer, offset: int) -> int:
+        return self._call("pwrite", fd, data, offset)
+
     def writev(self, fd: int, buffers: Sequence[Buffer]) -> int:
         return self._call("writev", fd, buffers)
 
@@ -87,6 +90,9 @@ class FaultyFileSystem(FileSystem):
 
     def start_writeback(self, fd: int, offset: int, nbytes: int) -> None:
         return self._call("start_writeback", fd, offset, nbytes)
+
+    def allocate(self, fd: int, length: int) -> bool:
+        return self._call("allocate", fd, length)
 
     def mkdir(self, path: str, mode: int = 0o755) -> None:
         return self._call("mkdir", path, mode)

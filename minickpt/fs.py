@@ -44,6 +44,20 @@ def _load_sync_file_range() -> Any:
 
 
 _SYNC_FILE_RANGE = _load_sync_file_range()
+
+
+def _load_fallocate() -> Any:
+    if not sys.platform.startswith("linux") or _LIBC is None:
+        return None
+    fn = getattr(_LIBC, "fallocate", None)  # not posix_fallocate: that one writes zeros
+    if fn is None:  # pragma: no cover - very old C libraries
+        return None
+    fn.argtypes = [ctypes.c_int, ctypes.c_int, ctypes.c_int64, ctypes.c_int64]
+    fn.restype = ctypes.c_int
+    return fn
+
+
+_FALLOCATE = _load_fallocate()
 _SYNC_FILE_RANGE_WRITE = 2
 
 O_DIRECT = getattr(os, "O_DIRECT", 0)  # Linux and the BSDs; macOS and Windows have none
@@ -51,7 +65,8 @@ O_DIRECT = getattr(os, "O_DIRECT", 0)  # Linux and the BSDs; macOS and Windows h
 # or — some file systems — at the first write)
 _DIRECT_REFUSED = frozenset({errno.EINVAL, errno.EOPNOTSUPP, errno.ENOTSUP})
 DIRECT_CHUNK = 8 << 20  # bytes per O_DIRECT write (measured: 4-16 MiB alike, 64 MiB worse)
-DIRECT_DEPTH = 2  # bounce buffers per file: one being filled while the other is written
+_DIO_PAGE = 4096  # a source this aligned (in memory as in the file) needs no bounce copy
+DIRECT_IN_FLIGHT = 4  # O_DIRECT writes queued at once per file (fio's best case: 4 deep)
 
 
 class DirectIORefused(Exception):
@@ -100,6 +115,11 @@ class FileSystem:
     def writev(self, fd: int, buffers: Sequence[Buffer]) -> int:
         return os.writev(fd, buffers)
 
+    def pwrite(self, fd: int, data: Buffer, offset: int) -> int:
+        """Write at ``offset`` without moving the file position: several threads can then
+        write one file at once (the O_DIRECT writes in flight of a large file)."""
+        return os.pwrite(fd, data, offset)
+
     def preadv(self, fd: int, buffers: Sequence[memoryview], offset: int) -> int:
         return os.preadv(fd, buffers, offset)
 
@@ -130,6 +150,25 @@ class FileSystem:
         """
         if _SYNC_FILE_RANGE is not None:
             _SYNC_FILE_RANGE(fd, offset, nbytes, _SYNC_FILE_RANGE_WRITE)
+
+    def allocate(self, fd: int, length: int) -> bool:
+        """Reserve the blocks of the first ``length`` bytes of the empty file ``fd`` (its size
+        becomes ``length``, reading as zeros); False, with nothing changed, where the platform
+        or the file system cannot (Linux ``fallocate``; never the emulation that writes zeros).
+
+        Several O_DIRECT writes of one file then proceed together: writes that extend a file
+        are serialised by ext4 (and others) on the file's lock. A full disk fails here, before
+        any byte is written. Durability is unchanged: until ``fsync`` the file may come back
+        empty or zero-filled, like any un-synced file.
+        """
+        if _FALLOCATE is None or length <= 0:
+            return False
+        if _FALLOCATE(fd, 0, 0, length) == 0:
+            return True
+        err = ctypes.get_errno()
+        if err in (errno.EOPNOTSUPP, errno.ENOSYS, errno.EINVAL, errno.ENODEV):
+            return False
+        raise OSError(err, f"fallocate: {os.strerror(err)}")
 
     def mkdir(self, path: str, mode: int = 0o755) -> None:
         os.mkdir(path, mode)
@@ -277,45 +316,67 @@ class FileSystem:
             raise
 
     def write_all_direct(self, fd: int, buffers: Iterable[Buffer], *,
-                         chunk: int | None = None, depth: int | None = None) -> int:
+                         chunk: int | None = None, depth: int | None = None,
+                         in_flight: int | None = None, size: int | None = None) -> int:
         """Write every buffer in order, from offset 0 of the empty file ``fd`` (opened by
         :meth:`open_direct`); return the bytes written.
 
         O_DIRECT needs the memory address, the file offset and the length of every write
         aligned to the file system's block size, which host arrays are not: their bytes are
         copied into page-aligned bounce buffers (:func:`minickpt.format.buffers.take_bounce`)
-        and written ``chunk`` bytes at a time — the copy into the next buffer runs while the
-        previous one is written, in a thread of this call's own (``depth`` buffers; the
-        defaults are :data:`DIRECT_CHUNK` and :data:`DIRECT_DEPTH`). The last, partial block is
-        written padded with zeros and the file then cut to its exact length (``ftruncate``),
-        so the bytes on disk are exactly the buffers' bytes. Raises :class:`DirectIORefused`
-        if the very first write is refused (nothing was written: write it buffered instead).
+        and written ``chunk`` bytes at a time, each at its own offset (:meth:`pwrite`), by
+        ``in_flight`` threads of this call's own that each copy a chunk and write it — so the
+        device always has several writes queued (one synchronous stream leaves it idle
+        between two writes) and the copying is spread over the cores. ``depth`` bounce
+        buffers in all (one per write in flight; ``depth=1``: no thread, every chunk copied and
+        written here). The defaults are :data:`DIRECT_CHUNK` and :data:`DIRECT_IN_FLIGHT`.
+        The last, partial block is written padded with zeros, after every other write has
+        finished, and the file then cut to its exact length (``ftruncate``), so the bytes on
+        disk are exactly the buffers' bytes. Given the ``size`` the buffers add up to, the
+        file's blocks are reserved first (:meth:`allocate`), so that the writes in flight do
+        not wait for each other on the file's lock. Raises :class:`DirectIORefused` if the
+        very first write is refused (it runs alone, here: nothing was written and the file is
+        left empty, so the caller writes it buffered instead). After a failed write no further
+        write is started, every started one is waited for, and the first error is raised.
 
-        Durability is unchanged: an O_DIRECT write may reach the disk before ``fsync``, but
-        the file's size and block map (metadata) and the device's volatile cache still need
-        the file's ``fsync`` — the caller fsyncs as for any other file.
+        Durability is unchanged: writes in flight finish in any order, and none of them is
+        durable before the file's ``fsync`` (its size and block map, and the device's
+        volatile cache, need it) — the caller fsyncs as for any other file, after this
+        returned, that is after every write finished.
         """
         from .format.buffers import give_bounce, take_bounce
 
         block = _direct_block(self.fstat(fd).st_blksize)
         chunk = DIRECT_CHUNK if chunk is None else chunk
         chunk = max(block, chunk // block * block)
-        depth = max(1, DIRECT_DEPTH if depth is None else depth)
+        in_flight = max(1, DIRECT_IN_FLIGHT if in_flight is None else in_flight)
+        depth = max(1, in_flight if depth is None else depth)
+        in_flight = min(in_flight, depth) if depth > 1 else 0  # 0: everything written here
         bounce = [take_bounce(chunk) for _ in range(depth)]
         views = [np.frombuffer(b, np.uint8) for b in bounce]
         pending: list[Future[None] | None] = [None] * depth
         failed: list[BaseException] = []
         pool: ThreadPoolExecutor | None = None
         first = True  # the first write runs here, so that a refusal can still fall back
+        allocated = 0
 
-        def write_whole(i: int, n: int) -> None:
+        def copy_and_write(i: int, pieces: list[np.ndarray] | memoryview, padded: int,
+                           at: int) -> None:
             if failed:  # a write before this one failed: write nothing more
                 return
             try:
-                mv = memoryview(bounce[i])[:n]
+                if isinstance(pieces, memoryview):  # page-aligned source: written as it is
+                    mv = pieces
+                else:
+                    view, fill = views[i], 0
+                    for p in pieces:
+                        view[fill:fill + len(p)] = p
+                        fill += len(p)
+                    view[fill:padded] = 0
+                    mv = memoryview(bounce[i])[:padded]
                 off = 0
-                while off < n:
-                    w = self.write(fd, mv[off:])
+                while off < padded:
+                    w = self.pwrite(fd, mv[off:], at + off)
                     if w <= 0:
                         raise OSError(errno.EIO, "write returned no progress")
                     off += w
@@ -323,33 +384,51 @@ class FileSystem:
                 failed.append(e)
                 raise
 
-        def hand_over(i: int, n: int) -> None:
+        def hand_over(i: int, pieces: list[np.ndarray] | memoryview, padded: int,
+                      at: int) -> None:
             nonlocal first, pool
             if first:
                 first = False
                 try:
-                    write_whole(i, n)
+                    copy_and_write(i, pieces, padded, at)
                 except OSError as e:
                     if e.errno in _DIRECT_REFUSED:
+                        if allocated:  # leave the file as it came: empty
+                            self.ftruncate(fd, 0)
                         raise DirectIORefused(e.errno, "the first write") from e
                     raise
                 return
-            if depth > 1:
+            if in_flight and not failed:
                 try:
-                    pool = pool or ThreadPoolExecutor(1, thread_name_prefix="minickpt-dio")
-                    pending[i] = pool.submit(write_whole, i, n)
+                    pool = pool or ThreadPoolExecutor(in_flight,
+                                                      thread_name_prefix="minickpt-dio")
+                    pending[i] = pool.submit(copy_and_write, i, pieces, padded, at)
                     return
                 except RuntimeError:  # interpreter exit: no new threads, write it here
                     pass
-            write_whole(i, n)
+            copy_and_write(i, pieces, padded, at)
 
         def wait(i: int) -> None:
             fut, pending[i] = pending[i], None
             if fut is not None:
                 fut.result()
 
-        total = fill = k = 0
+        def wait_all() -> None:
+            err: BaseException | None = None
+            for i in range(depth):
+                try:
+                    wait(i)
+                except BaseException as e:
+                    err = err or e
+            if err is not None:
+                raise failed[0] if failed else err
+
+        total = fill = k = start = 0
+        pieces: list[np.ndarray] = []
         try:
+            if size and in_flight > 1:
+                padded = -(-size // block) * block
+                allocated = padded if self.allocate(fd, padded) else 0
             for buf in buffers:
                 mv = memoryview(buf)
                 if mv.nbytes == 0:
@@ -357,28 +436,50 @@ class FileSystem:
                 src = np.frombuffer(mv if mv.ndim == 1 and mv.format == "B" else mv.cast("B"),
                                     np.uint8)
                 o = 0
+                # the part of a large buffer whose memory lies at the same place within a
+                # page as its bytes in the file is written from where it is, not copied
+                head = -total % _DIO_PAGE
+                direct_from = direct_to = len(src)
+                if len(src) - head >= chunk and block <= _DIO_PAGE and \
+                        (src.ctypes.data - total) % _DIO_PAGE == 0:
+                    direct_from = head
+                    direct_to = head + (len(src) - head) // _DIO_PAGE * _DIO_PAGE
                 while o < len(src):
-                    if fill == 0:
-                        wait(k)  # buffer k is free once its previous write is done
-                    m = min(chunk - fill, len(src) - o)
-                    views[k][fill:fill + m] = src[o:o + m]
+                    if o == direct_from:
+                        if fill:  # the bytes before, up to this page boundary: written
+                            wait(k)
+                            hand_over(k, pieces, fill, start)
+                            k, start, fill, pieces = (k + 1) % depth, start + fill, 0, []
+                        while o < direct_to:
+                            m = min(chunk, direct_to - o)
+                            if failed:
+                                wait_all()
+                            wait(k)
+                            hand_over(k, memoryview(src[o:o + m]), m, start)
+                            k, start, o, total = (k + 1) % depth, start + m, o + m, total + m
+                        continue
+                    m = min(chunk - fill, len(src) - o, max(0, direct_from - o) or len(src))
+                    pieces.append(src[o:o + m])
                     fill, o, total = fill + m, o + m, total + m
                     if fill == chunk:
-                        hand_over(k, chunk)
-                        k, fill = (k + 1) % depth, 0
-            for i in range(depth):
-                wait(i)
+                        if failed:
+                            wait_all()
+                        wait(k)  # buffer k is free once its previous write is done
+                        hand_over(k, pieces, chunk, start)
+                        k, fill, start, pieces = (k + 1) % depth, 0, start + chunk, []
+            wait_all()
             if fill:
                 padded = -(-fill // block) * block
-                views[k][fill:padded] = 0
-                hand_over(k, padded)
-                wait(k)
-                if padded != fill:
-                    self.ftruncate(fd, total)
+                hand_over(k, pieces, padded, start)
+                wait_all()
+                start += padded
+            if start != total or (allocated and allocated != total):
+                self.ftruncate(fd, total)  # a padded tail, or fewer bytes than ``size`` said
             return total
         finally:
             if pool is not None:
                 pool.shutdown(wait=True)  # no write may still use a buffer given back below
+            views.clear()  # numpy views export the buffers: an mmap with exports cannot close
             for b in bounce:
                 give_bounce(b)
 

@@ -68,7 +68,8 @@ def _check_fits_in_memory(need: int, what: str, advice: str = "") -> None:
 # ---------------------------------------------------------------------------------------
 _BOUNCE_LOCK = threading.Lock()
 _BOUNCE_FREE: dict[int, list[mmap.mmap]] = {}  # size -> buffers not in use
-_BOUNCE_KEEP = 4  # per size: two for one save's double buffering, two for a second save
+_BOUNCE_KEEP = 6  # per size: one save's writes in flight (4) and the one being filled, and
+# one more (a second save, or a caller's larger depth, maps the rest afresh)
 
 
 def take_bounce(size: int) -> mmap.mmap:
