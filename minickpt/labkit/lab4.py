@@ -45,27 +45,6 @@ _WORKER = '''\
 import json, os, sys
 
 
-def _signer():
-    """The harness's report, signed with the key its parent sent down a pipe: read, and the
-    pipe closed, before any code of the student's runs (a RESULT line of theirs is unsigned)."""
-    fd = os.environ.pop({key_env!r}, "")
-    key = b""
-    if fd.isdigit():
-        try:
-            key = os.read(int(fd), 32)
-        finally:
-            os.close(int(fd))
-
-    caller = sys._getframe(1).f_code  # this script's own code: the only one that may send
-
-    def send(value):
-        if sys._getframe(1).f_code is caller:
-            _report(value, key=key)
-    return send
-
-
-_send = _signer()
-del _signer
 _me = int(os.environ.get("MINICKPT_PROCESS_ID", "0"))
 try:  # at most 2 CPUs each, so that JAX's thread pools stay small on a many-core machine
     _cpus = sorted(os.sched_getaffinity(0))
@@ -74,7 +53,9 @@ try:  # at most 2 CPUs each, so that JAX's thread pools stay small on a many-cor
         os.sched_setaffinity(0, (_cpus[_start:] + _cpus)[:2])
 except (AttributeError, OSError):
     pass
-from minickpt.launch import report as _report
+from minickpt.launch import signer as _signer
+_send, _ = _signer({key_env!r})  # before any code of the student's: see minickpt.launch.signer
+del _signer
 import minickpt.multihost.process as _mhp
 import minickpt.multihost.sync as _mhs
 _mhp.initialize()

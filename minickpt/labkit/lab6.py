@@ -62,33 +62,15 @@ from collections.abc import Callable, Mapping
 from typing import Any
 import numpy as np
 import minickpt as mc
-from minickpt.launch import report as _report
+from minickpt.launch import signer as _signer
 from minickpt.production.preemption import LoopResult, PreemptionHandler
 from minickpt.labkit import watch as _watch
 
 
-def _signer():
-    """What the driver reports, signed with the key its parent sent down a pipe: read, and
-    the pipe closed, before the student's cell runs; only the driver's own code may sign."""
-    fd = os.environ.pop({key_env!r}, "")
-    key = b""
-    if fd.isdigit():
-        try:
-            key = os.read(int(fd), 32)
-        finally:
-            os.close(int(fd))
-    allowed = {{sys._getframe(1).f_code}}
-
-    def say(text):
-        if sys._getframe(1).f_code in allowed:
-            _report({{"line": text}}, tag={tag!r}, key=key)
-    return say, allowed.add
-
-
-_say, _permit = _signer()
+_send, _permit = _signer({key_env!r}, {tag!r})  # before the student's cell: see minickpt.launch.signer
 del _signer
 _w = _watch.worker()
-_mine = _w.namespace({{_k: _v for _k, _v in globals().items() if _k not in ("_say", "_permit")}})
+_mine = _w.namespace({{_k: _v for _k, _v in globals().items() if _k not in ("_send", "_permit")}})
 exec(compile({source!r}, "<your task cell>", "exec"), _mine)
 {name} = _w.wrap(_mine[{name!r}])
 directory, stop, every, hard_exit, use_async = (sys.argv[1], int(sys.argv[2]), int(sys.argv[3]),
@@ -101,12 +83,12 @@ start, w = 0, np.zeros(4)
 if mngr.latest_step() is not None:
     restored = mngr.restore()
     start, w = restored.step, restored["w"]
-    _say(f"resumed from step {{start}}")
+    _send({{"line": f"resumed from step {{start}}"}})
 
 def step_fn(w, step):
     time.sleep(0.02)  # a step long enough for a signal to land inside it
     w = 0.5 * w + step
-    _say(f"step {{step}}")
+    _send({{"line": f"step {{step}}"}})
     return w, {{"loss": float(w.sum())}}
 
 
@@ -115,9 +97,10 @@ del _permit
 
 res = {name}(mngr, w, step_fn, start=start, stop=stop, items=lambda w: {{"w": w}})
 carry = getattr(res, "carry", None)
-_say("carry " + (np.asarray(carry, np.float64).tobytes().hex() if carry is not None else "-"))
-_say(f"result {{type(res).__name__}} {{getattr(res, 'step', None)}} "
-     f"{{getattr(res, 'preempted', None)}}")
+_send({{"line": "carry " + (np.asarray(carry, np.float64).tobytes().hex()
+                            if carry is not None else "-")}})
+_send({{"line": f"result {{type(res).__name__}} {{getattr(res, 'step', None)}} "
+                f"{{getattr(res, 'preempted', None)}}"}})
 if hard_exit:  # the grace period ends the moment the loop returns: nothing else runs
     sys.stdout.flush()
     os._exit(0)
