@@ -416,7 +416,11 @@ plt.show()
 #    commits: fsync, rename, fsync of the parent (chapter 2) — **barrier `committed`**; only then
 #    does `save` return anywhere (task 4.3).
 #
-# Every barrier has a time-out: a process that never arrives is named, and nothing is committed.
+# Every barrier has a time-out: a process that never arrives is named on every survivor, and
+# every survivor raises. What is on disk depends on when it went missing. Before the `written`
+# barrier, nothing is committed. After it, every shard was already durable, so the primary's
+# commit is complete and the step stays, while the survivors still report the failed save.
+# Lab 4's fault points drive both cases.
 #
 # ### 2a. What a collective save writes
 
