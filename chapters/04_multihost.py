@@ -418,9 +418,10 @@ plt.show()
 #
 # Every barrier has a time-out: a process that never arrives is named on every survivor, and
 # every survivor raises. What is on disk depends on when it went missing. Before the `written`
-# barrier, nothing is committed. After it, every shard was already durable, so the primary's
-# commit is complete and the step stays, while the survivors still report the failed save.
-# Lab 4's fault points drive both cases.
+# barrier, nothing is committed. After it, every shard is already durable. If the primary is
+# alive, its commit completes and the step stays, while the survivors still report the failed
+# save. If the primary itself dies before its rename, a temporary directory is left, which the
+# next primary removes. Lab 4's fault points drive these cases.
 #
 # ### 2a. What a collective save writes
 
