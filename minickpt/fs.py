@@ -32,32 +32,22 @@ _IOV_MAX = 1024  # the limit on Linux and macOS
 
 
 
-def _load_sync_file_range() -> Any:
+def _linux_libc(name: str, argtypes: list[Any]) -> Any:
+    """A C library function that only Linux has, typed, or None where it is missing."""
     if not sys.platform.startswith("linux") or _LIBC is None:
         return None
-    fn = getattr(_LIBC, "sync_file_range", None)
+    fn = getattr(_LIBC, name, None)
     if fn is None:  # pragma: no cover - very old C libraries
         return None
-    fn.argtypes = [ctypes.c_int, ctypes.c_int64, ctypes.c_int64, ctypes.c_uint]
+    fn.argtypes = argtypes
     fn.restype = ctypes.c_int
     return fn
 
 
-_SYNC_FILE_RANGE = _load_sync_file_range()
-
-
-def _load_fallocate() -> Any:
-    if not sys.platform.startswith("linux") or _LIBC is None:
-        return None
-    fn = getattr(_LIBC, "fallocate", None)  # not posix_fallocate: that one writes zeros
-    if fn is None:  # pragma: no cover - very old C libraries
-        return None
-    fn.argtypes = [ctypes.c_int, ctypes.c_int, ctypes.c_int64, ctypes.c_int64]
-    fn.restype = ctypes.c_int
-    return fn
-
-
-_FALLOCATE = _load_fallocate()
+_SYNC_FILE_RANGE = _linux_libc("sync_file_range",
+                               [ctypes.c_int, ctypes.c_int64, ctypes.c_int64, ctypes.c_uint])
+# not posix_fallocate: that one writes zeros
+_FALLOCATE = _linux_libc("fallocate", [ctypes.c_int, ctypes.c_int, ctypes.c_int64, ctypes.c_int64])
 _SYNC_FILE_RANGE_WRITE = 2
 
 O_DIRECT = getattr(os, "O_DIRECT", 0)  # Linux and the BSDs; macOS and Windows have none
