@@ -92,6 +92,7 @@ class CheckpointManager(DirectoryLock, Retention, Restoring):
         self._sweep_deletions = False
         self._remover: Any = None  # ThreadPoolExecutor for enable_background_delete
         self._removals: list[Any] = []  # its pending (name, future) pairs
+        self._retired: list[str] | None = None  # see _committed
         self._removals_lock = threading.Lock()  # retention may run on the async writer
         opts = self.options
         # The run directory may be a symlink (to a bigger disk, say): that is the user's
@@ -543,10 +544,17 @@ class CheckpointManager(DirectoryLock, Retention, Restoring):
                 self._check_new_step(step)
             m = dict(metrics) if metrics is not None else None
 
+            retired: list[str] = []  # renamed out by retention, removed after the barrier
+
             def on_commit(stats: SaveStats) -> dict[str, Any]:  # on the primary
                 before = set(self._infos)
-                self._committed(step, m, stats)
+                self._committed(step, m, stats, retired=retired)
                 return {"deleted": sorted(before - set(self._infos))}
+
+            def after_commit() -> None:  # on the primary, the others already gone on
+                t = time.perf_counter()
+                self._remove_retired(retired)
+                job.stats.retention_s += time.perf_counter() - t
 
             def on_done(info: Mapping[str, Any]) -> None:  # on the others
                 with self._mutex:
@@ -560,7 +568,7 @@ class CheckpointManager(DirectoryLock, Retention, Restoring):
                     self._checkpointer, self._sync, path, items, step=step,
                     force=force, options=self.options.multihost, metrics=metrics,
                     custom_metadata=metadata, copy=self._async is not None,
-                    on_commit=on_commit, on_done=on_done)
+                    on_commit=on_commit, on_done=on_done, after_commit=after_commit)
                 stats = job.stats
                 stats.start_time, stats.wait_s = wall0, wait_s
                 if self._async is None:
@@ -592,14 +600,21 @@ class CheckpointManager(DirectoryLock, Retention, Restoring):
                 self._in_flight_step = self._pending_step = step
             return True
 
-    def _committed(self, step: int, metrics: Any, stats: SaveStats) -> None:
-        """Bookkeeping after a durable commit: remember the step, then apply retention."""
+    def _committed(self, step: int, metrics: Any, stats: SaveStats,
+                   retired: list[str] | None = None) -> None:
+        """Bookkeeping after a durable commit: remember the step, then apply retention.
+        With ``retired``, the steps retention deletes are only renamed out (their names
+        appended to it); the caller removes their files later (``_remove_retired``)."""
         with self._mutex:
             m = dict(metrics) if metrics is not None else None
             self._infos[step] = policy.StepInfo(step, m, time.time())
             self._unreadable.pop(step, None)  # a new checkpoint under a set-aside one's step
             t = time.perf_counter()
-            self._apply_retention()
+            self._retired = retired
+            try:
+                self._apply_retention()
+            finally:
+                self._retired = None
             stats.retention_s = time.perf_counter() - t
 
     def _exists(self, path: str) -> bool:

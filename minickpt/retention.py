@@ -104,6 +104,10 @@ class Retention:
                 # out of the step namespace now; durable (parent fsync) and removed on the
                 # background thread — the fsync always before the first file is removed
                 self._remove_later(retire_dir(self.fs, path, durable=False))
+            elif self._retired is not None:
+                # a collective save: renamed out now, its files removed once the last
+                # barrier is passed (_remove_retired), so the others do not wait for them
+                self._retired.append(retire_dir(self.fs, path, durable=False))
             else:
                 delete_dir(self.fs, path)
         finally:
@@ -113,6 +117,18 @@ class Retention:
                 self._infos.pop(step, None)
                 self._names.pop(step, None)
         self._emit("delete", {"step": step, "time": time.time()})
+
+    def _remove_retired(self, retired: list[str]) -> None:
+        """Remove the files of steps retention renamed out (the rename made durable first);
+        a failure is logged and warned about, and the next save's retention finishes it."""
+        for doomed in retired:
+            try:
+                remove_retired(self.fs, doomed)
+            except OSError as e:
+                self._sweep_deletions = True
+                log.error("minickpt: could not remove %s: %s", doomed, e)
+                warnings.warn(f"could not remove deleted checkpoint {doomed}: {e}",
+                              stacklevel=2)
 
     def _remove_later(self, doomed: str) -> None:
         """Remove a retired checkpoint's files on the background thread (FIFO, one at a time)."""

@@ -104,9 +104,11 @@ class Scenario:
     options: dict[str, Any] = field(default_factory=dict)
     item_of: Callable[[Any], Any] = lambda r: r  # restored -> {"params", "opt"}
 
-    def manager(self, world: str, fs: FileSystem, **extra: Any) -> CheckpointManager:
+    def manager(self, world: str, fs: FileSystem, sync: Any = None,
+                **extra: Any) -> CheckpointManager:
         return CheckpointManager(os.path.join(world, self.run_dir),
-                                 CheckpointManagerOptions(**{**self.options, **extra}), fs=fs)
+                                 CheckpointManagerOptions(**{**self.options, **extra}), fs=fs,
+                                 sync=sync)
 
 
 def _saved(world: str, steps: Any, run_dir: str = "run", **opts: Any) -> None:
@@ -227,6 +229,65 @@ BACKGROUND_DELETE = _add(Scenario(
     allowed={(1, 2), (1, 2, 3), (2, 3)}, new=(3,), deleted=(1,),
     options={"max_to_keep": 2, "enable_background_delete": True}))
 
+
+
+# A collective save on two simulated processes (threads): the primary writes every leaf
+# (the values are host arrays) through the recorder; the other makes no file-system call
+# that changes anything. Retention's decision travels in the last barrier, and the primary
+# removes the retired step's files after it. When the recorder crashes the primary, the
+# group learns of the death at once (as the coordination service would, later), so the
+# other process fails its next barrier instead of waiting out the time-out.
+def _collective(w: str, fs: FileSystem) -> None:
+    from minickpt import MultiHostOptions
+    from minickpt.faults import SimulatedCrash
+    from minickpt.multihost.sync import LocalGroup, LocalSync
+
+    class Group(LocalGroup):
+        dead: set[int] = set()
+
+        def kill(self, p: int) -> None:
+            with self._cond:
+                self.dead = {p}
+                for key, got in self._values.items():
+                    if p not in got:
+                        self._failed.setdefault(key, {p})
+                self._cond.notify_all()
+
+        def sync(self, process_index: int) -> LocalSync:
+            group = self
+
+            class Sync(LocalSync):
+                def exchange(self, key: str, value: Any, timeout_s: float,
+                             what: str = "") -> list[Any]:
+                    with group._cond:
+                        if group.dead:
+                            group._failed.setdefault(key, set(group.dead))
+                    return super().exchange(key, value, timeout_s, what)
+
+            return Sync(self, process_index)
+
+    group = Group(2)
+
+    def work(sync: Any) -> None:
+        primary = sync.process_index == 0
+        try:
+            _run_and_drop(lambda: COLLECTIVE.manager(
+                w, fs if primary else FAST, sync, multihost=MultiHostOptions(timeout_s=20)),
+                lambda m: m.save(3, items(3), metrics={"loss": 0.25}))
+        except SimulatedCrash:
+            group.kill(sync.process_index)
+            raise
+
+    group.run(work, timeout_s=60)
+
+
+COLLECTIVE = _add(Scenario(
+    "collective save of 2 processes with retention, the retired step removed after the "
+    "last barrier",
+    setup=_scenario_retention, run=lambda fs, w: _collective(w, fs),
+    allowed={(1, 2), (1, 2, 3), (2, 3)}, new=(3,), deleted=(1,),
+    options={"max_to_keep": 2}))
+
 # explore() insists that every run of a scenario makes the same number of calls.
 
 
@@ -284,6 +345,9 @@ MUTATIONS = {
          "is listed but damaged"),
     "a background removal starts before the retirement is durable":
         ("minickpt.retention.remove_retired", _remove_retired_without_fsync, BACKGROUND_DELETE,
+         "is listed but damaged"),
+    "a collective save's removal after the barrier starts before the retirement is durable":
+        ("minickpt.retention.remove_retired", _remove_retired_without_fsync, COLLECTIVE,
          "is listed but damaged"),
 }
 

@@ -22,6 +22,7 @@ import threading
 import time
 import zlib
 from collections import namedtuple
+from contextlib import nullcontext
 
 import jax
 import numpy as np
@@ -34,7 +35,7 @@ from jax.sharding import PartitionSpec as P
 import minickpt as mc
 from minickpt.checkpointer import encode_metadata
 from minickpt.cli import main as cli
-from minickpt.commit import METADATA_FILE, TMP_MARK
+from minickpt.commit import DELETE_MARK, METADATA_FILE, TMP_MARK
 from minickpt.errors import (
     CheckpointCorruptedError,
     MultiHostError,
@@ -392,6 +393,61 @@ def test_collective_delete_follows_the_primary(tmp_path):
 
     assert ok(LocalGroup(4).run(work)) == [([2, 3], [2])] * 4
     assert sorted(os.listdir(tmp_path)) == [".minickpt.lock", "step_2"]
+
+
+class _GatedRemoval(type(DEFAULT_FS)):
+    """The primary's file system: removing a retired step's files waits for ``gate``."""
+
+    def __init__(self, gate: threading.Event, fail: bool = False):
+        self.gate, self.fail, self.waited = gate, fail, []
+
+    def rmtree(self, path):
+        if DELETE_MARK in os.path.basename(path):
+            self.waited.append(self.gate.wait(3))
+            if self.fail:
+                self.fail = False  # once: the next save's retention finishes the removal
+                raise OSError(errno.EIO, "injected", path)
+        return super().rmtree(path)
+
+
+@pytest.mark.parametrize("fail", [False, True], ids=["removed", "removal-fails"])
+def test_the_others_do_not_wait_for_the_primary_to_remove_a_retired_step(tmp_path, fail):
+    """Retention's decision travels in the last barrier; the primary removes the retired
+    step's files after it, so the other processes are not held by the unlinks."""
+    _, tree = state()
+    gate = threading.Event()
+    gated = _GatedRemoval(gate, fail)
+
+    def work(sync):
+        primary = sync.process_index == 0
+        with mc.CheckpointManager(tmp_path, opts(max_to_keep=2),
+                                  fs=gated if primary else None, sync=sync) as m:
+            m.save(1, tree)
+            m.save(2, tree)
+            gate.clear()
+            if primary:
+                m.save(3, tree)  # retires step 1
+            else:
+                m.save(3, tree)
+                gate.set()  # returned while the primary was still removing step 1
+            steps = m.all_steps()
+            if fail:
+                left = [n for n in os.listdir(tmp_path) if DELETE_MARK in n]
+                m.save(4, tree)  # its retention finishes the removal (and retires step 2)
+                return steps, left, m.all_steps()
+            return steps
+
+    with pytest.warns(UserWarning, match="could not remove") if fail else nullcontext():
+        res = ok(LocalGroup(2).run(work))
+    assert gated.waited[0] is True  # the other process returned first
+    if fail:
+        assert [r[0] for r in res] == [[2, 3]] * 2 and [r[2] for r in res] == [[3, 4]] * 2
+        assert len(res[0][1]) == 1  # the failed removal left a deletion temporary
+    else:
+        assert res == [[2, 3], [2, 3]]
+    names = sorted(os.listdir(tmp_path))
+    assert not [n for n in names if DELETE_MARK in n], names
+    assert "step_1" not in names
 
 
 def test_an_unstorable_leaf_fails_on_every_process_before_anything_is_written(tmp_path):

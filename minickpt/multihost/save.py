@@ -126,8 +126,10 @@ class CollectiveSave:
 
     ``run`` may be called in a background thread (the async manager does): it only uses
     the file system and :meth:`Sync.exchange`. ``on_commit`` runs on the primary right
-    after the rename (the manager's bookkeeping and retention) and returns what the other
-    processes must learn; ``on_done`` runs on the others with it.
+    after the rename (the manager's bookkeeping and retention's decision) and returns what
+    the other processes must learn; ``on_done`` runs on the others with it. ``after_commit``
+    runs on the primary once the last barrier is passed (removing the files of the steps
+    retention retired): the others do not wait for it.
     """
 
     checkpointer: Checkpointer
@@ -144,6 +146,7 @@ class CollectiveSave:
     init_ns: int | None = None
     on_commit: Callable[[SaveStats], Mapping[str, Any]] | None = None
     on_done: Callable[[Mapping[str, Any]], None] | None = None
+    after_commit: Callable[[], None] | None = None
     committed: bool = field(default=False, init=False)  # renamed: the step is published
     _primary_data: dict[str, ItemData] = field(default_factory=dict, init=False, repr=False)
 
@@ -282,6 +285,9 @@ class CollectiveSave:
                     e.add_note(f"step {self.step} was committed at {self.directory} before "
                                "the time-out; the missing processes do not know it")
                 raise
+            finally:  # committed: what retention retired goes, whoever is still there
+                if self.primary and self.committed and self.after_commit is not None:
+                    self.after_commit()
             result = statuses[self.options.primary_host]
             raise_failures({self.options.primary_host: result}, me, local,
                            f"committing step {self.step}")
@@ -401,7 +407,8 @@ def prepare_save(checkpointer: Checkpointer, sync: Sync, directory: str,
                  metrics: Mapping[str, Any] | None = None,
                  custom_metadata: Mapping[str, Any] | None = None, copy: bool = False,
                  on_commit: Callable[[SaveStats], Mapping[str, Any]] | None = None,
-                 on_done: Callable[[Mapping[str, Any]], None] | None = None
+                 on_done: Callable[[Mapping[str, Any]], None] | None = None,
+                 after_commit: Callable[[], None] | None = None
                  ) -> CollectiveSave:
     """Start a collective save in the caller's thread: agree (Task 4.1), then snapshot.
 
@@ -459,4 +466,4 @@ def prepare_save(checkpointer: Checkpointer, sync: Sync, directory: str,
     return CollectiveSave(checkpointer, sync, op, directory, step,
                           views[options.primary_host]["token"], plans, options, stats,
                           metrics=metrics, custom_metadata=custom_metadata, init_ns=init_ns,
-                          on_commit=on_commit, on_done=on_done)
+                          on_commit=on_commit, on_done=on_done, after_commit=after_commit)
