@@ -25,6 +25,7 @@ import jax
 import numpy as np
 
 from .errors import UnsupportedLeafError
+from .format.buffers import aligned_empty
 
 Names = tuple[str, ...]
 
@@ -514,6 +515,14 @@ def pinned_view(x: jax.Array, *, probe: bool = True) -> np.ndarray | None:
     return view if view.ctypes.data in ptrs and view.size == x.size else None
 
 
+def _copy(a: np.ndarray) -> np.ndarray:
+    """A C-ordered copy in 64-byte-aligned memory, which a direct write sends from its own
+    pages (see ``format.encode``) instead of through a bounce buffer."""
+    out = aligned_empty(a.shape, a.dtype)
+    np.copyto(out, a)
+    return out
+
+
 def to_host(x: Any, *, copy: bool = False, path: str = "<leaf>") -> Any:
     """Task 1.2 — one leaf brought to host memory with its exact dtype.
 
@@ -535,14 +544,14 @@ def to_host(x: Any, *, copy: bool = False, path: str = "<leaf>") -> Any:
             return HostKey(np.array(data, copy=True) if copy else data,
                            str(jax.random.key_impl(x)))
         arr = np.asarray(x)
-        return np.array(arr, copy=True) if copy and not _transfer_made_a_copy(x) else arr
+        return _copy(arr) if copy and not _transfer_made_a_copy(x) else arr
     if isinstance(x, np.ndarray):
         if x.dtype.hasobject:
             raise UnsupportedLeafError(
                 f"leaf {path} is a numpy array of dtype {x.dtype}: object arrays hold "
                 "Python objects and could only be stored with pickle, which minickpt never "
                 "uses. Convert it to a numeric array or a list of strings.")
-        return np.array(x, copy=True) if copy else x
+        return _copy(x) if copy else x
     raise UnsupportedLeafError(
         f"leaf {path} is a {type(x).__module__}.{type(x).__qualname__}: minickpt stores "
         "arrays, numbers, strings and None. If it is code (a function, an optimizer), keep "
