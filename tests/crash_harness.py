@@ -243,7 +243,9 @@ def _collective(w: str, fs: FileSystem) -> None:
     from minickpt.multihost.sync import LocalGroup, LocalSync
 
     class Group(LocalGroup):
-        dead: set[int] = set()
+        def __init__(self, n: int):
+            super().__init__(n)
+            self.dead: set[int] = set()
 
         def kill(self, p: int) -> None:
             with self._cond:
