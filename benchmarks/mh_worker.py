@@ -71,14 +71,16 @@ def main(argv: list[str] | None = None) -> int:
             mngr.save(step, args=ocp.args.StandardSave(tree), force=True)
             mngr.wait_until_finished()
 
-    times, phases = [], []
+    times, phases, own = [], [], []
     for step in range(a.warmup + a.reps):
         multihost_utils.sync_global_devices(f"before-{step}")
         t0 = time.perf_counter()
         save(step)
+        t1 = time.perf_counter()  # this process's save() returned
         multihost_utils.sync_global_devices(f"after-{step}")
         if step >= a.warmup:
             times.append(time.perf_counter() - t0)
+            own.append(t1 - t0)
             st = getattr(mngr, "last_save_stats", None)  # minickpt: each phase of the save
             if st is not None:
                 phases.append({k: getattr(st, k, None) for k in PHASES})
@@ -86,6 +88,7 @@ def main(argv: list[str] | None = None) -> int:
     if phases:  # every process its own: where a process's time goes (issue 33)
         med = {k: sorted(v for ph in phases if (v := ph[k]) is not None)
                for k in PHASES}
+        med["returned_s"] = sorted(own)  # until this process's save() returned
         sys.stdout.write("MHPHASES " + json.dumps({
             "process": a.pid, **{k: v[len(v) // 2] for k, v in med.items() if v}}) + "\n")
         sys.stdout.flush()

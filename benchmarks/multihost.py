@@ -4,6 +4,12 @@ Each configuration starts ``n`` copies of :mod:`benchmarks.mh_worker` on localho
 ``4 / n`` CPU devices each, so the global mesh always has 4 devices and the state is the same;
 only the number of processes sharing the writing changes. minickpt's figures run once
 ``minickpt.multihost`` exists (the multi-host save protocol); until then its cells say so.
+
+Each row's floor (:func:`independent_saves`) is what the machine does with no coordination
+at all: ``n`` plain processes, each saving its share of the bytes with a single-process
+``Checkpointer`` at the same moment; the slowest one's time. What a collective save adds to
+it is the protocol (the step agreement, three barriers, the primary's manifests and commit)
+and the JAX runtime of each process.
 """
 
 from __future__ import annotations
@@ -15,6 +21,7 @@ import socket
 import subprocess
 import sys
 import tempfile
+import time
 from collections.abc import Sequence
 from typing import Any
 
@@ -32,6 +39,56 @@ def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("localhost", 0))
         return s.getsockname()[1]
+
+
+def _independent_worker(nbytes: int, leaves: int, root: str, reps: int, bar: Any,
+                        q: Any) -> None:
+    import numpy as np
+
+    import minickpt
+    from minickpt.format.buffers import aligned_empty
+
+    tree = {}
+    for i in range(leaves):
+        a = aligned_empty((max(nbytes // leaves // 4, 1),), np.float32)
+        a[:] = np.random.default_rng(i).standard_normal(a.size, np.float32)
+        tree[f"leaf_{i:03d}"] = a
+    ck, times = minickpt.Checkpointer(), []
+    for r in range(reps + 1):  # the first one warms up
+        d = os.path.join(root, f"{os.getpid()}-{r}")
+        bar.wait()
+        t = time.perf_counter()
+        ck.save(d, {"state": tree})
+        times.append(time.perf_counter() - t)
+        bar.wait()
+    q.put(times[1:])
+
+
+def independent_saves(nproc: int, nbytes: int, workdir: str, *, reps: int = 3,
+                      leaves: int = 16) -> list[float]:
+    """The floor of an ``nproc``-process save of ``nbytes``: ``nproc`` processes with no
+    coordination, each saving ``nbytes / nproc`` at once; the slowest one's time, per
+    repetition."""
+    import multiprocessing as mp
+    import shutil
+
+    ctx = mp.get_context("spawn")
+    root = tempfile.mkdtemp(prefix=f"mh-floor-{nproc}-", dir=workdir)
+    bar, q = ctx.Barrier(nproc, timeout=300), ctx.Queue()
+    procs = [ctx.Process(target=_independent_worker,
+                         args=(nbytes // nproc, leaves, root, reps, bar, q))
+             for _ in range(nproc)]
+    try:
+        for p in procs:
+            p.start()
+        got = [q.get(timeout=600) for _ in procs]
+    finally:
+        for p in procs:
+            p.join(timeout=60)
+            if p.is_alive():
+                p.kill()
+        shutil.rmtree(root, ignore_errors=True)
+    return [max(ts[i] for ts in got) for i in range(reps)]
 
 
 def run_once(lib: str, nproc: int, nbytes: int, workdir: str, *, reps: int = 3,
@@ -102,9 +159,22 @@ def rows(nbytes: int, workdir: str, *, procs: Sequence[int] = (1, 2, 4), reps: i
             samples[lib] = rep["times"]
             if rep.get("phases"):
                 notes.append(f"{lib} phases per process (median ms): " + phase_text(rep))
+        floor = None
+        try:
+            floor_times = independent_saves(n, nbytes, workdir, reps=reps)
+            floor = median(floor_times)
+            raw.append({"lib": "independent saves (floor)", "nproc": n, "nbytes": nbytes,
+                        "times": floor_times})
+        except Exception as e:  # the floor explains the row; its failure does not stop it
+            notes.append(f"floor failed: {type(e).__name__}: {e}")
         row = Row.from_samples(f"multihost.save.{n}", f"multi-host save, {n} process"
                                f"{'es' if n > 1 else ''} × {DEVICES // n} devices",
                                samples, nbytes=nbytes, section="multihost")
+        if floor is not None:
+            mine = row.values.get("minickpt")
+            notes.append(f"floor ({n} independent single-process saves of the shares at "
+                         f"once, slowest): {1e3 * floor:.1f} ms"
+                         + (f"; minickpt {mine / floor:.2f}× it" if mine else ""))
         if n == procs[0]:
             base = row.values.get("minickpt")
         elif base is not None and row.values.get("minickpt"):

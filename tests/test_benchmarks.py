@@ -260,6 +260,14 @@ def test_multiprocess_save_machinery_runs_one_process(tmp_path):
     assert len(rep["times"]) == 1 and rep["times"][0] > 0
 
 
+def test_the_multiprocess_floor_times_independent_saves_and_cleans_up(tmp_path):
+    """Two plain processes saving their halves at once: one time per repetition (the
+    slowest process's), and nothing left in the work directory."""
+    times = multihost.independent_saves(2, 400_000, str(tmp_path), reps=2, leaves=4)
+    assert len(times) == 2 and all(t > 0 for t in times)
+    assert os.listdir(tmp_path) == []
+
+
 # ---------------------------------------------------------------------------------------
 # the disk's limit by fio (recorded output; no fio needed)
 # ---------------------------------------------------------------------------------------
