@@ -25,7 +25,7 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
-from .core import Row, median
+from .core import Goal, Row, median
 
 DEVICES = 4
 
@@ -139,52 +139,89 @@ def run_once(lib: str, nproc: int, nbytes: int, workdir: str, *, reps: int = 3,
 
 
 def rows(nbytes: int, workdir: str, *, procs: Sequence[int] = (1, 2, 4), reps: int = 3,
-         orbax: bool = True, minickpt: bool | None = None) -> tuple[list[Row], list[dict]]:
-    """One row per process count: minickpt's and Orbax's median save wall time."""
+         rounds: int = 1, orbax: bool = True, minickpt: bool | None = None
+         ) -> tuple[list[Row], list[dict]]:
+    """One row per process count: each library's median save wall time, held to the floor
+    of :func:`independent_saves`; and one row of each library's time at the most processes
+    ÷ its time at one, held to the issue's goals (≤ 1.5×, and ≤ Orbax's ratio).
+
+    The configurations run ``rounds`` times in turn (1, 2, 4 processes, both libraries and
+    the floor each time), so that a change in the machine's load falls on all of them."""
     minickpt = minickpt_available() if minickpt is None else minickpt
-    out, raw = [], []
-    base: float | None = None
-    for n in procs:
-        samples: dict[str, list[float]] = {}
-        notes = []
-        for lib, wanted in (("minickpt", minickpt), ("orbax", orbax)):
-            if not wanted:
-                continue
+    libs = [lib for lib, wanted in (("minickpt", minickpt), ("orbax", orbax)) if wanted]
+    samples: dict[int, dict[str, list[float]]] = {n: {} for n in procs}
+    phases: dict[int, dict[str, list[dict]]] = {n: {} for n in procs}
+    notes: dict[int, list[str]] = {n: [] for n in procs}
+    raw: list[dict] = []
+    for _ in range(rounds):
+        for n in procs:
+            for lib in libs:
+                try:
+                    rep = run_once(lib, n, nbytes, workdir, reps=reps)
+                except (RuntimeError, subprocess.TimeoutExpired) as e:
+                    notes[n].append(f"{lib} failed: {str(e).splitlines()[0]}")
+                    continue
+                raw.append(rep)
+                samples[n].setdefault(lib, []).extend(rep["times"])
+                if rep.get("phases"):
+                    phases[n].setdefault(lib, []).append(rep)
             try:
-                rep = run_once(lib, n, nbytes, workdir, reps=reps)
-            except (RuntimeError, subprocess.TimeoutExpired) as e:
-                notes.append(f"{lib} failed: {str(e).splitlines()[0]}")
+                floor_times = independent_saves(n, nbytes, workdir, reps=reps)
+            except Exception as e:  # the floor explains the row; its failure does not stop it
+                notes[n].append(f"floor failed: {type(e).__name__}: {e}")
                 continue
-            raw.append(rep)
-            samples[lib] = rep["times"]
-            if rep.get("phases"):
-                notes.append(f"{lib} phases per process (median ms): " + phase_text(rep))
-        floor = None
-        try:
-            floor_times = independent_saves(n, nbytes, workdir, reps=reps)
-            floor = median(floor_times)
             raw.append({"lib": "independent saves (floor)", "nproc": n, "nbytes": nbytes,
                         "times": floor_times})
-        except Exception as e:  # the floor explains the row; its failure does not stop it
-            notes.append(f"floor failed: {type(e).__name__}: {e}")
+            samples[n].setdefault("limit", []).extend(floor_times)
+    out = []
+    for n in procs:
         row = Row.from_samples(f"multihost.save.{n}", f"multi-host save, {n} process"
                                f"{'es' if n > 1 else ''} × {DEVICES // n} devices",
-                               samples, nbytes=nbytes, section="multihost")
-        if floor is not None:
-            mine = row.values.get("minickpt")
-            notes.append(f"floor ({n} independent single-process saves of the shares at "
-                         f"once, slowest): {1e3 * floor:.1f} ms"
-                         + (f"; minickpt {mine / floor:.2f}× it" if mine else ""))
-        if n == procs[0]:
-            base = row.values.get("minickpt")
-        elif base is not None and row.values.get("minickpt"):
-            notes.append(f"minickpt {row.values['minickpt'] / base:.2f}× the "
-                         f"{procs[0]}-process time")
+                               samples[n], nbytes=nbytes, section="multihost",
+                               limit_name=f"{n} independent saves")
+        for lib, reps_ in phases[n].items():
+            notes[n].append(f"{lib} phases per process (median ms over the rounds' "
+                            "medians): " + phase_text(_merge_phases(reps_)))
+        if "limit" in samples[n]:
+            notes[n].append(f"limit: {n} plain processes (no JAX, no coordination) each "
+                            f"saving its 1/{n} of the bytes with a single-process "
+                            "Checkpointer at the same moment, the slowest one's time")
         if not minickpt:
-            notes.append("minickpt: multi-host protocol not available yet")
-        row.note = "; ".join(notes)
+            notes[n].append("minickpt: multi-host protocol not available yet")
+        row.note = "; ".join(notes[n])
         out.append(row)
+    if len(procs) > 1:
+        lo, hi = out[0], out[-1]
+        ratio = {lib: (hi.values[lib] / lo.values[lib]
+                       if hi.values.get(lib) and lo.values.get(lib) else None)
+                 for lib in ("minickpt", "orbax")}
+        floor_ratio = (hi.values["limit"] / lo.values["limit"]
+                       if hi.values.get("limit") and lo.values.get("limit") else None)
+        r = Row(f"multihost.ratio.{procs[-1]}", f"multi-host save, {procs[-1]} processes ÷ "
+                f"{procs[0]}", unit="r", values={**ratio, "limit": floor_ratio},
+                goals=[Goal("max", 1.5), Goal("max_x_orbax", 1.0)], section="multihost",
+                limit_name="the floors' ratio")
+        r.note = ("the same ratio for the limit column: the machine's own cost of "
+                  f"{procs[-1]} processes writing at once instead of {procs[0]}")
+        out.append(r)
+        for mid in out[1:-2]:  # the processes between: their ratios in their notes
+            if mid.values.get("minickpt") and lo.values.get("minickpt"):
+                mid.note += (f"; minickpt {mid.values['minickpt'] / lo.values['minickpt']:.2f}×"
+                             f" the {procs[0]}-process time")
     return out, raw
+
+
+def _merge_phases(reps: Sequence[dict[str, Any]]) -> dict[str, Any]:
+    """Every process's phases as the median over several runs' per-run medians."""
+    by_proc: dict[int, dict[str, list[float]]] = {}
+    for rep in reps:
+        for p in rep["phases"]:
+            d = by_proc.setdefault(p["process"], {})
+            for k, v in p.items():
+                if k != "process" and v is not None:
+                    d.setdefault(k, []).append(v)
+    return {"phases": [{"process": p, **{k: median(v) for k, v in d.items()}}
+                       for p, d in sorted(by_proc.items())]}
 
 
 def phase_text(rep: dict[str, Any]) -> str:

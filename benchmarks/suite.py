@@ -608,8 +608,8 @@ def _multihost(cfg: Config, res: Results) -> None:
         return
     log(f"multi-host ({fmt_bytes(cfg.multihost_bytes)})")
     rows, raw = multihost.rows(cfg.multihost_bytes, cfg.workdir, procs=cfg.multihost_procs,
-                               reps=3 if cfg.mode == "full" else cfg.reps_large,
-                               orbax=cfg.orbax,
+                               reps=10 if cfg.mode == "full" else cfg.reps_large,
+                               rounds=2 if cfg.mode == "full" else 1, orbax=cfg.orbax,
                                minickpt=have)
     res.rows += rows
     res.extra["multihost"] = raw
