@@ -45,7 +45,14 @@ from .format.encode import ItemPlan, plan_item, write_item
 from .format.manifest import Manifest, parse_json, read_manifest
 from .format.read import read_leaves
 from .format.regions import check_shards
-from .format.spec import FORMAT_NAME, FORMAT_VERSION, MANIFEST_FILE, MAX_FORMAT_VERSION, check_name
+from .format.spec import (
+    FORMAT_NAME,
+    FORMAT_VERSION,
+    MANIFEST_FILE,
+    MAX_FORMAT_VERSION,
+    check_name,
+    json_text,
+)
 from .fs import DEFAULT_FS, FileSystem, SyncBatch
 from .gitinfo import git_info
 from .restore import restore_item
@@ -183,7 +190,7 @@ def encode_metadata(meta: Mapping[str, Any]) -> bytes:
     handful of fields people look at, and built by json's C encoder instead of its
     pure-Python indenting one.
     """
-    head = ("{\n" + ",\n".join(f"{json.dumps(k)}: {json.dumps(v, allow_nan=True)}"
+    head = ("{\n" + ",\n".join(f"{json_text(k)}: {json_text(v)}"
                                 for k, v in meta.items() if k != _CRC_KEY)).encode()
     return head + b",\n" + _CRC_FIELD + f" {zlib.crc32(head)}\n}}\n".encode()
 

@@ -30,6 +30,7 @@ from .spec import (
     MANIFEST_FILE,
     crc32,
     dtype_name,
+    json_text,
 )
 
 
@@ -270,7 +271,7 @@ def _json_doc(head: Mapping[str, Any], middle: Sequence[str], key: str,
               entries: Sequence[Mapping[str, Any]]) -> bytes:
     """A manifest's text: one line per field of ``head``, the ``middle`` lines, then the list
     ``key`` of ``entries``, one per line."""
-    lines = ["{", *(f"{json.dumps(k)}: {json.dumps(v)}," for k, v in head.items()), *middle,
+    lines = ["{", *(f"{json_text(k)}: {json_text(v)}," for k, v in head.items()), *middle,
              f'"{key}": [', ",\n".join(map(_COMPACT.encode, entries)), "]}"]
     return ("\n".join(lines) + "\n").encode()
 
