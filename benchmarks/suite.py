@@ -187,6 +187,9 @@ def save_restore_rows(cfg: Config, key: str, label: str, tree: Any, *, reps: int
             ops = [*ops[:-1], replace(ops[-1], label="probe"), fio.op()]
             if unlink:  # a manager save also removes the retired step: its unlink, measured
                 ops.append(floors.UnlinkCost(wd, limits.src).op())
+        fresh_mem = large and kind in ("restore", "restore_cold", "manager_restore")
+        if fresh_mem:  # a restore makes new arrays: the first touch of that much memory
+            ops = [*ops, floors.FreshMemory(size).op()]
         t0 = time.perf_counter()
         try:
             samples = interleaved(ops, reps, warmup)
@@ -208,6 +211,10 @@ def save_restore_rows(cfg: Config, key: str, label: str, tree: Any, *, reps: int
         if unlink:
             r.note += (f"; limit = fio's write plus the unlink of a file of this size, "
                        f"measured in the same repetitions ({spread(samples['unlink'], fmt_time)})")
+        if fresh_mem:
+            r.note += ("; the first touch of fresh memory of the state's size (which a restore "
+                       "into new arrays pays and no read limit includes), in the same "
+                       f"repetitions: {spread(samples['fresh memory'], fmt_time)}")
         return r
 
     bare: list[floors.BareCalls] = []
