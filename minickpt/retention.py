@@ -125,10 +125,15 @@ class Retention:
             try:
                 remove_retired(self.fs, doomed)
             except OSError as e:
-                self._sweep_deletions = True
-                log.error("minickpt: could not remove %s: %s", doomed, e)
-                warnings.warn(f"could not remove deleted checkpoint {doomed}: {e}",
-                              stacklevel=2)
+                self._removal_failed(doomed, e, stacklevel=3)
+
+    def _removal_failed(self, doomed: str, err: BaseException, stacklevel: int) -> None:
+        """A retired checkpoint's files could not all be removed: say so (the disk fills up
+        otherwise); the next save's retention finishes the job."""
+        self._sweep_deletions = True
+        log.error("minickpt: could not remove %s: %s", doomed, err)
+        warnings.warn(f"could not remove deleted checkpoint {doomed}: {err}",
+                      stacklevel=stacklevel)
 
     def _remove_later(self, doomed: str) -> None:
         """Remove a retired checkpoint's files on the background thread (FIFO, one at a time)."""
@@ -154,10 +159,7 @@ class Retention:
                 continue
             err = fut.exception()
             if err is not None:
-                self._sweep_deletions = True  # the next save's retention finishes the job
-                log.error("minickpt: could not remove %s: %s", doomed, err)
-                warnings.warn(f"could not remove deleted checkpoint {doomed}: {err}",
-                              stacklevel=3)
+                self._removal_failed(doomed, err, stacklevel=4)
         with self._removals_lock:
             self._removals[:0] = keep
 
