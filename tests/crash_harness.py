@@ -1659,7 +1659,8 @@ def check_collective_save_fault(template: str, root: str, process: int, k: int, 
                 faulty.fail_at = faulty.count + k
             return m.save(3, tree)
         finally:
-            faulty.fail_at = None
+            if fs is faulty:  # only its own: the others return while the primary removes
+                faulty.fail_at = None  # the retired step's files (after the last barrier)
             m.close()
 
     with warnings.catch_warnings():
