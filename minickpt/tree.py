@@ -183,15 +183,17 @@ def skeleton(tree: Any, *, fast: bool = True) -> tuple[dict[str, Any], list[tupl
     count changes one of them) and handed out as a fresh copy each time.
     """
     own = fast and flatten_with_names is _LIBRARY_FLATTEN[0]
-    leaves = flatten_with_names(tree)
-    if own:  # the cache's key: JAX's treedef and the leaves' names
-        key = (jax.tree_util.tree_structure(tree), tuple(names for names, _leaf in leaves))
+    if own:  # the cache's key: JAX's treedef and the leaves' names, from one flattening
+        flat, treedef = jax.tree_util.tree_flatten_with_path(tree)
+        leaves = [(path_names(p), leaf) for p, leaf in flat]
+        key = (treedef, tuple(names for names, _leaf in leaves))
         try:
             cached = _SKELETONS.get(key)
         except Exception:  # a node whose aux data cannot be hashed or compared: no cache
             own, cached = False, None
-        if cached is not None:
+        if cached is not None:  # its names were unique when it was built: they are now
             return json.loads(cached), leaves
+    leaves = flatten_with_names(tree)  # on a miss: with its check that names are unique
     index = {names: i for i, (names, _leaf) in enumerate(leaves)}
     if len(index) != len(leaves):
         raise ValueError("two leaves share a key path; a checkpoint needs every path to be "

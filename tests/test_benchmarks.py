@@ -273,6 +273,30 @@ def test_the_multiprocess_floor_times_independent_saves_and_cleans_up(tmp_path):
     assert os.listdir(tmp_path) == []
 
 
+@pytest.mark.timeout(120)
+def test_the_tiny_save_is_split_into_calls_and_pieces_and_the_wrappers_go(tmp_path):
+    """Both sides make the same system calls (the replay is of minickpt's own), each piece
+    of minickpt's Python is timed apart from the calls inside it, nothing is left behind,
+    and the ``os`` functions are the real ones again afterwards."""
+    from benchmarks import tiny_pieces
+
+    real_open = os.open
+    res = tiny_pieces.measure(str(tmp_path), reps=4)
+    assert os.open is real_open
+    m, b = res["minickpt"], res["bare"]
+    for side in (m, b):
+        assert 0 < side["system calls"] < side["total"]
+        assert side["outside the calls"] == pytest.approx(side["total"] - side["system calls"],
+                                                          rel=0.5)
+    for piece in ("snapshot", "write_item", "metadata"):
+        assert 0 < m[piece] < m["total"]
+    assert m["snapshot"] + m["write_item"] + m["metadata"] < m["total"]
+    assert len(res["cold and hot"]) == 3
+    assert all(c > 0 and h > 0 for c, h in res["cold and hot"].values())
+    assert "ratio" in tiny_pieces.report(res)
+    assert os.listdir(tmp_path) == []
+
+
 # ---------------------------------------------------------------------------------------
 # the disk's limit by fio (recorded output; no fio needed)
 # ---------------------------------------------------------------------------------------
