@@ -43,8 +43,11 @@ if "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", "")
 #
 # Training a large model is that convoy: the state is spread over many devices on many hosts, and
 # a checkpoint of it is a *collective* act. This chapter runs it for real on your machine —
-# several JAX processes joined by `jax.distributed` on localhost (CPU collectives through gloo),
-# several devices each — and answers, with measurements:
+# several JAX processes joined by `jax.distributed` on localhost, several devices each — and
+# answers, with measurements (the processes' CPU devices exchange data through *gloo*, a library
+# of collective operations — all-reduce, all-gather, broadcast — over TCP sockets, which JAX uses
+# for collectives between CPU devices of different processes; GPUs use NCCL, TPUs their own
+# interconnect):
 #
 # 1. Who saves when every device holds the whole model (data parallelism), and who when each holds
 #    a part (sharded state)?
@@ -90,6 +93,14 @@ print(f"this notebook: JAX {jax.__version__}, {jax.device_count()} {jax.devices(
 # id the launcher gave it and calls `jax.distributed.initialize`); afterwards `jax.devices()`
 # lists the devices of **all** processes and `jax.local_devices()` this process's own. Each process
 # prints `RESULT {...}` lines; `run_job` collects them by process.
+#
+# The **coordinator** is process 0's *coordination service*: a small server, at a `host:port`
+# every process is given, that each process connects to when it starts. It assigns nothing by
+# itself — the process ids come from the launcher — but it gathers every process's devices into
+# the one global list, and then serves the job's bookkeeping: a key-value store, barriers, and
+# heartbeats by which it notices a dead process. (The bulk data — gradients, shards — never goes
+# through it: that is gloo's job.) minickpt's barriers and exchanges (`default_sync()`) use its
+# key-value store.
 
 # %%
 PRELUDE = '''
@@ -217,9 +228,17 @@ claim(dp[0]["files"] == ["data.bin", "manifest.json"] and all(r["same"] for r in
 # %% [markdown]
 # Look at the four checksums: they are equal — the replicas are bit-identical after 20 steps,
 # which is what entitles one process to save for all. The item holds one `data.bin` and one
-# `manifest.json`, written by process 0 alone, and every process got its copy back. This is the
-# classic Flax recipe ("save if `jax.process_index() == 0`, broadcast on restore"); minickpt's
+# `manifest.json`, written by process 0 alone, and every process got its copy back; minickpt's
 # `primary_only=True` does it with a time-out on every wait.
+#
+# This is the old Flax recipe, "save if `jax.process_index() == 0`". Do not follow it literally
+# today. Flax's `flax.training.checkpoints.save_checkpoint` now saves through Orbax by default
+# (`flax_use_orbax_checkpointing=True`), and Orbax's save is *collective*: its barriers wait
+# for every process. Called on process 0 alone, it waits for the others forever; when it sees
+# several processes, Flax logs "Your devices will HANG if this function is only called on
+# process 0!" (flax 0.12, `flax/training/checkpoints.py`). Its docstring says what to call
+# instead: `save_checkpoint_multiprocess`, which **every** process calls (process 0 alone then
+# removes the old checkpoints).
 #
 # ### 1b. Sharded state: no process holds the whole model
 #
@@ -461,9 +480,10 @@ claim(not nv["readable"] or len(nv["rows"]) <= 2,
 # same bytes, but every writer truncates the file when it opens it while the others go on writing
 # at their own offsets: until the last writer finishes — and for good, if a process dies meanwhile
 # — the file can hold zeros where another writer's bytes were, or the bytes of two writers (a
-# *torn* file), and nothing stops a reader from reading it then. (On GPUs, where replicas may
-# differ in the last bits, the two writers' bytes are not even the same.) Under sharding it loses
-# the model for certain.
+# *torn* file), and nothing stops a reader from reading it then. (That the replicas' bytes are
+# equal — section 1a's checksums, on a GPU as on a CPU, since every replica gets the same
+# all-reduced gradient — does not help: the damage is in the moments between the writes.) Under
+# sharding it loses the model for certain.
 #
 # ### 2c. A commit that does not wait for the slowest process
 #
@@ -758,8 +778,12 @@ claim(0.8 < barrel[0]["orbax_bytes"] / raw < 1.0,
       seen=f"{barrel[0]['orbax_bytes'] / raw:.1%}")
 
 # %% [markdown]
-# The layouts differ, the protocol is alike. Orbax gives each process its own OCDBT key-value
-# store (`ocdbt.process_<i>/`, TensorStore chunks under `d/`), which the primary's `manifest.ocdbt`
+# The layouts differ, the protocol is alike. Orbax writes every array through **TensorStore**,
+# Google's library for reading and writing large n-dimensional arrays in chunks, and by default
+# into TensorStore's **OCDBT** format (an "optionally-cooperative distributed B+tree"): a
+# key-value store that packs many chunks into a few large data files under `d/` and finds them
+# through a B+tree of index nodes, with a `manifest.ocdbt` at its root. Orbax gives each process
+# its own OCDBT store (`ocdbt.process_<i>/`), which the primary's top-level `manifest.ocdbt`
 # ties together, adds `array_metadatas/process_<i>` and the tree's `_METADATA`, and marks
 # completion with `commit_success.txt` and a rename; minickpt writes `data.p<i>.bin` and
 # `manifest.p<i>.json` per process and one `manifest.json` with every shard file's checksum. Both
@@ -850,7 +874,10 @@ claim(mini_rep.get(0, 0) >= 2 * 2**20 and all(v == 0 for k, v in mini_rep.items(
 #   each process writes the pieces it owns — one replica each, the first in the sharding's order.
 # - A collective save agrees on the step, then: create — barrier — every process writes its
 #   shards — barrier — the primary commits — barrier. Every barrier has a time-out that names the
-#   missing process; a failure anywhere fails the save everywhere and commits nothing.
+#   missing process; a failure anywhere makes the save raise on every surviving process, and
+#   nothing incomplete is ever published. A failure before the `written` barrier commits nothing
+#   (section 2f); after it every shard is durable, so a live primary's commit completes and the
+#   complete step stays, though the save reported a failure (section 2).
 # - Without the agreement, steps mix; without the barrier before the commit, an incomplete
 #   checkpoint is published; "every process saves its own copy" loses a sharded model and can
 #   tear a replicated one. Agree on the step to restore as well: processes can list different
