@@ -900,9 +900,10 @@ while True:
         break
     reached = int(lines[-1].split()[-1])                   # "preempted at step N"
     n_pre += 1
-loss = total_wall / t_ref - 1
+loss = 1 - t_ref / total_wall  # the share of the wall time that did no new work
 print(f"{n_pre} preemptions: {total_wall:.1f} s of wall time against {t_ref:.1f} s "
-      f"uninterrupted (same script, same disk) -> throughput lost {loss:.0%}; "
+      f"uninterrupted (same script, same disk): {total_wall / t_ref - 1:+.0%} wall time, "
+      f"throughput lost 1 - {t_ref:.1f}/{total_wall:.1f} = {loss:.0%}; "
       f"per preemption R = {(total_wall - t_ref) / n_pre:.2f} s")
 _ = verdict(loss > 0.3, "on this toy run the throughput lost is large",
             otherwise="start-up was fast on this machine compared with the run", seen=f"{loss:.0%}")
@@ -910,9 +911,10 @@ _ = verdict(loss > 0.3, "on this toy run the throughput lost is large",
 # %% [markdown]
 # On this toy the loss is large (the verdict above says how large on this run), because the
 # whole run lasts a few seconds and each preemption costs a restart: a new Python process that
-# imports JAX, restores and saves once more. The loss is $n \cdot R / T$, with $R$ the
-# per-preemption cost just printed — about a second on an idle machine, more on a loaded one.
-# The same formula with the seed's numbers says when "< 3 %" holds:
+# imports JAX, restores and saves once more. $n$ preemptions add $n \cdot R$ to a run of $T$,
+# so the throughput lost is $n R / (T + n R)$, with $R$ the per-preemption cost just printed —
+# about a second on an idle machine, more on a loaded one. When preemptions are rare it is about
+# $R/\text{MTTP}$, and with the seed's numbers that says when "< 3 %" holds:
 
 # %%
 R_seed = 5 * 60.0   # the seed's 5 minutes to resume
@@ -1036,7 +1038,8 @@ verdict(0.4 < 1 - t_resumed / t_fresh < 0.7, "a bit over half of the time was sa
 #   more. `keep_period` milestones take a slot while they are among the newest and come on top
 #   once they are older.
 # - SIGTERM: flag, save at the next step, exit 0, resume with nothing lost; SIGKILL: up to one
-#   interval redone. Drill it, and measure what recovery time is made of; a SIGKILL drill tests
+#   interval redone. Orbax's `reached_preemption` sees the SIGTERM only once `jax.distributed`
+#   is initialised (a job of one process is enough); otherwise it answers `False`. Drill it, and measure what recovery time is made of; a SIGKILL drill tests
 #   process death, not a lost machine (chapter 2's power cuts).
 # - After a failed save, retry a bounded number of times, then stop — or go on only under an
 #   explicit override: `EIO` from a local disk rarely goes away.
