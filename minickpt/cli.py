@@ -392,24 +392,46 @@ def cmd_diff(args: argparse.Namespace) -> int:
 
 def cmd_convert_orbax(args: argparse.Namespace) -> int:
     from .options import CheckpointManagerOptions
-    from .orbax_convert import convert
+    from .orbax_convert import ConversionFailed, convert
 
     def show(c: Any) -> None:
-        if not args.json:
-            print(f"step {c.step}: {c.source} -> {c.path}: {c.leaves} leaves identical"
-                  + (" (already converted)" if c.skipped else ""))
+        if args.json:
+            return
+        if c.error is not None:  # one line, and the next step is converted
+            print(f"minickpt: error: step {c.step}: {c.source}: not converted: {c.error}",
+                  file=sys.stderr)
+            return
+        extra = [f"JSON item(s) {', '.join(c.json_items)}"] if c.json_items else []
+        extra += [f"{c.keys} typed PRNG key(s)"] if c.keys else []
+        print(f"step {c.step}: {c.source} -> {c.path}: items {', '.join(c.items)}: "
+              f"{c.leaves} leaves identical" + (f" ({'; '.join(extra)})" if extra else "")
+              + (" (already converted)" if c.skipped else ""))
 
+    records: list[Any] = []
+
+    def keep(c: Any) -> None:
+        records.append(c)
+        show(c)
+
+    src, dst = os.path.abspath(args.src), os.path.abspath(args.dst)
     try:
-        done = convert(args.src, args.dst, steps=args.steps, on_step=show,
-                       options=CheckpointManagerOptions(step_prefix=args.step_prefix))
+        convert(args.src, args.dst, steps=args.steps, on_step=keep,
+                options=CheckpointManagerOptions(step_prefix=args.step_prefix))
+        failed: dict[int, str] = {}
     except FileNotFoundError as e:
         raise UsageError(str(e)) from None
+    except ConversionFailed as e:
+        failed = e.failed
     if args.json:
-        _print_json([vars(c) for c in done])
+        _print_json([vars(c) for c in records])
+    elif failed:
+        print(f"converted {len(records) - len(failed)} of {len(records)} Orbax "
+              f"checkpoint(s) from {src} into {dst}; NOT converted: step(s) "
+              f"{sorted(failed)} (why: above); {src} was only read")
     else:
-        print(f"converted {len(done)} Orbax checkpoint(s) from {os.path.abspath(args.src)} "
-              f"into {os.path.abspath(args.dst)}; the Orbax directory is unchanged")
-    return EXIT_OK
+        print(f"converted {len(records)} Orbax checkpoint(s) from {src} into {dst}, every "
+              f"item of every step; {src} was only read")
+    return EXIT_DAMAGE if failed else EXIT_OK
 
 
 def cmd_stats(args: argparse.Namespace) -> int:
