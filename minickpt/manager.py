@@ -119,6 +119,7 @@ class CheckpointManager(DirectoryLock, Retention, Restoring):
                     log.warning("minickpt: removed %s left by an interrupted save or delete",
                                 os.path.join(self.directory, name))
         self._infos: dict[int, policy.StepInfo] = {}
+        self._metric_errors: set[int] = set()  # steps whose metrics best_fn raised on (logged)
         # steps listed whose metadata could not be read (step -> why): never counted or
         # deleted by retention, read again before each retention and at each reload
         self._unreadable: dict[int, str] = {}
@@ -316,7 +317,7 @@ class CheckpointManager(DirectoryLock, Retention, Restoring):
         if o.best_fn is None:
             return self.latest_step()
         with self._mutex:
-            infos = list(self._infos.values())
+            infos = self._scorable(list(self._infos.values()))
         return policy.best_step(infos, o.best_fn, o.best_mode)
 
     def metadata(self, step: int | None = None) -> CheckpointMetadata:
@@ -613,6 +614,13 @@ class CheckpointManager(DirectoryLock, Retention, Restoring):
             self._retired = retired
             try:
                 self._apply_retention()
+            except Exception as e:
+                # step is committed: whatever retention met, the save did not fail (and the
+                # next save's retention tries again)
+                log.error("minickpt: step %d is saved, but the retention after it failed: "
+                          "%s: %s", step, type(e).__name__, e)
+                warnings.warn(f"step {step} is saved, but the retention after it failed: "
+                              f"{type(e).__name__}: {e}", stacklevel=4)
             finally:
                 self._retired = None
             stats.retention_s = time.perf_counter() - t
