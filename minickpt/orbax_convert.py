@@ -19,7 +19,7 @@ from .errors import CheckpointCorruptedError, CheckpointNotFoundError, MiniCkptE
 from .fs import DEFAULT_FS, FileSystem
 from .manager import CheckpointManager
 from .options import CheckpointManagerOptions
-from .orbax_dirs import ITEM_FILES, orbax_steps, read_json, real_dir
+from .orbax_dirs import ITEM_FILES, orbax_metrics, orbax_steps, read_json, real_dir
 from .tree import HostKey, canonical_impl
 
 
@@ -118,17 +118,6 @@ def _mode(fs: FileSystem, path: str) -> int:
         return fs.lstat(path).st_mode
     except FileNotFoundError:
         return 0
-
-
-def _orbax_metrics(step_dir: str, fs: FileSystem) -> dict[str, Any] | None:
-    """A step's metrics: Orbax's JSON item ``metrics/metrics`` (CheckpointManager's
-    ``metrics=``), else those its step metadata records."""
-    path = os.path.join(step_dir, "metrics", "metrics")
-    metrics = read_json(fs, path) if fs.exists(path) else None
-    if not isinstance(metrics, dict) or not metrics:
-        meta = read_json(fs, os.path.join(step_dir, METADATA_FILE))
-        metrics = meta.get("metrics") if isinstance(meta, dict) else None
-    return metrics if isinstance(metrics, dict) and metrics else None
 
 
 @contextlib.contextmanager
@@ -367,7 +356,7 @@ def convert(source: str | os.PathLike[str], destination: str | os.PathLike[str],
 def _convert_step(mngr: CheckpointManager, step: int, step_dir: str, items: dict[str, Any],
                   json_items: list[str]) -> Converted:
     """Save one restored Orbax step into ``mngr`` (unless there already) and compare it."""
-    metrics = _orbax_metrics(step_dir, mngr.fs)
+    metrics = orbax_metrics(step_dir, mngr.fs)
     path = mngr.step_path(step)
     skipped = step in mngr.all_steps(read=True)
     if not skipped:
