@@ -33,7 +33,7 @@ from .errors import (
 )
 from .fallback import Restoring
 from .fs import DEFAULT_FS, FileSystem
-from .lock import DirectoryLock
+from .lock import LOCK_FILE, DirectoryLock
 from .multihost.save import (
     prepare_save,
 )
@@ -129,6 +129,13 @@ class CheckpointManager(DirectoryLock, Retention, Restoring):
         self.reload()
         if self.foreign_steps:
             note = foreign_note(self.directory, self.foreign_steps)
+            if self._lock_fd is not None:
+                # the lock must be where every minickpt writer of this directory looks;
+                # Orbax lists only step directories, so a file beside them changes nothing
+                note += (f". This writable manager locks the directory through "
+                         f"{os.path.join(self.directory, LOCK_FILE)} (a file Orbax ignores; "
+                         "kept after close(): delete it when no minickpt writer uses the "
+                         "directory); open it with read_only=True to write nothing")
             log.warning("minickpt: %s", note)
             warnings.warn(note, stacklevel=2)
 
@@ -359,6 +366,11 @@ class CheckpointManager(DirectoryLock, Retention, Restoring):
                 raise CheckpointNotFoundError(f"no checkpoint in {self.directory}")
         elif step not in self._infos:
             self.reload()
+            if step in self.foreign_steps and step not in self._infos:
+                name = self.foreign_steps[step]
+                raise CheckpointNotFoundError(
+                    f"step {step} in {self.directory} is {ORBAX} ({name}/), which minickpt "
+                    "does not read; " + foreign_note(self.directory, self.foreign_steps))
             if step not in self._infos:
                 raise CheckpointNotFoundError(
                     f"no checkpoint for step {step} in {self.directory} "
