@@ -14,10 +14,14 @@ import jax
 import numpy as np
 import pytest
 
-from minickpt import CheckpointManager, CheckpointManagerOptions, CheckpointNotFoundError
+from minickpt import (
+    CheckpointManager,
+    CheckpointManagerOptions,
+    CheckpointNotFoundError,
+    orbax_convert,
+)
 from minickpt.cli import main as cli
 from minickpt.errors import MiniCkptError
-from minickpt import orbax_convert
 from minickpt.orbax_convert import convert
 from minickpt.tree import HostKey
 
@@ -141,7 +145,7 @@ def test_a_destination_holding_another_runs_step_says_so(src, tmp_path, capsys):
     with CheckpointManager(dst) as m:
         m.save(2, {"state": {"w": np.zeros(3)}})
     code, out, err = run_cli(capsys, "convert-orbax", src, dst)
-    assert code == 1
+    assert code == 1 and "NOT converted: step(s) [2]" in out
     assert "another run" in err and "step 2" in err
     assert "damaged" not in err.lower() and "differs" not in err
     with CheckpointManager(dst, CheckpointManagerOptions(read_only=True)) as m:
