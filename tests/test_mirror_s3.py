@@ -26,12 +26,8 @@ from conftest import tree_equal
 
 from minickpt import CheckpointManagerOptions
 from minickpt.errors import CheckpointNotFoundError
-from minickpt.production.tiered import (
-    COMMIT_SUCCESS_FILE,
-    FsspecStore,
-    MirrorError,
-    TieredCheckpointManager,
-)
+from minickpt.production.mirror import COMMIT_SUCCESS_FILE, FsspecStore, MirrorError
+from minickpt.production.tiered import TieredCheckpointManager
 
 if os.environ.get("CI"):  # CI installs the test extra: a missing package is a failure there
     import moto  # noqa: F401
