@@ -193,9 +193,13 @@ class TieredCheckpointManager:
 
     # ---- copying -------------------------------------------------------------------------
     def _on_event(self, event: str, record: Mapping[str, Any]) -> None:
-        if event == "save" and isinstance(record.get("step"), int) and self._copies:
-            if record.get("ok"):
-                self._copies.put(record["step"])
+        if event != "save" or not isinstance(record.get("step"), int):
+            return
+        if not record.get("ok"):  # an async save's error is raised by the next blocking call
+            log.error("minickpt: the save of step %d failed: %s", record["step"],
+                      record.get("error"))
+        elif self._copies is not None:
+            self._copies.put(record["step"])
 
     def _notify(self, record: dict[str, Any]) -> None:
         for fn in list(self.local.listeners):
