@@ -661,3 +661,25 @@ def test_exit_without_close_finishes_the_copies_with_a_true_message(tmp_path, s3
     assert "was not closed" in p.stderr, p.stderr
     steps, r = _restore_on_a_new_machine(tmp_path, _store(s3, prefix))
     assert steps == [0, 1, 2] and r.step == 2
+
+
+def test_the_cli_lists_and_verifies_a_mirror_on_s3(tmp_path, s3, monkeypatch, capsys):
+    from minickpt.cli import main
+
+    prefix = _prefix()
+    url = f"s3://{BUCKET}/{prefix}"
+    with TieredCheckpointManager(tmp_path / "local", _store(s3, prefix), OPTS) as m:
+        for s in range(2):
+            m.save(s, _items(s))
+    monkeypatch.setenv("AWS_ENDPOINT_URL", s3)  # what an operator's shell would set
+    assert main(["ls", url]) == 0
+    assert main(["verify", url]) == 0
+    out = capsys.readouterr().out
+    assert "step 0" in out and "step 1" in out and "VALID" in out
+    fs = _fs(s3)
+    path = f"{BUCKET}/{prefix}/step_1/params/data.bin"
+    data = bytearray(fs.cat_file(path))
+    data[len(data) // 2] ^= 1  # a flipped bit: only the checksums see it
+    fs.pipe_file(path, bytes(data))
+    assert main(["verify", url]) == 1
+    assert "DAMAGED" in capsys.readouterr().out

@@ -419,7 +419,7 @@ class FsspecStore(MirrorStore):
     same code path.
     """
 
-    def __init__(self, url: str, *, atomic_rename: bool | None = None,
+    def __init__(self, url: str, *, atomic_rename: bool | None = None, create: bool = True,
                  **storage_options: Any):
         try:
             import fsspec
@@ -432,7 +432,8 @@ class FsspecStore(MirrorStore):
             self.fs.protocol,)
         self.atomic_rename = bool({"file", "local"} & set(protocols)) \
             if atomic_rename is None else atomic_rename
-        self.fs.makedirs(self.root, exist_ok=True)
+        if create:  # (a reader, ``create=False``, never makes a bucket)
+            self.fs.makedirs(self.root, exist_ok=True)
 
     def path(self, rel: str) -> str:
         return f"{self.root.rstrip('/')}/{rel}" if rel else self.root
