@@ -174,7 +174,62 @@ def _latest_minickpt(targets: list[tuple[int | None, str]], what: str
 
 
 # ---------------------------------------------------------------------------------------
+def _is_url(path: str) -> bool:
+    """An fsspec URL (``s3://``, ``gs://`` ...): a tiered manager's mirror, read in place."""
+    return "://" in path and not path.startswith("file://")
+
+
+def _mirror_report(url: str, step: int | None, deep: bool) -> list[dict[str, Any]]:
+    """Each step folder of the mirror at ``url``: committed (its commit marker) and checked,
+    or not committed (an upload in flight or cut short: never restored). Credentials and
+    the endpoint come from the environment (``AWS_ENDPOINT_URL``, ``AWS_ACCESS_KEY_ID`` ...)."""
+    from .commit import parse_step
+    from .production.mirror import FsspecStore
+
+    store = FsspecStore(url, create=False)
+    out = []
+    for name in sorted(store.listdir("")):
+        s = parse_step(name)
+        if s is None or (step is not None and s != step):
+            continue
+        rec: dict[str, Any] = {"step": s, "path": store.path(name), "problems": []}
+        if not store.committed(name):
+            rec.update(status="uncommitted", problems=[
+                "no commit marker: an upload in flight or cut short; never restored"])
+        elif deep:
+            rec["problems"] = store.verify(name)
+            rec["status"] = "damaged" if rec["problems"] else "valid"
+        else:
+            try:
+                store.metadata(name)
+                rec["status"] = "valid"
+            except (MiniCkptError, OSError) as e:
+                rec.update(status="damaged", problems=[str(e)])
+        out.append(rec)
+    return out
+
+
+def _mirror_cmd(args: argparse.Namespace, verify: bool) -> int:
+    """``ls`` and ``verify`` on a mirror URL."""
+    out = _mirror_report(args.dir, getattr(args, "step", None), deep=verify or args.deep)
+    if verify and not out:
+        raise UsageError(f"no checkpoints in {args.dir}: nothing to verify")
+    if args.json:
+        _print_json(out)
+    else:
+        if not out:
+            print(f"no checkpoints in {args.dir}")
+        for r in out:
+            print(f"{r['status'].upper():<12} step {r['step']}: {r['path']}")
+            for p in r["problems"]:
+                print(f"    {p}")
+    bad = ("damaged", "uncommitted") if verify else ("damaged",)
+    return EXIT_DAMAGE if any(r["status"] in bad for r in out) else EXIT_OK
+
+
 def cmd_ls(args: argparse.Namespace) -> int:
+    if _is_url(args.dir):
+        return _mirror_cmd(args, verify=False)
     ck = Checkpointer()
     root = os.path.abspath(args.dir)
     if _is_checkpoint(root):
@@ -332,6 +387,8 @@ def _manifest_only(path: str, name: str, meta: Any, error: CheckpointCorruptedEr
 
 
 def cmd_verify(args: argparse.Namespace) -> int:
+    if _is_url(args.dir):
+        return _mirror_cmd(args, verify=True)
     ck = Checkpointer()
     targets = resolve(args.dir, args.step)
     if not targets:  # nothing verified is not a pass
