@@ -1564,3 +1564,26 @@ def check_issue_20(corpus, labs, slots: int) -> None:
             if "no cgroup" not in ISOLATION.marker:  # the slot's share: the cores over -j
                 share = len(os.sched_getaffinity(0)) / slots
                 assert float(spin[2]) <= share * float(spin[3]) * 1.3 + 0.5, (lab, spin[0])
+
+
+def test_timings_say_where_each_submissions_time_went_and_name_the_slowest(tmp_path):
+    """grade.sh's timings.csv: per submission its slot seconds and phases (phases.json of its
+    folder; empty for one that never reached a kernel); --durations N: the N slowest."""
+    from autograder.grade import TIMING_PHASES, write_timings
+
+    (tmp_path / "a").mkdir()
+    (tmp_path / "a" / "phases.json").write_text(json.dumps(
+        {"prepare": 0.1, "kernel": 0.8, "setup": 1.5, "cells": 62.0, "cpu": 3.0, "throttled": 0,
+         "slowest_cell": "test_1_4_resume", "slowest_cell_seconds": 60.0,
+         "timed_out": ["test_1_4_resume"]}))
+    timings = [("slow", "lab01_basics", 64.5), ("broken", "lab01_basics", 0.2)]
+    dirs = {("slow", "lab01_basics"): tmp_path / "a", ("broken", "lab01_basics"): tmp_path / "b"}
+    text = write_timings(tmp_path / "timings.csv", timings, dirs, 1)
+    with open(tmp_path / "timings.csv") as f:
+        rows = {r["student"]: r for r in csv.DictReader(f)}
+    assert list(rows["slow"]) == ["student", "lab", "seconds", *TIMING_PHASES]
+    assert rows["slow"]["timed_out"] == "test_1_4_resume" and rows["slow"]["kernel"] == "0.8"
+    assert rows["broken"]["seconds"] == "0.2" and rows["broken"]["cells"] == ""
+    assert text.startswith("slowest 1 of 2 submission(s)") and "slow/lab01_basics" in text
+    assert "timed out: test_1_4_resume" in text and "broken" not in text
+    assert write_timings(tmp_path / "t2.csv", timings, dirs, 0) == ""
