@@ -93,6 +93,17 @@ def pytest_configure(config):
 
     if not hasattr(config, "workerinput") and "MINICKPT_CORPUS_TIMINGS" not in os.environ:
         os.environ["MINICKPT_CORPUS_TIMINGS"] = tempfile.mkdtemp(prefix="minickpt-corpus-")
+        config._corpus_timings = os.environ["MINICKPT_CORPUS_TIMINGS"]
+
+
+def pytest_unconfigure(config):
+    """The timings folder this run made is removed once the summary is written."""
+    import shutil
+
+    folder = getattr(config, "_corpus_timings", None)
+    if folder:
+        shutil.rmtree(folder, ignore_errors=True)
+        os.environ.pop("MINICKPT_CORPUS_TIMINGS", None)
 
 
 def corpus_durations(folder: str, n: int = 10) -> list[str]:

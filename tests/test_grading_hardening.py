@@ -241,7 +241,8 @@ def _wait(run: dict) -> dict:
         p.kill()
         out, err = p.communicate()
     run["proc"] = subprocess.CompletedProcess(p.args, p.returncode, out, err)
-    run["seconds"] = time.monotonic() - run.pop("t0")
+    took = re.search(r"^graded \d+ submission\(s\) in (\d+) s", out, re.M)  # its own wall
+    run["seconds"] = float(took[1]) if took else time.monotonic() - run["t0"]  # (side by side)
     run["out"], run["work"] = run["tmp"] / "out", run["tmp"] / "work"
     path = run["out"] / "results.json"
     rows = json.loads(path.read_text()) if path.exists() else []
