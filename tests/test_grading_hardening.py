@@ -1588,3 +1588,16 @@ def test_timings_say_where_each_submissions_time_went_and_name_the_slowest(tmp_p
     assert text.startswith("slowest 1 of 2 submission(s)") and "slow/lab01_basics" in text
     assert "timed out: test_1_4_resume" in text and "broken" not in text
     assert write_timings(tmp_path / "t2.csv", timings, dirs, 0) == ""
+
+
+def test_a_labs_fill_waits_only_for_a_fill_of_the_same_lab(tmp_path):
+    """Two grade.sh (two corpus classes) fill different labs' caches at once; the same lab's
+    fill is held by one of them while the other waits, then reuses it."""
+    with compile_cache.key_lock(tmp_path, "lab-a") as held:
+        assert held
+        with compile_cache.key_lock(tmp_path, "lab-b", timeout=0) as other:
+            assert other
+        with compile_cache.key_lock(tmp_path, "lab-a", timeout=0) as same:
+            assert not same
+        with compile_cache.Lock(tmp_path, timeout=0) as root:  # the root's, for installs
+            assert root
