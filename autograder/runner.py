@@ -208,6 +208,7 @@ def _run(job: Job, cfg: dict[str, Any], lab: Lab, student: list[Any], iso: sandb
                                       **cache_vars,
                                       "IPYTHONDIR": str(root / "scratch" / ".ipython"),
                                       "TMPDIR": str(root / "scratch" / "tmp")}
+    t_run = time.monotonic()
     try:
         report = run_client(client, root / "kernel.log", env=env,
                             cwd=cwd if not iso.sandboxed else None)
@@ -217,6 +218,7 @@ def _run(job: Job, cfg: dict[str, Any], lab: Lab, student: list[Any], iso: sandb
         if slot_cgroup is not None:
             slot_cgroup.kill()
         km.context.destroy(linger=0)
+    _write_phases(root / "phases.json", asm, nb, report, t0, t_run)
     executed = [[_text_only(o) for o in c.get("outputs", [])] if c.cell_type == "code" else []
                 for c in nb.cells]
     notes = {i: msg for i, msg in report.not_run.items()}
@@ -241,6 +243,71 @@ def _run(job: Job, cfg: dict[str, Any], lab: Lab, student: list[Any], iso: sandb
     if report.strays_killed:
         result["killed_processes"] = report.strays_killed
     _finish(root, result, lab, asm, executed, t0)
+
+
+def _slot_cpu(slot: cgroups.SlotCgroup | None) -> dict[str, float]:
+    """The slot cgroup's CPU counters in seconds: ``cpu`` (used; v2's usage_usec, or v1's
+    cpuacct.usage where cpuacct shares the cpu folder) and ``throttled`` (time its processes
+    wanted a core but the slot's cpu.max share was spent)."""
+    out: dict[str, float] = {}
+    for folder in slot.paths if slot is not None else ():
+        try:
+            with open(os.path.join(folder, "cpu.stat")) as f:
+                stat = dict(line.split() for line in f if len(line.split()) == 2)
+        except (OSError, ValueError):
+            stat = {}
+        if "usage_usec" in stat:
+            out["cpu"] = int(stat["usage_usec"]) / 1e6
+        if "throttled_usec" in stat:
+            out["throttled"] = int(stat["throttled_usec"]) / 1e6
+        elif "throttled_time" in stat:  # v1: nanoseconds
+            out["throttled"] = int(stat["throttled_time"]) / 1e9
+        try:
+            with open(os.path.join(folder, "cpuacct.usage")) as f:
+                out["cpu"] = int(f.read()) / 1e9
+        except (OSError, ValueError):
+            pass
+    return out
+
+
+def _write_phases(path: Path, asm: Assembled, nb: Any, report: Any, t0: float, t_run: float
+                  ) -> None:
+    """Where one submission's wall time went (timings.csv's columns, the slowest list):
+    ``prepare`` (copy, assemble; the private cache copy), ``kernel`` (its start and stop: the
+    run less its cells), ``setup`` (the referee's and the lab's setup cells), ``cells`` (the
+    rest), the slowest other cell and the cells stopped at their time-out (:func:`worker_main`
+    adds the slot's CPU seconds)."""
+    seconds = {int(k): float(v) for k, v in report.seconds.items()}
+    roles = {k: (c.role, c.grade_id or f"{c.role} cell {k}") for k, c in enumerate(asm.cells)}
+    setup = sum(s for k, s in seconds.items() if roles[k][0] in ("setup", "referee"))
+    rest = {k: s for k, s in seconds.items() if roles[k][0] not in ("setup", "referee")}
+    slow = max(rest, key=rest.get, default=None)
+    run = time.monotonic() - t_run
+    phases = {"prepare": t_run - t0, "kernel": max(0.0, run - sum(seconds.values())),
+              "setup": setup, "cells": sum(rest.values()),
+              "slowest_cell": roles[slow][1] if slow is not None else "",
+              "slowest_cell_seconds": rest.get(slow, 0.0) if slow is not None else 0.0,
+              "timed_out": [roles[k][1] for k, c in enumerate(nb.cells) if k in roles
+                            and any(o.get("ename") in ("CellTimeoutError", "KernelUnresponsive")
+                                    for o in c.get("outputs", []))]}
+    try:
+        path.write_text(json.dumps({k: round(v, 2) if isinstance(v, float) else v
+                                    for k, v in phases.items()}))
+    except OSError:  # a measurement only
+        pass
+
+
+def _add_cpu(path: Path, before: dict[str, float], after: dict[str, float]) -> None:
+    """The slot's CPU counters over one submission into its phases.json (:func:`_slot_cpu`):
+    a submission that only waits uses little CPU; one that its share throttles, much."""
+    try:
+        phases = json.loads(path.read_text())
+        for k in ("cpu", "throttled"):
+            if k in before and k in after:
+                phases[k] = round(max(0.0, after[k] - before[k]), 2)
+        path.write_text(json.dumps(phases))
+    except (OSError, ValueError):  # a measurement only; no kernel, no phases
+        pass
 
 
 def run_client(client: Any, log: Path, *, env: dict[str, str] | None, cwd: str | None) -> Any:
@@ -409,11 +476,13 @@ def worker_main(cfg_json: str) -> int:
         if not line.strip():
             continue
         job = job_from(json.loads(line))
+        slot_cgroup = cgroups.from_list(cfg.get("cgroup"))
+        cpu = _slot_cpu(slot_cgroup)
         grade_one(job, cfg, labs)
         sandbox.kill_descendants()  # sandboxed or not: nothing it started outlives its grading
-        slot_cgroup = cgroups.from_list(cfg.get("cgroup"))
         if slot_cgroup is not None:
             slot_cgroup.kill()
+        _add_cpu(Path(job.dir) / "phases.json", cpu, _slot_cpu(slot_cgroup))
         proto.write(f"done {job.id}\n")
     return 0
 
