@@ -224,3 +224,112 @@ def _honest(_fn):
         """Mine: the first step (enough for this test)."""
         return steps[0]
     return agree_on_step
+
+
+# ---------------------------------------------------------------------------------------
+# issue 38 (3): hidden test text does not outlive its cell
+# ---------------------------------------------------------------------------------------
+PROBE = r'''
+import gc, linecache, sys, traceback, types
+_found = {"set": [n for n in ("last_type", "last_value", "last_traceback", "last_exc")
+                  if getattr(sys, n, None) is not None]}
+_texts = []
+_v = getattr(sys, "last_value", None)
+if _v is not None:
+    _texts.append("".join(traceback.TracebackException(
+        type(_v), _v, sys.last_traceback, capture_locals=True).format()))
+_ip = get_ipython()
+_r = _ip.last_execution_result
+for _e in (getattr(_r, "error_in_exec", None), getattr(_r, "error_before_exec", None)):
+    while _e is not None:
+        if _e.__traceback__ is not None:
+            _found["set"].append("an exception's __traceback__")
+            _texts.append("".join(traceback.TracebackException(
+                type(_e), _e, _e.__traceback__, capture_locals=True).format()))
+        _e = _e.__context__
+_texts.append(repr(getattr(_ip.history_manager, "exceptions", {})))
+_texts.append(repr({k: v for k, v in linecache.cache.items() if k.startswith("<test")}))
+for _o in gc.get_objects():
+    if isinstance(_o, types.FrameType) and _o.f_code.co_filename.startswith("<test"):
+        _found["set"].append("a frame of a test")
+        _texts.append(repr(_o.f_locals))
+    elif isinstance(_o, types.TracebackType):
+        _t = _o
+        while _t is not None:
+            if _t.tb_frame.f_code.co_filename.startswith("<test") or \
+                    "source" in _t.tb_frame.f_locals:
+                _found["set"].append("a traceback through a test")
+                _texts.append(repr(_t.tb_frame.f_locals))
+            _t = _t.tb_next
+_found["text"] = "\n".join(_texts)
+open("probe.txt", "w").write(repr(_found))
+print("PROBE written")
+'''
+
+
+def _leak_probe(tmp: str) -> dict:
+    """Lab 1's blank release, run in a bare unsandboxed kernel under the referee up to its
+    first test (which fails), then :data:`PROBE`: what the kernel still holds of it."""
+    import ast
+    import asyncio
+    import json
+
+    from nbformat.v4 import new_code_cell, new_notebook
+
+    from autograder import execute, runner
+    from autograder.notebook import assemble, load_lab, read_submission
+
+    tmp_path = Path(tmp)
+    lab = load_lab(ROOT / "solutions" / LAB / f"{LAB}.ipynb")
+    student = read_submission(ROOT / "labs" / LAB / f"{LAB}.ipynb")
+    key_file = tmp_path / "referee.key"
+    asm = assemble(lab, student, referee_path=str(runner.REFEREE_FILE), key_file=str(key_file))
+    key_file.write_bytes(asm.key)
+    first = next(i for i, c in enumerate(asm.cells) if c.role == "test")
+    cells = [new_code_cell(c.run, metadata={"minickpt": {"role": c.role}})
+             for c in asm.cells[:first + 1] if c.kind == "code"]
+    nb = new_notebook(cells=[*cells, new_code_cell(PROBE)])
+    ipc = tmp_path / "ipc"
+    ipc.mkdir()
+    iso = sandbox.unsandboxed("test")
+    km = sandbox.make_kernel_manager(iso, uid=0, ipc_dir=str(ipc), cwd=str(tmp_path),
+                                     limits=sandbox.Limits(), extra_ro={},
+                                     kernel_args=runner.KERNEL_ARGS, max_message_bytes=32 << 20)
+    client = execute.GradingClient(nb, km, timeout=120, setup_timeout=120,
+                                   keep_output_bytes=1 << 20, max_output_bytes=64 << 20,
+                                   interrupt_grace=10, reap_uid=None)
+    env = {**os.environ, "JAX_PLATFORMS": "cpu", "TMPDIR": str(tmp_path)}
+    runner.run_client(client, tmp_path / "kernel.log", env=env, cwd=str(tmp_path))
+    km.context.destroy(linger=0)
+    del asyncio
+    test_out = json.dumps(nb.cells[-2].outputs)
+    if not (tmp_path / "probe.txt").exists():
+        raise AssertionError(f"the probe wrote nothing: {json.dumps(nb.cells[-1].outputs)[:3000]}")
+    found = ast.literal_eval((tmp_path / "probe.txt").read_text())
+    hidden = [s.strip() for s in asm.cells[first].full.split("\n") if len(s.strip()) >= 20
+              and s.strip() not in asm.cells[first].show]
+    return {"set": found["set"], "leaked": [s for s in hidden if s in found["text"]],
+            "hidden": len(hidden), "test_failed": '"error"' in test_out,
+            "test_out": test_out[:2000]}
+
+
+ROOT = Path(__file__).resolve().parents[1]
+LAB = "lab01_basics"
+
+
+@pytest.mark.timeout(300)
+def test_after_a_failed_test_the_kernel_holds_no_trace_of_its_text(tmp_path):
+    """Round 4: after a failed test cell, ``sys.last_traceback`` (and IPython's last result)
+    held the referee's frames; ``TracebackException(..., capture_locals=True)`` in the next
+    cell printed the test's whole text. After each test cell nothing of it is left: no
+    ``sys.last_*``, no exception with a traceback, no frame or traceback through a test."""
+    import json
+
+    proc = subprocess.run([sys.executable, "-c", "import tests.test_grading_edges as t, sys, "
+                           "json; print(json.dumps(t._leak_probe(sys.argv[1])))",
+                           str(tmp_path)], cwd=ROOT, capture_output=True, text=True,
+                          timeout=280, env={**os.environ, "JAX_PLATFORMS": "cpu"})
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    got = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert got["test_failed"] and got["hidden"] >= 3, got
+    assert got["set"] == [] and got["leaked"] == [], got
