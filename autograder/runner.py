@@ -20,6 +20,7 @@ import queue
 import select
 import shutil
 import signal
+import stat
 import subprocess
 import sys
 import tempfile
@@ -33,6 +34,7 @@ from typing import Any
 
 from . import ROOT, cgroups, sandbox
 from .notebook import (
+    MAX_NOTEBOOK_BYTES,
     TASK_CELL_RE,
     Assembled,
     Lab,
@@ -117,7 +119,7 @@ def grade_one(job: Job, cfg: dict[str, Any], labs: dict[str, Lab]) -> dict[str, 
             lab = labs[job.lab] = load_lab(Path(cfg["source"]) / job.lab / f"{job.lab}.ipynb")
         result = _base_result(job, lab, iso.marker)
         try:
-            shutil.copyfile(job.notebook, root / "submitted.ipynb")
+            copy_submission(Path(job.notebook), root / "submitted.ipynb")
             student = read_submission(root / "submitted.ipynb")
         except (SubmissionError, OSError) as e:
             reason = str(e) if isinstance(e, SubmissionError) else f"cannot be read: {e}"
@@ -139,6 +141,50 @@ def grade_one(job: Job, cfg: dict[str, Any], labs: dict[str, Lab]) -> dict[str, 
         except OSError:
             pass
         return result
+
+
+KINDS = {stat.S_IFDIR: "a folder", stat.S_IFIFO: "a named pipe", stat.S_IFSOCK: "a socket",
+         stat.S_IFCHR: "a character device", stat.S_IFBLK: "a block device"}
+
+
+def copy_submission(src: Path, dest: Path) -> None:
+    """Copy the handed-in notebook into the submission's folder, only if it is a regular
+    file: a symbolic link (to the solutions, to ``/dev/zero``) is never followed, a pipe or a
+    device never opened for reading; each is a :class:`SubmissionError` that names it (the
+    grade row's reason). ``lstat`` decides, ``O_NOFOLLOW`` and ``fstat`` on what was opened
+    close the race with a file swapped in between; at most
+    :data:`~autograder.notebook.MAX_NOTEBOOK_BYTES` (and one more) are read."""
+    try:
+        st = os.lstat(src)
+    except OSError as e:
+        raise SubmissionError(f"the notebook cannot be read ({e.strerror})") from None
+    if stat.S_ISLNK(st.st_mode):
+        try:
+            target = os.readlink(src)
+        except OSError:
+            target = "?"
+        raise SubmissionError(f"the notebook is a symbolic link (to {target[:200]!r}), not a "
+                              "file: only a regular file is graded, a link is never followed")
+    if not stat.S_ISREG(st.st_mode):
+        kind = KINDS.get(stat.S_IFMT(st.st_mode), "not a file")
+        raise SubmissionError(f"the notebook is not a regular file ({kind}): only a regular "
+                              "file is graded")
+    try:
+        fd = os.open(src, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+    except OSError as e:  # ELOOP: it became a link after the lstat
+        raise SubmissionError(f"the notebook cannot be read ({e.strerror}): only a regular "
+                              "file is graded") from None
+    with os.fdopen(fd, "rb") as f:
+        if not stat.S_ISREG(os.fstat(f.fileno()).st_mode):
+            raise SubmissionError("the notebook is not a regular file: only a regular file "
+                                  "is graded")
+        data = f.read(MAX_NOTEBOOK_BYTES + 1)
+    if len(data) > MAX_NOTEBOOK_BYTES:
+        raise SubmissionError(f"the notebook is more than {MAX_NOTEBOOK_BYTES >> 20} MiB; that "
+                              "is not a lab (clear its outputs)")
+    out = os.open(dest, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
+    with os.fdopen(out, "wb") as f:
+        f.write(data)
 
 
 def _run(job: Job, cfg: dict[str, Any], lab: Lab, student: list[Any], iso: sandbox.Isolation,

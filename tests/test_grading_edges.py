@@ -333,3 +333,67 @@ def test_after_a_failed_test_the_kernel_holds_no_trace_of_its_text(tmp_path):
     got = json.loads(proc.stdout.strip().splitlines()[-1])
     assert got["test_failed"] and got["hidden"] >= 3, got
     assert got["set"] == [] and got["leaked"] == [], got
+
+
+# ---------------------------------------------------------------------------------------
+# issue 38 (4): the grader's own edges
+# ---------------------------------------------------------------------------------------
+def _refusals(tmp_path: Path) -> dict[str, Path]:
+    """One hand-in of each kind that is not a regular file."""
+    from autograder import grade
+
+    subs = tmp_path / "subs"
+    made = {}
+    for student in ("link_solutions", "link_zero", "fifo", "folder", "link_dangling"):
+        d = subs / student / LAB
+        d.mkdir(parents=True)
+        made[student] = d / f"{LAB}.ipynb"
+    made["link_solutions"].symlink_to(ROOT / "solutions" / LAB / f"{LAB}.ipynb")
+    made["link_zero"].symlink_to("/dev/zero")
+    made["link_dangling"].symlink_to(tmp_path / "nowhere.ipynb")
+    os.mkfifo(made["fifo"])
+    made["folder"].mkdir()
+    found, warnings = grade.find_submissions(subs, {LAB})
+    assert {s.student for s in found} == set(made), (found, warnings)
+    return made
+
+
+@pytest.mark.timeout(60)
+def test_only_a_regular_file_is_graded_a_link_is_refused_by_name_never_followed(tmp_path):
+    """Round 4: a submitted notebook that was a link to the solutions notebook scored 26/26; a
+    link to /dev/zero filled the work file system and failed the neighbour's grading. Each
+    hand-in that is not a regular file is a row with its reason, at once, reading nothing."""
+    from autograder import runner
+
+    cfg = {"iso": {"mode": "none"}, "source": str(ROOT / "solutions")}
+    why = {"link_solutions": "symbolic link", "link_zero": "symbolic link",
+           "link_dangling": "symbolic link", "fifo": "not a regular file",
+           "folder": "not a regular file"}
+    for student, path in _refusals(tmp_path).items():
+        job = runner.Job(0, student, LAB, str(path), str(tmp_path / "work" / student))
+        result = runner.grade_one(job, cfg, {})
+        assert result["status"] == "failed" and why[student] in result["reason"], result
+        assert result["total"] == 0, result
+        work = Path(job.dir)
+        assert sum(f.stat().st_size for f in work.rglob("*") if f.is_file()) < 1 << 20
+        assert not (work / "submitted.ipynb").exists()
+
+
+@pytest.mark.timeout(200)
+def test_a_class_of_links_and_pipes_is_graded_with_reasons_and_grade_sh_exits_0(tmp_path):
+    """The whole run: every such hand-in is a ``failed`` row with its reason, exit status 0
+    (no kernel starts: nothing of theirs is run, so no sandbox is needed for this)."""
+    import csv
+
+    _refusals(tmp_path)
+    proc = subprocess.run(
+        ["bash", str(ROOT / "autograder" / "grade.sh"), str(tmp_path / "subs"), "--lab", LAB,
+         "-j", "2", "--compile-cache", "off", "--unsandboxed", "--out", str(tmp_path / "out"),
+         "--work", str(tmp_path / "work")],
+        capture_output=True, text=True, timeout=180, env={**os.environ, "JAX_PLATFORMS": "cpu"})
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    with open(tmp_path / "out" / f"grades-{LAB}.csv") as f:
+        rows = {r["student"]: r for r in csv.DictReader(f)}
+    assert set(rows) == {"link_solutions", "link_zero", "fifo", "folder", "link_dangling"}
+    assert all(r["status"] == "failed" and r["total"] == "0" for r in rows.values()), rows
+    assert "symbolic link" in rows["link_solutions"]["reason"], rows["link_solutions"]
