@@ -143,6 +143,29 @@ def grade_one(job: Job, cfg: dict[str, Any], labs: dict[str, Lab]) -> dict[str, 
         return result
 
 
+RELEASE = ROOT / "labs"
+"""Where the released labs are: a lab's data files are mounted from there, never from
+``--source``."""
+
+
+def data_files(released: Path, cwd: str) -> dict[str, str]:
+    """The lab's data files as the kernel sees them in its working folder: those of the
+    *released* lab (what every student downloaded), regular files only (never a link), no
+    notebook, no hidden file. Nothing of ``--source`` is ever mounted: its notebook is read
+    by the grader (tests go to the kernel sealed), and whatever lies beside it (an editor's
+    backup, the instructor's notes) stays out of the kernel's reach."""
+    found = {}
+    try:
+        entries = sorted(os.scandir(released), key=lambda e: e.name)
+    except OSError:
+        return {}
+    for e in entries:
+        if e.is_file(follow_symlinks=False) and not e.name.endswith(".ipynb") \
+                and not e.name.startswith("."):
+            found[e.path] = f"{cwd}/{e.name}"
+    return found
+
+
 KINDS = {stat.S_IFDIR: "a folder", stat.S_IFIFO: "a named pipe", stat.S_IFSOCK: "a socket",
          stat.S_IFCHR: "a character device", stat.S_IFBLK: "a block device"}
 
@@ -198,11 +221,8 @@ def _run(job: Job, cfg: dict[str, Any], lab: Lab, student: list[Any], iso: sandb
     if iso.sandboxed:
         referee_path, cwd = REFEREE_IN_SANDBOX, f"/home/student/{lab.name}"
         key_file = str(ipc / "referee.key")
-        extra_ro = {str(REFEREE_FILE): REFEREE_IN_SANDBOX}
-        lab_dir = Path(cfg["source"]) / lab.name
-        for f in sorted(lab_dir.iterdir()):  # the lab's data files, in the working folder
-            if f.is_file() and f.suffix != ".ipynb" and not f.name.startswith("."):
-                extra_ro[str(f)] = f"{cwd}/{f.name}"
+        extra_ro = {str(REFEREE_FILE): REFEREE_IN_SANDBOX,
+                    **data_files(Path(cfg.get("release") or RELEASE) / lab.name, cwd)}
     else:
         scratch = root / "scratch"
         (scratch / "tmp").mkdir(parents=True)

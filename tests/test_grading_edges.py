@@ -8,6 +8,7 @@ Each test starts a few bare sandboxed processes (seconds), never a graded lab.
 from __future__ import annotations
 
 import functools
+import shutil
 import os
 import subprocess
 import sys
@@ -397,3 +398,42 @@ def test_a_class_of_links_and_pipes_is_graded_with_reasons_and_grade_sh_exits_0(
     assert set(rows) == {"link_solutions", "link_zero", "fifo", "folder", "link_dangling"}
     assert all(r["status"] == "failed" and r["total"] == "0" for r in rows.values()), rows
     assert "symbolic link" in rows["link_solutions"]["reason"], rows["link_solutions"]
+
+
+@pytest.mark.timeout(60)
+def test_nothing_but_the_notebook_of_a_private_source_reaches_the_kernel(tmp_path, monkeypatch):
+    """Round 4: an editor backup (``lab01_basics.ipynb.bak``) beside the private source's
+    notebook was mounted into the kernel's working folder and printed on the feedback page.
+    The kernel is shown no file of ``--source``: the lab's data files come from the released
+    lab (what students downloaded), regular files only."""
+    from autograder import runner
+
+    source = tmp_path / "private"
+    (source / LAB).mkdir(parents=True)
+    shutil.copy(ROOT / "solutions" / LAB / f"{LAB}.ipynb", source / LAB)
+    for name in (f"{LAB}.ipynb.bak", "answers.txt", "hidden_tests.py"):
+        (source / LAB / name).write_text("SECRET")
+    release = tmp_path / "labs"
+    (release / LAB).mkdir(parents=True)
+    shutil.copy(ROOT / "labs" / LAB / f"{LAB}.ipynb", release / LAB)
+    (release / LAB / "data.csv").write_text("x\n1\n")
+    (release / LAB / "link.csv").symlink_to(source / LAB / "answers.txt")
+    seen = {}
+
+    def fake_manager(iso, **kw):
+        seen.update(kw["extra_ro"])
+        raise RuntimeError("no kernel in this test")
+
+    monkeypatch.setattr(sandbox, "make_kernel_manager", fake_manager)
+    shutil.copy(ROOT / "labs" / LAB / f"{LAB}.ipynb", tmp_path / "sub.ipynb")
+    cfg = {"iso": {"mode": "bwrap-user"}, "source": str(source), "release": str(release),
+           "limits": {}, "ipc": str(tmp_path / "ipc"), "timeout": 60, "setup_timeout": 60,
+           "wall": 600, "grace": 5, "keep_output": 1 << 20, "max_output": 1 << 20,
+           "max_message": 1 << 20}
+    job = runner.Job(0, "alice", LAB, str(tmp_path / "sub.ipynb"), str(tmp_path / "work"))
+    assert runner.grade_one(job, cfg, {})["status"] == "error"  # the fake manager
+    assert seen, "the kernel's mounts were not seen"
+    assert not [s for s in seen if Path(s).resolve().is_relative_to(source.resolve())], seen
+    cwd = f"/home/student/{LAB}"
+    data = {d: s for s, d in seen.items() if d.startswith(cwd + "/")}
+    assert set(data) == {f"{cwd}/data.csv"}, seen
