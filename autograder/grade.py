@@ -668,6 +668,7 @@ def grade_main(argv: list[str]) -> int:
     a = _parser().parse_args(argv)
     tools_on_path()
     from . import sandbox
+    from .execute import SUBMISSION_KEEP_CHARS, SUBMISSION_OUTPUTS
     from .runner import Job, run_pool
 
     t0 = time.monotonic()
@@ -740,6 +741,7 @@ def grade_main(argv: list[str]) -> int:
                "mode": iso.mode, "bwrap": iso.bwrap, "setpriv": iso.setpriv,
                "prlimit": iso.prlimit, "lost": list(iso.lost), "detail": iso.detail},
            "limits": limits.as_dict(), "keep_output": 1 << 20, "max_output": 64 << 20,
+           "keep_output_total": SUBMISSION_KEEP_CHARS, "keep_outputs": SUBMISSION_OUTPUTS,
            "max_message": 32 << 20, "uid_base": a.sandbox_uid or sandbox.UID_BASE}
     (work / "logs").mkdir(parents=True, exist_ok=True)
     results: list[dict[str, Any]] = []

@@ -212,6 +212,7 @@ def copy_submission(src: Path, dest: Path) -> None:
 
 def _run(job: Job, cfg: dict[str, Any], lab: Lab, student: list[Any], iso: sandbox.Isolation,
          result: dict[str, Any], root: Path, t0: float) -> None:
+    from . import execute
     from .execute import GradingClient
 
     uid = cfg.get("uid")
@@ -267,6 +268,9 @@ def _run(job: Job, cfg: dict[str, Any], lab: Lab, student: list[Any], iso: sandb
                            setup_timeout=int(cfg["setup_timeout"]),
                            keep_output_bytes=int(cfg["keep_output"]),
                            max_output_bytes=int(cfg["max_output"]),
+                           budget_chars=int(cfg.get("keep_output_total",
+                                                    execute.SUBMISSION_KEEP_CHARS)),
+                           budget_outputs=int(cfg.get("keep_outputs", execute.SUBMISSION_OUTPUTS)),
                            interrupt_grace=int(cfg["grace"]), reap_uid=reap,
                            deadline=t0 + int(cfg["wall"]), on_ready=lock_ipc,
                            after_first_cell=drop_key)
@@ -297,6 +301,8 @@ def _run(job: Job, cfg: dict[str, Any], lab: Lab, student: list[Any], iso: sandb
     result["notes"] = asm.notes
     if report.fate:
         result["reason"] = f"{report.fate}: the cells after it were not run (0 points)"
+    if report.output_budget:
+        result["reason"] = "; ".join(filter(None, [result["reason"], report.output_budget]))
     result["ran_all_cells"] = not report.not_run and not report.fate
     mine = [(c.grade_id or f"your cell {k}", c.show) for k, c in enumerate(asm.cells)
             if c.role == "student" and c.show.strip()]  # what the student wrote, not what ran

@@ -8,8 +8,8 @@ Each test starts a few bare sandboxed processes (seconds), never a graded lab.
 from __future__ import annotations
 
 import functools
-import shutil
 import os
+import shutil
 import subprocess
 import sys
 import zlib
@@ -437,3 +437,59 @@ def test_nothing_but_the_notebook_of_a_private_source_reaches_the_kernel(tmp_pat
     cwd = f"/home/student/{LAB}"
     data = {d: s for s, d in seen.items() if d.startswith(cwd + "/")}
     assert set(data) == {f"{cwd}/data.csv"}, seen
+
+
+def _stream(text: str, name: str = "stdout") -> dict:
+    return {"msg_type": "stream", "header": {"msg_type": "stream"}, "parent_header": {},
+            "metadata": {}, "content": {"name": name, "text": text}}
+
+
+def _client():
+    from nbformat.v4 import new_notebook
+
+    from autograder import execute
+
+    client = execute.GradingClient(new_notebook(), None, timeout=60, setup_timeout=60,
+                                   keep_output_bytes=1 << 20, max_output_bytes=64 << 20,
+                                   interrupt_grace=5, reap_uid=None)
+    client.reset_execution_trackers()
+    client.clear_before_next_output = False  # (async_execute_cell sets it)
+    return client
+
+
+def test_one_output_budget_per_submission_bounds_what_is_kept_whatever_the_cells():
+    """Round 4: 300 cells of 1 MiB each were all kept (a 957 MB worker, a 304 MB
+    graded.ipynb; 1900 cells: MemoryError, "the grader failed"). Per submission, what is kept
+    is bounded in characters and in outputs; the rest is counted, the submission is graded
+    with the reason, and a receipt (the referee's sign) still gets through."""
+    from autograder import execute
+    from autograder.referee import RECEIPT
+
+    client = _client()
+    mib = "x" * (1 << 20)
+    cells = []
+    for k in range(40):
+        client._reset_cell()
+        outs: list = []
+        client.output(outs, _stream(mib), None, k)
+        client.output(outs, _stream(f"\n{RECEIPT} test_{k} {'0' * 64} ok\n"), None, k)
+        cells.append(outs)
+    kept = sum(len(o.get("text", "")) for outs in cells for o in outs)
+    assert kept <= execute.SUBMISSION_KEEP_CHARS + 40 * 200, kept
+    assert all(f"{RECEIPT} test_{k} " in "".join(o.get("text", "") for o in outs)
+               for k, outs in enumerate(cells))
+    assert "output" in client.report.output_budget and "MiB" in client.report.output_budget
+
+    client = _client()  # a flood of tiny outputs: one output of each stream, not a million
+    client._reset_cell()
+    outs = []
+    for i in range(20_000):
+        client.output(outs, _stream(f"{i}\n", "stderr" if i % 1000 == 0 else "stdout"), None, 0)
+    assert len(outs) <= 60, len(outs)
+    displays = []
+    for _ in range(2 * execute.SUBMISSION_OUTPUTS):
+        client.output(displays, {"msg_type": "display_data", "header": {"msg_type": "display_data"},
+                                 "parent_header": {},
+                                 "metadata": {}, "content": {"data": {"text/plain": "."},
+                                                             "metadata": {}}}, None, 1)
+    assert len(displays) <= execute.SUBMISSION_OUTPUTS, len(displays)
