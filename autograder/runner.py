@@ -57,8 +57,9 @@ REFEREE_IN_SANDBOX = "/opt/minickpt-grader/referee.py"
 KERNEL_LOG_BYTES = 1 << 20
 """What of the kernel's own stdout/stderr is kept in kernel.log (the start of it)."""
 WORKER_MEMORY = 4 << 30
-"""RLIMIT_DATA of a grading worker, which runs outside the slot's cgroup: whatever a kernel
-sends, the worker keeps only bounded parts of it (execute.py); this is the backstop."""
+"""RLIMIT_DATA of a grading worker, a backstop per process: the worker runs inside its slot's
+cgroup (whose memory bounds kernel and worker together), and whatever a kernel sends, it keeps
+only bounded parts of (execute.py: one output budget per submission)."""
 MAX_CODE_CHARS = 100_000
 """What of a task cell the result keeps for the similarity report (results.json)."""
 KERNEL_ARGS = ["--HistoryManager.hist_file=:memory:", "--InteractiveShell.xmode=Minimal"]
@@ -285,7 +286,7 @@ def _run(job: Job, cfg: dict[str, Any], lab: Lab, student: list[Any], iso: sandb
         if reap:
             sandbox.kill_uid(reap)
         if slot_cgroup is not None:
-            slot_cgroup.kill()
+            slot_cgroup.kill(spare={os.getpid()})  # this worker runs in it too
         km.context.destroy(linger=0)
     executed = [[_text_only(o) for o in c.get("outputs", [])] if c.cell_type == "code" else []
                 for c in nb.cells]
@@ -470,6 +471,11 @@ def worker_main(cfg_json: str) -> int:
         resource.setrlimit(resource.RLIMIT_DATA, (WORKER_MEMORY, WORKER_MEMORY))
     except (ValueError, OSError):  # pragma: no cover - a lower hard limit already
         pass
+    try:  # in its slot's cgroup with the kernel: under memory pressure the kernel goes first
+        with open("/proc/self/oom_score_adj", "w") as f:
+            f.write("-500")
+    except OSError:
+        pass
     proto = os.fdopen(os.dup(1), "w", buffering=1)
     os.dup2(2, 1)
     cfg = json.loads(cfg_json)
@@ -485,7 +491,7 @@ def worker_main(cfg_json: str) -> int:
         sandbox.kill_descendants()  # sandboxed or not: nothing it started outlives its grading
         slot_cgroup = cgroups.from_list(cfg.get("cgroup"))
         if slot_cgroup is not None:
-            slot_cgroup.kill()
+            slot_cgroup.kill(spare={os.getpid()})
         proto.write(f"done {job.id}\n")
     return 0
 
@@ -520,8 +526,9 @@ class Slot:
         self._buf = b""
 
     def _start(self, log: Any) -> None:
-        self.proc = subprocess.Popen(
-            [sys.executable, "-m", "autograder.grade", "--worker", json.dumps(self.cfg)],
+        argv = [sys.executable, "-m", "autograder.grade", "--worker", json.dumps(self.cfg)]
+        self.proc = subprocess.Popen(  # inside the slot's cgroup: its limits bound it too
+            self.cgroup.join_command(argv) if self.cgroup is not None else argv,
             cwd=ROOT, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=log,
             start_new_session=True, env={**os.environ, "PYTHONPATH": str(ROOT)})
 

@@ -493,3 +493,56 @@ def test_one_output_budget_per_submission_bounds_what_is_kept_whatever_the_cells
                                  "metadata": {}, "content": {"data": {"text/plain": "."},
                                                              "metadata": {}}}, None, 1)
     assert len(displays) <= execute.SUBMISSION_OUTPUTS, len(displays)
+
+
+def test_the_default_j_is_what_the_slots_memory_allows():
+    """Round 4: ``-j`` assumed 2 GiB a slot while a slot's cgroup allows 6 GiB (and the
+    worker was outside it): 8 slots on a 16 GiB machine could ask for 48 GiB. The rule: one
+    slot per usable core, and no more slots than the grader's memory (the machine's, or its
+    own cgroup's limit if lower) holds slots' allowances (``Limits.slot_memory_bytes``,
+    kernel and worker together)."""
+    from autograder import grade
+
+    slot = sandbox.Limits().slot_memory_bytes
+    assert grade.default_jobs(cores=8, memory=16 << 30) == 16 * (1 << 30) // slot == 2
+    assert grade.default_jobs(cores=2, memory=256 << 30) == 2
+    assert grade.default_jobs(cores=8, memory=1 << 30) == 1  # never 0
+    assert grade.default_jobs(cores=64, memory=64 << 30, slot_memory=4 << 30) == 16
+    assert 1 <= grade.default_jobs() <= grade.usable_cores()
+
+
+@pytest.mark.timeout(120)
+def test_the_grading_worker_runs_inside_its_slots_cgroup_and_survives_its_clean_up(tmp_path):
+    """Round 4: the worker, which keeps a submission's output, ran outside the slot's limits.
+    It is now started inside the slot's cgroup (the slot's memory bounds kernel and worker
+    together), and the clean-up after each submission kills everything in it but the worker."""
+    from autograder import cgroups, runner
+
+    if os.geteuid() != 0:
+        pytest.skip("cgroups need root")
+    made, why = cgroups.make_slot_cgroups(1, cpus=1.0, memory=2 << 30, processes=64,
+                                          name=f"minickpt-test-{os.getpid()}")
+    if not made:
+        if REQUIRE:
+            pytest.fail(why)
+        pytest.skip(why)
+    slot = None
+    try:
+        cfg = {"iso": {"mode": "none"}, "limits": {}}
+        slot = runner.Slot(0, None, cfg, tmp_path, made[0])
+        slot.start()
+        worker = slot.proc.pid
+        other = subprocess.Popen(made[0].join_command(["sleep", "60"]))
+        for _ in range(100):
+            if worker in made[0].pids() and other.pid in made[0].pids():
+                break
+            import time
+            time.sleep(0.05)
+        assert worker in made[0].pids() and other.pid in made[0].pids(), made[0].pids()
+        made[0].kill(spare={worker})
+        assert other.wait(timeout=10) != 0
+        assert slot.proc.poll() is None, "the worker was killed with the submission"
+    finally:
+        if slot is not None:
+            slot.close()
+        cgroups.remove_all(made)
