@@ -3,6 +3,11 @@ no nested user namespace, a compilation cache that names no hidden test, and an 
 whose ``minickpt`` is an editable install of another checkout.
 
 Each test starts a few bare sandboxed processes (seconds), never a graded lab.
+
+Issue 38's edges (points 3 and 4): nothing of a failed test outlives its cell (one bare kernel
+run up to lab 1's first test), only regular files are graded (links, pipes, folders: refused
+by name, a whole grade.sh run of them exits 0), nothing of a private ``--source`` is mounted,
+one output budget per submission, the worker inside its slot's cgroup and the ``-j`` rule.
 """
 
 from __future__ import annotations
