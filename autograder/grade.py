@@ -107,14 +107,47 @@ def usable_cores() -> int:
         return os.cpu_count() or 1
 
 
-def default_jobs() -> int:
-    """``-j`` when none is given: a kernel per usable core (one kernel keeps about one core
-    busy), but no more than one per 2 GiB of memory."""
+def memory_for_slots() -> int:
+    """The memory the slots may share: the machine's, or this process's cgroup limit if lower
+    (a container, a Slurm job)."""
     try:
         memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
     except (ValueError, OSError, AttributeError):  # pragma: no cover
         memory = 1 << 40
-    return max(1, min(usable_cores(), memory // (2 << 30)))
+    limits = []
+    try:
+        with open("/proc/self/cgroup") as f:
+            for line in f:
+                _, names, path = line.rstrip("\n").split(":", 2)
+                if names == "":
+                    limits.append(f"/sys/fs/cgroup{path}/memory.max")
+                elif "memory" in names.split(","):
+                    limits.append(f"/sys/fs/cgroup/memory{path}/memory.limit_in_bytes")
+    except (OSError, ValueError):
+        pass
+    for path in limits:
+        try:
+            with open(path) as f:
+                text = f.read().strip()
+        except OSError:
+            continue
+        if text.isdigit():
+            memory = min(memory, int(text))
+    return memory
+
+
+def default_jobs(*, cores: int | None = None, memory: int | None = None,
+                 slot_memory: int | None = None) -> int:
+    """``-j`` when none is given: one slot per usable core (a kernel keeps about one core
+    busy), and no more slots than the memory holds slots' allowances: each slot's cgroup
+    may use ``Limits.slot_memory_bytes`` (6 GiB: its kernel, everything the kernel starts,
+    and its grading worker), so ``memory // slot_memory``, at least 1."""
+    from .sandbox import Limits
+
+    cores = usable_cores() if cores is None else cores
+    memory = memory_for_slots() if memory is None else memory
+    slot_memory = Limits().slot_memory_bytes if slot_memory is None else slot_memory
+    return max(1, min(cores, memory // slot_memory))
 
 
 def example_tour(labs: set[str]) -> set[tuple[str, str]]:
@@ -701,7 +734,8 @@ def _parser() -> argparse.ArgumentParser:
                         "included), feedback and logs (default .grading/, emptied first)")
     p.add_argument("-j", "--jobs", type=int, default=None,
                    help="submissions graded at once (default: one per usable core, at most one "
-                        "per 2 GiB of memory; each takes about one core)")
+                        "per 6 GiB of memory, what a slot's cgroup allows its kernel and "
+                        "worker; each takes about one core)")
     p.add_argument("--shard", type=parse_shard, default=None, metavar="I/N",
                    help="grade only the I-th of N slices of the class (by student name); "
                         "combine the slices' --out folders with `grade.sh merge`")
@@ -747,6 +781,7 @@ def grade_main(argv: list[str]) -> int:
     a = _parser().parse_args(argv)
     tools_on_path()
     from . import sandbox
+    from .execute import SUBMISSION_KEEP_CHARS, SUBMISSION_OUTPUTS
     from .runner import Job, run_pool
 
     t0 = time.monotonic()
@@ -819,6 +854,7 @@ def grade_main(argv: list[str]) -> int:
                "mode": iso.mode, "bwrap": iso.bwrap, "setpriv": iso.setpriv,
                "prlimit": iso.prlimit, "lost": list(iso.lost), "detail": iso.detail},
            "limits": limits.as_dict(), "keep_output": 1 << 20, "max_output": 64 << 20,
+           "keep_output_total": SUBMISSION_KEEP_CHARS, "keep_outputs": SUBMISSION_OUTPUTS,
            "max_message": 32 << 20, "uid_base": a.sandbox_uid or sandbox.UID_BASE}
     (work / "logs").mkdir(parents=True, exist_ok=True)
     results: list[dict[str, Any]] = []
