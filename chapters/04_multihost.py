@@ -178,7 +178,8 @@ def ready(part, *jobs):
     missing = [j for j in jobs if j not in JOBS]
     if not REFUSED and not missing:
         return True
-    print(f"skipped {part}: " + (REFUSED if REFUSED else f"job {', '.join(missing)} failed above"))
+    print(f"skipped {part}: " + ("no TCP on 127.0.0.1 here, so no job's processes can start"
+                                 if REFUSED else f"job {', '.join(missing)} failed above"))
     return False
 
 
