@@ -1044,8 +1044,8 @@ logging.getLogger("absl").setLevel(logging.CRITICAL)
 import numpy as np, jax, orbax.checkpoint as ocp
 
 def load(path):
-    """Restore step 30 onto this process's own device (the CPU here): a checkpoint saved on
-    an accelerator records its devices, and a restore without a target would ask for them."""
+    # step 30 onto this process's own device (the CPU here): a checkpoint saved on an
+    # accelerator records its devices, and a restore without a target would ask for them
     m = ocp.CheckpointManager(path, options=ocp.CheckpointManagerOptions(read_only=True),
                               item_handlers=ocp.StandardCheckpointHandler())
     try:
