@@ -43,6 +43,13 @@ SKIP = re.compile(r"^\s*skipped\b")
 SAID = re.compile(r"^\s*(claim|verdict): ")
 
 
+def _name(path: Path) -> str:
+    try:
+        return str(path.relative_to(ROOT))
+    except ValueError:
+        return str(path)
+
+
 def notebooks() -> list[Path]:
     """Every chapter and every lab solution, in course order."""
     return sorted(ROOT.glob("chapters/*.ipynb")) + sorted(ROOT.glob("solutions/*/*.ipynb"))
@@ -98,7 +105,7 @@ def run_notebook(path: Path, cell_timeout_s: int = CELL_TIMEOUT_S) -> dict[str, 
     """Execute ``path``'s code cells in this process, in the current folder; what happened."""
     nb = json.loads(path.read_text())
     ns: dict[str, Any] = {"__name__": "__main__", "__file__": str(path)}
-    result: dict[str, Any] = {"notebook": str(path.relative_to(ROOT)), "errors": [],
+    result: dict[str, Any] = {"notebook": _name(path), "errors": [],
                               "skipped": [], "said": [], "notes": [], "cells": 0}
     t0 = time.monotonic()
     signal.signal(signal.SIGALRM, _timeout)
@@ -162,7 +169,7 @@ def run_in_process(path: Path, timeout_s: float, cell_timeout_s: int) -> dict[st
         tail = err_path.read_text(errors="replace").strip().splitlines()[-1:] or [""]
         why = (f"the process ran past {timeout_s:.0f} s" if rc is None
                else f"the process died (exit {rc}): {tail[0][:200]}")
-        return {"notebook": str(path.relative_to(ROOT)), "platform": "?", "cells": 0,
+        return {"notebook": _name(path), "platform": "?", "cells": 0,
                 "errors": [{"cell": 0, "error": why}], "skipped": [], "said": [], "notes": [],
                 "wall_s": round(time.monotonic() - t0, 1)}
 
@@ -218,7 +225,7 @@ def main(argv: list[str] | None = None) -> int:
           f"{os.environ.get('JAX_PLATFORMS', '')!r}", file=sys.stderr)
     results = []
     for p in paths:
-        print(f"== {p.relative_to(ROOT)}", file=sys.stderr)
+        print(f"== {_name(p)}", file=sys.stderr)
         results.append(run_in_process(p, a.timeout, a.cell_timeout))
     report = table(results)
     if a.out is not None:
