@@ -96,9 +96,12 @@ def _unplatformed(name: str, text: str) -> list[str]:
             continue
         env = next((k.value for k in node.keywords if k.arg == "env"), None)
         said = ast.get_source_segment(text, env) if env is not None else ""
-        if env is not None and (any(w in said for w in PLATFORM_WORDS)
-                                or any(w in context for w in PLATFORM_WORDS)
-                                or any(w in text for w in ("JAX_PLATFORMS",))):
+        for name_node in [n for n in ast.walk(env) if isinstance(n, ast.Name)] if env else []:
+            for other in (scope, tree):  # what the names in env= were built from
+                said += "".join(ast.get_source_segment(text, a) or "" for a in ast.walk(other)
+                                if isinstance(a, ast.Assign) and any(
+                                    getattr(t, "id", None) == name_node.id for t in a.targets))
+        if env is not None and any(w in said for w in PLATFORM_WORDS):
             continue
         found.append(f"{name}:{node.lineno}: {call.splitlines()[0][:90]}")
     return found
