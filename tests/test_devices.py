@@ -213,7 +213,9 @@ def test_device_check_reports_error_cells_skips_claims_and_shell_lines(tmp_path)
     cells = ["print('claim: one  [holds]')\nprint('skipped part 2: no GPU here')",
              "!echo from-a-shell\nx = 1 / 0",
              "print(x)",  # the cascade a reader would see: x was never defined
-             "print('verdict: this run differs from \\'fast\\': a busy machine')"]
+             "print('verdict: this run differs from \\'fast\\': a busy machine')",
+             # lab 3's drill reads the student's function from its source, as in Jupyter
+             "import inspect\ndef resume():\n    pass\nassert 'def resume' in inspect.getsource(resume)"]
     nb = {"cells": [{"cell_type": "markdown", "source": ["# t"], "metadata": {}}]
           + [{"cell_type": "code", "source": [c], "metadata": {}, "outputs": [],
               "execution_count": None} for c in cells],
