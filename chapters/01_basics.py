@@ -747,13 +747,23 @@ else:
 # %%
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-mesh = Mesh(np.array(devices), ("d",))
-sharded = jax.device_put(jnp.arange(len(devices) * 4.0).reshape(len(devices), 4),
+split_over = devices
+if len(devices) == 1:  # one GPU or TPU: a "split" into one piece shows nothing, so split
+    try:               # over the host's CPU devices (the set-up cell asked JAX for 4)
+        split_over = jax.devices("cpu")
+    except RuntimeError:  # JAX_PLATFORMS names the accelerator alone: no CPU devices here
+        pass
+    print(f"JAX sees one {devices[0].platform.upper()} device: an array on it is one piece. "
+          + (f"The same split over the host's {len(split_over)} CPU devices:"
+             if len(split_over) > 1 else "No CPU devices to split over either:"))
+mesh = Mesh(np.array(split_over), ("d",))
+sharded = jax.device_put(jnp.arange(len(split_over) * 4.0).reshape(len(split_over), 4),
                          NamedSharding(mesh, PartitionSpec("d")))
 for shard in sharded.addressable_shards:
     rows = shard.index[0]
     print(f"  {shard.device}: rows {rows.start}:{rows.stop} = {np.asarray(shard.data).tolist()}")
-print("assembled on the host:", np.asarray(sharded).shape)
+print(f"assembled on the host from {len(sharded.addressable_shards)} piece(s):",
+      np.asarray(sharded).shape)
 
 # %% [markdown]
 # A host copy must also keep each leaf's exact type. `minickpt.tree.to_host` (you write it in

@@ -707,24 +707,34 @@ print("final", fingerprint((state, rng)), flush=True)
 _ = (WORK / "train.py").write_text(TRAIN_PY)
 
 # %%
+from minickpt.demo import helper_device
+from minickpt.launch import helper_env
+
 TOTAL, EVERY, KILLS = 90, 10, 3
 drill_dir = WORK / "drill"
-env = dict(os.environ, JAX_COMPILATION_CACHE_DIR=str(WORK / "jax-cache"),
-           JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0",
-           JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES="0")
+# The training processes run on the CPU (JAX_PLATFORMS=cpu, set by helper_env): on a GPU or
+# TPU this notebook already holds the accelerator, and a TPU lets only one process open it.
+env = helper_env(JAX_COMPILATION_CACHE_DIR=str(WORK / "jax-cache"),
+                 JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0",
+                 JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES="0")
+print(f"the training script runs on the CPU (JAX_PLATFORMS={env['JAX_PLATFORMS']}); this "
+      f"notebook runs on {devices[0].platform.upper()}")
 chance = random.SystemRandom()  # the kill moments: not chosen by the notebook
 events = []  # (time since the drill began, kind, step, loss)
 t_begin = time.monotonic()
+stderr_file = WORK / "train-stderr.txt"  # what the script says when it fails: shown below
 
 
 def start():
-    return subprocess.Popen([sys.executable, str(WORK / "train.py"), str(drill_dir),
-                             str(TOTAL), str(EVERY)], stdout=subprocess.PIPE, text=True,
-                            env=env)
+    with open(stderr_file, "a") as err:
+        return subprocess.Popen([sys.executable, str(WORK / "train.py"), str(drill_dir),
+                                 str(TOTAL), str(EVERY)], stdout=subprocess.PIPE, text=True,
+                                stderr=err, env=env)
 
 
 def read(proc, until=None):
-    """Read the script's lines into ``events``; stop after a line for which ``until`` is true."""
+    """Read the script's lines into ``events``; stop after a line for which ``until`` is true.
+    A script that ends without that line failed: raise with the end of its stderr."""
     for line in proc.stdout:
         kind, *rest = line.split()
         step = int(rest[0]) if kind != "final" else None
@@ -733,6 +743,10 @@ def read(proc, until=None):
                        loss))
         if until is not None and until(kind):
             return
+    if until is not None and proc.wait() != -signal.SIGKILL:
+        raise RuntimeError(f"the training script exited with {proc.returncode} before it "
+                           f"printed what the drill waits for; its stderr ends with:\n"
+                           f"{stderr_file.read_text()[-3000:]}")
 
 
 kills = []
@@ -755,20 +769,25 @@ for _ in range(KILLS):
                   "restore (s)": resumed_at - t_kill,
                   "recover (s)": events[-1][0] - t_kill, "t_kill": t_kill})
 read(proc)
-proc.wait()
+if proc.wait() != 0:
+    raise RuntimeError(f"the last training run failed (exit {proc.returncode}); its stderr ends "
+                       f"with:\n{stderr_file.read_text()[-3000:]}")
 final = next(e[2] for e in events if e[1] == "final")
 print(f"{'kill':>4}  " + "  ".join(f"{k:>17s}" for k in list(kills[0])[:-1]))
 for i, row in enumerate(kills, 1):
     print(f"{i:>4}  " + "  ".join(f"{v:>17.2f}" if isinstance(v, float) else f"{v:>17}"
                                  for v in list(row.values())[:-1]))
-uninterrupted = fingerprint(train(fresh, key0, 0, TOTAL)[:2])
-print(f"final fingerprint {final}; uninterrupted run {uninterrupted}")
+cpu = helper_device()  # the uninterrupted run on the script's platform, the CPU: same bits
+with jax.default_device(cpu):
+    uninterrupted = fingerprint(train(jax.device_put(fresh, cpu), jax.device_put(key0, cpu),
+                                      0, TOTAL)[:2])
+print(f"final fingerprint {final}; uninterrupted run (on the CPU too) {uninterrupted}")
 claim(all(r["exit code"] == -signal.SIGKILL for r in kills), "each process died of SIGKILL")
 claim(all(r["resumed from"] % EVERY == 0 or r["resumed from"] == 1 for r in kills)
       and all(0 <= r["steps lost"] <= EVERY for r in kills),
       f"each restart resumed from a committed checkpoint (a multiple of {EVERY}, or step 1) "
       f"and lost at most {EVERY} steps", seen=[(r["resumed from"], r["steps lost"]) for r in kills])
-if devices[0].platform == "cpu":
+if cpu is not None:
     claim(final == uninterrupted, "on a CPU the killed and restarted run ends bit for bit where "
           "the uninterrupted run ends")
 else:
@@ -836,9 +855,15 @@ plt.show()
 
 # %%
 def fingerprint_of(directory, total, flags):
+    # the point here is the GPU: the script runs on it (JAX_PLATFORMS=cuda) and allocates
+    # only what it needs, beside this notebook (a GPU, unlike a TPU, lets several processes in)
     out = subprocess.run([sys.executable, str(WORK / "train.py"), str(directory), str(total),
                           "10"], capture_output=True, text=True, timeout=300,
-                         env=dict(env, XLA_FLAGS=(os.environ.get("XLA_FLAGS", "") + flags)))
+                         env=dict(env, JAX_PLATFORMS="cuda", XLA_PYTHON_CLIENT_PREALLOCATE="false",
+                                  XLA_FLAGS=(os.environ.get("XLA_FLAGS", "") + flags)))
+    if out.returncode != 0:
+        raise RuntimeError(f"the training script failed (exit {out.returncode}):\n"
+                           f"{out.stderr[-3000:]}")
     return out.stdout.split()[-1]
 
 
@@ -1254,9 +1279,17 @@ logging.getLogger("absl").setLevel(logging.CRITICAL)
 import numpy as np, jax, orbax.checkpoint as ocp
 
 def load(path):
-    m = ocp.CheckpointManager(path, options=ocp.CheckpointManagerOptions(read_only=True))
+    # step 30 onto this process's own device (the CPU here): a checkpoint saved on an
+    # accelerator records its devices, and a restore without a target would ask for them
+    m = ocp.CheckpointManager(path, options=ocp.CheckpointManagerOptions(read_only=True),
+                              item_handlers=ocp.StandardCheckpointHandler())
     try:
-        return m.restore(30)
+        meta = m.item_metadata(30)
+        here = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+        target = jax.tree_util.tree_map(
+            lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=here),
+            getattr(meta, "tree", meta))
+        return m.restore(30, args=ocp.args.StandardRestore(target))
     finally:
         m.close()
 
@@ -1285,10 +1318,13 @@ ranges = []  # (data file relative to the step, offset, length) of every read
 if strace:
     import re
     trace = WORK / "orbax-read.strace"  # one file per thread (-ff): no interleaved lines
-    subprocess.run([strace, "-ff", "-qq", "-y", "-s", "0", "-e", "trace=pread64,preadv,read",
-                    "-e", "signal=none", "-o", str(trace), sys.executable,
-                    str(WORK / "orbax_read.py"), str(copies["intact"])],
-                   env=read_env, capture_output=True, timeout=300)
+    traced = subprocess.run([strace, "-ff", "-qq", "-y", "-s", "0", "-e",
+                             "trace=pread64,preadv,read", "-e", "signal=none", "-o", str(trace),
+                             sys.executable, str(WORK / "orbax_read.py"), str(copies["intact"])],
+                            env=read_env, capture_output=True, text=True, timeout=300)
+    if traced.returncode != 0:
+        raise RuntimeError(f"the traced Orbax restore failed (exit {traced.returncode}); its "
+                           f"stderr ends with:\n{traced.stderr[-3000:]}")
     step_dir = str(copies["intact"] / "30") + "/"
     for part in WORK.glob("orbax-read.strace.*"):
         for line in part.read_text().splitlines():
@@ -1316,7 +1352,11 @@ for name, (rel, where) in flips.items():
 done = subprocess.run([sys.executable, str(WORK / "orbax_read.py"), str(copies["intact"])]
                       + [str(copies[name]) for name in flips], env=read_env,
                       capture_output=True, text=True, timeout=300)
-results = dict(zip(flips, (json.loads(x) for x in done.stdout.strip().splitlines()[-len(flips):])))
+said = [x for x in done.stdout.splitlines() if x.startswith("{")]
+if done.returncode != 0 or len(said) != len(flips):  # never a silent nothing: say why
+    raise RuntimeError(f"the Orbax reader failed (exit {done.returncode}, {len(said)} of "
+                       f"{len(flips)} outcomes); its stderr ends with:\n{done.stderr[-3000:]}")
+results = dict(zip(flips, (json.loads(x) for x in said)))
 for name, r in results.items():
     print(f"Orbax {ocp.__version__}, fresh process, byte {flips[name][1]} of {flips[name][0]} "
           f"flipped ({'inside a range read' if ranges and name == 'read' else name}): "
