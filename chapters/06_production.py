@@ -554,7 +554,12 @@ ORBAX_PRE.write_text(textwrap.dedent('''
                       "saved": sorted(int(n) for n in os.listdir(sys.argv[1]) if n.isdigit())}))
 '''))
 orbax_seen = {}
+from minickpt.launch import loopback_refused
+no_tcp = loopback_refused()                       # jax.distributed needs a TCP port on localhost
 for mode in ("plain", "distributed"):
+    if mode == "distributed" and no_tcp:
+        print(f"skipped the distributed run: {no_tcp}")
+        continue
     proc = subprocess.Popen([sys.executable, str(ORBAX_PRE), str(WORK / f"orbax-pre-{mode}"), mode],
                             stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
                             env=dict(os.environ, JAX_PLATFORMS="cpu"))
@@ -564,12 +569,12 @@ for mode in ("plain", "distributed"):
         last = line
     orbax_seen[mode] = dict(json.loads(last), exit_code=proc.wait(timeout=120))
     print(f"{mode:11s}: SIGTERM after step 5; {orbax_seen[mode]}")
-plain, dist = orbax_seen["plain"], orbax_seen["distributed"]
+plain, dist = orbax_seen["plain"], orbax_seen.get("distributed")
 claim(plain["exit_code"] == 0 and not plain["distributed"] and plain["true_at"] == []
       and plain["asked"] >= 15 and plain["saved"] == [],
       "without jax.distributed, reached_preemption answered False at every step after the "
       "SIGTERM, and nothing was saved", seen=plain)
-_ = verdict(dist["exit_code"] == 0 and len(dist["true_at"]) == 1 and dist["saved"] == dist["true_at"],
+_ = dist is None or verdict(dist["exit_code"] == 0 and len(dist["true_at"]) == 1 and dist["saved"] == dist["true_at"],
             "with jax.distributed initialised, reached_preemption turned True once, some steps "
             "after the signal, and the script saved that step",
             otherwise="the sync point did not come within 200 steps here: a loaded machine "
