@@ -787,13 +787,14 @@ claim(all(r["resumed from"] % EVERY == 0 or r["resumed from"] == 1 for r in kill
       and all(0 <= r["steps lost"] <= EVERY for r in kills),
       f"each restart resumed from a committed checkpoint (a multiple of {EVERY}, or step 1) "
       f"and lost at most {EVERY} steps", seen=[(r["resumed from"], r["steps lost"]) for r in kills])
-if cpu is not None:
+if cpu is not None and jax.default_backend() == "cpu":
     claim(final == uninterrupted, "on a CPU the killed and restarted run ends bit for bit where "
           "the uninterrupted run ends")
-else:
+else:  # measured on a TPU: not bit for bit, the cause not yet traced
     verdict(final == uninterrupted, "the killed and restarted run ends bit for bit where the "
-            "uninterrupted run ends", otherwise="this accelerator's kernels differ between "
-            "processes: see 5b for the flags that fix it, or compare with check_resume")
+            "uninterrupted run ends", otherwise="not bit for bit here, where this notebook runs "
+            "on an accelerator and the script on the CPU: compare step continuity and the loss "
+            "with check_resume")
 
 # %% [markdown]
 # Each row is one kill: the last step the killed process had printed, the step it resumed from
@@ -1322,9 +1323,9 @@ if strace:
                              "trace=pread64,preadv,read", "-e", "signal=none", "-o", str(trace),
                              sys.executable, str(WORK / "orbax_read.py"), str(copies["intact"])],
                             env=read_env, capture_output=True, text=True, timeout=300)
-    if traced.returncode != 0:
-        raise RuntimeError(f"the traced Orbax restore failed (exit {traced.returncode}); its "
-                           f"stderr ends with:\n{traced.stderr[-3000:]}")
+    if traced.returncode != 0:  # e.g. a sandbox that forbids ptrace; the restore is run untraced below
+        print(f"strace could not trace the restore here (exit {traced.returncode}): "
+              f"{(traced.stderr.strip().splitlines() or ['no message'])[-1][:200]}")
     step_dir = str(copies["intact"] / "30") + "/"
     for part in WORK.glob("orbax-read.strace.*"):
         for line in part.read_text().splitlines():
@@ -1345,7 +1346,7 @@ if ranges:
 else:
     big = max(data_files, key=lambda f: (copies["read"] / "30" / f).stat().st_size)
     flips["read"] = (big, (copies["read"] / "30" / big).stat().st_size // 2)
-    print("no strace here: one byte flipped in the middle of the largest data file; whether a "
+    print("no usable strace here: one byte flipped in the middle of the largest data file; whether a "
           "restore reads it cannot be told")
 for name, (rel, where) in flips.items():
     flip_byte(str(copies[name] / "30" / rel), where)
