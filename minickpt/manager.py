@@ -626,6 +626,8 @@ class CheckpointManager(DirectoryLock, Retention, Restoring):
             self._retired = retired
             try:
                 self._apply_retention()
+            except NotImplementedError:
+                raise  # code not written yet (a lab's stub): no run-time condition to ride out
             except Exception as e:
                 # step is committed: whatever retention met, the save did not fail (and the
                 # next save's retention tries again)
