@@ -153,3 +153,24 @@ def test_a_normal_close_finishes_the_copies_then_applies_local_retention(tmp_pat
     assert _steps(tmp_path / "local") == ["step_3", "step_4"]
     assert sorted(os.listdir(tmp_path / "mirror")) == ["step_3", "step_4"]
     assert not [r for r in caplog.records if r.levelno >= logging.ERROR], caplog.text
+
+
+@pytest.mark.timeout(60)
+def test_a_best_fn_that_raises_on_read_back_metrics_is_no_metric_on_both_tiers(tmp_path,
+                                                                                caplog):
+    """Metrics come back from disk as JSON: ``m["loss"].item()`` works on the caller's numpy
+    value and raises AttributeError on the float read back. The plain manager counts such a
+    step as having no metric (issue 42 item 9); the tiers' retention must too, not stop."""
+    o = CheckpointManagerOptions(max_to_keep=2, best_fn=lambda m: m["loss"].item(),
+                                 best_mode="min")
+    with TieredCheckpointManager(tmp_path / "local", LocalStore(tmp_path / "mirror"), o,
+                                 mirror_max_to_keep=2) as m:
+        caplog.set_level(logging.WARNING, logger="minickpt")
+        for s in range(4):
+            m.save(s, _items(s), metrics={"loss": np.float32(1.0 / (s + 1))})
+        m.wait_until_mirrored(timeout=60)
+        assert m.failed == {}
+    assert not [r for r in caplog.records if r.levelno >= logging.ERROR], caplog.text
+    assert "no metric" in caplog.text  # said, once per step
+    # no metric for any step read back: all kept (keep_checkpoints_without_metrics)
+    assert _steps(tmp_path / "mirror") == ["step_0", "step_1", "step_2", "step_3"]

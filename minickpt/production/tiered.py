@@ -336,8 +336,10 @@ class TieredCheckpointManager:
         return policy.StepInfo(step, meta.metrics, meta.time or 0.0)
 
     def _keep(self, infos: Sequence[policy.StepInfo], max_to_keep: int | None) -> set[int]:
-        """The options' retention rules (``max_to_keep`` differs between the tiers)."""
+        """The options' retention rules (``max_to_keep`` differs between the tiers); metrics
+        ``best_fn`` raises on are no metric, as in the plain manager (said once per step)."""
         o = self.options
+        infos = self.local._scorable(list(infos))
         return policy.steps_to_keep(
             infos, max_to_keep=max_to_keep, keep_period=o.keep_period, best_fn=o.best_fn,
             best_mode=o.best_mode,
