@@ -332,7 +332,8 @@ plt.show()
 # *Figure 2: time of the snapshot (what blocks the loop) and of the background write, per
 # state size, log scale.*
 #
-# What to look for: the background write is the long part (the first verdict). Whether the write
+# What to look for: behind a pinned view the background write is the long part (the first
+# verdict; a copy snapshot of a large state can take longer than its write). Whether the write
 # also grows with the bytes is your disk and page cache speaking, not a rule: a write that lands
 # in the page cache can be short at any size, and on a shared machine a larger state's write can
 # come out *shorter* than a smaller one's — read the write column rather than expect a straight
