@@ -1161,8 +1161,7 @@ _ = verdict(f["step 20"] < w["step 20"], "the fixed loop's loss at step 20 is lo
 # losses that are *not* comparable: each `train_step` reports the loss of one batch with one
 # dropout mask, and the buggy loop's last loss is step 40's batch at the state of step 30 with
 # another key than the correct loop's. Such a loss can come out lower than the correct one by
-# chance (a third lower, on the run this was written on), which says nothing about which state is
-# better. So this cell prints only what is meaningful, the step counter:
+# chance, which says nothing about which state is better. So this cell prints only what is meaningful, the step counter:
 
 # %%
 with mc.CheckpointManager(WORK / "crash") as mngr:  # step 30 of the crashed run
@@ -1212,6 +1211,7 @@ claim(refusal is not None and "31" in str(refusal) and "40" in str(refusal),
 
 # %%
 import orbax.checkpoint as ocp
+from orbax.checkpoint.checkpoint_managers import LatestN
 
 
 def items_of(st, key):
@@ -1226,7 +1226,8 @@ for step in (10, 20, 30):
     run_states[step] = items_of(s, k)
 
 orbax_dir = WORK / "orbax"
-omngr = ocp.CheckpointManager(orbax_dir, options=ocp.CheckpointManagerOptions(max_to_keep=3))
+omngr = ocp.CheckpointManager(orbax_dir, options=ocp.CheckpointManagerOptions(
+    preservation_policy=LatestN(n=3)))  # Orbax 0.12's name for the deprecated max_to_keep=3
 mini = mc.CheckpointManager(WORK / "mini", mc.CheckpointManagerOptions(max_to_keep=3))
 for step, its in run_states.items():
     omngr.save(step, args=ocp.args.StandardSave(its))
@@ -1282,14 +1283,14 @@ import numpy as np, jax, orbax.checkpoint as ocp
 def load(path):
     # step 30 onto this process's own device (the CPU here): a checkpoint saved on an
     # accelerator records its devices, and a restore without a target would ask for them
-    m = ocp.CheckpointManager(path, options=ocp.CheckpointManagerOptions(read_only=True),
-                              item_handlers=ocp.StandardCheckpointHandler())
+    # (today's API: metadata(...).item_metadata; CheckpointManager(item_handlers=...) and
+    # CheckpointManager.item_metadata(step) are deprecated in orbax-checkpoint 0.12)
+    m = ocp.CheckpointManager(path, options=ocp.CheckpointManagerOptions(read_only=True))
     try:
-        meta = m.item_metadata(30)
+        meta = ocp.StandardCheckpointer().metadata(f"{path}/30/default").item_metadata
         here = jax.sharding.SingleDeviceSharding(jax.devices()[0])
         target = jax.tree_util.tree_map(
-            lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=here),
-            getattr(meta, "tree", meta))
+            lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=here), meta)
         return m.restore(30, args=ocp.args.StandardRestore(target))
     finally:
         m.close()
@@ -1375,7 +1376,7 @@ if ranges:
 # Read the outcomes your run printed. On the machine this chapter was checked on, the restore of
 # this small state read a single data file, under `default/d/` (two ranges); the files the save
 # wrote under `ocdbt.process_0/d/` were never opened. That file is a B+tree **node** of the
-# OCDBT database: every array of this state is under 1 KiB, so all of them are stored inline in
+# OCDBT database: every array of this state is at most 1 KiB, so all of them are stored inline in
 # the node, next to their `.zarray` metadata. So what the flip damaged is the node, not a
 # separate chunk of array data, and what was *detected* is a node that no longer decodes:
 # TensorStore raised `DATA_LOSS` on the first key the restore asked for, an array's `.zarray`

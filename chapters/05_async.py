@@ -74,6 +74,7 @@ import jax.numpy as jnp
 import matplotlib.pyplot as plt
 import numpy as np
 import orbax.checkpoint as ocp
+from orbax.checkpoint.checkpoint_managers import LatestN
 
 import minickpt as mc
 from minickpt import asynchronous as masync
@@ -331,10 +332,14 @@ plt.show()
 # *Figure 2: time of the snapshot (what blocks the loop) and of the background write, per
 # state size, log scale.*
 #
-# What to look for: the write grows with the bytes and is the long part. A **copy** snapshot
-# grows with the bytes too, at memory bandwidth. On the CPU the **pinned view** should stay at a
-# fraction of a millisecond whatever the size: it copies nothing. The verdicts under the table say
-# which of these this run shows (best of two runs each; the page cache can make a write short). (The price moves rather than
+# What to look for: behind a pinned view the background write is the long part (the first
+# verdict; a copy snapshot of a large state can take longer than its write). Whether the write
+# also grows with the bytes is your disk and page cache speaking, not a rule: a write that lands
+# in the page cache can be short at any size, and on a shared machine a larger state's write can
+# come out *shorter* than a smaller one's — read the write column rather than expect a straight
+# line. A **copy** snapshot grows with the bytes, at memory bandwidth. On the CPU the **pinned
+# view** should stay at a fraction of a millisecond whatever the size: it copies nothing. The
+# verdicts under the table say which of these this run shows (best of two runs each). (The price moves rather than
 # vanishes: the first donating step after a save must allocate a fresh buffer instead of
 # reusing the pinned one.) On a GPU or TPU both rows are the device-to-host transfer.
 
@@ -652,7 +657,8 @@ for mb in (16, 128):
     big = make_state(mb)
     copy_s[mb] = min(timeit(lambda: [np.array(v, copy=True) for v in big.values()]) for _ in range(3))
     omngr = ocp.CheckpointManager(WORK / f"orbax-{mb}", options=ocp.CheckpointManagerOptions(
-        max_to_keep=2, enable_async_checkpointing=True))
+        preservation_policy=LatestN(n=2),  # Orbax 0.12's name for the deprecated max_to_keep=2
+        enable_async_checkpointing=True))
     mmngr = mc.CheckpointManager(WORK / f"minickpt-{mb}", mc.CheckpointManagerOptions(
         max_to_keep=2, enable_async_checkpointing=True))
     for i in range(4):

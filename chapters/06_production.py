@@ -862,13 +862,19 @@ verdict(fast < slow, "the choice from metadata is also faster",
 # The ratio of bytes is the point — thousands of times here, and it grows with the model —
 # the ratio of times depends on this machine's page cache. **Orbax** stores the same things:
 # `mngr.save(step, args=ocp.args.StandardSave(state), metrics={...}, custom_metadata={...})`, read
-# back without arrays by `mngr.metadata(step)`:
+# back without arrays by `mngr.metadata(step)`. `best_fn` names the best step; which steps
+# survive is Orbax 0.12's `preservation_policy`, here `BestN` (the deprecated `max_to_keep=3`
+# with `best_fn` meant the same; chapter 2 runs both):
 
 # %%
 import orbax.checkpoint as ocp
+from orbax.checkpoint.checkpoint_managers import BestN
 
+# best_fn still names the best step; which steps survive is the preservation_policy (Orbax 0.12's
+# name for the deprecated max_to_keep=3 with best_fn): the 3 lowest val_loss, reverse=True
 with ocp.CheckpointManager(WORK / "orbax", options=ocp.CheckpointManagerOptions(
-        max_to_keep=3, best_fn=lambda m: m["val_loss"], best_mode="min")) as om:
+        best_fn=lambda m: m["val_loss"], best_mode="min",
+        preservation_policy=BestN(get_metric_fn=lambda m: m["val_loss"], reverse=True, n=3))) as om:
     for step, loss in ((1, 0.7), (2, 0.4), (3, 0.5)):
         om.save(step, args=ocp.args.StandardSave({"w": np.ones(4)}), metrics={"val_loss": loss},
                 custom_metadata={"version": "v2"})
@@ -918,7 +924,8 @@ _ = verdict(loss > 0.3, "on this toy run the throughput lost is large",
 # whole run lasts a few seconds and each preemption costs a restart: a new Python process that
 # imports JAX, restores and saves once more. $n$ preemptions add $n \cdot R$ to a run of $T$,
 # so the throughput lost is $n R / (T + n R)$, with $R$ the per-preemption cost just printed —
-# about a second on an idle machine, more on a loaded one. When preemptions are rare it is about
+# of the order of the start-up and imports that section 5 timed, and longer on a loaded machine
+# than on an idle one. When preemptions are rare it is about
 # $R/\text{MTTP}$, and with the seed's numbers that says when "< 3 %" holds:
 
 # %%
