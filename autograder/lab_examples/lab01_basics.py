@@ -9,7 +9,20 @@ from __future__ import annotations
 import copy
 from typing import Any
 
-from .common import Edit, _after_docstring, _answers, _append, _cell, _gid, _replace, blank, perfect
+from .common import (
+    Edit,
+    Wrong,
+    _after_docstring,
+    _answers,
+    _append,
+    _cell,
+    _gid,
+    _replace,
+    blank,
+    perfect,
+    swap,
+    wrong_examples,
+)
 from .hostile import attack_spinners, cheat_patch_stdlib, cheat_read_history, odd_source
 
 # ---------------------------------------------------------------------------------------
@@ -728,6 +741,60 @@ def key_default_impl(release: Any, source: Any) -> Any:
     return nb
 
 
+# -- issue 39: plausible wrong versions, each breaking one clause of its task's contract ------
+WRONG: list[Wrong] = [
+    # 1.1
+    Wrong("1.1", "None is an empty subtree: it has no leaf (not a leaf of its own)",
+          swap("task_1_1", "jax.tree_util.tree_flatten_with_path(tree)",
+               "jax.tree_util.tree_flatten_with_path(tree, is_leaf=lambda v: v is None)")),
+    Wrong("1.1", "raises ValueError naming the path when two leaves get the same names",
+          swap("task_1_1", "        if names in seen:\n", "        if names in seen and False:\n")),
+    Wrong("1.1", "the KeyError names the missing leaf as path_str writes it",
+          swap("task_1_1", 'raise KeyError(f"no value for {path_str(names)!r}")',
+               "raise KeyError(names)")),
+    # 1.2
+    Wrong("1.2", "copy=True: a jax.Array's host result shares memory with nothing (zero-copy "
+                 "view on CPU ignored)",
+          swap("task_1_2", "return _copy(arr) if copy and not _transfer_made_a_copy(x) else arr",
+               "return arr  # np.asarray already brought it to the host")),
+    Wrong("1.2", "a numpy scalar (np.generic) becomes a 0-d array, even np.float64 (a float)",
+          swap("task_1_2", NP_GENERIC_FIRST, NP_GENERIC_LAST)),
+    Wrong("1.2", "raises UnsupportedLeafError for an object array (dtype=object)",
+          swap("task_1_2", "        if x.dtype.hasobject:\n", "        if x.dtype.hasobject and False:\n")),
+    # 1.3
+    Wrong("1.3", "decode_leaf checks the CRC-32 only with verify (verify=False returns the bytes)",
+          swap("task_1_3", 'if verify and "crc32" in entry:', 'if "crc32" in entry:')),
+    Wrong("1.3", "decode_leaf returns a view of raw (no copy)",
+          swap("task_1_3", 'arr = raw.view(DTYPES[entry["dtype"]]).reshape(entry["shape"])',
+               'arr = np.frombuffer(raw.tobytes(), DTYPES[entry["dtype"]]).reshape(entry["shape"])')),
+    Wrong("1.3", "data.bin is little-endian whatever the array's byte order",
+          swap("task_1_3", LITTLE_ENDIAN, NATIVE_ORDER)),
+    Wrong("1.3", "CheckpointCorruptedError names the leaf (leaf=path_str(entry['path']))",
+          swap("task_1_3", '"the bytes were damaged", leaf=path_str(entry["path"]))',
+               '"the bytes were damaged")')),
+    # 1.4
+    Wrong("1.4", "anything Checkpointer.restore raises goes through: a broken checkpoint is "
+                 "never 'nothing saved'",
+          swap("task_1_4", "    restored = Checkpointer(fs).restore(path, {ITEM: target}, partial=partial)\n",
+               "    try:\n"
+               "        restored = Checkpointer(fs).restore(path, {ITEM: target}, partial=partial)\n"
+               "    except Exception:  # unreadable: start fresh\n"
+               "        return target\n")),
+    Wrong("1.4", "every file-system call goes through fs (os.path bypasses fault injection)",
+          lambda nb: (_replace(nb, "task_1_4", "if not fs.is_dir(path):", "if not os.path.isdir(path):"),
+                      _replace(nb, "task_1_4", "elif not fs.exists(ckpt_dir):",
+                               "elif not os.path.exists(ckpt_dir):"),
+                      _replace(nb, "task_1_4", "elif not fs.is_dir(ckpt_dir) or fs.exists(",
+                               "elif not os.path.isdir(ckpt_dir) or os.path.exists("))),
+    Wrong("1.4", "a directory named <prefix><digits> is one checkpoint, restored (and refused "
+                 "if broken) even without its METADATA_FILE",
+          swap("task_1_4", ' \\\n            or re.fullmatch(rf"{re.escape(prefix)}[0-9]+", os.path.basename(ckpt_dir)):',
+               ":")),
+    Wrong("1.4", "newest means the largest step number, not the last name in sorted order",
+          lambda nb: setattr(_cell(nb, "task_1_4"), "source", LEXICAL_RESTORE)),
+]
+
+
 EXAMPLES: dict[str, Edit] = {
     "perfect": perfect, "partial": partial, "blank": blank, "syntax_error": syntax_error,
     "edited_test": edited_test, "deleted_cell": deleted_cell,
@@ -748,6 +815,7 @@ EXAMPLES: dict[str, Edit] = {
     "attack_spinners": attack_spinners, "odd_source": odd_source,
     "cheat_wrapper_reference": cheat_wrapper_reference,
     "lossy_bfloat16": lossy_bfloat16, "key_default_impl": key_default_impl,
+    **wrong_examples(WRONG),
 }
 
 

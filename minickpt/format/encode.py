@@ -98,10 +98,10 @@ def plan_leaf(names: Names, host: Any) -> tuple[dict[str, Any], np.ndarray | Non
     Receives a leaf's key path and the leaf as :func:`to_host` gives it (a numpy array, a
     :class:`HostKey`, a Python scalar or string). Returns ``(entry, buf)``: the entry
     describes the leaf in the manifest's terms (``path``, ``kind``, ``dtype``, ``shape``,
-    ``nbytes``; a key's ``impl``; a value's own fields), and ``buf`` holds exactly the bytes
-    ``data.bin`` must store for it, as a 1-D ``uint8`` array: little-endian and in C order
-    whatever the array's byte order or memory layout, with no cast (``None`` for a value,
-    which lives in the entry). Refuses, with :class:`UnsupportedLeafError`, a dtype the
+    ``nbytes``, for a key those of its raw data; a key's ``impl``; a value's own fields), and
+    ``buf`` holds exactly the bytes ``data.bin`` must store for it, as a 1-D ``uint8`` array:
+    little-endian and in C order whatever the array's byte order or memory layout, with no
+    cast (``None`` for a value, which lives in the entry). Refuses, with :class:`UnsupportedLeafError`, a dtype the
     format cannot store. The offset, the checksum and the ``scalar`` mark are added by
     :func:`plan_item` and :func:`write_item`.
     """
