@@ -31,9 +31,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from . import ROOT, cgroups, sandbox
+from . import ROOT, cgroups, sandbox, similarity
 from .notebook import (
-    TASK_CELL_RE,
     Assembled,
     Lab,
     SubmissionError,
@@ -57,8 +56,6 @@ KERNEL_LOG_BYTES = 1 << 20
 WORKER_MEMORY = 4 << 30
 """RLIMIT_DATA of a grading worker, which runs outside the slot's cgroup: whatever a kernel
 sends, the worker keeps only bounded parts of it (execute.py); this is the backstop."""
-MAX_CODE_CHARS = 100_000
-"""What of a task cell the result keeps for the similarity report (results.json)."""
 KERNEL_ARGS = ["--HistoryManager.hist_file=:memory:", "--InteractiveShell.xmode=Minimal"]
 
 
@@ -236,8 +233,7 @@ def _run(job: Job, cfg: dict[str, Any], lab: Lab, student: list[Any], iso: sandb
             if c.role == "student" and c.show.strip()]  # what the student wrote, not what ran
     result["review"] = sorted(set(result["review"]) | set(scan(mine))
                               | set(reference_use(mine, lab)))
-    result["code"] = {c.grade_id: c.show[:MAX_CODE_CHARS] for c in asm.cells  # for similarity
-                      if c.role == "student" and TASK_CELL_RE.match(c.grade_id or "")}
+    result["code"] = similarity.submission_code(mine)  # every cell the student wrote
     if report.strays_killed:
         result["killed_processes"] = report.strays_killed
     _finish(root, result, lab, asm, executed, t0)
