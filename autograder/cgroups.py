@@ -52,9 +52,10 @@ class SlotCgroup:
                 continue
         return sorted(found)
 
-    def kill(self) -> int:
-        """SIGKILL every process in the cgroup, until it is empty. Returns how many."""
-        if self.version == 2:
+    def kill(self, spare: set[int] | frozenset[int] = frozenset()) -> int:
+        """SIGKILL every process in the cgroup but ``spare`` (the slot's grading worker, which
+        runs in it too), until none is left. Returns how many."""
+        if self.version == 2 and not spare:
             try:
                 with open(os.path.join(self.paths[0], "cgroup.kill"), "w") as f:
                     f.write("1")
@@ -62,7 +63,7 @@ class SlotCgroup:
                 pass
         killed: set[int] = set()
         for _ in range(300):
-            victims = [p for p in self.pids() if p != os.getpid()]
+            victims = [p for p in self.pids() if p != os.getpid() and p not in spare]
             if not victims:
                 break
             for pid in victims:

@@ -255,16 +255,19 @@ def private_copy(folder: str, entries: dict[str, str], dest: Path) -> bool:
 
 @dataclass
 class Lock:
-    """An exclusive lock on the cache's root folder (fills of two grade.sh never overlap)."""
+    """An exclusive lock on the cache's root folder (``name`` ``.lock``: its tidying, checks
+    and installs, each short), or on one key (``.lock-<key>``: held through that key's fill,
+    so two grade.sh fill a lab once, while fills of other labs go on beside it)."""
 
     root: Path
     timeout: float = LOCK_WAIT
+    name: str = ".lock"
     _f: Any = None
 
     def __enter__(self) -> bool:
         """True once held; False when another process held it for longer than ``timeout``."""
         self.root.mkdir(parents=True, exist_ok=True)
-        self._f = open(self.root / ".lock", "a+")
+        self._f = open(self.root / self.name, "a+")
         deadline = time.monotonic() + self.timeout
         while True:
             try:
@@ -299,6 +302,11 @@ def prepare_root(root: Path) -> str | None:
 KEEP_UNUSED_DAYS = 30
 
 
+def key_lock(root: Path, key: str, timeout: float = LOCK_WAIT) -> Lock:
+    """The lock held through the fill of ``key`` (see :class:`Lock`)."""
+    return Lock(root, timeout, f".lock-{key}")
+
+
 def tidy(root: Path, using: set[str]) -> None:
     """Under the lock: remove what a killed install left (``.new-*``, ``.old-*``: no other
     install runs now), mark the folders this run uses as used (their mtime), and remove
@@ -306,7 +314,7 @@ def tidy(root: Path, using: set[str]) -> None:
     now = time.time()
     for p in root.iterdir():
         try:
-            if p.name.startswith((".new-", ".old-")):
+            if p.name.startswith((".new-", ".old-")):  # (installs hold the root's lock)
                 shutil.rmtree(p, ignore_errors=True)
             elif p.name in using:
                 os.utime(p)

@@ -36,6 +36,18 @@ MAX_ERRORS = 4
 """Error outputs kept per cell (each bounded); more are counted, and one says how many."""
 FIELD_CHARS = 10_000
 """The longest ename/evalue/traceback line/prompt kept; metadata larger than this is dropped."""
+SUBMISSION_KEEP_CHARS = 8 << 20
+"""Characters of output kept for a whole submission, all its cells together (each cell keeps
+at most ``keep_output_bytes`` of it): what reaches graded.ipynb, the feedback page and the
+grading worker's memory. Past it, output is counted, not kept; a failing cell's error is
+kept short (its name and message); the referee's signs still get through."""
+SUBMISSION_OUTPUTS = 5_000
+"""Outputs (notebook output entries) kept for a whole submission: a flood of tiny displays
+costs the worker per entry, whatever its characters. Consecutive stream text is one entry."""
+RECEIPT_CHARS = 200_000
+"""The longest receipt line kept once the budget is spent (a genuine one is far shorter)."""
+SHORT_EVALUE = 1_000
+"""What of an error's message is kept once the budget is spent."""
 NO_REPLY_GRACE = 5.0
 """Seconds a kernel that went idle may take to send its reply before it counts as broken."""
 
@@ -50,6 +62,7 @@ class RunReport:
     strays_killed: int = 0
     seconds: dict[int, float] = field(default_factory=dict)
     kernel_log: str = ""
+    output_budget: str = ""                         # why output stopped being kept, if it did
 
 
 def _error(ename: str, evalue: str) -> NotebookNode:
@@ -127,7 +140,9 @@ class GradingClient(NotebookClient):
     def __init__(self, nb: NotebookNode, km: Any, *, timeout: int, setup_timeout: int,
                  keep_output_bytes: int, max_output_bytes: int, interrupt_grace: int,
                  reap_uid: int | None, deadline: float | None = None,
-                 on_ready: Any = None, after_first_cell: Any = None) -> None:
+                 on_ready: Any = None, after_first_cell: Any = None,
+                 budget_chars: int = SUBMISSION_KEEP_CHARS,
+                 budget_outputs: int = SUBMISSION_OUTPUTS) -> None:
         super().__init__(nb, km=km, timeout=timeout, allow_errors=True,
                          interrupt_on_timeout=True, raise_on_iopub_timeout=True,
                          iopub_timeout=interrupt_grace, shutdown_kernel="immediate",
@@ -139,6 +154,9 @@ class GradingClient(NotebookClient):
         self._keep = keep_output_bytes
         self._max = max_output_bytes
         self._reap_uid = reap_uid
+        self._budget_chars, self._budget_outputs = budget_chars, budget_outputs
+        self._spent = 0          # characters kept, the whole submission
+        self._entries = 0        # outputs kept, the whole submission
         self._current = -1
         self._interrupting: asyncio.Future[Any] | None = None
         self._deadline = deadline
@@ -208,31 +226,76 @@ class GradingClient(NotebookClient):
             task.cancel()
 
     # -- output limits -------------------------------------------------------------------
+    def _over(self, what: str) -> None:
+        """The submission's output budget is spent: said once, as the result's reason."""
+        if not self.report.output_budget:
+            self.report.output_budget = (
+                f"its output passed what one submission may keep ({what}): the rest was "
+                "counted, not kept (the cells still ran and were graded)")
+
+    def _budget_words(self) -> str:
+        return (f"{self._budget_chars >> 20} MiB" if self._spent >= self._budget_chars
+                else f"{self._budget_outputs} outputs")
+
     def output(self, outs: list[NotebookNode], msg: dict[str, Any], display_id: str | None,
                cell_index: int) -> NotebookNode | None:
+        """Keep an output within the cell's limit and the submission's budget
+        (:data:`SUBMISSION_KEEP_CHARS` characters, :data:`SUBMISSION_OUTPUTS` outputs);
+        stream text joins the cell's last output of the same stream."""
         content = msg.get("content", {})  # bounded already (process_message)
         kind = msg.get("msg_type")
         size = _size(content, self._max)
+        left = self._budget_chars - self._spent
+        full = self._entries >= self._budget_outputs
         if kind == "error":  # kept (MAX_ERRORS of them, bounded): it is what the student reads
-            self._kept += size
-            return super().output(outs, msg, display_id, cell_index)
-        room = self._keep - self._kept
+            if size > left or full:  # short, past the budget: it still fails the cell
+                content = {"ename": content.get("ename", "Error"), "traceback": [],
+                           "evalue": str(content.get("evalue", ""))[:SHORT_EVALUE]}
+                msg = {**msg, "content": content}
+                size = _size(content)
+                self._over(self._budget_words() if full else
+                           f"{self._budget_chars >> 20} MiB")
+            return self._keep_output(outs, msg, display_id, cell_index, size)
+        room = min(self._keep - self._kept, left)
         if kind == "stream":
             text = str(content.get("text", ""))
             if len(text) > max(room, 0):
-                receipts = [x for x in text[max(room, 0):].split("\n") if x.startswith(RECEIPT)]
+                receipts = [x[:RECEIPT_CHARS] for x in text[max(room, 0):].split("\n")
+                            if x.startswith(RECEIPT)]
                 self._dropped += len(text) - max(room, 0)
+                if left < self._keep - self._kept:
+                    self._over(f"{self._budget_chars >> 20} MiB")
                 text = text[:max(room, 0)] + "".join(f"\n{r}\n" for r in receipts[-4:])
                 if not text:
                     return None
-                msg = {**msg, "content": {**content, "text": text}}
-            self._kept += len(text)
-        elif size > room:
+            last = outs[-1] if outs else None
+            if last is not None and not self.clear_before_next_output \
+                    and last.get("output_type") == "stream" and last.get("name") == content.get("name"):
+                last["text"] += text  # one entry per stream, however often it is flushed
+                self._kept += len(text)
+                self._spent += len(text)
+                return None
+            if full and not any(x.startswith(RECEIPT) for x in text.split("\n")):
+                self._dropped += len(text)
+                self._over(f"{self._budget_outputs} outputs")
+                return None
+            msg = {**msg, "content": {**content, "text": text}}
+            return self._keep_output(outs, msg, display_id, cell_index, len(text))
+        if size > room or full:
             self._dropped += size
+            if size > left or full:
+                self._over(self._budget_words() if full else f"{self._budget_chars >> 20} MiB")
             return None
-        else:
-            self._kept += size
-        return super().output(outs, msg, display_id, cell_index)
+        return self._keep_output(outs, msg, display_id, cell_index, size)
+
+    def _keep_output(self, outs: list[NotebookNode], msg: dict[str, Any], display_id: str | None,
+                     cell_index: int, size: int) -> NotebookNode | None:
+        self._kept += size
+        self._spent += size
+        before = len(outs)
+        out = super().output(outs, msg, display_id, cell_index)
+        self._entries += max(0, len(outs) - before) or (out is not None)
+        return out
 
     async def _async_handle_timeout(self, timeout: int, cell: NotebookNode | None = None
                                     ) -> dict[str, Any] | None:

@@ -53,6 +53,7 @@ full marks, the most common failure), ``summary.txt`` (what the terminal shows),
 from __future__ import annotations
 
 import argparse
+import contextlib
 import hashlib
 import json
 import os
@@ -106,14 +107,47 @@ def usable_cores() -> int:
         return os.cpu_count() or 1
 
 
-def default_jobs() -> int:
-    """``-j`` when none is given: a kernel per usable core (one kernel keeps about one core
-    busy), but no more than one per 2 GiB of memory."""
+def memory_for_slots() -> int:
+    """The memory the slots may share: the machine's, or this process's cgroup limit if lower
+    (a container, a Slurm job)."""
     try:
         memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
     except (ValueError, OSError, AttributeError):  # pragma: no cover
         memory = 1 << 40
-    return max(1, min(usable_cores(), memory // (2 << 30)))
+    limits = []
+    try:
+        with open("/proc/self/cgroup") as f:
+            for line in f:
+                _, names, path = line.rstrip("\n").split(":", 2)
+                if names == "":
+                    limits.append(f"/sys/fs/cgroup{path}/memory.max")
+                elif "memory" in names.split(","):
+                    limits.append(f"/sys/fs/cgroup/memory{path}/memory.limit_in_bytes")
+    except (OSError, ValueError):
+        pass
+    for path in limits:
+        try:
+            with open(path) as f:
+                text = f.read().strip()
+        except OSError:
+            continue
+        if text.isdigit():
+            memory = min(memory, int(text))
+    return memory
+
+
+def default_jobs(*, cores: int | None = None, memory: int | None = None,
+                 slot_memory: int | None = None) -> int:
+    """``-j`` when none is given: one slot per usable core (a kernel keeps about one core
+    busy), and no more slots than the memory holds slots' allowances: each slot's cgroup
+    may use ``Limits.slot_memory_bytes`` (6 GiB: its kernel, everything the kernel starts,
+    and its grading worker), so ``memory // slot_memory``, at least 1."""
+    from .sandbox import Limits
+
+    cores = usable_cores() if cores is None else cores
+    memory = memory_for_slots() if memory is None else memory
+    slot_memory = Limits().slot_memory_bytes if slot_memory is None else slot_memory
+    return max(1, min(cores, memory // slot_memory))
 
 
 def example_tour(labs: set[str]) -> set[tuple[str, str]]:
@@ -522,6 +556,115 @@ def refuse_unsandboxed(iso: Any, folder: Path) -> str | None:
             "add --unsandboxed, or set MINICKPT_SANDBOX=off")
 
 
+TIMING_PHASES = ("prepare", "kernel", "setup", "cells", "cpu", "throttled", "slowest_cell",
+                 "slowest_cell_seconds", "timed_out")
+"""timings.csv's columns after ``seconds`` (autograder.runner._write_phases writes them)."""
+
+
+def write_timings(path: Path, timings: list[tuple[str, str, float]],
+                  dirs: dict[tuple[str, str], Path], durations: int) -> str:
+    """``timings.csv``: per submission its seconds in its slot and where they went (each
+    job's ``phases.json``; empty for a submission that never reached its kernel). Returns
+    the ``durations`` slowest as text (like pytest's ``--durations``; "" for 0)."""
+    rows = []
+    for student, lab, seconds in sorted(timings):
+        try:
+            phases = json.loads((dirs[student, lab] / "phases.json").read_text())
+        except (KeyError, OSError, ValueError):
+            phases = {}
+        rows.append({"student": student, "lab": lab, "seconds": f"{seconds:.1f}",
+                     **{k: _phase(phases.get(k)) for k in TIMING_PHASES}})
+    with open(path, "w", newline="") as f:
+        w = safe_text.dict_writer(f, fieldnames=["student", "lab", "seconds", *TIMING_PHASES])
+        w.writeheader()
+        w.writerows(rows)
+    if durations <= 0 or not rows:
+        return ""
+    total = sum(float(r["seconds"]) for r in rows)
+    cpu = sum(float(r["cpu"] or 0) for r in rows)  # 0 where the slots have no cgroup
+    lines = [f"slowest {min(durations, len(rows))} of {len(rows)} submission(s) ({total:.0f} s "
+             f"of slot time, {cpu:.0f} s of CPU in the kernels):"]
+    for r in sorted(rows, key=lambda r: -float(r["seconds"]))[:durations]:
+        lines.append(f"  {float(r['seconds']):7.1f}s {r['student']}/{r['lab']}: kernel "
+                     f"{r['kernel'] or '-'} s, setup {r['setup'] or '-'} s, cells "
+                     f"{r['cells'] or '-'} s (slowest {r['slowest_cell'] or '-'} "
+                     f"{r['slowest_cell_seconds'] or '-'} s), cpu {r['cpu'] or '-'} s"
+                     + (f" (throttled {r['throttled']} s)" if r["throttled"] not in ("", "0",
+                                                                                   "0.0") else "")
+                     + (f", timed out: {r['timed_out']}" if r["timed_out"] else ""))
+    return safe_text.printable("\n".join(lines))
+
+
+def _phase(value: Any) -> str:
+    if isinstance(value, list):
+        return " ".join(map(str, value))
+    return "" if value is None else str(value)
+
+
+def _check_caches(root: Path, keys: set[str], ready: dict[str, dict[str, str]]) -> None:
+    """Into ``ready``: the entries of every folder of ``keys`` that exists and passes its
+    check; one that fails it is removed (to be filled again). Under the root's lock."""
+    from . import compile_cache as cc
+
+    for key in sorted(keys):
+        folder = root / key
+        if not folder.exists():
+            continue
+        try:
+            ready[key] = cc.check(folder)
+        except (ValueError, OSError) as e:
+            print(f"grade: compilation cache {folder} fails its check ({e}); filling it "
+                  "again", file=sys.stderr)
+            cc.discard(folder)
+
+
+def _fill_caches(missing: list[str], keys: dict[str, str], root: Path, source: Path, work: Path,
+                 cfg: dict[str, Any], jobs: int, wanted: set[tuple[str, str]],
+                 done: set[tuple[str, str]], on_result: Any, ready: dict[str, dict[str, str]],
+                 out: dict[str, dict[str, Any]]) -> None:
+    """Fill the ``missing`` keys (their locks held) by grading one lab's source notebook per
+    key, ``jobs`` at once; install each under the root's lock."""
+    from . import compile_cache as cc
+    from .runner import Job, run_pool
+
+    fills: list[Job] = []
+    for key in missing:
+        lab = min(lab for lab in keys if keys[lab] == key)
+        fills.append(Job(len(fills), REFERENCE_STUDENT, lab, str(source / lab / f"{lab}.ipynb"),
+                         str(work / "subs" / lab / REFERENCE_STUDENT),
+                         cache=str(cc.fill_folder(work, key)), fill=True))
+    filled: dict[str, tuple[dict[str, Any], float]] = {}
+
+    def on_fill(job: Job, result: dict[str, Any], seconds: float) -> None:
+        filled[job.lab] = (result, seconds)
+        if (job.student, job.lab) in wanted:
+            done.add((job.student, job.lab))
+            on_result(job, result, seconds)
+
+    if fills:
+        print(f"grade: compilation cache: filling it for {', '.join(j.lab for j in fills)} "
+              "by grading each lab's source notebook (once; later runs reuse it)", flush=True)
+        run_pool(fills, cfg, min(jobs, len(fills)), work / "logs", on_fill)
+    for job in fills:
+        key = keys[job.lab]
+        result, seconds = filled.get(job.lab, ({}, 0.0))
+        if result.get("status") != "graded" or not result.get("ran_all_cells"):
+            print(f"grade: compilation cache of {job.lab} not kept: grading its source "
+                  f"notebook did not run to the end ({result.get('reason') or 'no result'})",
+                  file=sys.stderr)
+            continue
+        try:
+            with cc.Lock(root):
+                cc.install(Path(job.cache), root / key, lab=job.lab,
+                           source=source / job.lab / f"{job.lab}.ipynb")
+                ready[key] = cc.check(root / key)
+        except (OSError, ValueError) as e:
+            print(f"grade: compilation cache of {job.lab} not kept: {e}", file=sys.stderr)
+            continue
+        out[job.lab]["fill_seconds"] = round(seconds, 1)
+        shutil.rmtree(job.cache, ignore_errors=True)
+
+
 def prepare_caches(labs: list[str], source: Path, work: Path, cfg: dict[str, Any],
                    jobs: int, option: str | None, wanted: set[tuple[str, str]],
                    done: set[tuple[str, str]], on_result: Any) -> dict[str, dict[str, Any]]:
@@ -533,7 +676,6 @@ def prepare_caches(labs: list[str], source: Path, work: Path, cfg: dict[str, Any
     reference's row (``on_result`` gets it, and the pair goes into ``done``)."""
     from . import compile_cache as cc
     from . import sandbox
-    from .runner import Job, run_pool
 
     root = cc.where(option)
     if root is None:
@@ -546,58 +688,25 @@ def prepare_caches(labs: list[str], source: Path, work: Path, cfg: dict[str, Any
     keys = {lab: cc.cache_key(source / lab, env) for lab in labs}
     out: dict[str, dict[str, Any]] = {lab: {"folder": str(root / keys[lab]), "key": keys[lab]}
                                       for lab in labs}
+    ready: dict[str, dict[str, str]] = {}
     with cc.Lock(root) as held:
         if not held:
-            print("grade: another grade.sh is filling the compilation cache for too long; "
+            print("grade: another grade.sh holds the compilation cache for too long; "
                   "grading without it", file=sys.stderr)
             return {lab: {"state": "off: lock not free"} for lab in labs}
         cc.tidy(root, set(keys.values()))
-        ready: dict[str, dict[str, str]] = {}
-        for key in sorted(set(keys.values())):
-            folder = root / key
-            if not folder.exists():
-                continue
-            try:
-                ready[key] = cc.check(folder)
-            except (ValueError, OSError) as e:
-                print(f"grade: compilation cache {folder} fails its check ({e}); filling it "
-                      "again", file=sys.stderr)
-                cc.discard(folder)
-        fills: list[Job] = []
-        for key in sorted(set(keys.values()) - set(ready)):
-            lab = min(lab for lab in labs if keys[lab] == key)
-            fills.append(Job(len(fills), REFERENCE_STUDENT, lab, str(source / lab / f"{lab}.ipynb"),
-                             str(work / "subs" / lab / REFERENCE_STUDENT),
-                             cache=str(cc.fill_folder(work, key)), fill=True))
-        filled: dict[str, tuple[dict[str, Any], float]] = {}
-
-        def on_fill(job: Job, result: dict[str, Any], seconds: float) -> None:
-            filled[job.lab] = (result, seconds)
-            if (job.student, job.lab) in wanted:
-                done.add((job.student, job.lab))
-                on_result(job, result, seconds)
-
-        if fills:
-            print(f"grade: compilation cache: filling it for {', '.join(j.lab for j in fills)} "
-                  "by grading each lab's source notebook (once; later runs reuse it)", flush=True)
-            run_pool(fills, cfg, min(jobs, len(fills)), work / "logs", on_fill)
-        for job in fills:
-            key = keys[job.lab]
-            result, seconds = filled.get(job.lab, ({}, 0.0))
-            if result.get("status") != "graded" or not result.get("ran_all_cells"):
-                print(f"grade: compilation cache of {job.lab} not kept: grading its source "
-                      f"notebook did not run to the end ({result.get('reason') or 'no result'})",
-                      file=sys.stderr)
-                continue
-            try:
-                cc.install(Path(job.cache), root / key, lab=job.lab,
-                           source=source / job.lab / f"{job.lab}.ipynb")
-                ready[key] = cc.check(root / key)
-            except (OSError, ValueError) as e:
-                print(f"grade: compilation cache of {job.lab} not kept: {e}", file=sys.stderr)
-                continue
-            out[job.lab]["fill_seconds"] = round(seconds, 1)
-            shutil.rmtree(job.cache, ignore_errors=True)
+        _check_caches(root, set(keys.values()), ready)
+    missing = sorted(set(keys.values()) - set(ready))
+    with contextlib.ExitStack() as stack:  # each missing key's own lock, in one order: other
+        for key in missing:                # labs' fills (another grade.sh) go on meanwhile
+            if not stack.enter_context(cc.key_lock(root, key)):
+                print(f"grade: another grade.sh is filling the compilation cache {key} for too "
+                      "long; grading without it", file=sys.stderr)
+                return {lab: {"state": "off: lock not free"} for lab in labs}
+        with cc.Lock(root):  # filled by another grade.sh while this one waited?
+            _check_caches(root, set(missing), ready)
+        _fill_caches(sorted(set(missing) - set(ready)), keys, root, source, work, cfg, jobs,
+                     wanted, done, on_result, ready, out)
     for lab in labs:
         key = keys[lab]
         if key in ready:
@@ -627,7 +736,8 @@ def _parser() -> argparse.ArgumentParser:
                         "included), feedback and logs (default .grading/, emptied first)")
     p.add_argument("-j", "--jobs", type=int, default=None,
                    help="submissions graded at once (default: one per usable core, at most one "
-                        "per 2 GiB of memory; each takes about one core)")
+                        "per 6 GiB of memory, what a slot's cgroup allows its kernel and "
+                        "worker; each takes about one core)")
     p.add_argument("--shard", type=parse_shard, default=None, metavar="I/N",
                    help="grade only the I-th of N slices of the class (by student name); "
                         "combine the slices' --out folders with `grade.sh merge`")
@@ -648,6 +758,9 @@ def _parser() -> argparse.ArgumentParser:
                         "or $MINICKPT_GRADE_CACHE): filled once per lab by grading the lab's "
                         "source notebook, read-only to every submission, reused by later runs; "
                         "'off' grades without it (slower, same grades)")
+    p.add_argument("--durations", type=int, default=0, metavar="N",
+                   help="print the N slowest submissions and where their time went (kernel "
+                        "start, setup cells, other cells, CPU); timings.csv has every one")
     p.add_argument("--include-solutions", action="store_true",
                    help=f"also grade each lab's source notebook as student "
                         f"'{REFERENCE_STUDENT}' (a self-check: it must score full marks)")
@@ -670,6 +783,7 @@ def grade_main(argv: list[str]) -> int:
     a = _parser().parse_args(argv)
     tools_on_path()
     from . import sandbox
+    from .execute import SUBMISSION_KEEP_CHARS, SUBMISSION_OUTPUTS
     from .runner import Job, run_pool
 
     t0 = time.monotonic()
@@ -742,6 +856,7 @@ def grade_main(argv: list[str]) -> int:
                "mode": iso.mode, "bwrap": iso.bwrap, "setpriv": iso.setpriv,
                "prlimit": iso.prlimit, "lost": list(iso.lost), "detail": iso.detail},
            "limits": limits.as_dict(), "keep_output": 1 << 20, "max_output": 64 << 20,
+           "keep_output_total": SUBMISSION_KEEP_CHARS, "keep_outputs": SUBMISSION_OUTPUTS,
            "max_message": 32 << 20, "uid_base": a.sandbox_uid or sandbox.UID_BASE}
     (work / "logs").mkdir(parents=True, exist_ok=True)
     results: list[dict[str, Any]] = []
@@ -789,13 +904,12 @@ def grade_main(argv: list[str]) -> int:
                               | {"entries": len(c.get("entries") or {})}
                               for lab, c in caches.items()}}
     text = write_outputs(out, results, infos, files, meta)
-    with open(out / "timings.csv", "w", newline="") as f:
-        w = safe_text.writer(f)
-        w.writerow(["student", "lab", "seconds"])
-        for row in sorted(timings):
-            w.writerow([row[0], row[1], f"{row[2]:.1f}"])
+    slowest = write_timings(out / "timings.csv", timings,
+                            {(j.student, j.lab): Path(j.dir) for j in jobs}, a.durations)
     print()
     print(text)
+    if slowest:
+        print(slowest)
     errors = [r for r in results if r["status"] == "error"]
     print(f"graded {len(results)} submission(s) in {time.monotonic() - t0:.0f} s with -j {a.jobs};"
           f" results in {out} (grades.csv, grades-<lab>.csv, class-summary.html, feedback/)")

@@ -35,10 +35,11 @@ TOUR: dict[str, tuple[str, ...]] = {}
 ``lab_examples/lab01_basics.py``)."""
 
 
-CROSS_LAB = ("copies", "reached", "independent")
+CROSS_LAB = ("copies", "reached", "independent", "edges")
 """Modules of ``lab_examples/`` whose ``EXAMPLES`` are ``{lab: {student: edit}}``: issue 31's
 copies (minickpt's code or another student's handed in), the task's reference reached from
-the student's code, and ``partial`` written independently (it replaces the lab module's); their
+the student's code, ``partial`` written independently (it replaces the lab module's) and the
+grader's own edges (issue 38: ``edges``, lab 1 only); their
 expected rows are in each lab's ``expected-<lab>.csv``."""
 
 

@@ -53,6 +53,7 @@ import hmac
 import importlib.machinery
 import importlib.util
 import os
+import re
 import sys
 import types
 from operator import is_ as _is
@@ -168,35 +169,51 @@ def boot(key_file: str, nonce: str, shell: object = None) -> types.SimpleNamespa
             raise TamperedError(f"the text of test {grade_id} was changed before it ran: the "
                                 "test is not run") from None
 
-    def test(grade_id: str, sealed: str, mac: str, report: tuple = ()) -> None:
+    def attempt(grade_id: str, sealed: str, mac: str, report: tuple) -> BaseException | None:
         """Run one test cell; print its receipt, last, if it ran to the end. Refused inside
-        another test (student code calling it gets nothing) and for a grade id that ran."""
+        another test (student code calling it gets nothing) and for a grade id that ran.
+        Returns what failed it, bare (:func:`_bare`), for :func:`test` to raise: every frame
+        that held the test's text or the referee's locals is cleared first."""
         if running[0]:
-            raise TamperedError("a test cannot be started from inside another test")
+            return _bare(TamperedError("a test cannot be started from inside another test"))
         grade_id = text_of(grade_id)
-        source = unseal(grade_id, sealed)
+        try:
+            source = unseal(grade_id, sealed)
+        except TamperedError as e:
+            return _bare(e)
         if not compare(sign(f"{nonce}|test|{grade_id}|{report!r}|{source}"), text_of(mac)):
-            raise TamperedError(f"the text of test {grade_id} was changed before it ran "
-                                "(an input transformer or a hook?): the test is not run")
+            return _bare(TamperedError(f"the text of test {grade_id} was changed before it ran "
+                                       "(an input transformer or a hook?): the test is not run"))
         if grade_id in ran:
-            raise TamperedError(f"test {grade_id} already ran once: it is not run again")
+            return _bare(TamperedError(f"test {grade_id} already ran once: it is not run again"))
         ran.add(grade_id)
         running[0] = True
         restored: list[str] = []
         try:
             restored = referee.repair()
             payload = referee.run(grade_id, source, report, restored)
-        except BaseException:
+        except BaseException as e:
             seen = restored + [f"watch: {w}" for w in referee.reached]
             if seen:  # the test fails, but what was put back before it (or what the
                 note = repr(seen)  # student's code reached) is for review
                 write(f"\n{RECEIPT} {grade_id} {sign(f'{nonce}|restored|{grade_id}|{note}')} "
                       f"{note}", flush=True)
-            raise
+            return _bare(e)
         finally:
             running[0] = False
+            del source
         write(f"\n{RECEIPT} {grade_id} {sign(f'{nonce}|pass|{grade_id}|{payload}')} {payload}",
               flush=True)
+        return None
+
+    def test(grade_id: str, sealed: str, mac: str, report: tuple = ()) -> None:
+        """Run one test cell (:func:`attempt`). What failed it is raised from here, outside
+        any handler: its traceback holds this frame (no text of the test, no key, nothing
+        but ``attempt``) and the cell's, never the referee's or the test's frames, and the
+        kernel forgets even that after the cell (:meth:`Referee.forget`)."""
+        failure = attempt(grade_id, sealed, mac, report)
+        if failure is not None:
+            raise failure
 
     def seal(namespace: dict) -> None:
         """Snapshot the protected modules and the setup cell's names (once)."""
@@ -214,6 +231,9 @@ class Referee:
         self._sealed = False
         # what the referee itself calls, taken before any student code can replace it
         self._sys = sys
+        import linecache
+
+        self._linecache = linecache
         self._settrace, self._setprofile = sys.settrace, sys.setprofile
         self._gettrace, self._getprofile = sys.gettrace, sys.getprofile
         self._FunctionType = types.FunctionType
@@ -231,8 +251,45 @@ class Referee:
         self.reached: list[str] = []    # what the running test's watch saw
         count = [0]
         sys.stdout, sys.stderr = _Capped(sys.stdout, count), _Capped(sys.stderr, count)
+        self._shell = shell
         if shell is not None:  # a fresh count for every cell
             shell.events.register("pre_run_cell", lambda *a: count.__setitem__(0, 0))
+            shell.events.register("post_run_cell", self.forget)  # first: before any of theirs
+
+    def forget(self, result: object = None) -> None:
+        """After every cell: the kernel keeps no exception with a traceback, no frame of it
+        and no text of it: ``sys.last_*``, the cell's result (its exception stays, bare: the
+        kernel's reply still says the cell failed), IPython's formatter's ``tb``, its history
+        of exceptions, and a ``linecache`` entry of a test's file name. A failed test's own
+        frames were cleared already (:func:`_bare`); this is for what IPython kept."""
+        sys_, shell, getattr_ = self._sys, self._shell, self._getattr
+        for name in LAST:
+            value = getattr_(sys_, name, None)
+            if isinstance(value, BaseException):
+                _bare(value, chain=False)
+            elif isinstance(value, types.TracebackType):
+                _clear(value)
+            try:
+                self._delattr(sys_, name)
+            except AttributeError:
+                pass
+        for holder in (result, getattr_(shell, "last_execution_result", None)):
+            for name in ("error_in_exec", "error_before_exec"):
+                _bare(getattr_(holder, name, None), chain=False)
+        for name in ("InteractiveTB", "SyntaxTB"):
+            formatter = getattr_(shell, name, None)
+            if getattr_(formatter, "tb", None) is not None:
+                try:
+                    formatter.tb = None
+                except AttributeError:
+                    pass
+        history = getattr_(getattr_(shell, "history_manager", None), "exceptions", None)
+        if isinstance(history, dict):
+            history.clear()
+        cache = getattr_(self._linecache, "cache", None)
+        if isinstance(cache, dict):
+            for k in [k for k in list(cache) if isinstance(k, str) and TEST_FILE.match(k)]:
+                cache.pop(k, None)
 
     def _audit(self, event: str, args: tuple) -> None:
         """The process's audit hook, installed before any student code: refuses every later
@@ -599,6 +656,48 @@ class Referee:
         for name in report:
             answers[name] = _literal(ns.get(name, _MISSING))
         return repr({"answers": answers, "restored": restored})
+
+
+_get_tb, _set_tb = BaseException.__traceback__.__get__, BaseException.__traceback__.__set__
+_get_context, _get_cause = BaseException.__context__.__get__, BaseException.__cause__.__get__
+_set_context, _set_cause = BaseException.__context__.__set__, BaseException.__cause__.__set__
+LAST = ("last_type", "last_value", "last_traceback", "last_exc")
+"""Where Python and IPython keep the last exception of a cell (``last_exc``: 3.12)."""
+TEST_FILE = re.compile(r"<test_[^>]*>")
+"""The file name a test's text is compiled under (:meth:`Referee.run`)."""
+
+
+def _clear(tb: object) -> None:
+    """Release the locals of every finished frame of a traceback (the test's text, its
+    namespace, the referee's state): ``traceback.clear_frames``, without importing it."""
+    while isinstance(tb, types.TracebackType):
+        try:
+            tb.tb_frame.clear()
+        except RuntimeError:  # a frame that still runs (the caller's)
+            pass
+        tb = tb.tb_next
+
+
+def _bare(e: BaseException | None, chain: bool = True) -> BaseException | None:
+    """``e`` without what it carried of the frames it passed through: every frame of its
+    traceback (and of the exceptions it chains) cleared, and none of them attached. Read and
+    written through ``BaseException``'s own descriptors: an exception class of the student's
+    that overrides ``__traceback__`` runs none of its code here. Without ``chain`` its own
+    ``__context__``/``__cause__`` stay (the student's exception, for their own reading)."""
+    seen: set[int] = set()
+    todo = [e]
+    while todo:
+        x = todo.pop()
+        if not isinstance(x, BaseException) or id(x) in seen or len(seen) > 100:
+            continue
+        seen.add(id(x))
+        _clear(_get_tb(x))
+        _set_tb(x, None)
+        todo += [_get_context(x), _get_cause(x)]
+    if chain and isinstance(e, BaseException):
+        _set_context(e, None)
+        _set_cause(e, None)
+    return e
 
 
 def _in_order(now: list, snap: list) -> bool:

@@ -20,6 +20,7 @@ import queue
 import select
 import shutil
 import signal
+import stat
 import subprocess
 import sys
 import tempfile
@@ -33,6 +34,7 @@ from typing import Any
 
 from . import ROOT, cgroups, sandbox, similarity
 from .notebook import (
+    MAX_NOTEBOOK_BYTES,
     Assembled,
     Lab,
     SubmissionError,
@@ -54,8 +56,9 @@ REFEREE_IN_SANDBOX = "/opt/minickpt-grader/referee.py"
 KERNEL_LOG_BYTES = 1 << 20
 """What of the kernel's own stdout/stderr is kept in kernel.log (the start of it)."""
 WORKER_MEMORY = 4 << 30
-"""RLIMIT_DATA of a grading worker, which runs outside the slot's cgroup: whatever a kernel
-sends, the worker keeps only bounded parts of it (execute.py); this is the backstop."""
+"""RLIMIT_DATA of a grading worker, a backstop per process: the worker runs inside its slot's
+cgroup (whose memory bounds kernel and worker together), and whatever a kernel sends, it keeps
+only bounded parts of (execute.py: one output budget per submission)."""
 KERNEL_ARGS = ["--HistoryManager.hist_file=:memory:", "--InteractiveShell.xmode=Minimal"]
 
 
@@ -114,7 +117,7 @@ def grade_one(job: Job, cfg: dict[str, Any], labs: dict[str, Lab]) -> dict[str, 
             lab = labs[job.lab] = load_lab(Path(cfg["source"]) / job.lab / f"{job.lab}.ipynb")
         result = _base_result(job, lab, iso.marker)
         try:
-            shutil.copyfile(job.notebook, root / "submitted.ipynb")
+            copy_submission(Path(job.notebook), root / "submitted.ipynb")
             student = read_submission(root / "submitted.ipynb")
         except (SubmissionError, OSError) as e:
             reason = str(e) if isinstance(e, SubmissionError) else f"cannot be read: {e}"
@@ -138,8 +141,76 @@ def grade_one(job: Job, cfg: dict[str, Any], labs: dict[str, Lab]) -> dict[str, 
         return result
 
 
+RELEASE = ROOT / "labs"
+"""Where the released labs are: a lab's data files are mounted from there, never from
+``--source``."""
+
+
+def data_files(released: Path, cwd: str) -> dict[str, str]:
+    """The lab's data files as the kernel sees them in its working folder: those of the
+    *released* lab (what every student downloaded), regular files only (never a link), no
+    notebook, no hidden file. Nothing of ``--source`` is ever mounted: its notebook is read
+    by the grader (tests go to the kernel sealed), and whatever lies beside it (an editor's
+    backup, the instructor's notes) stays out of the kernel's reach."""
+    found = {}
+    try:
+        entries = sorted(os.scandir(released), key=lambda e: e.name)
+    except OSError:
+        return {}
+    for e in entries:
+        if e.is_file(follow_symlinks=False) and not e.name.endswith(".ipynb") \
+                and not e.name.startswith("."):
+            found[e.path] = f"{cwd}/{e.name}"
+    return found
+
+
+KINDS = {stat.S_IFDIR: "a folder", stat.S_IFIFO: "a named pipe", stat.S_IFSOCK: "a socket",
+         stat.S_IFCHR: "a character device", stat.S_IFBLK: "a block device"}
+
+
+def copy_submission(src: Path, dest: Path) -> None:
+    """Copy the handed-in notebook into the submission's folder, only if it is a regular
+    file: a symbolic link (to the solutions, to ``/dev/zero``) is never followed, a pipe or a
+    device never opened for reading; each is a :class:`SubmissionError` that names it (the
+    grade row's reason). ``lstat`` decides, ``O_NOFOLLOW`` and ``fstat`` on what was opened
+    close the race with a file swapped in between; at most
+    :data:`~autograder.notebook.MAX_NOTEBOOK_BYTES` (and one more) are read."""
+    try:
+        st = os.lstat(src)
+    except OSError as e:
+        raise SubmissionError(f"the notebook cannot be read ({e.strerror})") from None
+    if stat.S_ISLNK(st.st_mode):
+        try:
+            target = os.readlink(src)
+        except OSError:
+            target = "?"
+        raise SubmissionError(f"the notebook is a symbolic link (to {target[:200]!r}), not a "
+                              "file: only a regular file is graded, a link is never followed")
+    if not stat.S_ISREG(st.st_mode):
+        kind = KINDS.get(stat.S_IFMT(st.st_mode), "not a file")
+        raise SubmissionError(f"the notebook is not a regular file ({kind}): only a regular "
+                              "file is graded")
+    try:
+        fd = os.open(src, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+    except OSError as e:  # ELOOP: it became a link after the lstat
+        raise SubmissionError(f"the notebook cannot be read ({e.strerror}): only a regular "
+                              "file is graded") from None
+    with os.fdopen(fd, "rb") as f:
+        if not stat.S_ISREG(os.fstat(f.fileno()).st_mode):
+            raise SubmissionError("the notebook is not a regular file: only a regular file "
+                                  "is graded")
+        data = f.read(MAX_NOTEBOOK_BYTES + 1)
+    if len(data) > MAX_NOTEBOOK_BYTES:
+        raise SubmissionError(f"the notebook is more than {MAX_NOTEBOOK_BYTES >> 20} MiB; that "
+                              "is not a lab (clear its outputs)")
+    out = os.open(dest, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
+    with os.fdopen(out, "wb") as f:
+        f.write(data)
+
+
 def _run(job: Job, cfg: dict[str, Any], lab: Lab, student: list[Any], iso: sandbox.Isolation,
          result: dict[str, Any], root: Path, t0: float) -> None:
+    from . import execute
     from .execute import GradingClient
 
     uid = cfg.get("uid")
@@ -149,11 +220,8 @@ def _run(job: Job, cfg: dict[str, Any], lab: Lab, student: list[Any], iso: sandb
     if iso.sandboxed:
         referee_path, cwd = REFEREE_IN_SANDBOX, f"/home/student/{lab.name}"
         key_file = str(ipc / "referee.key")
-        extra_ro = {str(REFEREE_FILE): REFEREE_IN_SANDBOX}
-        lab_dir = Path(cfg["source"]) / lab.name
-        for f in sorted(lab_dir.iterdir()):  # the lab's data files, in the working folder
-            if f.is_file() and f.suffix != ".ipynb" and not f.name.startswith("."):
-                extra_ro[str(f)] = f"{cwd}/{f.name}"
+        extra_ro = {str(REFEREE_FILE): REFEREE_IN_SANDBOX,
+                    **data_files(Path(cfg.get("release") or RELEASE) / lab.name, cwd)}
     else:
         scratch = root / "scratch"
         (scratch / "tmp").mkdir(parents=True)
@@ -198,6 +266,9 @@ def _run(job: Job, cfg: dict[str, Any], lab: Lab, student: list[Any], iso: sandb
                            setup_timeout=int(cfg["setup_timeout"]),
                            keep_output_bytes=int(cfg["keep_output"]),
                            max_output_bytes=int(cfg["max_output"]),
+                           budget_chars=int(cfg.get("keep_output_total",
+                                                    execute.SUBMISSION_KEEP_CHARS)),
+                           budget_outputs=int(cfg.get("keep_outputs", execute.SUBMISSION_OUTPUTS)),
                            interrupt_grace=int(cfg["grace"]), reap_uid=reap,
                            deadline=t0 + int(cfg["wall"]), on_ready=lock_ipc,
                            after_first_cell=drop_key)
@@ -205,6 +276,7 @@ def _run(job: Job, cfg: dict[str, Any], lab: Lab, student: list[Any], iso: sandb
                                       **cache_vars,
                                       "IPYTHONDIR": str(root / "scratch" / ".ipython"),
                                       "TMPDIR": str(root / "scratch" / "tmp")}
+    t_run = time.monotonic()
     try:
         report = run_client(client, root / "kernel.log", env=env,
                             cwd=cwd if not iso.sandboxed else None)
@@ -212,8 +284,9 @@ def _run(job: Job, cfg: dict[str, Any], lab: Lab, student: list[Any], iso: sandb
         if reap:
             sandbox.kill_uid(reap)
         if slot_cgroup is not None:
-            slot_cgroup.kill()
+            slot_cgroup.kill(spare={os.getpid()})  # this worker runs in it too
         km.context.destroy(linger=0)
+    _write_phases(root / "phases.json", asm, nb, report, t0, t_run)
     executed = [[_text_only(o) for o in c.get("outputs", [])] if c.cell_type == "code" else []
                 for c in nb.cells]
     notes = {i: msg for i, msg in report.not_run.items()}
@@ -228,6 +301,8 @@ def _run(job: Job, cfg: dict[str, Any], lab: Lab, student: list[Any], iso: sandb
     result["notes"] = asm.notes
     if report.fate:
         result["reason"] = f"{report.fate}: the cells after it were not run (0 points)"
+    if report.output_budget:
+        result["reason"] = "; ".join(filter(None, [result["reason"], report.output_budget]))
     result["ran_all_cells"] = not report.not_run and not report.fate
     mine = [(c.grade_id or f"your cell {k}", c.show) for k, c in enumerate(asm.cells)
             if c.role == "student" and c.show.strip()]  # what the student wrote, not what ran
@@ -237,6 +312,71 @@ def _run(job: Job, cfg: dict[str, Any], lab: Lab, student: list[Any], iso: sandb
     if report.strays_killed:
         result["killed_processes"] = report.strays_killed
     _finish(root, result, lab, asm, executed, t0)
+
+
+def _slot_cpu(slot: cgroups.SlotCgroup | None) -> dict[str, float]:
+    """The slot cgroup's CPU counters in seconds: ``cpu`` (used; v2's usage_usec, or v1's
+    cpuacct.usage where cpuacct shares the cpu folder) and ``throttled`` (time its processes
+    wanted a core but the slot's cpu.max share was spent)."""
+    out: dict[str, float] = {}
+    for folder in slot.paths if slot is not None else ():
+        try:
+            with open(os.path.join(folder, "cpu.stat")) as f:
+                stat = dict(line.split() for line in f if len(line.split()) == 2)
+        except (OSError, ValueError):
+            stat = {}
+        if "usage_usec" in stat:
+            out["cpu"] = int(stat["usage_usec"]) / 1e6
+        if "throttled_usec" in stat:
+            out["throttled"] = int(stat["throttled_usec"]) / 1e6
+        elif "throttled_time" in stat:  # v1: nanoseconds
+            out["throttled"] = int(stat["throttled_time"]) / 1e9
+        try:
+            with open(os.path.join(folder, "cpuacct.usage")) as f:
+                out["cpu"] = int(f.read()) / 1e9
+        except (OSError, ValueError):
+            pass
+    return out
+
+
+def _write_phases(path: Path, asm: Assembled, nb: Any, report: Any, t0: float, t_run: float
+                  ) -> None:
+    """Where one submission's wall time went (timings.csv's columns, the slowest list):
+    ``prepare`` (copy, assemble; the private cache copy), ``kernel`` (its start and stop: the
+    run less its cells), ``setup`` (the referee's and the lab's setup cells), ``cells`` (the
+    rest), the slowest other cell and the cells stopped at their time-out (:func:`worker_main`
+    adds the slot's CPU seconds)."""
+    seconds = {int(k): float(v) for k, v in report.seconds.items()}
+    roles = {k: (c.role, c.grade_id or f"{c.role} cell {k}") for k, c in enumerate(asm.cells)}
+    setup = sum(s for k, s in seconds.items() if roles[k][0] in ("setup", "referee"))
+    rest = {k: s for k, s in seconds.items() if roles[k][0] not in ("setup", "referee")}
+    slow = max(rest, key=rest.get, default=None)
+    run = time.monotonic() - t_run
+    phases = {"prepare": t_run - t0, "kernel": max(0.0, run - sum(seconds.values())),
+              "setup": setup, "cells": sum(rest.values()),
+              "slowest_cell": roles[slow][1] if slow is not None else "",
+              "slowest_cell_seconds": rest.get(slow, 0.0) if slow is not None else 0.0,
+              "timed_out": [roles[k][1] for k, c in enumerate(nb.cells) if k in roles
+                            and any(o.get("ename") in ("CellTimeoutError", "KernelUnresponsive")
+                                    for o in c.get("outputs", []))]}
+    try:
+        path.write_text(json.dumps({k: round(v, 2) if isinstance(v, float) else v
+                                    for k, v in phases.items()}))
+    except OSError:  # a measurement only
+        pass
+
+
+def _add_cpu(path: Path, before: dict[str, float], after: dict[str, float]) -> None:
+    """The slot's CPU counters over one submission into its phases.json (:func:`_slot_cpu`):
+    a submission that only waits uses little CPU; one that its share throttles, much."""
+    try:
+        phases = json.loads(path.read_text())
+        for k in ("cpu", "throttled"):
+            if k in before and k in after:
+                phases[k] = round(max(0.0, after[k] - before[k]), 2)
+        path.write_text(json.dumps(phases))
+    except (OSError, ValueError):  # a measurement only; no kernel, no phases
+        pass
 
 
 def run_client(client: Any, log: Path, *, env: dict[str, str] | None, cwd: str | None) -> Any:
@@ -394,6 +534,11 @@ def worker_main(cfg_json: str) -> int:
         resource.setrlimit(resource.RLIMIT_DATA, (WORKER_MEMORY, WORKER_MEMORY))
     except (ValueError, OSError):  # pragma: no cover - a lower hard limit already
         pass
+    try:  # in its slot's cgroup with the kernel: under memory pressure the kernel goes first
+        with open("/proc/self/oom_score_adj", "w") as f:
+            f.write("-500")
+    except OSError:
+        pass
     proto = os.fdopen(os.dup(1), "w", buffering=1)
     os.dup2(2, 1)
     cfg = json.loads(cfg_json)
@@ -405,11 +550,13 @@ def worker_main(cfg_json: str) -> int:
         if not line.strip():
             continue
         job = job_from(json.loads(line))
+        slot_cgroup = cgroups.from_list(cfg.get("cgroup"))
+        cpu = _slot_cpu(slot_cgroup)
         grade_one(job, cfg, labs)
         sandbox.kill_descendants()  # sandboxed or not: nothing it started outlives its grading
-        slot_cgroup = cgroups.from_list(cfg.get("cgroup"))
         if slot_cgroup is not None:
-            slot_cgroup.kill()
+            slot_cgroup.kill(spare={os.getpid()})
+        _add_cpu(Path(job.dir) / "phases.json", cpu, _slot_cpu(slot_cgroup))
         proto.write(f"done {job.id}\n")
     return 0
 
@@ -444,8 +591,9 @@ class Slot:
         self._buf = b""
 
     def _start(self, log: Any) -> None:
-        self.proc = subprocess.Popen(
-            [sys.executable, "-m", "autograder.grade", "--worker", json.dumps(self.cfg)],
+        argv = [sys.executable, "-m", "autograder.grade", "--worker", json.dumps(self.cfg)]
+        self.proc = subprocess.Popen(  # inside the slot's cgroup: its limits bound it too
+            self.cgroup.join_command(argv) if self.cgroup is not None else argv,
             cwd=ROOT, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=log,
             start_new_session=True, env={**os.environ, "PYTHONPATH": str(ROOT)})
 

@@ -103,12 +103,17 @@ WORK.mkdir()
 # - $\theta_t$ — the **parameters** (the weights): what the model has learned so far.
 # - $m_t$ — the **optimizer state**: for Adam, the two running averages $m_t$ and $v_t$ below
 #   (two numbers per parameter) and Adam's own step count.
-# - $t$ — the **step**: it drives the learning-rate schedule and Adam's bias correction.
+# - $t$ — the **step**. It exists twice: Flax's `TrainState.step` counts the updates for *your*
+#   code (logging, when to save), and the optimizer keeps its own counts inside its state. optax
+#   reads only its own: Adam's bias correction uses `ScaleByAdamState.count`, a learning-rate
+#   schedule `ScaleByScheduleState.count`. Neither looks at `TrainState.step`, so restoring the
+#   step without the optimizer state does not put the schedule back where it was (section 2
+#   measures it).
 # - $r_t$ — the **random key**: in JAX randomness is an explicit value, so dropout masks and the
 #   order of the data come from a key that is part of the state.
 #
 # Adam keeps, for every parameter, an average of the gradients $m_t$ and of their squares $v_t$
-# (optax calls them `mu` and `nu`, and keeps the step in `count`):
+# (optax calls them `mu` and `nu`, and keeps its step in `count`):
 #
 # $$g_t = \nabla L(\theta_{t-1}),\qquad m_t = \beta_1 m_{t-1} + (1-\beta_1)\,g_t,\qquad
 #   v_t = \beta_2 v_{t-1} + (1-\beta_2)\,g_t^2$$
@@ -221,6 +226,15 @@ print(f"trained {T} steps in {time.perf_counter() - t0:.1f} s; saved step {K}: "
 # (the same model and optimizer) and restores into it — once **everything**, once **only the
 # weights** (and the key). Both resumed runs then see exactly the same batches, so the only
 # difference between them is Adam's $m$, $v$ and step count.
+#
+# **How this course checks its own sentences.** Under many cells you will find lines that start
+# with `claim:` or `verdict:`. A `claim:` line is a sentence of the text that must hold on every
+# machine (a count, an equality, an error raised): the cell *asserts* it, prints it with
+# `[holds]`, and stops the notebook with the sentence and what your run showed instead if it
+# ever fails. A `verdict:` line is about a measurement that varies with the machine (a time, a
+# ratio, a jump of the loss): it never stops the notebook, but says whether *your* run agrees
+# with the text, and if not, what that means. The text around a verdict tells you what to look
+# for; the verdict tells you what your run showed.
 
 # %%
 target = fresh_state(seed=7)  # any state of the right structure: its values get replaced
@@ -374,11 +388,11 @@ _ = verdict(worse > len(rows) / 2, f"in most seeds the weights-only run still en
 #   for every seed on your machine.
 # - **What is lost is the detour, not (necessarily) the destination.** The weights-only run needs
 #   tens of steps just to get back to the checkpoint's loss: those steps are compute paid twice.
-#   Where it ends up after 100 steps varies from seed to seed. Read the last column and the
-#   verdict under it: on the CPU this chapter was written on, four of the five seeds ended
-#   worse than the uninterrupted run (three by a third or more) and one slightly better, so the
-#   damage often outlasts the 100 steps — but one seed can also end level or below, which is why
-#   a single run's end point proves nothing either way. In a long run with a learning-rate
+#   Where it ends up after 100 steps varies from seed to seed. Look at the last column: a value
+#   above 1 means the damage outlasted the 100 steps, a value at or below 1 that the run caught
+#   up. The count of seeds on each side, and the verdict under the table, are your machine's
+#   (another machine draws other batches and can tip a seed either way) — which is also why a
+#   single run's end point proves nothing either way. In a long run with a learning-rate
 #   schedule the detour costs hours, and the large first steps can push a big model into a
 #   region it never recovers from (a loss spike that diverges), which no small experiment can
 #   promise to show.
@@ -397,6 +411,94 @@ print(f"Adam's state is {meta.items['opt_state']['data_bytes'] / meta.items['par
 claim(meta.items["opt_state"]["num_leaves"] == 2 * meta.items["params"]["num_leaves"] + 1,
       "Adam's state has two leaves per weight leaf (m and v) plus the count",
       seen=(meta.items["opt_state"]["num_leaves"], meta.items["params"]["num_leaves"]))
+
+# %% [markdown]
+# ### Which step does the optimizer read?
+#
+# Both resumes above restored `step=200` into the `TrainState`, yet the weights-only run's Adam
+# started again at `count` 0: optax never looks at `TrainState.step`. The same goes for a
+# learning-rate schedule. Real runs usually **warm up**: the learning rate rises from 0 to
+# $\eta$ over the first steps, here over `WARMUP` = 100 steps with `optax.linear_schedule`.
+# `optax.adam(schedule)` keeps the schedule's position in its own counter,
+# `ScaleByScheduleState.count`, the second entry of `opt_state`. We train to step 200 (past the
+# warm-up), save everything with `minickpt`, and resume twice: both times with the weights, the
+# key and the step, once *with* `opt_state` and once without. Before every step we read the
+# learning rate the optimizer is about to use, `schedule(opt_state[1].count)`.
+
+# %%
+WARMUP = 100
+schedule = optax.linear_schedule(init_value=0.0, end_value=LR, transition_steps=WARMUP)
+tx_warm = optax.adam(schedule)  # opt_state = (ScaleByAdamState, ScaleByScheduleState)
+
+
+def train_lr(state, rng, steps):
+    """Like train(), but records (held-out loss, learning rate this step used) per step."""
+    history = []
+    for _ in range(steps):
+        lr = schedule(state.opt_state[1].count)  # optax's own counter, not state.step
+        state, rng, loss, _ = train_step(state, rng)
+        history.append((loss, lr))
+    return state, rng, np.array(jax.device_get(history))
+
+
+with mc.CheckpointManager(WORK / "warmup") as wm:
+    st, key = fresh_state(tx=tx_warm), jax.random.key(1)
+    st, key, warm_before = train_lr(st, key, K)
+    wm.save(K, {"params": st.params, "opt_state": st.opt_state, "rng": key})
+    blank = fresh_state(seed=7, tx=tx_warm)
+    r = wm.restore(target={"params": blank.params, "opt_state": blank.opt_state,
+                           "rng": jax.random.key(0)})
+with_opt = blank.replace(step=r.step, params=r["params"], opt_state=r["opt_state"])
+without_opt = blank.replace(step=r.step, params=r["params"])  # opt_state as tx.init made it
+for name, s_ in (("with opt_state", with_opt), ("without opt_state", without_opt)):
+    print(f"resumed {name:18s}: TrainState.step {int(s_.step)}, Adam's count "
+          f"{int(s_.opt_state[0].count)}, schedule's count {int(s_.opt_state[1].count)}")
+_, _, warm_with = train_lr(with_opt, r["rng"], T - K)
+_, _, warm_without = train_lr(without_opt, r["rng"], T - K)
+print(f"learning rate of the first step after the resume: with opt_state {warm_with[0, 1]:.4f}, "
+      f"without {warm_without[0, 1]:.4f}; of the last (step {T}): {warm_with[-1, 1]:.4f} and "
+      f"{warm_without[-1, 1]:.4f}")
+claim(int(without_opt.step) == K and int(without_opt.opt_state[1].count) == 0
+      and warm_without[0, 1] == 0.0 and warm_with[0, 1] == np.float32(LR),
+      f"without opt_state the resumed run has step {K} but the schedule's count 0: its first "
+      "step uses learning rate 0 and the warm-up starts again",
+      seen=(int(without_opt.opt_state[1].count), float(warm_without[0, 1])))
+_ = verdict(bool(warm_without[-1, 0] > warm_with[-1, 0]),
+            f"at step {T} the run resumed without opt_state has a higher held-out loss",
+            otherwise="here the slower, re-warmed steps happened to land as low: the schedule "
+                      "is still wrong, which the learning-rate line above shows either way",
+            seen=f"{warm_without[-1, 0]:.2e} vs {warm_with[-1, 0]:.2e}")
+
+# %%
+fig, (ax_lr, ax_l) = plt.subplots(1, 2, figsize=(11, 3.6))
+for ax, col in ((ax_lr, 1), (ax_l, 0)):
+    ax.plot(steps_before, warm_before[:, col], color="0.3", label="before the checkpoint")
+    ax.plot(steps_after, warm_with[:, col], color="tab:blue", ls="--",
+            label="resumed with opt_state")
+    ax.plot(steps_after, warm_without[:, col], color="tab:red",
+            label="resumed without opt_state")
+    ax.axvline(K, color="k", ls=":", lw=1)
+    ax.set_xlabel("training step (TrainState.step)")
+ax_lr.set_ylabel("learning rate used by the step")
+ax_lr.set_title(f"Warm-up over {WARMUP} steps, checkpoint at step {K}")
+ax_l.set_yscale("log")
+ax_l.set_ylabel("held-out loss (MSE)")
+ax_l.set_title("Loss")
+ax_lr.legend(fontsize=8)
+fig.tight_layout()
+plt.show()
+
+# %% [markdown]
+# *Figure: the learning rate each step used (left) and the held-out loss (right), for a run
+# with a 100-step linear warm-up, resumed at step 200 with its optimizer state (blue, dashed) and
+# without it (red); both resumes restored the weights, the key and `TrainState.step`.*
+#
+# Without `opt_state` the schedule's clock is back at 0: the warm-up starts again at step 200
+# and the run spends the next 100 steps at a learning rate it had already left behind. (The
+# restarted warm-up even hides the fresh Adam's full-size first steps of the experiment above:
+# the learning rate is 0 when they happen.) A schedule that decays after its warm-up would, in
+# the same way, start its whole course again. The step that matters for training is the one in
+# `opt_state`; `TrainState.step` only tells *you* where you are.
 
 # %% [markdown]
 # ## 3. Pytrees and key paths
@@ -645,13 +747,23 @@ else:
 # %%
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-mesh = Mesh(np.array(devices), ("d",))
-sharded = jax.device_put(jnp.arange(len(devices) * 4.0).reshape(len(devices), 4),
+split_over = devices
+if len(devices) == 1:  # one GPU or TPU: a "split" into one piece shows nothing, so split
+    try:               # over the host's CPU devices (the set-up cell asked JAX for 4)
+        split_over = jax.devices("cpu")
+    except RuntimeError:  # JAX_PLATFORMS names the accelerator alone: no CPU devices here
+        pass
+    print(f"JAX sees one {devices[0].platform.upper()} device: an array on it is one piece. "
+          + (f"The same split over the host's {len(split_over)} CPU devices:"
+             if len(split_over) > 1 else "No CPU devices to split over either:"))
+mesh = Mesh(np.array(split_over), ("d",))
+sharded = jax.device_put(jnp.arange(len(split_over) * 4.0).reshape(len(split_over), 4),
                          NamedSharding(mesh, PartitionSpec("d")))
 for shard in sharded.addressable_shards:
     rows = shard.index[0]
     print(f"  {shard.device}: rows {rows.start}:{rows.stop} = {np.asarray(shard.data).tolist()}")
-print("assembled on the host:", np.asarray(sharded).shape)
+print(f"assembled on the host from {len(sharded.addressable_shards)} piece(s):",
+      np.asarray(sharded).shape)
 
 # %% [markdown]
 # A host copy must also keep each leaf's exact type. `minickpt.tree.to_host` (you write it in
@@ -712,9 +824,10 @@ for line in (run_dir / f"step_{K}" / "params" / "manifest.json").read_text().spl
 # - `keep=n` keeps the newest `n` checkpoints (the default is 1: the previous one is deleted!);
 # - `restore_checkpoint` with nothing to restore **returns the target unchanged**, so "resume if
 #   possible, else start fresh" needs no `if`;
-# - saving a step that is not newer than the latest is refused unless `overwrite=True` — in
-#   Flax's *legacy* implementation, which `minickpt` follows. Flax's current default is another
-#   implementation, backed by Orbax, and it does not refuse (measured below).
+# - saving a step that is not newer than the latest is refused unless `overwrite=True`. That is
+#   what Flax's docstring promises, and what its *legacy* implementation (which `minickpt`
+#   follows) does. Flax's current default is another implementation, backed by Orbax, and it
+#   does not refuse (measured below).
 
 # %%
 legacy_dir = WORK / "legacy"
@@ -799,6 +912,12 @@ if flax_checkpoints is not None:
     print("Flax restore from an empty directory returns the target itself:",
           flax_checkpoints.restore_checkpoint((WORK / "flax-empty").absolute(), target=start)
           is start)
+    doc = " ".join(flax_checkpoints.save_checkpoint.__doc__.split())  # the docstring, one line
+    promise = doc[doc.find("overwrite:"):doc.find("keep_every_n_steps:")].strip()
+    print("Flax's docstring of save_checkpoint:", promise)
+    if flax.__version__.startswith("0.12."):
+        claim("current or a later step" in promise, "Flax 0.12 documents overwrite=False as "
+              "refusing a save when a checkpoint at this or a later step exists", seen=promise)
     default = getattr(flax.config, "flax_use_orbax_checkpointing", None)
     for use_orbax in (True, False):
         name = "default, Orbax-backed" if use_orbax else "legacy"
@@ -832,10 +951,16 @@ if flax_checkpoints is not None:
 #   ignores the step you just saved. With `overwrite=True` it too deletes 40 — and 30: only 35
 #   is left.
 #
-# Neither is wrong, but they are different programs behind one name, and code written for one
-# can silently lose checkpoints under the other. `minickpt` keeps the legacy rule (refuse, or
-# replace and drop the newer ones); its `CheckpointManager` skips a step that is not newer than
-# the latest (`save` returns `False`, measured at the end of the first cell of this section).
+# Only the legacy implementation keeps the promise printed from Flax's own docstring: with the
+# default `overwrite=False`, a save when "a checkpoint at the current or a later step already
+# exists" is an error. In Flax 0.12's source (`flax/training/checkpoints.py`) the check that
+# raises it, `_check_overwrite_error`, is called on the legacy path only; the Orbax-backed path
+# hands `overwrite` to Orbax as `force`, and Orbax refuses only a directory of the *same* step.
+# So the default implementation breaks its documented contract for an older step, and code
+# written for the documented behaviour can silently lose checkpoints under it. `minickpt` keeps
+# the documented rule (refuse, or replace and drop the newer ones); its `CheckpointManager`
+# skips a step that is not newer than the latest (`save` returns `False`, measured at the end of
+# the first cell of this section).
 
 # %% [markdown]
 # ## 9. Orbax `StandardCheckpointer` beside `minickpt`
@@ -890,24 +1015,55 @@ for a, b in zip(left + [""] * (len(right) - len(left)), right + [""] * (len(left
 # %% [markdown]
 # The same state, two layouts:
 #
+# Two names first. **TensorStore** is Google's C++ library (with a Python API) for reading and
+# writing large multi-dimensional arrays in chunks, on local disks and cloud object stores;
+# Orbax hands it the array bytes. **OCDBT** ("optionally-cooperative distributed B+tree") is one
+# of TensorStore's storage formats: a key-value store kept in a few large files plus a small
+# B+tree index (the manifest), so that thousands of arrays need not become thousands of files.
+#
 # - **Orbax** stores all arrays of the tree in one OCDBT key-value store (`manifest.ocdbt` and the
 #   content-addressed files under `d/`), written through TensorStore; `_METADATA` describes the
 #   tree, `_CHECKPOINT_METADATA` the checkpoint. On a local disk it writes into a temporary
 #   directory, adds `commit_success.txt` and renames the directory to its final name
-#   (`AtomicRenameTemporaryPath.finalize` in `orbax/checkpoint/_src/path/atomicity.py`); on
-#   object stores that cannot rename atomically, the `commit_success.txt` file alone marks
-#   completion (`CommitFileTemporaryPath`). TensorStore fsyncs the array files it writes;
-#   Orbax 0.12.8 itself fsyncs neither `commit_success.txt`, `_CHECKPOINT_METADATA` and
-#   `_METADATA` (plain `Path.write_text`) nor the rename's directory.
+#   (`AtomicRenameTemporaryPath.finalize` in `orbax/checkpoint/_src/path/atomicity.py`). On
+#   object stores that cannot rename atomically (its default for every `gs://` path) it uses
+#   `CommitFileTemporaryPath` instead: it writes *directly under the final name*, and only the
+#   `commit_success.txt` written last marks the checkpoint as complete. TensorStore fsyncs the
+#   array files it writes; Orbax 0.12.8 itself fsyncs neither `commit_success.txt`,
+#   `_CHECKPOINT_METADATA` and `_METADATA` (plain `Path.write_text`) nor the rename's directory.
 # - **minickpt** keeps one directory per item with a raw `data.bin` and a readable
 #   `manifest.json`, and `_CHECKPOINT_METADATA` with the checksum of every manifest. It also
 #   writes into a temporary directory, fsyncs every file and directory, renames, and fsyncs
 #   the parent, so that the rename itself is durable.
 #
-# Either way a reader never sees a half-written directory under a step's name while the machine
-# stays up, and a killed process leaves a complete checkpoint or none. A *power cut* is another
-# matter: what was not fsynced can vanish. Chapter 2 crashes both libraries' saves and counts
-# what each can leave; the save times above are therefore not for the same guarantee.
+# The next cell asks Orbax which temporary path it would use for step 200 of a local run and of
+# a `gs://` run:
+
+# %%
+from etils import epath  # the path type Orbax uses, local or gs://
+
+where = {}
+for run in ("/tmp/run", "gs://bucket/run"):  # only asks: nothing is written, no bucket needed
+    cls = ocp.path.atomicity_defaults.get_default_temporary_path_class(epath.Path(run))
+    tmp = cls.from_final(epath.Path(run) / f"step_{K}")
+    where[run] = (cls.__name__, str(tmp.get()), str(tmp.get_final()))
+    print(f"{run:16s} {cls.__name__:26s} writes into {tmp.get()}")
+ok = (where["gs://bucket/run"][1] == where["gs://bucket/run"][2]
+      and where["/tmp/run"][1] != where["/tmp/run"][2])
+text = "on gs:// Orbax writes under the step's final name; on a local disk under a temporary one"
+if ocp.__version__ == "0.12.8":  # the Orbax whose source this text was checked against
+    claim(ok, text, seen=where)
+else:
+    verdict(ok, text, seen=where, otherwise=f"Orbax {ocp.__version__} chooses differently")
+
+# %% [markdown]
+# So with minickpt, and with Orbax on a local disk, a reader never sees a half-written directory
+# under a step's name while the machine stays up, and a killed process leaves a complete
+# checkpoint or none. With Orbax on object storage a half-written checkpoint *does* carry the
+# step's name: a reader must look for `commit_success.txt` (Orbax's step listing does) and
+# treat a directory without it as unfinished. A *power cut* is another matter again: what was not
+# fsynced can vanish. Chapter 2 crashes both libraries' saves on a local disk and counts what
+# each can leave; the save times above are therefore not for the same guarantee.
 
 # %% [markdown]
 # ## 10. Common misconceptions
@@ -949,7 +1105,9 @@ for a, b in zip(left + [""] * (len(right) - len(left)), right + [""] * (len(left
 #
 # - A checkpoint is the whole training state $\mathcal{S}_t = (\theta_t, m_t, t, r_t)$. Without
 #   Adam's $m$, $v$ and step, a resumed run takes full-size steps, its loss jumps, and tens of
-#   steps go to winning back what the checkpoint already held (compute paid twice).
+#   steps go to winning back what the checkpoint already held (compute paid twice). optax counts
+#   its steps inside `opt_state` (Adam's `count`, the schedule's `count`) and never reads
+#   `TrainState.step`: restoring the step without `opt_state` restarts a warm-up schedule.
 # - JAX states are pytrees; a checkpoint stores their leaves under key paths, as strings, so they
 #   fit back into any container of the same shape. `apply_fn` and `tx` are code, not data: your
 #   program rebuilds them and restores the data into them.

@@ -2,7 +2,8 @@
 
     minickpt ls DIR              every checkpoint: step, status, size, time, metrics
     minickpt inspect DIR [STEP]  the saved trees: paths, dtypes, shapes, bytes
-    minickpt verify DIR [STEP]   re-check every checksum; exit 1 on any damage
+    minickpt verify DIR [STEP]   re-check every checksum; exit 1 on any damage (Orbax
+                                 steps: listed, not verified, never a failure)
     minickpt diff A B            leaf-by-leaf differences between two checkpoints
     minickpt stats DIR           save/restore times, success rate, bytes, disk use, last error
     minickpt convert-orbax SRC DST  Orbax checkpoints -> minickpt, verified leaf by leaf
@@ -37,7 +38,7 @@ from .commit import DAMAGED_MARK, METADATA_FILE, is_temporary
 from .errors import CheckpointCorruptedError, MiniCkptError, UnsafeCheckpointError
 from .format.read import read_leaves
 from .fs import DEFAULT_FS
-from .orbax_dirs import ORBAX, is_orbax_checkpoint
+from .orbax_dirs import ORBAX, is_orbax_checkpoint, orbax_summary
 from .tree import display_path
 
 _STEP_RE = re.compile(r"^(?:(?P<prefix>.+)_)?(?P<step>[0-9]+)$")
@@ -142,8 +143,93 @@ def _table(rows: list[list[str]], header: list[str]) -> str:
     return "\n".join(fmt.format(*r).rstrip() for r in [header, *rows])
 
 
+def _orbax_note(root: str) -> str:
+    return f"{ORBAX}: minickpt does not read it ({_convert_hint(root)})"
+
+
+def _convert_hint(root: str) -> str:
+    return f"`minickpt convert-orbax {root} NEW_DIR` converts the run"
+
+
+def _is_orbax(path: str) -> bool:
+    """Whether a checkpoint found is Orbax's, not minickpt's (never a minickpt one, damaged
+    or not: its metadata names its format)."""
+    return is_orbax_checkpoint(path)
+
+
+def _run_root(path: str) -> str:
+    """The run directory a checkpoint path belongs to (itself, if it is one)."""
+    path = os.path.abspath(path)
+    return os.path.dirname(path) if _is_checkpoint(path) else path
+
+
+def _latest_minickpt(targets: list[tuple[int | None, str]], what: str
+                     ) -> tuple[int | None, str]:
+    """The newest of ``targets`` that is minickpt's (a run's "latest" skips Orbax steps, as
+    the manager does); the newest Orbax one if there is no other."""
+    mine = [t for t in targets if not _is_orbax(t[1])]
+    if not targets:
+        raise UsageError(f"no checkpoints in {what}")
+    return (mine or targets)[-1]
+
+
 # ---------------------------------------------------------------------------------------
+def _is_url(path: str) -> bool:
+    """An fsspec URL (``s3://``, ``gs://`` ...): a tiered manager's mirror, read in place."""
+    return "://" in path and not path.startswith("file://")
+
+
+def _mirror_report(url: str, step: int | None, deep: bool) -> list[dict[str, Any]]:
+    """Each step folder of the mirror at ``url``: committed (its commit marker) and checked,
+    or not committed (an upload in flight or cut short: never restored). Credentials and
+    the endpoint come from the environment (``AWS_ENDPOINT_URL``, ``AWS_ACCESS_KEY_ID`` ...)."""
+    from .commit import parse_step
+    from .production.mirror import FsspecStore
+
+    store = FsspecStore(url, create=False)
+    out = []
+    for name in sorted(store.listdir("")):
+        s = parse_step(name)
+        if s is None or (step is not None and s != step):
+            continue
+        rec: dict[str, Any] = {"step": s, "path": store.path(name), "problems": []}
+        if not store.committed(name):
+            rec.update(status="uncommitted", problems=[
+                "no commit marker: an upload in flight or cut short; never restored"])
+        elif deep:
+            rec["problems"] = store.verify(name)
+            rec["status"] = "damaged" if rec["problems"] else "valid"
+        else:
+            try:
+                store.metadata(name)
+                rec["status"] = "valid"
+            except (MiniCkptError, OSError) as e:
+                rec.update(status="damaged", problems=[str(e)])
+        out.append(rec)
+    return out
+
+
+def _mirror_cmd(args: argparse.Namespace, verify: bool) -> int:
+    """``ls`` and ``verify`` on a mirror URL."""
+    out = _mirror_report(args.dir, getattr(args, "step", None), deep=verify or args.deep)
+    if verify and not out:
+        raise UsageError(f"no checkpoints in {args.dir}: nothing to verify")
+    if args.json:
+        _print_json(out)
+    else:
+        if not out:
+            print(f"no checkpoints in {args.dir}")
+        for r in out:
+            print(f"{r['status'].upper():<12} step {r['step']}: {r['path']}")
+            for p in r["problems"]:
+                print(f"    {p}")
+    bad = ("damaged", "uncommitted") if verify else ("damaged",)
+    return EXIT_DAMAGE if any(r["status"] in bad for r in out) else EXIT_OK
+
+
 def cmd_ls(args: argparse.Namespace) -> int:
+    if _is_url(args.dir):
+        return _mirror_cmd(args, verify=False)
     ck = Checkpointer()
     root = os.path.abspath(args.dir)
     if _is_checkpoint(root):
@@ -156,10 +242,9 @@ def cmd_ls(args: argparse.Namespace) -> int:
         rep = ck.verify(path, deep=args.deep, step=step)
         rec["status"] = "valid" if rep.ok else "damaged"
         rec["problems"] = [p for p in rep.problems if "not part of the checkpoint" not in p]
-        if not rep.ok and is_orbax_checkpoint(path):  # not damage: another library's format
+        if not rep.ok and _is_orbax(path):  # not damage: another library's format
             rec["status"] = "orbax"
-            rec["problems"] = [f"{ORBAX}: minickpt does not read it (`minickpt convert-orbax "
-                               f"{root} NEW_DIR` converts the run)"]
+            rec["problems"] = [_orbax_note(root)]
         try:
             meta = ck.metadata(path)
             rec.update(bytes=DEFAULT_FS.dir_size(path), time=meta.commit_timestamp_nsecs,
@@ -199,7 +284,9 @@ def cmd_inspect(args: argparse.Namespace) -> int:
     targets = resolve(args.dir, args.step)
     if not targets:
         return _err(f"no checkpoints in {args.dir}")
-    step, path = targets[-1]  # the named step, or the latest
+    step, path = _latest_minickpt(targets, args.dir)  # the named step, or the latest
+    if _is_orbax(path):
+        return _inspect_orbax(args, step, path)
     meta = ck.metadata(path)
     items = {}
     damage = []
@@ -253,6 +340,30 @@ def cmd_inspect(args: argparse.Namespace) -> int:
     return EXIT_DAMAGE if damage else EXIT_OK
 
 
+def _inspect_orbax(args: argparse.Namespace, step: int | None, path: str) -> int:
+    """What can be said of an Orbax step without reading its arrays (not damage: exit 0)."""
+    info = orbax_summary(path)
+    if args.item:
+        info["items"] = {k: v for k, v in info["items"].items() if k == args.item}
+    note = _orbax_note(_run_root(path))
+    if args.json:
+        _print_json({"step": step, "path": path, "format": "orbax", "note": note, **info})
+        return EXIT_OK
+    print(f"checkpoint {path}")
+    print(f"  step {step}, committed {_time(info['time'])}; {note}")
+    if info["metrics"]:
+        print(f"  metrics: {_metrics(info['metrics'])}")
+    for name, it in info["items"].items():
+        leaves = it["leaves"]
+        print(f"\n{name}/  ({it['handler']}"
+              + (f", {len(leaves)} leaves: key paths and Orbax's types only)" if leaves
+                 is not None else ")"))
+        if leaves:
+            print(_table([[x["path"] or "<root>", x["type"]] for x in leaves],
+                         ["PATH", "ORBAX TYPE"]))
+    return EXIT_OK
+
+
 def _manifest_only(path: str, name: str, meta: Any, error: CheckpointCorruptedError) -> Any:
     """An item's manifest, checked against its recorded checksum but not against its data
     files; ``error`` is raised if the manifest itself is what is damaged."""
@@ -276,26 +387,43 @@ def _manifest_only(path: str, name: str, meta: Any, error: CheckpointCorruptedEr
 
 
 def cmd_verify(args: argparse.Namespace) -> int:
+    if _is_url(args.dir):
+        return _mirror_cmd(args, verify=True)
     ck = Checkpointer()
     targets = resolve(args.dir, args.step)
     if not targets:  # nothing verified is not a pass
         raise UsageError(f"no checkpoints in {os.path.abspath(args.dir)}: nothing to verify")
-    reports = [ck.verify(path, deep=True, step=s) for s, path in targets]
+    root = _run_root(args.dir)
+    recs = []
+    for s, path in targets:
+        r = ck.verify(path, deep=True, step=s)
+        rec = {"step": s, "path": r.path, "status": "valid" if r.ok else "damaged",
+               "ok": r.ok, "problems": r.problems, "leaves": r.items,
+               "bytes_checked": r.bytes_checked}
+        if not r.ok and _is_orbax(path):  # another library's: not verified, not damaged
+            rec.update(status="orbax", ok=None, leaves={}, bytes_checked=0, problems=[
+                f"{ORBAX}, not verified by minickpt ({_convert_hint(root)})"])
+        recs.append(rec)
+    if all(r["status"] == "orbax" for r in recs):  # nothing verified is not a pass
+        raise UsageError(f"{os.path.abspath(args.dir)} holds only Orbax checkpoints (steps "
+                         f"{[r['step'] for r in recs]}), which minickpt does not verify: "
+                         f"nothing verified ({_convert_hint(root)})")
     if args.json:
-        _print_json([{"step": s, "path": r.path, "ok": r.ok, "problems": r.problems,
-                      "leaves": r.items, "bytes_checked": r.bytes_checked}
-                     for (s, _), r in zip(targets, reports, strict=True)])
+        _print_json(recs)
     else:
-        for (s, _), r in zip(targets, reports, strict=True):
-            label = f"step {s}" if s is not None else r.path
-            if r.ok:
-                print(f"OK       {label}: {sum(r.items.values())} leaves, "
-                      f"{human_bytes(r.bytes_checked)} checksummed")
+        for r in recs:
+            label = f"step {r['step']}" if r["step"] is not None else r["path"]
+            if r["status"] == "orbax":
+                print(f"ORBAX    {label}: {r['problems'][0]}")
+                continue
+            if r["ok"]:
+                print(f"OK       {label}: {sum(r['leaves'].values())} leaves, "
+                      f"{human_bytes(r['bytes_checked'])} checksummed")
             else:
                 print(f"DAMAGED  {label}:")
-            for p in r.problems:
+            for p in r["problems"]:
                 print(f"    {p}")
-    return EXIT_OK if all(r.ok for r in reports) else EXIT_DAMAGE
+    return EXIT_DAMAGE if any(r["status"] == "damaged" for r in recs) else EXIT_OK
 
 
 def _flat(path: str) -> dict[tuple[str, ...], tuple[str, Any]]:
@@ -335,10 +463,11 @@ def _compare_arrays(a: np.ndarray, b: np.ndarray) -> tuple[int, float]:
 
 def cmd_diff(args: argparse.Namespace) -> int:
     def one(p: str) -> str:
-        t = resolve(p, None)
-        if not t:
-            raise UsageError(f"no checkpoints in {p}")
-        return t[-1][1]
+        path = _latest_minickpt(resolve(p, None), p)[1]
+        if _is_orbax(path):
+            raise UsageError(f"{path} is {ORBAX}, which minickpt does not read, so diff "
+                             f"cannot compare it ({_convert_hint(_run_root(path))})")
+        return path
 
     a_path, b_path = one(args.a), one(args.b)
     a, b = _flat(a_path), _flat(b_path)
@@ -392,24 +521,46 @@ def cmd_diff(args: argparse.Namespace) -> int:
 
 def cmd_convert_orbax(args: argparse.Namespace) -> int:
     from .options import CheckpointManagerOptions
-    from .orbax_convert import convert
+    from .orbax_convert import ConversionFailed, convert
 
     def show(c: Any) -> None:
-        if not args.json:
-            print(f"step {c.step}: {c.source} -> {c.path}: {c.leaves} leaves identical"
-                  + (" (already converted)" if c.skipped else ""))
+        if args.json:
+            return
+        if c.error is not None:  # one line, and the next step is converted
+            print(f"minickpt: error: step {c.step}: {c.source}: not converted: {c.error}",
+                  file=sys.stderr)
+            return
+        extra = [f"JSON item(s) {', '.join(c.json_items)}"] if c.json_items else []
+        extra += [f"{c.keys} typed PRNG key(s)"] if c.keys else []
+        print(f"step {c.step}: {c.source} -> {c.path}: items {', '.join(c.items)}: "
+              f"{c.leaves} leaves identical" + (f" ({'; '.join(extra)})" if extra else "")
+              + (" (already converted)" if c.skipped else ""))
 
+    records: list[Any] = []
+
+    def keep(c: Any) -> None:
+        records.append(c)
+        show(c)
+
+    src, dst = os.path.abspath(args.src), os.path.abspath(args.dst)
     try:
-        done = convert(args.src, args.dst, steps=args.steps, on_step=show,
-                       options=CheckpointManagerOptions(step_prefix=args.step_prefix))
+        convert(args.src, args.dst, steps=args.steps, on_step=keep,
+                options=CheckpointManagerOptions(step_prefix=args.step_prefix))
+        failed: dict[int, str] = {}
     except FileNotFoundError as e:
         raise UsageError(str(e)) from None
+    except ConversionFailed as e:
+        failed = e.failed
     if args.json:
-        _print_json([vars(c) for c in done])
+        _print_json([vars(c) for c in records])
+    elif failed:
+        print(f"converted {len(records) - len(failed)} of {len(records)} Orbax "
+              f"checkpoint(s) from {src} into {dst}; NOT converted: step(s) "
+              f"{sorted(failed)} (why: above); {src} was only read")
     else:
-        print(f"converted {len(done)} Orbax checkpoint(s) from {os.path.abspath(args.src)} "
-              f"into {os.path.abspath(args.dst)}; the Orbax directory is unchanged")
-    return EXIT_OK
+        print(f"converted {len(records)} Orbax checkpoint(s) from {src} into {dst}, every "
+              f"item of every step; {src} was only read")
+    return EXIT_DAMAGE if failed else EXIT_OK
 
 
 def cmd_stats(args: argparse.Namespace) -> int:
@@ -465,8 +616,9 @@ def build_parser() -> argparse.ArgumentParser:
 
     sp = add("inspect", "show the saved trees: paths, dtypes, shapes, bytes",
              "Show what one checkpoint holds: each item's leaves with their key paths, dtypes "
-             "and shapes, plus metrics and metadata. Without STEP, the latest. Exits 1 if "
-             "what it reads is damaged, 2 if DIR holds no checkpoint.")
+             "and shapes, plus metrics and metadata. Without STEP, the latest minickpt one. "
+             "Of an Orbax step, what its JSON files say (items, handlers, key paths, "
+             "metrics). Exits 1 if what it reads is damaged, 2 if DIR holds no checkpoint.")
     sp.add_argument("dir", metavar="DIR", help=DIR_HELP)
     sp.add_argument("step", metavar="STEP", nargs="?", type=int,
                     help="the step to show, a checkpoint in DIR (default: the latest)")
@@ -477,7 +629,9 @@ def build_parser() -> argparse.ArgumentParser:
              "Verify checkpoints without restoring them: metadata, manifests, sizes and the "
              "CRC-32 of every leaf. Without STEP, every checkpoint in DIR. Exits 1 and names the "
              "damaged file and leaf if anything is wrong; exits 2 if DIR does not exist or "
-             "holds no checkpoint, since nothing verified is not a pass.")
+             "holds no checkpoint, since nothing verified is not a pass. Orbax steps are "
+             "listed as ORBAX, not verified by minickpt, and never make it fail (only Orbax "
+             "steps to verify: exit 2).")
     sp.add_argument("dir", metavar="DIR", help=DIR_HELP)
     sp.add_argument("step", metavar="STEP", nargs="?", type=int,
                     help="verify only this step's checkpoint in DIR (default: every one)")
@@ -487,7 +641,8 @@ def build_parser() -> argparse.ArgumentParser:
              "Compare two checkpoints (each a checkpoint directory, or a run directory meaning "
              "its latest). Lists leaves only in one, with another type or shape, or with "
              "different values (how many and the largest difference). Exits 1 if they differ "
-             "or either is damaged.")
+             "or either is damaged; 2 if either is an Orbax checkpoint (a run directory "
+             "means its latest minickpt checkpoint).")
     sp.add_argument("a", metavar="A", help="the first checkpoint directory, or a run "
                                             "directory meaning its latest checkpoint")
     sp.add_argument("b", metavar="B", help="the second checkpoint directory, or a run "

@@ -28,6 +28,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from .fs import FileSystem
+from .launch import helper_env
 from .restore import resume
 
 IN_DIM, HIDDEN, OUT_DIM, BATCH = 8, 32, 1, 32
@@ -99,6 +100,17 @@ def train(state: Any, rng: jax.Array, start: int, stop: int, *, callback: Any = 
         if callback is not None:
             callback(step, state, rng, float(loss))
     return state, rng, losses
+
+
+def helper_device() -> Any:
+    """The device a helper process started with :func:`minickpt.launch.helper_env` computes
+    on: the CPU. A parent that compares its own run with a helper's (bit for bit) computes
+    under ``jax.default_device(helper_device())``: the same platform, the same bits. None
+    where this process has no CPU backend (``JAX_PLATFORMS`` names only an accelerator)."""
+    try:
+        return jax.devices("cpu")[0]
+    except RuntimeError:
+        return None
 
 
 def fingerprint(tree: Any) -> str:
@@ -210,15 +222,19 @@ def main(argv: list[str] | None = None) -> int:
         return 0
 
     ckpt_dir = a.dir or tempfile.mkdtemp(prefix="minickpt-demo-")
-    print(f"1. uninterrupted run of {a.steps} steps")
-    state, rng, losses = train(make_state(), jax.random.key(42), 0, a.steps)
-    reference = fingerprint((state, rng))
+    cpu = helper_device()  # the worker runs on the CPU (helper_env): so does its reference
+    print(f"1. uninterrupted run of {a.steps} steps (on {cpu or jax.devices()[0]})")
+    with jax.default_device(cpu):
+        state, rng, losses = train(make_state(), jax.random.key(42), 0, a.steps)
+        reference = fingerprint((state, rng))
     print(f"   final loss {losses[-1]:.5f}, state fingerprint {reference}")
 
     cmd = [sys.executable, "-m", "minickpt.demo", "--worker", "--dir", ckpt_dir,
            "--steps", str(a.steps), "--every", str(a.every)]
     print(f"2. the same run in a subprocess, saving every {a.every} steps into {ckpt_dir}")
-    proc = subprocess.Popen([*cmd, "--sleep", "0.02"], stdout=subprocess.PIPE, text=True)
+    env = helper_env()  # JAX_PLATFORMS=cpu: this process may hold the only accelerator
+    proc = subprocess.Popen([*cmd, "--sleep", "0.02"], stdout=subprocess.PIPE, text=True,
+                            env=env)
     killed_at = None
     assert proc.stdout is not None
     deadline = time.monotonic() + 300
@@ -233,7 +249,11 @@ def main(argv: list[str] | None = None) -> int:
     proc.wait(timeout=60)
     print(f"   killed with SIGKILL after step {killed_at} (exit code {proc.returncode})")
     print("3. restarting it: it finds the latest checkpoint and resumes")
-    out = subprocess.run(cmd, capture_output=True, text=True, timeout=300, check=True).stdout
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=env)
+    if done.returncode != 0:
+        print(f"   the restarted worker failed (exit {done.returncode}):\n{done.stderr[-3000:]}")
+        return 1
+    out = done.stdout
     resumed = next(line for line in out.splitlines() if line.startswith("resumed"))
     final = next(line for line in out.splitlines() if line.startswith("final")).split()[1]
     print(f"   {resumed}; final state fingerprint {final}")

@@ -186,6 +186,49 @@ def signer(key_env: str, tag: str = "RESULT") -> tuple[Callable[[Any], None],
     return send, allowed.add
 
 
+def loopback_refused(host: str = "127.0.0.1", timeout_s: float = 2.0) -> str | None:
+    """Why this machine cannot run a local ``jax.distributed`` job, in one sentence, or None.
+
+    The coordinator and its clients talk TCP over ``host``; some sandboxes (a TPU VM's
+    container, a grader without a network namespace of its own) refuse every TCP socket, even
+    on loopback. Probed for real: listen, connect, accept, so a chapter or a lab can say so in
+    one line and skip what needs the processes instead of failing in each of them.
+    """
+    try:
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as server:
+            server.settimeout(timeout_s)
+            server.bind((host, 0))
+            server.listen(1)
+            with socket.create_connection(server.getsockname(), timeout=timeout_s):
+                conn, _ = server.accept()
+                conn.close()
+    except OSError as e:
+        return (f"this machine refuses TCP sockets on {host} ({type(e).__name__}: {e}), which "
+                "jax.distributed needs to join processes into one job")
+    return None
+
+
+class LaunchRefused(RuntimeError):
+    """The processes of a job cannot be started here (see :func:`loopback_refused`)."""
+
+
+def helper_env(env: Mapping[str, str] | None = None, *, platforms: str = "cpu",
+               **extra: str) -> dict[str, str]:
+    """The environment of a helper process (a drill's training worker, a reader of files):
+    ``env`` (default: this process's), with ``JAX_PLATFORMS`` set to ``platforms``.
+
+    Why always set: a process inherits no choice of platform, so JAX in it takes the
+    accelerator it finds, and on a TPU only one process may hold the chip ("libtpu
+    multi-process lockfile"): the helper of a notebook that holds it would fail. A helper
+    that only trains a small model or reads files runs on the CPU; one whose point is the
+    accelerator says so with ``platforms``, after its parent gave the device up.
+    """
+    out = dict(os.environ if env is None else env)
+    out["JAX_PLATFORMS"] = platforms
+    out.update(extra)
+    return out
+
+
 def pick_free_port(host: str = "127.0.0.1") -> int:
     """A TCP port free on ``host`` right now (another program may still take it: the
     launcher retries on a new port when the coordinator cannot bind)."""
@@ -231,6 +274,9 @@ def launch(argv: Sequence[str], num_processes: int, *, devices_per_process: int 
     """
     if num_processes < 1 or devices_per_process < 1:
         raise ValueError("num_processes and devices_per_process must be >= 1")
+    refused = loopback_refused()
+    if refused is not None:
+        raise LaunchRefused(refused)
     token = f"{os.getpid()}-{time.time_ns()}"
     for attempt in range(port_retries + 1):
         port = pick_free_port()
@@ -349,10 +395,14 @@ def main(argv: Sequence[str] | None = None) -> int:
             per.setdefault(int(who), {})[name] = value
         else:
             env[name] = value
-    res = launch(cmd, a.num_processes, devices_per_process=a.devices_per_process,
-                 timeout_s=a.timeout, grace_s=a.grace, platforms=a.platforms or None, env=env,
-                 env_per_process=per, echo=sys.stdout,
-                 heartbeat_timeout_s=a.heartbeat_timeout)
+    try:
+        res = launch(cmd, a.num_processes, devices_per_process=a.devices_per_process,
+                     timeout_s=a.timeout, grace_s=a.grace, platforms=a.platforms or None,
+                     env=env, env_per_process=per, echo=sys.stdout,
+                     heartbeat_timeout_s=a.heartbeat_timeout)
+    except LaunchRefused as e:
+        print(f"[launch] not started: {e}", file=sys.stderr)
+        return 2
     print(f"[launch] {res.describe()}", file=sys.stderr)
     return res.exit_code
 

@@ -108,3 +108,49 @@ def foreign_note(directory: str, steps: Mapping[int, str]) -> str:
     return (f"{directory} holds {len(steps)} Orbax checkpoint(s) (steps {shown}), which "
             "minickpt does not read, count or delete; convert them with `minickpt "
             f"convert-orbax {directory} NEW_DIR` (see docs/orbax-migration.md)")
+
+
+def orbax_metrics(step_dir: str, fs: FileSystem | None = None) -> dict[str, Any] | None:
+    """An Orbax step's metrics: Orbax's JSON item ``metrics/metrics`` (CheckpointManager's
+    ``metrics=``), else those its step metadata records; None without any."""
+    fs = fs or DEFAULT_FS
+    metrics = read_json(fs, os.path.join(step_dir, "metrics", "metrics"))
+    if not isinstance(metrics, dict) or not metrics:
+        meta = read_json(fs, os.path.join(step_dir, METADATA_FILE))
+        metrics = meta.get("metrics") if isinstance(meta, dict) else None
+    return metrics if isinstance(metrics, dict) and metrics else None
+
+
+def orbax_summary(step_dir: str, fs: FileSystem | None = None) -> dict[str, Any]:
+    """What minickpt can say of an Orbax step from its JSON files alone (no Orbax import,
+    no array read): its commit time, metrics, and items — each item's handler and, for a
+    PyTree item, its leaves' key paths and Orbax's value types."""
+    fs = fs or DEFAULT_FS
+    meta = read_json(fs, os.path.join(step_dir, METADATA_FILE))
+    meta = meta if isinstance(meta, dict) else {}
+    handlers = meta.get("item_handlers")
+    handlers = handlers if isinstance(handlers, dict) else {}
+    names = set(fs.listdir(step_dir))
+    dirs = {"default": step_dir} if names & set(ITEM_FILES) else {
+        n: os.path.join(step_dir, n) for n in sorted(names | set(handlers))
+        if not n.startswith(".") and _ORBAX_TMP_MARK not in n
+        and real_dir(fs, os.path.join(step_dir, n))}
+    items: dict[str, Any] = {}
+    for name, d in sorted(dirs.items()):
+        handler = str(handlers.get(name) or "").rsplit(".", 1)[-1] or "unknown handler"
+        tree = read_json(fs, os.path.join(d, "_METADATA"))
+        tree = tree.get("tree_metadata") if isinstance(tree, dict) else None
+        leaves = []
+        for rec in tree.values() if isinstance(tree, dict) else []:
+            keys = rec.get("key_metadata") if isinstance(rec, dict) else None
+            value = rec.get("value_metadata") if isinstance(rec, dict) else None
+            if isinstance(keys, list):
+                leaves.append({
+                    "path": "/".join(str(k.get("key")) for k in keys if isinstance(k, dict)),
+                    "type": str(value.get("value_type", "?")) if isinstance(value, dict)
+                    else "?"})
+        items[name] = {"handler": handler,
+                       "leaves": sorted(leaves, key=lambda x: x["path"]) if tree else None}
+    when = meta.get("commit_timestamp_nsecs")
+    return {"time": when if isinstance(when, int) else None,
+            "metrics": orbax_metrics(step_dir, fs), "items": items}

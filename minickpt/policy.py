@@ -188,8 +188,35 @@ def check_metric(best_fn: Callable[[Mapping[str, Any]], float] | None,
         return
     try:
         value = best_fn(metrics)
-    except (KeyError, TypeError, ValueError):
-        return  # no metric: keep_checkpoints_without_metrics decides
+    except Exception:
+        # no metric (keep_checkpoints_without_metrics decides); retention says so, naming
+        # the step (see scorable): a best_fn that fails must never fail a save
+        return
     if isinstance(value, (str, bytes)):
         raise TypeError(f"best_fn gives {value!r} for metrics {dict(metrics)!r}: a metric "
                         "must be a number, not text (pass float(loss), not a formatted string)")
+
+
+def scorable(infos: Sequence[StepInfo], best_fn: Callable[[Mapping[str, Any]], float] | None
+             ) -> tuple[list[StepInfo], dict[int, str]]:
+    """``infos`` with the metrics ``best_fn`` raises on replaced by None ("no metric"), and
+    those steps -> the error, in one line.
+
+    A ``best_fn`` may work on the caller's values and fail on the same metrics read back
+    as JSON (``m["loss"].item()`` on a float, after a restart): what it cannot read is no
+    metric, for every exception it raises, not only the ``KeyError``/``TypeError``/
+    ``ValueError`` the ranking above already treats so."""
+    if best_fn is None:
+        return list(infos), {}
+    out, errors = [], {}
+    for i in infos:
+        if i.metrics is not None:
+            try:
+                best_fn(i.metrics)
+            except (KeyError, TypeError, ValueError):
+                pass  # no metric already, as rank_by_metric reads it
+            except Exception as e:
+                errors[i.step] = f"{type(e).__name__}: {e}"
+                i = StepInfo(i.step, None, i.time)
+        out.append(i)
+    return out, errors

@@ -53,7 +53,8 @@ class Retention:
         o = self.options
         self._read_unreadable()
         # only what this library wrote and can read is counted, and a candidate for deletion
-        readable = [i for s, i in self._infos.items() if s not in self._unreadable]
+        readable = self._scorable([i for s, i in self._infos.items()
+                                   if s not in self._unreadable])
         keep = policy.steps_to_keep(
             readable, max_to_keep=o.max_to_keep, keep_period=o.keep_period,
             best_fn=o.best_fn, best_mode=o.best_mode,
@@ -71,6 +72,19 @@ class Retention:
                           self.step_path(step), e)
                 warnings.warn(f"could not delete old checkpoint {self.step_path(step)}: {e}",
                               stacklevel=4)
+
+    def _scorable(self, infos: list[policy.StepInfo]) -> list[policy.StepInfo]:
+        """``infos`` as retention ranks them: the metrics ``best_fn`` raises on are no
+        metric (the docs' promise), said once per step with the exception."""
+        infos, errors = policy.scorable(infos, self.options.best_fn)
+        for step, why in sorted(errors.items()):
+            if step not in self._metric_errors:
+                self._metric_errors.add(step)
+                log.warning("minickpt: best_fn raised %s on the metrics of step %d; that "
+                            "checkpoint counts as having no metric "
+                            "(keep_checkpoints_without_metrics decides whether it is kept)",
+                            why, step)
+        return infos
 
     def _remove_deletion_leftovers(self) -> None:
         """Finish deletions an earlier error interrupted (only names marked for deletion)."""

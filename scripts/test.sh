@@ -16,13 +16,16 @@ if [ "$(id -u)" = 0 ]; then         # CI runs as root: the sandbox must work, no
   export MINICKPT_REQUIRE_SANDBOX="${MINICKPT_REQUIRE_SANDBOX:-1}"
 fi
 .venv/bin/ruff check .
-# Both cores: each test module runs on one worker (its module fixtures built once); the
-# graded corpus of tests/test_grading_hardening.py, the longest part, is collected first
-# (tests/conftest.py), so one worker starts on it at once while the other takes the rest.
+# Both cores: each test module (and each class of the graded corpus) runs on one worker, its
+# fixtures built once. The graded corpus of tests/test_grading_hardening.py, the longest part,
+# is one class per lab (a grade.sh -j 2 run each), collected first and costliest first
+# (tests/conftest.py) and handed out in that order (--no-loadscope-reorder): both workers
+# grade from the start, and the rest of the suite fills the time after them.
 # MINICKPT_TEST_WORKERS=0 runs everything in this process.
 workers="${MINICKPT_TEST_WORKERS:-$(nproc 2>/dev/null || echo 2)}"
 [ "$workers" -gt 2 ] && workers=2
 dist=()
-[ "$workers" -gt 0 ] && dist=(-n "$workers" --dist loadscope)
-# --durations: the slowest steps, the site build and the graded corpus among them, in the log.
+[ "$workers" -gt 0 ] && dist=(-n "$workers" --dist loadscope --no-loadscope-reorder)
+# --durations: the slowest steps, the site build and the graded corpus among them, in the log;
+# the corpus's own slowest submissions and their phases follow (tests/conftest.py).
 exec .venv/bin/python -m pytest -q -p no:cacheprovider --durations=25 "${dist[@]}" "$@"

@@ -86,8 +86,59 @@ def compile_cache(tmp_path_factory):
     return str(tmp_path_factory.mktemp("jax-compile-cache"))
 
 
+def pytest_configure(config):
+    """A folder where the corpus runs of tests/test_grading_hardening.py leave their
+    timings.csv (on any xdist worker), for the summary at the end of the run."""
+    import tempfile
+
+    if not hasattr(config, "workerinput") and "MINICKPT_CORPUS_TIMINGS" not in os.environ:
+        os.environ["MINICKPT_CORPUS_TIMINGS"] = tempfile.mkdtemp(prefix="minickpt-corpus-")
+        config._corpus_timings = os.environ["MINICKPT_CORPUS_TIMINGS"]
+
+
+def pytest_unconfigure(config):
+    """The timings folder this run made is removed once the summary is written."""
+    import shutil
+
+    folder = getattr(config, "_corpus_timings", None)
+    if folder:
+        shutil.rmtree(folder, ignore_errors=True)
+        os.environ.pop("MINICKPT_CORPUS_TIMINGS", None)
+
+
+def corpus_durations(folder: str, n: int = 10) -> list[str]:
+    """Lines for the log: each corpus group's wall time, and the ``n`` slowest submissions
+    of the whole corpus with where their time went (grade.sh's timings.csv)."""
+    import csv
+    import json
+    from pathlib import Path
+
+    lines, rows = [], []
+    for path in sorted(Path(folder).glob("*.json")):
+        g = json.loads(path.read_text())
+        with open(path.with_suffix(".csv"), newline="") as f:
+            mine = [{**r, "group": g["group"]} for r in csv.DictReader(f)]
+        rows += mine
+        slot = sum(float(r["seconds"]) for r in mine)
+        lines.append(f"group {g['group']:<20} {g['submissions']:>3} submissions  "
+                     f"{g['seconds']:>6.0f} s wall  {slot:>6.0f} s in slots (-j {g['jobs']}, "
+                     f"cells {g['timeout']} s)")
+    if not rows:
+        return []
+    lines.append(f"slowest {min(n, len(rows))} of {len(rows)} graded submissions:")
+    for r in sorted(rows, key=lambda r: -float(r["seconds"]))[:n]:
+        lines.append(f"{float(r['seconds']):7.1f}s {r['student']}/{r['lab']} ({r['group']}): "
+                     f"kernel {r.get('kernel') or '-'} s, setup {r.get('setup') or '-'} s, "
+                     f"cells {r.get('cells') or '-'} s (slowest {r.get('slowest_cell') or '-'} "
+                     f"{r.get('slowest_cell_seconds') or '-'} s), cpu {r.get('cpu') or '-'} s, "
+                     f"throttled {r.get('throttled') or '-'} s"
+                     + (f", timed out: {r['timed_out']}" if r.get("timed_out") else ""))
+    return lines
+
+
 def pytest_terminal_summary(terminalreporter):
-    """The crash-safety figures of this run (crash points, states, kills, cases)."""
+    """The crash-safety figures of this run (crash points, states, kills, cases), and where
+    the graded corpus spent its time."""
     import sys
 
     harness = sys.modules.get("crash_harness")
@@ -95,15 +146,21 @@ def pytest_terminal_summary(terminalreporter):
         terminalreporter.section("crash safety figures")
         for name, value in harness.FIGURES.items():
             terminalreporter.write_line(f"{name:<40} {value}")
+    folder = os.environ.get("MINICKPT_CORPUS_TIMINGS")
+    lines = corpus_durations(folder) if folder and os.path.isdir(folder) else []
+    if lines:
+        terminalreporter.section("graded corpus: groups and slowest submissions")
+        for line in lines:
+            terminalreporter.write_line(line)
 
 
 def pytest_collection_modifyitems(config, items):
-    """test_grading_hardening's graded corpus (the tests on ``corpus`` and ``sliced``), the
-    longest part of the suite, is collected first: under ``--dist loadscope``
-    (scripts/test.sh) its module is then the first scope handed out, so one worker starts on
-    it at once while the other takes the rest."""
-    def in_corpus(item) -> bool:
-        return item.module.__name__.endswith("test_grading_hardening") and \
-            bool({"corpus", "sliced"} & set(getattr(item, "fixturenames", ())))
+    """The graded corpus's classes (tests/test_grading_hardening.py: those with a
+    ``CORPUS_COST``, the longest parts of the suite) are collected first, the costliest
+    first: under ``--dist loadscope --no-loadscope-reorder`` (scripts/test.sh) each class is
+    a scope, handed out in this order, so both workers start grading at once and the rest of
+    the suite fills the time after (and between) them."""
+    def cost(item) -> float:
+        return getattr(getattr(item, "cls", None), "CORPUS_COST", 0.0) or 0.0
 
-    items.sort(key=lambda item: not in_corpus(item))  # stable: the rest keep their order
+    items.sort(key=lambda item: -cost(item))  # stable: the rest keep their order

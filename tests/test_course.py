@@ -1,7 +1,7 @@
 """The course machinery: labs built from solutions and minickpt, and the grader end to end.
 
 Grading end to end (the examples, the hostile corpus, -j, shards) is in
-tests/test_grading_hardening.py, in one grade.sh run that several tests read.
+tests/test_grading_hardening.py, one grade.sh run per lab that several tests read.
 """
 
 from __future__ import annotations

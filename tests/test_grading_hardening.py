@@ -1,10 +1,14 @@
 """Grading untrusted notebooks: the sandbox, the referee, the hostile corpus, -j and shards.
 
-The expensive part runs once per session (``corpus``): ``grade.sh -j 2`` over every example
-submission (the hostile corpus included) and each lab's source notebook as student
-``reference``, while a TCP listener waits on the port the network attack aims at. A second,
-small run (``sliced``) grades four of the examples sequentially (-j 1), in two shards, and
-merges them: its CSV must equal the -j 2 run's rows for those students.
+The expensive part is the graded corpus: every example submission (the hostile corpus
+included) and each lab's source notebook (student ``_reference``), graded by grade.sh in
+*groups* (:data:`GROUPS`): one grade.sh run per lab, and the examples that only wait out a
+cell's time-out in a run of their own with a short cell limit. Each ``TestCorpus*`` class
+grades its groups once (its ``corpus`` fixture) while a TCP listener waits on the port the
+network attack aims at, then checks them; pytest-xdist hands each class to one worker, the
+costliest first (tests/conftest.py), so both workers grade from the start. A small extra run
+(``sliced``, lab 1's class) grades a few of lab 1's examples sequentially (-j 1), in two
+shards, and merges them: its CSV must equal the corpus rows for those students.
 
 Without a working sandbox (no bubblewrap, not root) the attack_* examples are skipped by
 grade.sh and the tests here that need the sandbox skip too, unless MINICKPT_REQUIRE_SANDBOX=1
@@ -27,6 +31,7 @@ import sys
 import threading
 import time
 import zipfile
+from dataclasses import dataclass
 from pathlib import Path
 
 import nbformat
@@ -56,9 +61,22 @@ from minickpt import labkit
 SOLUTIONS, LABS, EXAMPLES_DIR = ROOT / "solutions", ROOT / "labs", ROOT / "autograder" / "examples"
 LAB_NAMES = build.lab_names(SOLUTIONS)
 GRADE_SH = ROOT / "autograder" / "grade.sh"
-CI_TIMEOUT = 60  # seconds a cell may run in these runs (the default): never_finishes & co cost this;
-# the multi-process cells of labs 3, 4 and 6 take 10-30 s while the other test worker runs too
-GRADING = pytest.mark.timeout(3600)  # the corpus: every example of six labs
+CI_TIMEOUT = 60  # seconds a cell may run in the corpus runs (the default); the multi-process
+# cells of labs 3, 4 and 6 take 10-30 s while the other test worker runs too
+WAIT_TIMEOUT = 20
+"""The cell limit of the ``timeouts`` group: its examples' other cells take a few seconds, so
+each waits out 20 s instead of 60 (the same grades, with this limit in the message)."""
+WAITS_OUT = (("lab01_basics", "attack_ignore_interrupt"), ("lab01_basics", "never_finishes"))
+"""The examples whose grading is mostly waiting out a cell's time-out: graded apart, with
+:data:`WAIT_TIMEOUT`. An example that only waits for its time-out belongs here."""
+CORPUS_JOBS = int(os.environ.get("MINICKPT_CORPUS_JOBS", "2"))
+"""-j of each lab's run (two classes grade at once: four kernels on two cores, which keeps
+the cores busy while kernels wait for their processes; MINICKPT_CORPUS_JOBS to measure)."""
+SECONDS_PER_SUBMISSION = {"lab04_multihost": 50, "lab03_resume": 17, "lab06_production": 12,
+                          "lab01_basics": 11, "lab02_save_policy": 9, "lab05_async": 8}
+"""Slot seconds one submission of a lab takes (timings.csv of a corpus run, -j 2): the order
+in which the classes start, costliest first. A lab not listed counts as the costliest."""
+GRADING = pytest.mark.timeout(3600)  # a class's first test waits for its groups' runs
 SLICE = {"blank": 1, "cheat_os_exit": 1, "partial": 2, "cheat_kernel_lie": 2,
          "never_finishes": 2, "cheat_kill_kernel": 2}
 if sandbox.probe().mode == "bwrap-root":  # its children are killed by the slot's uid
@@ -153,38 +171,118 @@ class Listener:
 
 
 # ---------------------------------------------------------------------------------------
-# the session's runs
+# the corpus: groups, each one grade.sh run
 # ---------------------------------------------------------------------------------------
-@pytest.fixture(scope="session")
-def corpus(tmp_path_factory):
-    """grade.sh -j 2 over every example and each lab's source (student '_reference')."""
-    tmp = tmp_path_factory.mktemp("corpus")
+@dataclass(frozen=True)
+class Group:
+    """One grade.sh run of the corpus: its examples (lab, student), the cell limit, -j, and
+    whether it grades the labs' source notebooks (``--include-solutions``: the fill of the
+    lab's compilation cache is that grading, so each source runs once). A group without
+    sources grades without the cache: it never fills one that a lab's group would fill again."""
+
+    name: str
+    examples: tuple[tuple[str, str], ...]
+    timeout: int = CI_TIMEOUT
+    jobs: int = CORPUS_JOBS
+    sources: bool = True
+
+    @property
+    def labs(self) -> list[str]:
+        return sorted({lab for lab, _ in self.examples})
+
+    def cost(self) -> float:
+        """Seconds of wall time it is expected to take (how the classes are ordered)."""
+        if self.timeout < CI_TIMEOUT:
+            return len(self.examples) * (self.timeout + 20) / self.jobs
+        most = max(SECONDS_PER_SUBMISSION.values())
+        return sum(SECONDS_PER_SUBMISSION.get(lab, most) for lab, _ in self.examples) / self.jobs
+
+
+def corpus_groups() -> dict[str, Group]:
+    """A group per lab (its examples but those of :data:`WAITS_OUT`, and its source), and
+    ``timeouts`` (those, with :data:`WAIT_TIMEOUT`). A new example goes to its lab's group by
+    itself; a new lab brings its group (and its class below)."""
+    groups = {lab: Group(lab, tuple((lab, s) for s in sorted(EXAMPLES[lab])
+                                    if (lab, s) not in WAITS_OUT)) for lab in LAB_NAMES}
+    groups["timeouts"] = Group("timeouts", WAITS_OUT, timeout=WAIT_TIMEOUT, jobs=1,
+                               sources=False)
+    return groups
+
+
+GROUPS = corpus_groups()
+
+
+def _start(group: Group, tmp: Path) -> dict:
+    """Copy the group's examples (and a lab's untouched release where no example is one) and
+    start its grade.sh."""
     subs = tmp / "subs"
-    shutil.copytree(EXAMPLES_DIR, subs, ignore=shutil.ignore_patterns("*.csv", "*.md"))
-    for lab in LAB_NAMES:  # a released lab that has no untouched copy among the examples
+    for lab, student in group.examples:
+        shutil.copytree(EXAMPLES_DIR / student / lab, subs / student / lab)
+    for lab in group.labs if group.sources else ():
         release = (LABS / lab / f"{lab}.ipynb").read_bytes()
         if not any(p.read_bytes() == release for p in subs.glob(f"*/{lab}/{lab}.ipynb")):
             (subs / "released" / lab).mkdir(parents=True)
             (subs / "released" / lab / f"{lab}.ipynb").write_bytes(release)
-    before = {"subs": _tree(subs), "root": _notebooks(EXAMPLES_DIR)}
-    listener = Listener()
-    t0 = time.monotonic()
+    args = [str(subs), "-j", str(group.jobs), "--timeout", str(group.timeout), "--out",
+            str(tmp / "out"), "--work", str(tmp / "work"), "--durations", "10",
+            *(["--include-solutions"] if group.sources else ["--compile-cache", "off"]),
+            *[a for lab in group.labs for a in ("--lab", lab)]]
+    return {"group": group, "tmp": tmp, "subs": subs, "before": _tree(subs),
+            "t0": time.monotonic(),
+            "popen": subprocess.Popen(["bash", str(GRADE_SH), *args], stdout=subprocess.PIPE,
+                                      stderr=subprocess.PIPE, text=True, env=_env())}
+
+
+def _wait(run: dict) -> dict:
+    p = run.pop("popen")
     try:
-        proc = _grade(str(subs), "--include-solutions", "-j", "2", "--timeout", str(CI_TIMEOUT),
-                      "--out", str(tmp / "out"), "--work", str(tmp / "work"))
+        out, err = p.communicate(timeout=3000)
+    except subprocess.TimeoutExpired:
+        p.kill()
+        out, err = p.communicate()
+    run["proc"] = subprocess.CompletedProcess(p.args, p.returncode, out, err)
+    took = re.search(r"^graded \d+ submission\(s\) in (\d+) s", out, re.M)  # its own wall
+    run["seconds"] = float(took[1]) if took else time.monotonic() - run["t0"]  # (side by side)
+    run["out"], run["work"] = run["tmp"] / "out", run["tmp"] / "work"
+    path = run["out"] / "results.json"
+    rows = json.loads(path.read_text()) if path.exists() else []
+    run["results"] = {(r["lab"], r["student"]): r for r in rows}
+    _publish(run)
+    return run
+
+
+def _publish(run: dict) -> None:
+    """The run's timings.csv and seconds where the terminal summary finds them (the ten
+    slowest submissions of the whole corpus, tests/conftest.py)."""
+    folder = os.environ.get("MINICKPT_CORPUS_TIMINGS")
+    if not folder or not (run["out"] / "timings.csv").exists():
+        return
+    name = run["group"].name
+    shutil.copyfile(run["out"] / "timings.csv", Path(folder) / f"{name}.csv")
+    (Path(folder) / f"{name}.json").write_text(json.dumps(
+        {"group": name, "seconds": round(run["seconds"], 1), "jobs": run["group"].jobs,
+         "timeout": run["group"].timeout, "submissions": len(run["results"])}))
+
+
+@pytest.fixture(scope="class")
+def corpus(request, tmp_path_factory):
+    """The class's groups, graded side by side: ``runs`` (name -> run), ``results`` and
+    ``run_of`` ((lab, student) -> its result, its run), and the listener they all faced."""
+    listener = Listener()
+    try:
+        started = [_start(GROUPS[name], tmp_path_factory.mktemp(f"corpus-{name}"))
+                   for name in request.cls.GROUPS]
+        runs = {run["group"].name: _wait(run) for run in started}
     finally:
         listener.close()
-    out = tmp / "out"
-    results = json.loads((out / "results.json").read_text()) if (out / "results.json").exists() \
-        else []
-    return {"proc": proc, "out": out, "work": tmp / "work", "subs": subs, "tmp": tmp,
-            "before": before, "listener": listener, "seconds": time.monotonic() - t0,
-            "results": {(r["lab"], r["student"]): r for r in results}}
+    return {"runs": runs, "listener": listener,
+            "results": {k: r for run in runs.values() for k, r in run["results"].items()},
+            "run_of": {k: run for run in runs.values() for k in run["results"]}}
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="class")
 def sliced(corpus, tmp_path_factory):
-    """Four of the examples again: shard 1/2 then shard 2/2, each with -j 1, then merged."""
+    """A few of lab 1's examples again: shard 1/2 then shard 2/2, each with -j 1, then merged."""
     tmp = tmp_path_factory.mktemp("sliced")
     subs = tmp / "subs"
     for student in SLICE:
@@ -192,8 +290,8 @@ def sliced(corpus, tmp_path_factory):
                         subs / student / "lab01_basics")
     running = [subprocess.Popen(  # side by side: each run locks its own uid; shard 1 without
         ["bash", str(GRADE_SH), str(subs), "--shard", f"{i}/2", "-j", "1", "--timeout",  # the
-         str(CI_TIMEOUT), "--out", str(tmp / f"out{i}"), "--work", str(tmp / f"work{i}"),  # cache
-         *(["--compile-cache", "off"] if i == 1 else [])],
+         str(WAIT_TIMEOUT), "--out", str(tmp / f"out{i}"), "--work", str(tmp / f"work{i}"),
+         *(["--compile-cache", "off"] if i == 1 else [])],  # cache
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=_env()) for i in (1, 2)]
     procs = []
     for p in running:
@@ -209,12 +307,13 @@ def _result(corpus, student, lab="lab01_basics"):
 
 
 def _feedback(corpus, student, lab="lab01_basics") -> str:
-    return (corpus["out"] / "feedback" / student / f"{lab}.html").read_text()
+    return (corpus["run_of"][lab, student]["out"] / "feedback" / student / f"{lab}.html").read_text()
 
 
 def _graded_outputs(corpus, student, lab="lab01_basics") -> str:
     """All text the student's kernel printed (the instructor's copy of the notebook)."""
-    nb = json.loads((corpus["work"] / "subs" / lab / student / "graded.ipynb").read_text())
+    work = corpus["run_of"][lab, student]["work"]
+    nb = json.loads((work / "subs" / lab / student / "graded.ipynb").read_text())
     texts = []
     for c in nb["cells"]:
         for o in c.get("outputs", []):
@@ -225,224 +324,344 @@ def _graded_outputs(corpus, student, lab="lab01_basics") -> str:
     return "\n".join(texts)
 
 
-# ---------------------------------------------------------------------------------------
-# the corpus grades as expected
-# ---------------------------------------------------------------------------------------
-@GRADING
-def test_grading_itself_succeeds(corpus):
-    proc = corpus["proc"]
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    assert "kernels: " in proc.stdout
-
-
-@GRADING
-def test_every_example_grades_as_expected(corpus):
-    """expected-<lab>.csv, written by hand: per task, total, status, and optionally ``review``
-    (``;``-separated texts, each of which some review flag must contain). For the hostile
-    examples: the hostile part gains nothing, the honest parts keep their points."""
-    expected = []
+def _expected() -> dict[tuple[str, str], dict[str, str]]:
+    """expected-<lab>.csv, written by hand: per task, total, status, and optionally ``review``."""
+    rows = {}
     for path in sorted(EXAMPLES_DIR.glob("expected-*.csv")):  # one file per lab
         with open(path) as f:
+            for e in csv.DictReader(f):
+                assert e["lab"] == path.stem.removeprefix("expected-"), path
+                rows[e["lab"], e["student"]] = e
+    return rows
+
+
+def test_the_groups_grade_every_example_and_every_source_once():
+    """What the classes grade: every example of every lab in exactly one group, each with an
+    expected row, each lab's source in one group, and every group in one class."""
+    pairs = [p for g in GROUPS.values() for p in g.examples]
+    assert sorted(pairs) == sorted({(lab, s) for lab, exs in EXAMPLES.items() for s in exs})
+    assert set(_expected()) == set(pairs)
+    assert sorted(lab for g in GROUPS.values() if g.sources for lab in g.labs) == sorted(LAB_NAMES)
+    classed = [name for cls in CORPUS_CLASSES for name in cls.GROUPS]
+    assert sorted(classed) == sorted(GROUPS)
+
+
+# ---------------------------------------------------------------------------------------
+# the corpus grades as expected: the checks of every class, on its groups
+# ---------------------------------------------------------------------------------------
+class _Corpus:
+    """The checks every group passes; each ``TestCorpus*`` class below names its groups."""
+
+    GROUPS: tuple[str, ...] = ()
+
+    @classmethod
+    def examples(cls) -> list[tuple[str, str]]:
+        return [p for name in cls.GROUPS for p in GROUPS[name].examples]
+
+    @classmethod
+    def sourced_labs(cls) -> list[str]:
+        return [lab for name in cls.GROUPS if GROUPS[name].sources for lab in GROUPS[name].labs]
+
+    @GRADING
+    def test_grading_itself_succeeds(self, corpus):
+        for run in corpus["runs"].values():
+            proc = run["proc"]
+            assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+            assert "kernels: " in proc.stdout
+
+    @GRADING
+    def test_every_example_grades_as_expected(self, corpus):
+        """For the hostile examples: the hostile part gains nothing, the honest parts keep
+        their points. The printed table shows each row."""
+        expected = _expected()
+        graded_attacks = ISOLATION.sandboxed
+        for lab, student in self.examples():
+            e = expected[lab, student]
+            if student.startswith("attack_") and not graded_attacks:
+                continue
+            r = _result(corpus, student, lab)
+            got = {g: f"{v:g}" for g, v in r["groups"].items()}
+            want = {k: v for k, v in e.items()
+                    if k not in ("lab", "student", "total", "status", "review")}
+            assert (got, f"{r['total']:g}", r["status"]) == (want, e["total"], e["status"]), \
+                f"{student}: {r['messages']} {r['reason']}"
+            for flag in filter(None, (e.get("review") or "").split(";")):  # optional column:
+                assert any(flag in f for f in r["review"]), (student, flag, r["review"])
+            row = r"\s+".join([student, *want.values(), e["total"], e["status"]])
+            assert re.search(rf"^{row}\b", corpus["run_of"][lab, student]["proc"].stdout, re.M), \
+                f"the printed table lacks the row of {student}"
+        if not graded_attacks:
+            need_sandbox()  # the attack_* rows were skipped: say so (or fail in CI)
+
+    @GRADING
+    def test_every_solution_notebook_scores_full_marks(self, corpus):
+        for lab in self.sourced_labs():
+            r = _result(corpus, REFERENCE_STUDENT, lab)
+            assert r["status"] == "graded" and r["total"] == r["max_score"] > 0, r["messages"]
+            assert not r["messages"] and not r["review"] and r["ran_all_cells"]
+
+    @GRADING
+    def test_every_released_lab_scores_zero_and_runs_to_the_end(self, corpus):
+        for lab in self.sourced_labs():
+            release = (LABS / lab / f"{lab}.ipynb").read_bytes()
+            students = [p.parent.parent.name for p in EXAMPLES_DIR.glob(f"*/{lab}/{lab}.ipynb")
+                        if p.read_bytes() == release] or ["released"]
+            r = _result(corpus, students[0], lab)
+            assert r["status"] == "graded" and r["ran_all_cells"], r
+            assert r["total"] == 0 and all(v == 0 for v in r["groups"].values()), r["groups"]
+            for gid, err in r["messages"].items():
+                m = re.match(r"test_(\d+)_(\d+)_", gid)
+                if m:  # an unfinished task fails with its own ID
+                    assert f"Task {m.group(1)}.{m.group(2)}" in err, (gid, err)
+
+    @GRADING
+    def test_the_kernels_were_sandboxed_and_changed_nothing(self, corpus):
+        need_sandbox()
+        assert corpus["listener"].connections == [], "a submission reached a localhost server"
+        for run in corpus["runs"].values():
+            assert _tree(run["subs"]) == run["before"], "a submission was changed"
+        for r in corpus["results"].values():
+            assert r["isolation"] == "sandbox"
+
+    @GRADING
+    def test_feedback_shows_messages_but_never_hidden_tests_or_receipts(self, corpus):
+        hidden: dict[str, set[str]] = {}
+        for lab in {lab for lab, _ in corpus["results"]}:  # hidden test lines no visible
+            cells = load_lab(SOLUTIONS / lab / f"{lab}.ipynb").cells  # part of the lab shows
+            shown = {s.strip() for c in cells for s in split_hidden(c.source)[0].split("\n")}
+            hidden[lab] = set()
+            for c in cells:
+                hidden[lab] |= {s.strip() for s in split_hidden(c.source)[1].split("\n")
+                                if len(s.strip()) >= 20 and not s.strip().startswith("#")} - shown
+        assert all(hidden.values())
+        for run in corpus["runs"].values():
+            out = run["out"]
+            with open(out / "grades.csv") as f:
+                overall = {row["student"]: row for row in csv.DictReader(f)}
+            for (lab, student), r in run["results"].items():
+                assert float(overall[student][lab]) == r["total"]
+                page = html.unescape((out / r["feedback"]).read_text())
+                assert "__referee__" not in page  # only cheat_fake_output's own code forges:
+                assert set(re.findall(re.escape(RECEIPT) + r" \S+ ([0-9a-f]{64})", page)) \
+                    <= {"0" * 64}
+                leaked = [s for s in hidden[lab] if s in page]
+                assert not leaked, f"{student}: hidden test lines in the feedback: {leaked[:3]}"
+            for lab in run["group"].labs:
+                with open(out / f"grades-{lab}.csv") as f:
+                    assert "seconds" not in next(csv.reader(f))  # nothing that varies
+            assert (out / "summary.txt").read_text().strip() in run["proc"].stdout
+
+    @GRADING
+    def test_the_compilation_cache_holds_what_the_references_wrote_and_no_submission_changed_it(
+            self, corpus):
+        """Every lab's cache was filled by grading its source notebook (here or in an earlier
+        run: the manifest names the source's digest) and still matches the digests recorded
+        at the fill after every example, the hostile ones included, ran with it mounted
+        read-only. Each source is graded once: the fill is its grading."""
+        for run in corpus["runs"].values():
+            proc, group = run["proc"], run["group"]
+            caches = json.loads((run["out"] / "run.json").read_text())["compile_cache"]
+            assert set(caches) == set(group.labs)
+            if not group.sources:
+                assert {c["state"] for c in caches.values()} == {"off"}
+                continue
+            for lab, c in caches.items():
+                assert c["state"] in ("filled", "reused") and c["entries"] > 0, (lab, c)
+                folder = Path(c["folder"])
+                entries = compile_cache.check(folder)  # ours, not writable by others, unchanged
+                assert len(entries) == c["entries"] or c["state"] == "reused"
+                manifest = json.loads((folder / compile_cache.MANIFEST).read_text())
+                source = SOLUTIONS / lab / f"{lab}.ipynb"
+                assert manifest["source_sha256"] == hashlib.sha256(source.read_bytes()).hexdigest()
+                assert Path(manifest["filled_from"]).name == source.name or \
+                    manifest["lab"] != lab  # (a lab with the same files shares the folder)
+                if c["state"] == "filled":  # the fill was the reference's grading: once
+                    assert c["fill_seconds"] > 0 and lab in proc.stdout.split("filling it for")[1]
+            graded = re.findall(r"^\s*\[\s*\d+/\d+\] " + re.escape(REFERENCE_STUDENT)
+                                + r"/(\w+): ", proc.stdout, re.M)
+            assert sorted(graded) == group.labs  # each source graded once, fill or not
+
+    @GRADING
+    def test_the_classes_of_issue_20_gain_nothing_and_are_flagged(self, corpus):
+        """The corpus's examples of each class of issue 20 in the labs here: the standard
+        library patched (nothing earned beyond what is right, flagged), the kernel's history
+        carried out (no hidden line of the lab in what it printed, however encoded; the audit
+        hook refused), spinners beside the others (bounded by their slot: every other row of
+        their run is as expected), and odd source (a grade with reasons). Lab 1 has one
+        example of each on ``perfect`` (right answers keep their points); labs 2-6 one
+        ``attack_issue_20`` each, all four classes on the lab with only its first task
+        right (a grading costs the whole lab: one per lab keeps CI's corpus short)."""
+        labs = self.sourced_labs()
+        for lab in labs:
+            for kind in ISSUE_20_CLASSES:
+                student = _issue_20_example(lab, kind)
+                assert student in EXAMPLES[lab], (lab, kind)
+                if ISOLATION.sandboxed or not student.startswith("attack_"):
+                    assert (lab, student) in corpus["results"], (lab, student)
+            check_issue_20(corpus, [lab], slots=GROUPS[lab].jobs)
+        if not ISOLATION.sandboxed:
+            need_sandbox()  # the attack_* examples were skipped: say so (or fail in CI)
+
+
+class TestCorpusLab01(_Corpus):
+    """Lab 1: its examples (the hostile corpus) and, beside them, the examples that only wait
+    out a time-out; then the sliced run, compared with both."""
+
+    GROUPS = ("lab01_basics", "timeouts")
+
+    @GRADING
+    def test_a_kernel_that_dies_keeps_the_points_before_it_and_says_why(self, corpus):
+        for student, cell in (("cheat_os_exit", "test_1_3_leaf"),
+                              ("cheat_kill_kernel", "test_1_4_resume")):
+            r = _result(corpus, student)
+            assert r["status"] == "graded" and not r["ran_all_cells"]
+            assert "kernel died" in r["reason"] and cell in r["reason"], r["reason"]
+            assert "KernelDied" in r["messages"][cell]
+            later = [g for g in r["scores"]
+                     if list(r["scores"]).index(g) > list(r["scores"]).index(cell)]
+            assert later and all(r["scores"][g] == 0 and "not run" in r["messages"][g]
+                                 for g in later)
+            assert "kernel died" in _feedback(corpus, student)
+
+    @GRADING
+    def test_cells_that_do_not_stop_are_stopped(self, corpus):
+        r = _result(corpus, "never_finishes")  # interrupted at the time-out; the rest runs
+        assert r["ran_all_cells"] and r["messages"] == {
+            "test_1_4_resume": f"CellTimeoutError: the cell ran longer than {WAIT_TIMEOUT} s "
+                               "and was interrupted"}
+        if ISOLATION.sandboxed:  # ignores the interrupt: the kernel is stopped, the rest is 0
+            r = _result(corpus, "attack_ignore_interrupt")
+            assert "did not stop when interrupted" in r["reason"] and not r["ran_all_cells"]
+            assert r["messages"]["test_1_4_resume"].startswith("KernelUnresponsive")
+
+    @GRADING
+    def test_attacks_on_the_machine_are_contained(self, corpus):
+        need_sandbox()
+        assert "reached nothing" in _graded_outputs(corpus, "attack_network")
+        assert "answers found: none" in _graded_outputs(corpus, "attack_read_solutions")
+        assert "marked 0 folder(s); could write 0 notebook(s)" in \
+            _graded_outputs(corpus, "attack_write_others")
+        tmps = [run["tmp"] for run in corpus["runs"].values()]
+        pwned = [p for base in (*tmps, ROOT) for p in base.rglob("PWNED*")]
+        assert not pwned, pwned
+        assert _notebooks(EXAMPLES_DIR) == _BEFORE_ROOT
+        forked = int(re.search(r"forked (\d+) children",
+                               _graded_outputs(corpus, "attack_fork_bomb"))[1])
+        assert 0 < forked < sandbox.Limits().processes
+        hog = _graded_outputs(corpus, "attack_memory_hog")
+        assert int(re.search(r"MemoryError after (\d+) MiB", hog)[1]) * 2**20 \
+            < sandbox.Limits().memory_bytes
+        flood = _graded_outputs(corpus, "attack_huge_output")
+        assert "OutputLimitExceeded" in flood and len(flood) < 2 * 2**20
+        assert len(_feedback(corpus, "attack_huge_output")) < 500_000
+
+    @GRADING
+    def test_the_feedback_teaches(self, corpus):
+        page = _feedback(corpus, "partial")  # the teaching message is there
+        assert "compare step numbers, not names" in page and "13 / 26 points" in page
+        out = corpus["runs"]["lab01_basics"]["out"]
+        with open(out / "grades-lab01_basics.csv") as f:
+            rows = {row["student"]: row for row in csv.DictReader(f)}
+        assert rows["partial"]["test_1_4_resume"] == "0"
+        assert rows["perfect"]["test_1_4_resume"] == "3"
+
+    @GRADING
+    def test_forged_receipts_and_peeking_earn_nothing_and_tampering_is_flagged(self, corpus):
+        r = _result(corpus, "cheat_fake_output")
+        assert r["scores"]["test_1_2_host"] == 0  # its to_host printed a receipt-like line
+        lie = _result(corpus, "cheat_kernel_lie")
+        assert "no sign from the referee" in lie["messages"]["test_1_2_host"]
+        assert any("get_ipython" in f for f in lie["review"])
+        assert any("builtins.type" in f for f in _result(corpus, "cheat_patch_builtins")["review"])
+        forged = _result(corpus, "cheat_forge_receipt")  # the audit's forgery: nothing to sign
+        assert forged["groups"]["1.3"] == 0 and forged["total"] == 22, forged["messages"]
+        assert all(forged["messages"][g].startswith("LabCheckError")
+                   for g in ("test_1_3_leaf", "test_1_3_minickpt")), forged["messages"]
+        assert {"sys.modules in task_1_3", "the text '__referee__' in task_1_3",
+                "vars in task_1_3"} <= set(forged["review"])
+        assert "nested run: TamperedError" in _graded_outputs(corpus, "cheat_forge_receipt")
+        assert all(f.startswith("similar to ") for f in _result(corpus, "perfect")["review"])
+        # (the similarity report flags it: it is minickpt's code)
+        notes = " ".join(_result(corpus, "cheat_reordered")["notes"])
+        assert "lab's order" in notes
+        assert "test_1_9_bonus" not in _result(corpus, "cheat_metadata")["scores"]
+        assert _result(corpus, "cheat_metadata")["max_score"] == 26
+
+    @GRADING
+    def test_class_summary_says_which_tasks_most_students_failed(self, corpus):
+        run = corpus["runs"]["lab01_basics"]
+        with open(run["out"] / "class-summary-lab01_basics.csv") as f:
             rows = list(csv.DictReader(f))
-        assert all(e["lab"] == path.stem.removeprefix("expected-") for e in rows), path
-        expected += rows
-    assert {(e["lab"], e["student"]) for e in expected} == {
-        (lab, s) for lab, exs in EXAMPLES.items() for s in exs}
-    graded_attacks = ISOLATION.sandboxed
-    for e in expected:
-        if e["student"].startswith("attack_") and not graded_attacks:
-            continue
-        r = _result(corpus, e["student"], e["lab"])
-        got = {g: f"{v:g}" for g, v in r["groups"].items()}
-        want = {k: v for k, v in e.items()
-                if k not in ("lab", "student", "total", "status", "review")}
-        assert (got, f"{r['total']:g}", r["status"]) == (want, e["total"], e["status"]), \
-            f"{e['student']}: {r['messages']} {r['reason']}"
-        for flag in filter(None, (e.get("review") or "").split(";")):  # optional column:
-            assert any(flag in f for f in r["review"]), (e["student"], flag, r["review"])
-        row = r"\s+".join([e["student"], *want.values(), e["total"], e["status"]])
-        assert re.search(rf"^{row}\b", corpus["proc"].stdout, re.M), \
-            f"the printed table lacks the row of {e['student']}"
-    if not graded_attacks:
-        need_sandbox()  # the attack_* rows were skipped: say so (or fail in CI)
+        by = {r["name"]: r for r in rows}
+        info = load_lab(SOLUTIONS / "lab01_basics" / "lab01_basics.ipynb")
+        assert set(by) == {*info.groups, *info.grade_cells}
+        lab1 = [r for (lab, _), r in run["results"].items() if lab == "lab01_basics"]
+        full_14 = sum(1 for r in lab1 if r["groups"]["1.4"] == 3)
+        assert by["1.4"]["full_marks"] == str(full_14) and by["1.4"]["submissions"] == str(len(lab1))
+        assert by["test_quiz_q3"]["title"].startswith("Q3.")
+        assert "most common failure" in run["proc"].stdout
+        assert "Class summary" in (run["out"] / "class-summary.html").read_text()
+
+    @GRADING
+    def test_one_at_a_time_in_two_shards_gives_the_same_grades_as_two_at_a_time(
+            self, corpus, sliced):
+        """What is compared: the merged --out of `--shard 1/2 -j 1` (without the compilation
+        cache) and `--shard 2/2 -j 1` (with it) over a few examples, against the corpus runs
+        (-j 2 and the cache; the time-out group -j 1 without it): grades-<lab>.csv must hold
+        byte for byte the corpus runs' header and rows for those students; results.json the
+        same entries; class-summary-<lab>.csv and grades.csv what the corpus results for
+        those make (write_outputs, the code every run ends in)."""
+        for proc in sliced["procs"]:
+            assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+        merged, tmp = sliced["tmp"] / "merged", sliced["tmp"]
+        cache = {i: json.loads((tmp / f"out{i}" / "run.json").read_text())["compile_cache"]
+                 for i in (1, 2)}
+        assert cache[1]["lab01_basics"]["state"] == "off"
+        assert cache[2]["lab01_basics"]["state"] in ("reused", "filled")
+        for i in (1, 2):
+            graded = json.loads((tmp / f"out{i}" / "results.json").read_text())
+            assert sorted(r["student"] for r in graded) == \
+                sorted(s for s, k in SLICE.items() if k == i)
+            assert all(shard_of(r["student"], 2) == i for r in graded)
+        # Similarity to *other students* depends on who is in the class: the merge compares
+        # the slice's among themselves, the corpus runs theirs. Everything else is the same.
+        header, lines = None, {}
+        for run in corpus["runs"].values():
+            whole = (run["out"] / "grades-lab01_basics.csv").read_text().splitlines()
+            assert header in (None, whole[0])
+            header = whole[0]
+            lines |= {line.split(",")[0]: line for line in whole[1:]}
+        want = [header] + [lines[s] for s in sorted(SLICE)]
+        got = (merged / "grades-lab01_basics.csv").read_text().splitlines()
+        assert [_no_peer_flags(line) for line in got] == [_no_peer_flags(line) for line in want]
+        corpus_rows = [r for run in corpus["runs"].values()
+                       for r in json.loads((run["out"] / "results.json").read_text())]
+        subset = sorted((r for r in corpus_rows if r["student"] in SLICE
+                         and r["lab"] == "lab01_basics"), key=lambda r: r["student"])
+        assert [_no_peer_results(r) for r in json.loads((merged / "results.json").read_text())] \
+            == [_no_peer_results(r) for r in subset]
+        again = tmp / "rewritten"
+        labs = {name: LabInfo(name, d["cells"], d.get("fingerprint", ""), d.get("questions", {}))
+                for name, d in json.loads((merged / "run.json").read_text())["labs"].items()}
+        write_outputs(again, subset, labs, {}, {})
+        for name in ("class-summary-lab01_basics.csv", "grades.csv"):
+            assert (merged / name).read_bytes() == (again / name).read_bytes(), name
+        for student in SLICE:
+            assert (merged / "feedback" / student / "lab01_basics.html").exists()
 
 
-@GRADING
-def test_every_solution_notebook_scores_full_marks(corpus):
-    for lab in LAB_NAMES:
-        r = _result(corpus, REFERENCE_STUDENT, lab)
-        assert r["status"] == "graded" and r["total"] == r["max_score"] > 0, r["messages"]
-        assert not r["messages"] and not r["review"] and r["ran_all_cells"]
-
-
-@GRADING
-def test_every_released_lab_scores_zero_and_runs_to_the_end(corpus):
-    for lab in LAB_NAMES:
-        release = (LABS / lab / f"{lab}.ipynb").read_bytes()
-        students = [p.parent.parent.name for p in EXAMPLES_DIR.glob(f"*/{lab}/{lab}.ipynb")
-                    if p.read_bytes() == release] or ["released"]
-        r = _result(corpus, students[0], lab)
-        assert r["status"] == "graded" and r["ran_all_cells"], r
-        assert r["total"] == 0 and all(v == 0 for v in r["groups"].values()), r["groups"]
-        for gid, err in r["messages"].items():
-            m = re.match(r"test_(\d+)_(\d+)_", gid)
-            if m:  # an unfinished task fails with its own ID
-                assert f"Task {m.group(1)}.{m.group(2)}" in err, (gid, err)
-
-
-@GRADING
-def test_a_kernel_that_dies_keeps_the_points_before_it_and_says_why(corpus):
-    for student, cell in (("cheat_os_exit", "test_1_3_leaf"), ("cheat_kill_kernel", "test_1_4_resume")):
-        r = _result(corpus, student)
-        assert r["status"] == "graded" and not r["ran_all_cells"]
-        assert "kernel died" in r["reason"] and cell in r["reason"], r["reason"]
-        assert "KernelDied" in r["messages"][cell]
-        later = [g for g in r["scores"] if list(r["scores"]).index(g) > list(r["scores"]).index(cell)]
-        assert later and all(r["scores"][g] == 0 and "not run" in r["messages"][g] for g in later)
-        assert "kernel died" in _feedback(corpus, student)
-
-
-@GRADING
-def test_cells_that_do_not_stop_are_stopped(corpus):
-    r = _result(corpus, "never_finishes")  # interrupted at the time-out; the rest runs
-    assert r["ran_all_cells"] and r["messages"] == {
-        "test_1_4_resume": f"CellTimeoutError: the cell ran longer than {CI_TIMEOUT} s and was "
-                           "interrupted"}
-    if ISOLATION.sandboxed:  # ignores the interrupt: the kernel is stopped, the rest is 0
-        r = _result(corpus, "attack_ignore_interrupt")
-        assert "did not stop when interrupted" in r["reason"] and not r["ran_all_cells"]
-        assert r["messages"]["test_1_4_resume"].startswith("KernelUnresponsive")
-
-
-@GRADING
-def test_attacks_on_the_machine_are_contained(corpus):
-    need_sandbox()
-    assert corpus["listener"].connections == [], "a submission reached a localhost server"
-    assert "reached nothing" in _graded_outputs(corpus, "attack_network")
-    assert "answers found: none" in _graded_outputs(corpus, "attack_read_solutions")
-    assert "marked 0 folder(s); could write 0 notebook(s)" in \
-        _graded_outputs(corpus, "attack_write_others")
-    pwned = [p for base in (corpus["tmp"], ROOT) for p in base.rglob("PWNED*")]
-    assert not pwned, pwned
-    assert _tree(corpus["subs"]) == corpus["before"]["subs"], "a submission was changed"
-    assert _notebooks(EXAMPLES_DIR) == corpus["before"]["root"]
-    forked = int(re.search(r"forked (\d+) children", _graded_outputs(corpus, "attack_fork_bomb"))[1])
-    assert 0 < forked < sandbox.Limits().processes
-    hog = _graded_outputs(corpus, "attack_memory_hog")
-    assert int(re.search(r"MemoryError after (\d+) MiB", hog)[1]) * 2**20 < sandbox.Limits().memory_bytes
-    flood = _graded_outputs(corpus, "attack_huge_output")
-    assert "OutputLimitExceeded" in flood and len(flood) < 2 * 2**20
-    assert len(_feedback(corpus, "attack_huge_output")) < 500_000
-    for r in corpus["results"].values():
-        assert r["isolation"] == "sandbox"
-
-
-@GRADING
-def test_feedback_shows_messages_but_never_hidden_tests_or_receipts(corpus):
-    out = corpus["out"]
-    with open(out / "grades.csv") as f:
-        overall = {row["student"]: row for row in csv.DictReader(f)}
-    hidden: dict[str, set[str]] = {}
-    for lab in LAB_NAMES:  # per lab: hidden test lines that no visible part of the lab shows too
-        cells = load_lab(SOLUTIONS / lab / f"{lab}.ipynb").cells
-        shown = {s.strip() for c in cells for s in split_hidden(c.source)[0].split("\n")}
-        hidden[lab] = set()
-        for c in cells:
-            hidden[lab] |= {s.strip() for s in split_hidden(c.source)[1].split("\n")
-                            if len(s.strip()) >= 20 and not s.strip().startswith("#")} - shown
-    assert all(hidden.values())
-    for (lab, student), r in corpus["results"].items():
-        assert float(overall[student][lab]) == r["total"]
-        page = html.unescape((out / r["feedback"]).read_text())
-        assert "__referee__" not in page  # only cheat_fake_output's own code forges a receipt:
-        assert set(re.findall(re.escape(RECEIPT) + r" \S+ ([0-9a-f]{64})", page)) <= {"0" * 64}
-        leaked = [s for s in hidden[lab] if s in page]
-        assert not leaked, f"{student}: hidden test lines in the feedback: {leaked[:3]}"
-    page = _feedback(corpus, "partial")  # the teaching message is there
-    assert "compare step numbers, not names" in page and "13 / 26 points" in page
-    with open(out / "grades-lab01_basics.csv") as f:
-        rows = {row["student"]: row for row in csv.DictReader(f)}
-    assert rows["partial"]["test_1_4_resume"] == "0" and rows["perfect"]["test_1_4_resume"] == "3"
-    assert "seconds" not in next(iter(rows.values()))  # nothing that varies between runs
-    assert (out / "summary.txt").read_text().strip() in corpus["proc"].stdout
-
-
-@GRADING
-def test_forged_receipts_and_peeking_earn_nothing_and_tampering_is_flagged(corpus):
-    r = _result(corpus, "cheat_fake_output")
-    assert r["scores"]["test_1_2_host"] == 0  # its to_host printed a receipt-like line
-    assert "no sign from the referee" in _result(corpus, "cheat_kernel_lie")["messages"]["test_1_2_host"]
-    assert any("get_ipython" in f for f in _result(corpus, "cheat_kernel_lie")["review"])
-    assert any("builtins.type" in f for f in _result(corpus, "cheat_patch_builtins")["review"])
-    forged = _result(corpus, "cheat_forge_receipt")  # the audit's forgery: nothing to sign with
-    assert forged["groups"]["1.3"] == 0 and forged["total"] == 22, forged["messages"]
-    assert all(forged["messages"][g].startswith("LabCheckError")
-               for g in ("test_1_3_leaf", "test_1_3_minickpt")), forged["messages"]
-    assert {"sys.modules in task_1_3", "the text '__referee__' in task_1_3",
-            "vars in task_1_3"} <= set(forged["review"])
-    assert "nested run: TamperedError" in _graded_outputs(corpus, "cheat_forge_receipt")
-    assert all(f.startswith("similar to ") for f in _result(corpus, "perfect")["review"])  # the
-    # similarity report flags it: it is minickpt's code
-    notes = " ".join(_result(corpus, "cheat_reordered")["notes"])
-    assert "lab's order" in notes
-    assert "test_1_9_bonus" not in _result(corpus, "cheat_metadata")["scores"]
-    assert _result(corpus, "cheat_metadata")["max_score"] == 26
-
-
-@GRADING
-def test_class_summary_says_which_tasks_most_students_failed(corpus):
-    out = corpus["out"]
-    with open(out / "class-summary-lab01_basics.csv") as f:
-        rows = list(csv.DictReader(f))
-    by = {r["name"]: r for r in rows}
-    info = load_lab(SOLUTIONS / "lab01_basics" / "lab01_basics.ipynb")
-    assert set(by) == {*info.groups, *info.grade_cells}
-    n = len([r for r in corpus["results"].values() if r["lab"] == "lab01_basics"])
-    full_14 = sum(1 for r in corpus["results"].values() if r["lab"] == "lab01_basics"
-                  and r["groups"]["1.4"] == 3)
-    assert by["1.4"]["full_marks"] == str(full_14) and by["1.4"]["submissions"] == str(n)
-    assert by["test_quiz_q3"]["title"].startswith("Q3.")
-    assert "most common failure" in corpus["proc"].stdout
-    assert "Class summary" in (out / "class-summary.html").read_text()
-
-
-@GRADING
-def test_one_at_a_time_in_two_shards_gives_the_same_grades_as_two_at_a_time(corpus, sliced):
-    """What is compared: the merged --out of `--shard 1/2 -j 1` (without the compilation
-    cache) and `--shard 2/2 -j 1` (with it) over a few examples, against the corpus run (-j 2,
-    all examples, the cache): grades-<lab>.csv must hold byte for byte the corpus run's header
-    and rows for those students; results.json the same entries; class-summary-<lab>.csv and
-    grades.csv what the corpus results for those make (write_outputs, the code both runs end
-    in)."""
-    for proc in sliced["procs"]:
-        assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
-    merged, tmp = sliced["tmp"] / "merged", sliced["tmp"]
-    cache = {i: json.loads((tmp / f"out{i}" / "run.json").read_text())["compile_cache"]
-             for i in (1, 2)}
-    assert cache[1]["lab01_basics"]["state"] == "off"
-    assert cache[2]["lab01_basics"]["state"] in ("reused", "filled")
-    for i in (1, 2):
-        graded = json.loads((tmp / f"out{i}" / "results.json").read_text())
-        assert sorted(r["student"] for r in graded) == sorted(s for s, k in SLICE.items() if k == i)
-        assert all(shard_of(r["student"], 2) == i for r in graded)
-    # Similarity to *other students* depends on who is in the class: the merge compares the
-    # slice's four among themselves, the corpus run all of them. Everything else is the same.
-    whole = (corpus["out"] / "grades-lab01_basics.csv").read_text().splitlines()
-    want = [whole[0]] + [line for line in whole[1:] if line.split(",")[0] in SLICE]
-    got = (merged / "grades-lab01_basics.csv").read_text().splitlines()
-    assert [_no_peer_flags(line) for line in got] == [_no_peer_flags(line) for line in want]
-    corpus_rows = json.loads((corpus["out"] / "results.json").read_text())
-    subset = [r for r in corpus_rows if r["student"] in SLICE and r["lab"] == "lab01_basics"]
-    assert [_no_peer_results(r) for r in json.loads((merged / "results.json").read_text())] \
-        == [_no_peer_results(r) for r in subset]
-    again = tmp / "rewritten"
-    labs = {name: LabInfo(name, d["cells"], d.get("fingerprint", ""), d.get("questions", {}))
-            for name, d in json.loads((merged / "run.json").read_text())["labs"].items()}
-    write_outputs(again, subset, labs, {}, {})
-    for name in ("class-summary-lab01_basics.csv", "grades.csv"):
-        assert (merged / name).read_bytes() == (again / name).read_bytes(), name
-    for student in SLICE:
-        assert (merged / "feedback" / student / "lab01_basics.html").exists()
+_BEFORE_ROOT = _notebooks(EXAMPLES_DIR)
+"""The example notebooks as collection found them: no grading may change one."""
+CORPUS_CLASSES = [TestCorpusLab01]
+for _lab in LAB_NAMES:  # every other lab: its own class, the common checks on its group
+    if _lab != "lab01_basics":
+        _cls = type(f"TestCorpus_{_lab}", (_Corpus,), {"GROUPS": (_lab,), "__doc__":
+                                                         f"{_lab}: its examples and source."})
+        globals()[_cls.__name__] = _cls
+        CORPUS_CLASSES.append(_cls)
+for _cls in CORPUS_CLASSES:  # tests/conftest.py starts the costliest first (its groups
+    _cls.CORPUS_COST = max(GROUPS[g].cost() for g in _cls.GROUPS) + \
+        (150 if _cls is TestCorpusLab01 else 0)  # run side by side; lab 1's sliced run after)
 
 
 _PEER_FLAG = re.compile(r"(?:; )?similar to (?:(?:(?!minickpt's own code)[^:])+'s submission: "
@@ -461,32 +680,6 @@ def _no_peer_results(result: dict) -> dict:
     out["review"] = [f for f in result.get("review", []) if not _PEER_FLAG.fullmatch(f)]
     out.pop("similarity", None)
     return out
-
-
-@GRADING
-def test_the_compilation_cache_holds_what_the_references_wrote_and_no_submission_changed_it(
-        corpus):
-    """Every lab's cache was filled by grading its source notebook (here or in an earlier
-    run: the manifest names the source's digest) and still matches the digests recorded at
-    the fill after every example, the hostile ones included, ran with it mounted read-only."""
-    proc = corpus["proc"]
-    caches = json.loads((corpus["out"] / "run.json").read_text())["compile_cache"]
-    assert set(caches) == set(LAB_NAMES)
-    for lab, c in caches.items():
-        assert c["state"] in ("filled", "reused") and c["entries"] > 0, (lab, c)
-        folder = Path(c["folder"])
-        entries = compile_cache.check(folder)  # ours, not writable by others, unchanged
-        assert len(entries) == c["entries"] or c["state"] == "reused"
-        manifest = json.loads((folder / compile_cache.MANIFEST).read_text())
-        source = SOLUTIONS / lab / f"{lab}.ipynb"
-        assert manifest["source_sha256"] == hashlib.sha256(source.read_bytes()).hexdigest()
-        assert Path(manifest["filled_from"]).name == source.name or \
-            manifest["lab"] != lab  # (a lab with the same files shares the folder)
-        if c["state"] == "filled":  # the fill was the reference's grading: reported once
-            assert c["fill_seconds"] > 0 and lab in proc.stdout.split("filling it for")[1]
-    graded = re.findall(r"^\s*\[\s*\d+/\d+\] " + re.escape(REFERENCE_STUDENT) + r"/(\w+): ",
-                        proc.stdout, re.M)
-    assert sorted(graded) == sorted(LAB_NAMES)  # each source graded once, fill or not
 
 
 def _info() -> LabInfo:
@@ -1374,22 +1567,37 @@ def check_issue_20(corpus, labs, slots: int) -> None:
                 assert float(spin[2]) <= share * float(spin[3]) * 1.3 + 0.5, (lab, spin[0])
 
 
-@GRADING
-def test_the_classes_of_issue_20_gain_nothing_and_are_flagged(corpus):
-    """The corpus's examples of each class, in every lab: the standard library patched
-    (nothing earned beyond what is right, flagged), the kernel's history carried out (no
-    hidden line of the lab in what it printed, however encoded; the audit hook refused),
-    spinners beside the others (bounded by their slot: every other row of the -j 2 run is as
-    expected), and odd source (a grade with reasons). Lab 1 has one example of each on
-    ``perfect`` (right answers keep their points); labs 2-6 one ``attack_issue_20`` each,
-    all four classes on the lab with only its first task right (a grading costs the whole
-    lab: one per lab keeps CI's corpus short)."""
-    for lab in LAB_NAMES:
-        for kind in ISSUE_20_CLASSES:
-            student = _issue_20_example(lab, kind)
-            assert student in EXAMPLES[lab], (lab, kind)
-            if ISOLATION.sandboxed or not student.startswith("attack_"):
-                assert (lab, student) in corpus["results"], (lab, student)
-    check_issue_20(corpus, LAB_NAMES, slots=2)
-    if not ISOLATION.sandboxed:
-        need_sandbox()  # the attack_* examples were skipped: say so (or fail in CI)
+def test_timings_say_where_each_submissions_time_went_and_name_the_slowest(tmp_path):
+    """grade.sh's timings.csv: per submission its slot seconds and phases (phases.json of its
+    folder; empty for one that never reached a kernel); --durations N: the N slowest."""
+    from autograder.grade import TIMING_PHASES, write_timings
+
+    (tmp_path / "a").mkdir()
+    (tmp_path / "a" / "phases.json").write_text(json.dumps(
+        {"prepare": 0.1, "kernel": 0.8, "setup": 1.5, "cells": 62.0, "cpu": 3.0, "throttled": 0,
+         "slowest_cell": "test_1_4_resume", "slowest_cell_seconds": 60.0,
+         "timed_out": ["test_1_4_resume"]}))
+    timings = [("slow", "lab01_basics", 64.5), ("broken", "lab01_basics", 0.2)]
+    dirs = {("slow", "lab01_basics"): tmp_path / "a", ("broken", "lab01_basics"): tmp_path / "b"}
+    text = write_timings(tmp_path / "timings.csv", timings, dirs, 1)
+    with open(tmp_path / "timings.csv") as f:
+        rows = {r["student"]: r for r in csv.DictReader(f)}
+    assert list(rows["slow"]) == ["student", "lab", "seconds", *TIMING_PHASES]
+    assert rows["slow"]["timed_out"] == "test_1_4_resume" and rows["slow"]["kernel"] == "0.8"
+    assert rows["broken"]["seconds"] == "0.2" and rows["broken"]["cells"] == ""
+    assert text.startswith("slowest 1 of 2 submission(s)") and "slow/lab01_basics" in text
+    assert "timed out: test_1_4_resume" in text and "broken" not in text
+    assert write_timings(tmp_path / "t2.csv", timings, dirs, 0) == ""
+
+
+def test_a_labs_fill_waits_only_for_a_fill_of_the_same_lab(tmp_path):
+    """Two grade.sh (two corpus classes) fill different labs' caches at once; the same lab's
+    fill is held by one of them while the other waits, then reuses it."""
+    with compile_cache.key_lock(tmp_path, "lab-a") as held:
+        assert held
+        with compile_cache.key_lock(tmp_path, "lab-b", timeout=0) as other:
+            assert other
+        with compile_cache.key_lock(tmp_path, "lab-a", timeout=0) as same:
+            assert not same
+        with compile_cache.Lock(tmp_path, timeout=0) as root:  # the root's, for installs
+            assert root

@@ -315,12 +315,25 @@ def test_run_processes_ships_the_whole_cell_and_reports_per_process():
     ns: dict = {}
     exec(compile(cell, name, "exec"), ns)
     body = """
-report(me=ME, n=N, devices=len(jax.local_devices()), step=mc.multihost.sync.agree_on_step([3, 4]))
-if ME == 1:
-    raise RuntimeError("a failing body is reported")
-"""
-    run = lab.run_processes(body, processes=2, devices=2, functions=[ns["agree_on_step"]])
+        report(me=ME, n=N, devices=len(jax.local_devices()), plan=PLAN,
+               step=mc.multihost.sync.agree_on_step([3, 4]))
+        if ME == 1:
+            raise RuntimeError("a failing body is reported")
+    """  # indented, as inside a test cell's `if`
+    run = lab.run_processes(body, processes=2, devices=2, functions=[ns["agree_on_step"]],
+                            values={"PLAN": [(1, "before_write", 0, "raise")]})
     run.check_reported()
     assert [r["me"] for r in run.results] == [0, 1]
+    assert all(r["plan"] == [[1, "before_write", 0, "raise"]] for r in run.results)
     assert all(r["n"] == 2 and r["devices"] == 2 and r["step"] == 1003 for r in run.results)
     assert run.errors[0] is None and run.raised(1, "RuntimeError")
+
+
+def test_a_body_that_does_not_compile_fails_once_in_the_cell():
+    """Values glued in front of an indented body used to reach 4 processes as an
+    IndentationError each, reported as the student's failed save (lab 4's 4.3 tests)."""
+    body = "PLAN = []\n" + """
+        report(plan=PLAN)
+    """
+    with pytest.raises(IndentationError):
+        lab.run_processes(body, processes=2, devices=2)

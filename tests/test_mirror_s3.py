@@ -26,12 +26,8 @@ from conftest import tree_equal
 
 from minickpt import CheckpointManagerOptions
 from minickpt.errors import CheckpointNotFoundError
-from minickpt.production.tiered import (
-    COMMIT_SUCCESS_FILE,
-    FsspecStore,
-    MirrorError,
-    TieredCheckpointManager,
-)
+from minickpt.production.mirror import COMMIT_SUCCESS_FILE, FsspecStore, MirrorError
+from minickpt.production.tiered import TieredCheckpointManager
 
 if os.environ.get("CI"):  # CI installs the test extra: a missing package is a failure there
     import moto  # noqa: F401
@@ -237,7 +233,8 @@ class FaultProxy:
                 # faulted too, so that the fault reaches the mirror, not absorbed below it
                 again = self._last == (i - 1, req) and i - 1 == self.at
                 fault = self.mode if self.mode is not None and (
-                    i == self.at or again or (self.mode == "outage" and i > self.at)) else None
+                    i == self.at or again or (self.mode in ("outage", "hang") and i > self.at)
+                ) else None
                 if fault:
                     self.faulted += 1
                 # (index, method, target, whether the server saw it)
@@ -245,6 +242,9 @@ class FaultProxy:
                                  fault not in ("503", "outage")))
             if fault in ("outage",):
                 return _reset(conn)
+            if fault == "hang":  # connection accepted, request read, never an answer
+                self._stop.wait()
+                return
             if fault == "503":
                 conn.sendall(b"HTTP/1.1 503 Slow Down\r\nContent-Type: application/xml\r\n"
                              b"Content-Length: %d\r\nConnection: close\r\n\r\n"
@@ -388,7 +388,8 @@ def test_a_step_without_its_commit_marker_is_never_listed_nor_restored(tmp_path,
         warnings.simplefilter("always")
         with TieredCheckpointManager(local, _store(s3, prefix), OPTS) as m:
             assert m.mirror_steps() == [0, 1]  # step 2 is not listed ...
-            assert not fs.exists(f"{root}/step_2/_CHECKPOINT_METADATA")  # ... and was removed
+            # ... and, carrying no in-progress marker of a writer that is gone, not removed
+            assert fs.exists(f"{root}/step_2/_CHECKPOINT_METADATA")
             fs.rm_file(f"{root}/step_1/{COMMIT_SUCCESS_FILE}")
             r = m.restore()  # the marker is checked again on restore: the newest complete
             assert r.step == 0 and tree_equal(dict(r), _items(0))
@@ -534,3 +535,151 @@ def test_faults_at_every_request_of_an_upload(tmp_path, s3, proxy):
             json.dump(stats, f)
     assert stats["steps_lost"] == 0 and stats["partial_steps_published"] == 0
     assert stats["outage_left_partial"] > 0 and stats["restored_older_step"] > 0
+
+
+# ---------------------------------------------------------------------------------------
+# what the mirror owns, who changes it, and how it ends (issue 42)
+# ---------------------------------------------------------------------------------------
+def test_a_mirror_sharing_its_prefix_touches_only_its_own_step_folders(tmp_path, s3):
+    """Other data under the run's prefix and at the bucket root, and a mirror at each."""
+    fs, prefix = _fs(s3), _prefix()
+    others = {
+        f"{BUCKET}/{prefix}/tensorboard/events.out.tfevents.1": b"tb",
+        f"{BUCKET}/{prefix}/config/run.yaml": b"lr: 0.1\n",
+        f"{BUCKET}/{prefix}/step_7/notes.txt": b"a step-named folder, no marker: not ours",
+        f"{BUCKET}/{prefix}/step_8.minickpt-tmp-0badc0de/x": b"no marker either",
+        f"{BUCKET}/{prefix}/other-run/step_1/_CHECKPOINT_METADATA": b"{}",
+        f"{BUCKET}/dataset-{prefix}/shard-00000.tfrecord": os.urandom(4096),
+    }
+    for k, v in others.items():
+        fs.pipe_file(k, v)
+    for i, mirror_prefix in enumerate((prefix, "")):  # the run's prefix, the bucket root
+        with TieredCheckpointManager(tmp_path / f"local{i}", _store(s3, mirror_prefix),
+                                     CheckpointManagerOptions(max_to_keep=1),
+                                     backoff_s=0.01) as m:
+            for s in range(3):
+                m.save(100 * i + s, _items(s))
+            m.wait_until_mirrored(timeout=WAIT_S)
+            assert m.mirror_steps() == [100 * i + 2]
+        fs.invalidate_cache()
+        for k, v in others.items():
+            assert fs.cat_file(k) == v, k
+    fs.rm(f"{BUCKET}/step_102", recursive=True)
+
+
+class PausingStore(FsspecStore):
+    """Holds the upload of one step after its metadata, just before its commit marker."""
+
+    def __init__(self, url, step, **kw):
+        super().__init__(url, **kw)
+        self.key = f"step_{step}/_CHECKPOINT_METADATA"
+        self.reached, self.go = threading.Event(), threading.Event()
+
+    def write_file(self, rel, chunks):
+        n = super().write_file(rel, chunks)
+        if rel == self.key and not self.go.is_set():
+            self.reached.set()
+            self.go.wait(WAIT_S)
+        return n
+
+
+@pytest.mark.timeout(120)
+def test_an_evaluation_job_reading_beside_the_trainer_changes_nothing(tmp_path, s3):
+    from minickpt import CheckpointManager
+
+    prefix = _prefix()
+    store = PausingStore(f"s3://{BUCKET}/{prefix}", 1, **_options(s3))
+    eval_local = tmp_path / "eval"
+    with CheckpointManager(eval_local) as c:  # the evaluator's cache holds a step of its own
+        c.save(5, _items(5))
+    try:
+        with TieredCheckpointManager(tmp_path / "trainer", store,
+                                     CheckpointManagerOptions(max_to_keep=3)) as t:
+            t.save(0, _items(0))
+            t.wait_until_mirrored(timeout=WAIT_S)
+            t.save(1, _items(1))
+            assert store.reached.wait(WAIT_S)  # step 1 uploaded, not yet committed
+            ro = CheckpointManagerOptions(max_to_keep=1, read_only=True)
+            with TieredCheckpointManager(eval_local, _store(s3, prefix), ro) as ev:
+                assert ev.mirror_steps() == [0]
+                r = ev.restore(0)
+                assert tree_equal(dict(r), _items(0))
+            store.go.set()
+            t.wait_until_mirrored(timeout=WAIT_S)
+    finally:
+        store.go.set()
+    fs = _fs(s3)
+    assert not fs.exists(f"{BUCKET}/{prefix}/step_5")  # a reader never uploads ...
+    steps, r = _restore_on_a_new_machine(tmp_path, _store(s3, prefix))
+    assert steps == [0, 1]  # ... nor deletes (its max_to_keep=1)
+    assert r.step == 1 and tree_equal(dict(r), _items(1))  # the trainer's upload is whole
+
+
+@pytest.mark.timeout(60)
+def test_close_is_bounded_when_s3_accepts_connections_but_never_answers(tmp_path, s3):
+    p = FaultProxy(s3)
+    try:
+        m = TieredCheckpointManager(tmp_path / "local", _store(p.endpoint, _prefix()), OPTS,
+                                    close_timeout=2)
+        m.save(0, _items(0))
+        m.wait_until_mirrored(timeout=WAIT_S)
+        p.arm("hang", 0)
+        m.save(1, _items(1))
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            with pytest.raises(MirrorError, match="close_timeout"):
+                m.close()  # within the test's time-out, far below the client's retries
+        assert (tmp_path / "local" / "step_1").is_dir()  # kept for the next manager
+    finally:
+        p.close()
+
+
+EXIT_SCRIPT = """
+import json, sys
+import numpy as np
+from minickpt import CheckpointManagerOptions
+from minickpt.production.mirror import FsspecStore
+from minickpt.production.tiered import TieredCheckpointManager
+store = FsspecStore(sys.argv[1], **json.loads(sys.argv[2]))
+m = TieredCheckpointManager(sys.argv[3], store, CheckpointManagerOptions(max_to_keep=None))
+for s in range(3):
+    m.save(s, {"x": {"w": np.full(4096, s, np.float32)}})
+# the script ends without m.close()
+"""
+
+
+@pytest.mark.timeout(180)
+def test_exit_without_close_finishes_the_copies_with_a_true_message(tmp_path, s3):
+    prefix = _prefix()
+    env = {**os.environ, **FAKE_AWS_ENV, "JAX_PLATFORMS": "cpu"}
+    p = subprocess.run(
+        [sys.executable, "-c", EXIT_SCRIPT, f"s3://{BUCKET}/{prefix}",
+         json.dumps(_options(s3)), str(tmp_path / "local")],
+        env=env, capture_output=True, text=True, timeout=150)
+    assert p.returncode == 0, p.stderr
+    assert "Could not connect" not in p.stderr, p.stderr
+    assert "was not closed" in p.stderr, p.stderr
+    steps, r = _restore_on_a_new_machine(tmp_path, _store(s3, prefix))
+    assert steps == [0, 1, 2] and r.step == 2
+
+
+def test_the_cli_lists_and_verifies_a_mirror_on_s3(tmp_path, s3, monkeypatch, capsys):
+    from minickpt.cli import main
+
+    prefix = _prefix()
+    url = f"s3://{BUCKET}/{prefix}"
+    with TieredCheckpointManager(tmp_path / "local", _store(s3, prefix), OPTS) as m:
+        for s in range(2):
+            m.save(s, _items(s))
+    monkeypatch.setenv("AWS_ENDPOINT_URL", s3)  # what an operator's shell would set
+    assert main(["ls", url]) == 0
+    assert main(["verify", url]) == 0
+    out = capsys.readouterr().out
+    assert "step 0" in out and "step 1" in out and "VALID" in out
+    fs = _fs(s3)
+    path = f"{BUCKET}/{prefix}/step_1/params/data.bin"
+    data = bytearray(fs.cat_file(path))
+    data[len(data) // 2] ^= 1  # a flipped bit: only the checksums see it
+    fs.pipe_file(path, bytes(data))
+    assert main(["verify", url]) == 1
+    assert "DAMAGED" in capsys.readouterr().out

@@ -1,7 +1,12 @@
 """Tiered storage: local saves mirrored in the background, restore from either tier."""
 
 import errno
+import json
 import os
+import socket
+import subprocess
+import sys
+import time
 import uuid
 import warnings
 
@@ -14,8 +19,17 @@ from minickpt import Checkpointer, CheckpointManager, CheckpointManagerOptions
 from minickpt.errors import CheckpointNotFoundError
 from minickpt.faults import SimulatedCrash
 from minickpt.fs import FileSystem
+from minickpt.production.mirror import UPLOAD_MARKER, LocalStore, MirrorError
 from minickpt.production.monitoring import attach_monitor, load_metrics, summarize
-from minickpt.production.tiered import LocalStore, MirrorError, TieredCheckpointManager
+from minickpt.production.tiered import TieredCheckpointManager
+
+
+def dead_writer(op="upload"):
+    """An in-progress record naming a process of this host that has exited."""
+    p = subprocess.Popen([sys.executable, "-c", "pass"])
+    p.wait(timeout=60)
+    return {"writer": "0" * 32, "host": socket.gethostname(), "pid": p.pid, "op": op,
+            "time": time.time()}
 
 
 def _items(v):
@@ -178,9 +192,13 @@ def test_a_restarted_job_copies_what_it_had_not_mirrored(tmp_path):
     with CheckpointManager(local) as m:  # saved, then the process died before copying
         m.save(0, _items(0))
         m.save(1, _items(1))
-    os.makedirs(mirror / "step_1.minickpt-tmp-0badc0de")  # a copy cut short
+    cut = mirror / "step_1.minickpt-tmp-0badc0de"  # a copy cut short: its writer is gone
+    os.makedirs(cut)
+    (cut / UPLOAD_MARKER).write_text(json.dumps(dead_writer()))
+    os.makedirs(mirror / "step_3.minickpt-tmp-0000beef")  # no marker: not this mirror's
     m = _save_run(local, mirror, steps=[2])
-    assert m.mirror_steps() == [1, 2] and sorted(os.listdir(mirror)) == ["step_1", "step_2"]
+    assert m.mirror_steps() == [1, 2]
+    assert sorted(os.listdir(mirror)) == ["step_1", "step_2", "step_3.minickpt-tmp-0000beef"]
 
 
 def test_mirror_to_an_fsspec_url(tmp_path):
@@ -256,7 +274,7 @@ def _memory_url():
 
 
 def _object_store(url, crash=None):
-    from minickpt.production.tiered import FsspecStore
+    from minickpt.production.mirror import FsspecStore
 
     store = FsspecStore(url, atomic_rename=False)
     if crash is not None:
@@ -283,7 +301,7 @@ def _mirror_files(url, step):
 
 def test_memory_urls_take_the_object_store_path():
     pytest.importorskip("fsspec")
-    from minickpt.production.tiered import FsspecStore
+    from minickpt.production.mirror import FsspecStore
 
     url = _memory_url()
     assert not FsspecStore(url).atomic_rename  # fsspec's memory mv is a copy, then a delete
@@ -299,8 +317,9 @@ def test_an_upload_cut_short_is_never_restored(tmp_path):
         m.wait_until_mirrored(timeout=60)
     files = _mirror_files(url, 0)
     assert {"_CHECKPOINT_METADATA", "commit_success.txt"} <= set(files)
-    for at in range(1, len(files) + 1):  # the power goes at each file of step 1's upload
-        # (the last write is the commit marker: the metadata is there, the step is not)
+    # the power goes at each object of step 1's upload: the in-progress marker first, the
+    # files, the metadata, and last the commit marker (the metadata is there, the step not)
+    for at in range(1, len(files) + 2):
         store = _object_store(url, crash=("write", at))
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
@@ -311,7 +330,8 @@ def test_an_upload_cut_short_is_never_restored(tmp_path):
         left = _mirror_files(url, 1)
         # a half-written copy (nothing at all when the first upload failed: no directories)
         assert (left is not None) == (at > 1) and "commit_success.txt" not in (left or [])
-        assert ("_CHECKPOINT_METADATA" in (left or [])) == (at == len(files)), (at, left)
+        assert ("_CHECKPOINT_METADATA" in (left or [])) == (at == len(files) + 1), (at, left)
+        assert at == 1 or UPLOAD_MARKER in left  # whose upload it was, written first
         with _restart(tmp_path, url) as m2:
             assert m2.mirror_steps() == [0], at  # never listed, and cleaned up
             r = m2.restore()
@@ -337,15 +357,17 @@ def test_a_delete_cut_short_is_never_restored(tmp_path):
             warnings.simplefilter("ignore")
             m = TieredCheckpointManager(tmp_path / "local", store, opts)
             with pytest.raises(SimulatedCrash):
-                store.delete("step_0")
-            m.local.close()  # the mirror thread is idle; the 'machine' is gone
+                store.delete("step_0", m.writer)
+            m.close()  # the mirror thread is idle; the 'machine' is gone
         left = _mirror_files(url, 0)
+        assert UPLOAD_MARKER in left  # whose delete it was, written first
+        left.remove(UPLOAD_MARKER)
         if at == 1:  # the power went as the commit marker was removed: nothing is gone
             assert left == full
             with _restart(tmp_path, url) as m2:
                 r = m2.restore(0)
                 assert tree_equal(dict(r), _items(0))
-                m2.store.delete("step_0")
+                m2.store.delete("step_0", m2.writer)
             assert _mirror_files(url, 0) is None
         else:  # half deleted: no longer a checkpoint
             assert left and "commit_success.txt" not in left, left

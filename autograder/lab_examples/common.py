@@ -4,7 +4,9 @@ release, and small edits of a notebook's cells (``_cell``, ``_replace``, ``_appe
 from __future__ import annotations
 
 import copy
-from collections.abc import Callable
+import string
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import nbformat
@@ -85,3 +87,49 @@ def _insert_after(nb: Any, cell: Any, code: str) -> None:
     new = nbformat.v4.new_code_cell(code.strip("\n"))
     new["id"] = f"mine-{len(nb.cells)}"
     nb.cells.insert(nb.cells.index(cell) + 1, new)
+
+
+# -- issue 39: the wrong-solution corpus -------------------------------------------------
+@dataclass(frozen=True)
+class Wrong:
+    """A plausible wrong version of one task: what a capable student might write, breaking
+    exactly one clause of the task's contract (a guarantee, or a "raises" clause)."""
+
+    task: str
+    """The task ID, as in the lab heading ("2.4")."""
+    clause: str
+    """The clause it breaks, in a line, as the task's docstring or chapter states it."""
+    edit: Callable[[Any], None]
+    """Changes the task's cell(s) of a notebook that holds the reference answers."""
+
+
+def wrong_examples(wrongs: Sequence[Wrong]) -> dict[str, Edit]:
+    """``wrong_a`` holds the first wrong version of every task, ``wrong_b`` the second ...
+
+    Each task is scored by its own test cells, so one submission carries one wrong version
+    per task, and the corpus costs a few graded submissions a lab, not one per version. Each
+    must lose that task's points (expected-<lab>.csv; tests/test_wrong_corpus.py checks the
+    rows and the count per task)."""
+    by_task: dict[str, list[Wrong]] = {}
+    for w in wrongs:
+        by_task.setdefault(w.task, []).append(w)
+    depth = max((len(v) for v in by_task.values()), default=0)
+    out: dict[str, Edit] = {}
+    for i in range(depth):
+        chosen = tuple(v[i] for v in by_task.values() if i < len(v))
+
+        def make(release: Any, source: Any, chosen: tuple[Wrong, ...] = chosen) -> Any:
+            nb = perfect(release, source)
+            for w in chosen:
+                w.edit(nb)
+            return nb
+
+        make.__doc__ = "Wrong versions: " + "; ".join(f"{w.task}: {w.clause}" for w in chosen)
+        make.wrongs = chosen  # type: ignore[attr-defined]
+        out[f"wrong_{string.ascii_lowercase[i]}"] = make
+    return out
+
+
+def swap(grade_id: str, old: str, new: str) -> Callable[[Any], None]:
+    """An edit for :class:`Wrong`: ``old`` -> ``new`` in the cell ``grade_id``."""
+    return lambda nb: _replace(nb, grade_id, old, new)

@@ -10,6 +10,7 @@ from typing import Any
 import jax
 import numpy as np
 
+from ..launch import helper_env
 from .checks import LabCheckError, check, expect_raises, same, tree_diff
 from .devices import resume_rtol
 from .plugging import plugged_in
@@ -147,9 +148,11 @@ def lab3_drill(resume_fn: Callable[..., Any], *, steps: int = 15, every: int = 5
             f.write(textwrap.dedent(src))
         ckpt = os.path.join(d, "run")
         cmd = [sys.executable, "-c", _LAB3_DRIVER, code, ckpt, str(steps), str(every), "0.02"]
-        env = dict(os.environ, JAX_COMPILATION_CACHE_DIR=os.path.join(d, "jax-cache"),
-                   JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0",
-                   JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES="0")
+        # the worker trains on the CPU (JAX_PLATFORMS=cpu): on one accelerator this notebook
+        # holds the device, and a second process cannot open it
+        env = helper_env(JAX_COMPILATION_CACHE_DIR=os.path.join(d, "jax-cache"),
+                         JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0",
+                         JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES="0")
         env = reports.env(env)
         for i in range(kills + 1):
             run: dict[str, Any] = {"on_disk": latest(ckpt), "killed_after": None,
@@ -199,19 +202,22 @@ def lab3_drill(resume_fn: Callable[..., Any], *, steps: int = 15, every: int = 5
         out["diff"] = "the last run did not finish"
         last = out["runs"][-1]
         if last["rc"] == 0:
-            from ..demo import fingerprint, make_state
+            from ..demo import fingerprint, helper_device, make_state
             from ..demo import train as demo_train
 
-            ref_state, ref_rng, _ = demo_train(make_state(), jax.random.key(42), 0, steps)
-            out["identical"] = last.get("final") == fingerprint((ref_state, ref_rng))
-            with CheckpointManager(ckpt, CheckpointManagerOptions(read_only=True)) as m:
-                if m.latest_step() != steps:
-                    out["diff"] = f"the last checkpoint is step {m.latest_step()}, not {steps}"
-                else:
-                    got = m.restore(target={"state": ref_state, "rng": ref_rng})
-                    out["diff"] = tree_diff({"state": got["state"], "rng": got["rng"]},
-                                            {"state": ref_state, "rng": ref_rng},
-                                            rtol=resume_rtol())
+            cpu = helper_device()  # the uninterrupted run on the worker's platform: same bits
+            with jax.default_device(cpu):
+                ref_state, ref_rng, _ = demo_train(make_state(), jax.random.key(42), 0, steps)
+                out["identical"] = last.get("final") == fingerprint((ref_state, ref_rng))
+                with CheckpointManager(ckpt, CheckpointManagerOptions(read_only=True)) as m:
+                    if m.latest_step() != steps:
+                        out["diff"] = (f"the last checkpoint is step {m.latest_step()}, "
+                                       f"not {steps}")
+                    else:
+                        got = m.restore(target={"state": ref_state, "rng": ref_rng})
+                        out["diff"] = tree_diff({"state": got["state"], "rng": got["rng"]},
+                                                {"state": ref_state, "rng": ref_rng},
+                                                rtol=0.0 if cpu is not None else resume_rtol())
     return out
 
 

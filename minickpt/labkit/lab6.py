@@ -144,7 +144,7 @@ def run_loop_process(fn: Callable[..., Any], directory: str, *, stop: int, every
                             "define it with def in the task's cell and run that cell") from None
     import secrets
 
-    from ..launch import read_signed
+    from ..launch import helper_env, read_signed  # the loop runs on the CPU: see helper_env
 
     script = _LOOP_DRIVER.format(source=source, name=fn.__name__, key_env=_KEY_ENV, tag=_TAG)
     key = secrets.token_bytes(32)
@@ -161,7 +161,7 @@ def run_loop_process(fn: Callable[..., Any], directory: str, *, stop: int, every
         os.close(w)
         proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                                 stdin=subprocess.DEVNULL,
-                                env={**reports.env(os.environ), _KEY_ENV: str(r)},
+                                env={**reports.env(helper_env()), _KEY_ENV: str(r)},
                                 pass_fds=(*reports.pass_fds, r))
     finally:
         os.close(r)

@@ -6,12 +6,14 @@ tiered storage and versioning. One module per concept:
 * :mod:`.preemption` — SIGTERM/SIGINT: save at the next step boundary, stop cleanly;
 * :mod:`.drill` — kill a real training process with SIGKILL, restart it, measure recovery;
 * :mod:`.monitoring` — every save and restore as a JSON line next to the checkpoints;
-* :mod:`.tiered` — fast local saves mirrored in the background to a second store;
+* :mod:`.tiered` — fast local saves mirrored in the background to a second store (the
+  mirror itself in :mod:`.mirror`, the background copies in :mod:`.copy_queue`);
 * :mod:`.versioning` — git commit in every checkpoint, best version from metadata, migration.
 
 Nothing here is imported by ``import minickpt``; import what you use.
 """
 
+from .mirror import MirrorError
 from .monitoring import MetricsMonitor, attach_monitor, load_metrics, plot_dashboard, summarize
 from .planning import (
     IntervalPlan,
@@ -28,7 +30,7 @@ from .planning import (
     young_interval,
 )
 from .preemption import LoopResult, PreemptionHandler, handle_preemption, train_until_preempted
-from .tiered import MirrorError, TieredCheckpointManager
+from .tiered import TieredCheckpointManager
 
 __all__ = [
     "IntervalPlan",

@@ -38,6 +38,7 @@ from typing import Any
 
 from ..commit import is_temporary
 from ..fs import DEFAULT_FS
+from ..launch import helper_env
 
 _LINE = re.compile(r"^(step|saving step|saved step|resumed from step|preempted at step) (\d+)$")
 
@@ -58,7 +59,7 @@ class WorkerProcess:
     """
 
     def __init__(self, cmd: Sequence[str], *, env: dict[str, str] | None = None,
-                 stderr_path: str | None = None):
+                 stderr_path: str | None = None, platforms: str = "cpu"):
         self.cmd = list(cmd)
         if stderr_path is None:
             fd, stderr_path = tempfile.mkstemp(prefix="minickpt-drill-", suffix=".err")
@@ -66,8 +67,10 @@ class WorkerProcess:
         self._stderr_path = stderr_path
         self._stderr = open(stderr_path, "w")  # closed in close()
         self.started = time.monotonic()
+        # the worker runs on the CPU (helper_env): on one accelerator the parent may hold it
         self.proc = subprocess.Popen(self.cmd, stdout=subprocess.PIPE, stderr=self._stderr,
-                                     stdin=subprocess.DEVNULL, text=True, bufsize=1, env=env)
+                                     stdin=subprocess.DEVNULL, text=True, bufsize=1,
+                                     env=helper_env(env, platforms=platforms))
         self.events: list[tuple[float, str, Any]] = []
         self._q: queue.Queue[tuple[float, str, Any] | None] = queue.Queue()
         self._reader = threading.Thread(target=self._read, daemon=True)

@@ -1,0 +1,682 @@
+"""The mirror: where a tiered manager's copies live, and the one rule of what it may change.
+
+**A mirror owns only the step folders it created, and only a writer changes it.** A mirror
+often shares its prefix with other data (``tensorboard/``, ``config/``, another run, a
+dataset at the bucket root), and other jobs read it while the trainer writes (an evaluation
+job). So every change a writer makes to a step folder — an upload, a delete — begins with an
+*in-progress marker*, :data:`UPLOAD_MARKER`, written first into that folder, naming the
+writer (a random id, host, pid, time). :meth:`MirrorStore.cleanup` removes a folder only when
+it carries such a marker and the writer it names is gone (:func:`abandoned`); a committed step
+left with a stale marker loses the marker only. A folder without a marker is never touched:
+not ours. Read-only managers never call anything here that changes the store.
+
+Two stores: :class:`LocalStore` (a directory: another disk, an NFS mount; a copy is written
+under a temporary name and renamed into place) and :class:`FsspecStore` (``s3://``,
+``gs://``, ``memory://`` ...: no rename of a prefix, so a copy is written in place and
+published by a commit marker, :data:`COMMIT_SUCCESS_FILE`, written last). Uploading a local
+step (:func:`upload_step`) and fetching one back (:func:`fetch_step`) are here too.
+"""
+
+from __future__ import annotations
+
+import errno
+import io
+import itertools
+import json
+import logging
+import os
+import secrets
+import socket
+import stat
+import threading
+import time
+import uuid
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from typing import Any
+
+from ..checkpointer import Checkpointer, CheckpointMetadata
+from ..commit import (
+    DELETE_MARK,
+    METADATA_FILE,
+    TMP_MARK,
+    abort,
+    commit,
+    make_temporary,
+    makedirs,
+    parse_step,
+)
+from ..errors import CheckpointCorruptedError, MiniCkptError
+from ..fs import DEFAULT_FS, FileSystem
+
+log = logging.getLogger("minickpt")
+CHUNK = 8 << 20
+
+# Orbax's name for the same object (orbax.checkpoint's CommitFileTemporaryPath, its default on
+# gs://): written last into a checkpoint saved in place; a step directory without it is not
+# finalized, never listed.
+COMMIT_SUCCESS_FILE = "commit_success.txt"
+# Written first into a step folder a writer uploads or deletes, removed last: whose change it is.
+UPLOAD_MARKER = ".minickpt-upload.json"
+
+
+class MirrorError(MiniCkptError):
+    """Checkpoints that could not be copied to the mirror, after every retry."""
+
+
+class NotOursError(MirrorError):
+    """A folder in the mirror that this writer did not create (or that a live writer is
+    changing): it is left as it is."""
+
+
+# ---------------------------------------------------------------------------------------
+# the writer's identity, and when a marker's writer is gone
+# ---------------------------------------------------------------------------------------
+_HOST = socket.gethostname()
+_LIVE: set[str] = set()  # writers of this process that have not finished
+_LIVE_LOCK = threading.Lock()
+
+
+class Writer:
+    """Who changes the mirror: a random id, this host and pid. Live (in this process) from
+    its creation until :meth:`release` — which its manager calls once nothing of it can
+    still write (its copy thread has ended)."""
+
+    def __init__(self) -> None:
+        self.id = uuid.uuid4().hex
+        with _LIVE_LOCK:
+            _LIVE.add(self.id)
+
+    def record(self, op: str) -> bytes:
+        return json.dumps({"writer": self.id, "host": _HOST, "pid": os.getpid(), "op": op,
+                           "time": time.time()}).encode()
+
+    def release(self) -> None:
+        with _LIVE_LOCK:
+            _LIVE.discard(self.id)
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except OSError:  # EPERM: it exists, another user's
+        return True
+    return True
+
+
+def abandoned(record: Mapping[str, Any], stale_after_s: float) -> bool:
+    """Whether the writer a marker names is gone: on this host, its process has exited (or,
+    in this process, it was released); on another host (no pid to ask), its marker is older
+    than ``stale_after_s`` (a writer refreshes its marker during a long upload)."""
+    if record.get("host") == _HOST:
+        if record.get("pid") == os.getpid():
+            with _LIVE_LOCK:
+                return record.get("writer") not in _LIVE
+        pid = record.get("pid")
+        return isinstance(pid, int) and not _pid_alive(pid)
+    t = record.get("time")
+    return isinstance(t, (int, float)) and time.time() - t > stale_after_s
+
+
+def _base_name(name: str) -> str:
+    """A step folder's name without a temporary or deletion suffix."""
+    for mark in (TMP_MARK, DELETE_MARK):
+        name = name.split(mark, 1)[0]
+    return name
+
+
+# ---------------------------------------------------------------------------------------
+# the ownership rule, over a store's primitives
+# ---------------------------------------------------------------------------------------
+class MirrorStore:
+    """What both stores share: the in-progress marker and the one rule built on it.
+
+    A store implements ``listdir``, ``exists``, ``committed``, ``put_bytes``,
+    ``get_bytes``, ``remove_file`` and ``_remove_files`` (every file under a folder, the
+    marker excepted, then what is left of the folder but the marker)."""
+
+    url: str
+    atomic_rename: bool
+    stale_after_s: float = 600.0  # another host's marker not refreshed for this long: gone
+
+    def listdir(self, rel: str = "") -> list[str]: ...  # pragma: no cover
+    def exists(self, rel: str) -> bool: ...  # pragma: no cover
+    def committed(self, rel: str) -> bool: ...  # pragma: no cover
+    def put_bytes(self, rel: str, data: bytes) -> None: ...  # pragma: no cover
+    def get_bytes(self, rel: str) -> bytes: ...  # pragma: no cover
+    def remove_file(self, rel: str) -> None: ...  # pragma: no cover
+    def _remove_files(self, rel: str) -> None: ...  # pragma: no cover
+    def _remove_dir(self, rel: str) -> None: ...  # pragma: no cover
+
+    def path(self, rel: str) -> str: ...  # pragma: no cover
+
+    def begin(self, rel: str, writer: Writer, op: str) -> None:
+        """Mark ``rel`` as being changed by ``writer`` (the first object of an upload or a
+        delete), and again during a long one (the marker's time is how another host tells a
+        live writer from a gone one)."""
+        self.put_bytes(f"{rel}/{UPLOAD_MARKER}", writer.record(op))
+
+    def end(self, rel: str) -> None:
+        """The change is done: drop the marker (a committed step stays)."""
+        if self.exists(f"{rel}/{UPLOAD_MARKER}"):
+            self.remove_file(f"{rel}/{UPLOAD_MARKER}")
+
+    def marker(self, rel: str) -> dict[str, Any] | None:
+        """The in-progress record in ``rel``; None when there is none (not ours), or it is
+        not one (unreadable: not known to be ours)."""
+        try:
+            rec = json.loads(self.get_bytes(f"{rel}/{UPLOAD_MARKER}"))
+        except (FileNotFoundError, NotADirectoryError, IsADirectoryError):
+            return None
+        except (OSError, ValueError):
+            return None
+        return rec if isinstance(rec, dict) and "writer" in rec else None
+
+    def reclaim(self, rel: str, writer: Writer | None = None) -> bool:
+        """THE rule: remove ``rel`` if this mirror may — it carries an in-progress marker
+        whose writer is ``writer`` or is gone. A committed step loses only its stale marker.
+        Returns whether ``rel`` was removed; never touches a folder without a marker."""
+        rec = self.marker(rel)
+        if rec is None:
+            return False
+        if not (writer is not None and rec.get("writer") == writer.id) \
+                and not abandoned(rec, self.stale_after_s):
+            return False
+        if rel == _base_name(rel) and self.committed(rel):
+            self.end(rel)  # the change stopped after the commit (or before a delete began)
+            return False
+        self._remove_files(rel)
+        self.end(rel)
+        self._remove_dir(rel)
+        return True
+
+    def cleanup(self, step_prefix: str | None) -> list[str]:
+        """Remove the step folders (and their temporaries) whose upload or delete was
+        abandoned. Only names this mirror gives its steps are looked at."""
+        out = []
+        for name in self.listdir(""):
+            if parse_step(_base_name(name), step_prefix) is None:
+                continue
+            if self.reclaim(name):
+                out.append(name)
+        return out
+
+    def delete(self, rel: str, writer: Writer) -> None:
+        """Delete a committed step, crash-safe: the marker first (so that a delete cut short
+        is known as ours), then the step stops being one, then its data, the marker last."""
+        self.begin(rel, writer, "delete")
+        if self.atomic_rename:
+            doomed = f"{rel}{DELETE_MARK}{secrets.token_hex(4)}"
+            self._rename(rel, doomed)
+            rel = doomed
+        else:
+            for f in (COMMIT_SUCCESS_FILE, METADATA_FILE):
+                if self.exists(f"{rel}/{f}"):
+                    self.remove_file(f"{rel}/{f}")
+        self._remove_files(rel)
+        self.end(rel)
+        self._remove_dir(rel)
+
+    def _rename(self, src: str, dst: str) -> None: ...  # pragma: no cover
+
+
+# ---------------------------------------------------------------------------------------
+# a directory
+# ---------------------------------------------------------------------------------------
+class LocalStore(MirrorStore):
+    """A mirror in a directory (another disk, an NFS mount), through minickpt's FileSystem
+    layer: fsync of every file and directory, rename that never replaces, as for saves."""
+
+    atomic_rename = True
+
+    def __init__(self, root: str | os.PathLike[str], fs: FileSystem | None = None):
+        self.fs = fs or DEFAULT_FS
+        self.root = os.path.abspath(os.fspath(root))
+        self.url = self.root
+        makedirs(self.fs, self.root)
+
+    def path(self, rel: str) -> str:
+        return os.path.join(self.root, rel) if rel else self.root
+
+    def listdir(self, rel: str = "") -> list[str]:
+        try:
+            return self.fs.listdir(self.path(rel))
+        except FileNotFoundError:
+            return []
+
+    def is_dir(self, rel: str) -> bool:
+        return self.fs.is_dir(self.path(rel))
+
+    def exists(self, rel: str) -> bool:
+        return self.fs.exists(self.path(rel))
+
+    def committed(self, rel: str) -> bool:
+        """A checkpoint under its final name: the rename that put it there was its commit."""
+        return self.fs.is_dir(self.path(rel)) and self.exists(f"{rel}/{METADATA_FILE}")
+
+    def makedirs(self, rel: str) -> None:
+        makedirs(self.fs, self.path(rel))
+
+    def put_bytes(self, rel: str, data: bytes) -> None:
+        self.fs.write_file(self.path(rel), [data], fsync=True)
+
+    def get_bytes(self, rel: str) -> bytes:
+        return self.fs.read_file(self.path(rel))
+
+    def remove_file(self, rel: str) -> None:
+        self.fs.unlink(self.path(rel))
+
+    def write_file(self, rel: str, chunks: Iterator[bytes]) -> int:
+        return self.fs.write_file(self.path(rel), chunks, fsync=True)
+
+    def read_chunks(self, rel: str) -> Iterator[bytes]:
+        return read_chunks(self.fs, self.path(rel))
+
+    def size(self, rel: str) -> int:
+        return self.fs.lstat(self.path(rel)).st_size
+
+    def metadata(self, rel: str, data: bytes | None = None) -> CheckpointMetadata:
+        return Checkpointer(self.fs).metadata(self.path(rel))  # a local read is cheap
+
+    def verify(self, rel: str) -> list[str]:
+        rep = Checkpointer(self.fs).verify(self.path(rel), deep=True)
+        return [] if rep.ok else rep.problems
+
+    def new_upload(self, name: str, writer: Writer) -> str:
+        """The folder a copy of ``name`` is written into: a temporary, marked first."""
+        tmp = os.path.basename(make_temporary(self.fs, self.root, name))
+        self.begin(tmp, writer, "upload")
+        return tmp
+
+    def commit(self, tmp: str, final: str, subdirs: list[str]) -> None:
+        commit(self.fs, self.path(tmp), self.path(final), subdirs=subdirs)
+        self.end(final)  # a crash before this: a committed step with a stale marker
+
+    def _rename(self, src: str, dst: str) -> None:
+        self.fs.rename(self.path(src), self.path(dst))
+        self.fs.fsync_dir(self.root)
+
+    def _remove_files(self, rel: str) -> None:
+        p = self.path(rel)
+        for name in self.fs.listdir(p):
+            if name != UPLOAD_MARKER:
+                child = os.path.join(p, name)
+                self.fs.rmtree(child)
+
+    def _remove_dir(self, rel: str) -> None:
+        abort(self.fs, self.path(rel))
+
+    def abort_upload(self, tmp: str, writer: Writer) -> None:
+        """Remove this writer's own failed upload; never raises (the error matters more)."""
+        try:
+            self.reclaim(tmp, writer)
+        except Exception:
+            pass
+
+
+# ---------------------------------------------------------------------------------------
+# an fsspec URL
+# ---------------------------------------------------------------------------------------
+class _FsspecReader(FileSystem):
+    """minickpt's :class:`FileSystem`, read-only, over an fsspec file system: the library's own
+    verification (metadata, manifests, every leaf's CRC) then runs on a mirror copy where it
+    lies. ``overlay`` serves files not uploaded yet (the metadata, checked before it is
+    published) from memory. One reader serves one check: what it learnt of a path (its
+    size, its type) is kept, as each request to an object store is a round trip."""
+
+    def __init__(self, fs: Any, overlay: Mapping[str, bytes] | None = None):
+        self.fs = fs
+        self.overlay = dict(overlay or {})
+        self._files: dict[int, tuple[Any, int]] = {}
+        self._fds = itertools.count(1 << 20)
+        self._infos: dict[str, dict[str, Any]] = {}
+
+    def _info(self, path: str) -> dict[str, Any]:
+        if path not in self._infos:
+            self._infos[path] = self.fs.info(path)  # FileNotFoundError as the OS raises it
+        return self._infos[path]
+
+    @staticmethod
+    def _stat(mode: int, size: int) -> os.stat_result:
+        return os.stat_result((mode, 0, 0, 1, 0, 0, size, 0, 0, 0))
+
+    def open(self, path: str, flags: int, mode: int = 0o644) -> int:
+        if flags & (os.O_WRONLY | os.O_RDWR | os.O_CREAT | os.O_TRUNC):
+            raise PermissionError(errno.EROFS, "the mirror is only read here", path)
+        if path in self.overlay:
+            f: Any = io.BytesIO(self.overlay[path])
+            size = len(self.overlay[path])
+        else:
+            info = self._info(path)
+            if info.get("type") != "file":
+                raise IsADirectoryError(errno.EISDIR, os.strerror(errno.EISDIR), path)
+            size = int(info.get("size") or 0)
+            try:  # the size known: no second request for it
+                f = self.fs.open(path, "rb", size=size)
+            except TypeError:  # pragma: no cover - a file system without that argument
+                f = self.fs.open(path, "rb")
+        fd = next(self._fds)
+        self._files[fd] = (f, size)
+        return fd
+
+    def preadv(self, fd: int, buffers: Sequence[memoryview], offset: int) -> int:
+        f, _ = self._files[fd]
+        f.seek(offset)
+        n = 0
+        for b in buffers:
+            got = f.read(len(b))
+            b[:len(got)] = got
+            n += len(got)
+            if len(got) < len(b):
+                break
+        return n
+
+    def fstat(self, fd: int) -> os.stat_result:
+        return self._stat(stat.S_IFREG | 0o444, self._files[fd][1])
+
+    def close(self, fd: int) -> None:
+        self._files.pop(fd)[0].close()
+
+    def lstat(self, path: str) -> os.stat_result:
+        if path in self.overlay:
+            return self._stat(stat.S_IFREG | 0o444, len(self.overlay[path]))
+        if any(p.startswith(path.rstrip("/") + "/") for p in self.overlay):
+            return self._stat(stat.S_IFDIR | 0o555, 0)  # it holds a file served from memory
+        info = self._info(path)
+        if info.get("type") == "directory":
+            return self._stat(stat.S_IFDIR | 0o555, 0)
+        return self._stat(stat.S_IFREG | 0o444, int(info.get("size") or 0))
+
+    def listdir(self, path: str) -> list[str]:
+        entries = self.fs.ls(path, detail=True)
+        for e in entries:  # what a listing says of each entry: no request per entry later
+            self._infos.setdefault(e["name"].rstrip("/"), e)
+        names = {os.path.basename(e["name"].rstrip("/")) for e in entries}
+        names |= {os.path.basename(p) for p in self.overlay if os.path.dirname(p) == path}
+        return sorted(names)
+
+    def _read_only(self, *args: Any, **kw: Any) -> Any:
+        raise PermissionError(errno.EROFS, "the mirror is only read here")
+
+    write = writev = fsync = ftruncate = mkdir = rename = unlink = rmdir = _read_only
+    flock = _read_only
+
+
+class FsspecStore(MirrorStore):
+    """A mirror at an fsspec URL (``s3://``, ``gs://``, ``memory://`` ...).
+
+    ``atomic_rename`` (default: only for a local file system, whose directory rename is one
+    system call): copies are written under a temporary name and renamed. Elsewhere —
+    object stores, and fsspec's memory file system, whose ``mv`` is a copy then a delete —
+    there is no rename of a prefix, and a listing shows every object uploaded so far. A copy
+    is written under its final name: the in-progress marker first, every file but the
+    metadata, verified (every leaf's checksum, the metadata served from memory), then the
+    metadata, its size checked, and last :data:`COMMIT_SUCCESS_FILE`, the commit marker:
+    only a step that holds it is listed or restored. ``storage_options`` go to fsspec (for
+    ``s3://``: ``endpoint_url``, ``key``, ``secret``, ``config_kwargs`` with botocore's
+    ``connect_timeout``, ``read_timeout`` and ``retries`` ...); ``gs://`` (gcsfs) takes the
+    same code path.
+    """
+
+    def __init__(self, url: str, *, atomic_rename: bool | None = None, create: bool = True,
+                 **storage_options: Any):
+        try:
+            import fsspec
+        except ImportError as e:  # pragma: no cover - depends on the environment
+            raise ImportError(f"mirroring to {url} needs fsspec: pip install "
+                              "'minickpt[remote]'") from e
+        self.url = url
+        self.fs, self.root = fsspec.core.url_to_fs(url, **storage_options)
+        protocols = self.fs.protocol if isinstance(self.fs.protocol, tuple) else (
+            self.fs.protocol,)
+        self.atomic_rename = bool({"file", "local"} & set(protocols)) \
+            if atomic_rename is None else atomic_rename
+        if create:  # (a reader, ``create=False``, never makes a bucket)
+            self.fs.makedirs(self.root, exist_ok=True)
+
+    def path(self, rel: str) -> str:
+        return f"{self.root.rstrip('/')}/{rel}" if rel else self.root
+
+    def listdir(self, rel: str = "") -> list[str]:
+        """The names under ``rel``, listed afresh (never from fsspec's listing cache: what is
+        removed or published is decided on it)."""
+        p = self.path(rel)
+        self.fs.invalidate_cache(p)
+        try:
+            return [os.path.basename(x.rstrip("/")) for x in self.fs.ls(p, detail=False)]
+        except FileNotFoundError:
+            return []
+
+    def is_dir(self, rel: str) -> bool:
+        return bool(self.fs.isdir(self.path(rel)))
+
+    def exists(self, rel: str) -> bool:
+        return bool(self.fs.exists(self.path(rel)))
+
+    def committed(self, rel: str) -> bool:
+        """Whether ``rel`` is a complete checkpoint: renamed into place (``atomic_rename``),
+        or else holding the commit marker, which is written last."""
+        if self.atomic_rename:
+            return self.is_dir(rel) and self.exists(f"{rel}/{METADATA_FILE}")
+        self.fs.invalidate_cache(self.path(rel))  # a cached listing may predate the marker
+        return self.exists(f"{rel}/{COMMIT_SUCCESS_FILE}")
+
+    def makedirs(self, rel: str) -> None:
+        if self.atomic_rename:
+            self.fs.makedirs(self.path(rel), exist_ok=True)
+
+    def put_bytes(self, rel: str, data: bytes) -> None:
+        self.fs.pipe_file(self.path(rel), data)  # one PUT: whole once it has succeeded
+
+    def get_bytes(self, rel: str) -> bytes:
+        return bytes(self.fs.cat_file(self.path(rel)))
+
+    def remove_file(self, rel: str) -> None:
+        self.fs.rm_file(self.path(rel))
+
+    def sizes(self, rel: str) -> dict[str, int]:
+        """The size of every file under ``rel``, from one listing (one request per thousand
+        objects on S3, not one per file)."""
+        p = self.path(rel)
+        self.fs.invalidate_cache(p)
+        return {k[len(p) + 1:]: int(v.get("size") or 0)
+                for k, v in self.fs.find(p, detail=True).items()}
+
+    def write_file(self, rel: str, chunks: Iterator[bytes]) -> int:
+        n = 0
+        with self.fs.open(self.path(rel), "wb") as f:  # object stores: durable on close
+            for c in chunks:
+                f.write(c)
+                n += len(c)
+        return n
+
+    def read_chunks(self, rel: str) -> Iterator[bytes]:
+        with self.fs.open(self.path(rel), "rb") as f:
+            while True:
+                c = f.read(CHUNK)
+                if not c:
+                    return
+                yield c
+
+    def size(self, rel: str) -> int:
+        return int(self.fs.size(self.path(rel)))
+
+    def metadata(self, rel: str, data: bytes | None = None) -> CheckpointMetadata:
+        """``data``: the metadata file's bytes when the caller has them (no request)."""
+        overlay = {} if data is None else {self.path(f"{rel}/{METADATA_FILE}"): data}
+        return Checkpointer(_FsspecReader(self.fs, overlay)).metadata(self.path(rel))
+
+    def verify(self, rel: str, metadata: bytes | None = None) -> list[str]:
+        """Re-read the copy and check it as a local checkpoint is checked (every leaf's CRC);
+        ``metadata``: its metadata file, when it is not uploaded yet."""
+        overlay = {} if metadata is None else {self.path(f"{rel}/{METADATA_FILE}"): metadata}
+        rep = Checkpointer(_FsspecReader(self.fs, overlay)).verify(self.path(rel), deep=True)
+        return [] if rep.ok else rep.problems
+
+    def new_upload(self, name: str, writer: Writer) -> str:
+        """The folder a copy of ``name`` is written into, marked first: a temporary name
+        (``atomic_rename``), or the final one (published by the commit marker)."""
+        rel = f"{name}{TMP_MARK}{secrets.token_hex(4)}" if self.atomic_rename else name
+        self.begin(rel, writer, "upload")
+        return rel
+
+    def commit(self, tmp: str, final: str, subdirs: list[str]) -> None:
+        """Publish a verified copy: rename it into place, or (written in place) write the
+        commit marker, the last object of a checkpoint; then drop the in-progress marker."""
+        if tmp == final:
+            self.put_bytes(f"{final}/{COMMIT_SUCCESS_FILE}",
+                           f"Checkpoint commit was successful to {self.path(final)}\n".encode())
+        else:
+            if self.exists(final):
+                raise FileExistsError(f"{self.path(final)} already exists")
+            self.fs.mv(self.path(tmp), self.path(final), recursive=True)
+        self.end(final)
+
+    def _rename(self, src: str, dst: str) -> None:
+        self.fs.mv(self.path(src), self.path(dst), recursive=True)
+
+    def _remove_files(self, rel: str) -> None:
+        p = self.path(rel)
+        self.fs.invalidate_cache(p)
+        keep = self.path(f"{rel}/{UPLOAD_MARKER}")
+        for f in self.fs.find(p):  # one by one: a bulk delete has no order
+            if f.rstrip("/") != keep:
+                self.fs.rm_file(f)
+
+    def _remove_dir(self, rel: str) -> None:
+        p = self.path(rel)
+        if self.fs.exists(p):  # a directory (local, memory): no keys left to imply it
+            self.fs.rm(p, recursive=True)
+
+    def abort_upload(self, tmp: str, writer: Writer) -> None:
+        """Remove this writer's own failed upload; never raises (the error matters more)."""
+        try:
+            self.reclaim(tmp, writer)
+        except Exception:
+            pass
+
+
+def open_store(target: Any) -> LocalStore | FsspecStore:
+    """A store for a path, a ``file://`` URL (both: :class:`LocalStore`), another fsspec URL,
+    or a store object given as it is."""
+    if isinstance(target, MirrorStore):
+        return target  # type: ignore[return-value]
+    target = os.fspath(target)
+    if target.startswith("file://"):
+        return LocalStore(target[len("file://"):])
+    if "://" in target:
+        return FsspecStore(target)
+    return LocalStore(target)
+
+
+# ---------------------------------------------------------------------------------------
+# copying a step: up to the mirror, and back
+# ---------------------------------------------------------------------------------------
+def read_chunks(fs: FileSystem, path: str) -> Iterator[bytes]:
+    fd = fs.open_read(path)
+    try:
+        size, off = fs.fstat(fd).st_size, 0
+        while off < size:
+            buf = bytearray(min(CHUNK, size - off))
+            fs.read_into(fd, memoryview(buf), off)
+            off += len(buf)
+            yield bytes(buf)
+    finally:
+        fs.close(fd)
+
+
+def walk(listdir: Callable[[str], list[str]], is_dir: Callable[[str], bool], rel: str
+         ) -> tuple[list[str], list[str]]:
+    """(directories, files) under ``rel``, relative to it, parents before children."""
+    dirs, files = [], []
+    for name in sorted(listdir(rel)):
+        sub = f"{rel}/{name}" if rel else name
+        if is_dir(sub):
+            d2, f2 = walk(listdir, is_dir, sub)
+            dirs += [name] + [f"{name}/{d}" for d in d2]
+            files += [f"{name}/{f}" for f in f2]
+        else:
+            files.append(name)
+    return dirs, files
+
+
+def _check_copy(store: Any, rel: str, metadata: bytes | None) -> None:
+    """Re-read the mirror's copy and verify every checksum (CheckpointCorruptedError)."""
+    problems = store.verify(rel) if metadata is None else store.verify(rel, metadata=metadata)
+    if problems:
+        raise CheckpointCorruptedError(store.path(rel), "the mirror copy does not verify: "
+                                       + "; ".join(problems))
+
+
+def upload_step(store: Any, writer: Writer, lfs: FileSystem, src: str, name: str) -> int:
+    """Copy the committed local checkpoint ``src`` to ``name`` in the mirror with the
+    mirror's own atomic commit; returns the bytes copied. The caller has checked that
+    ``name`` is free (or removed what was its own there)."""
+    dirs, files = walk(lambda r: lfs.listdir(os.path.join(src, r)),
+                       lambda r: lfs.is_dir(os.path.join(src, r)), "")
+    files.sort(key=lambda f: f == METADATA_FILE)
+    if METADATA_FILE not in files:
+        raise CheckpointCorruptedError(src, "has no metadata: not a committed checkpoint")
+    sizes = {f: lfs.lstat(os.path.join(src, f)).st_size for f in files}
+    meta = lfs.read_file(os.path.join(src, METADATA_FILE))
+    # Without a rename the commit marker is the publication: every other file is uploaded
+    # and verified (the metadata served from memory) before the metadata, then the marker.
+    verify_first = not store.atomic_rename
+    tmp = store.new_upload(name, writer)  # the in-progress marker: the first object
+    nbytes, beat = 0, time.monotonic()
+    try:
+        for d in dirs:
+            store.makedirs(f"{tmp}/{d}")
+        for f in files:  # the metadata, which makes a checkpoint valid, goes last
+            if time.monotonic() - beat > store.stale_after_s / 10:
+                store.begin(tmp, writer, "upload")  # still alive, for readers elsewhere
+                beat = time.monotonic()
+            if f == METADATA_FILE and verify_first:
+                # every file there, whole (one listing), and every leaf's checksum
+                there = store.sizes(tmp)
+                wrong = [f"{g}: {there.get(g, 'missing')} bytes of {sizes[g]}"
+                         for g in files if g != f and there.get(g) != sizes[g]]
+                if wrong:
+                    raise OSError(f"{store.path(tmp)}: " + "; ".join(wrong))
+                _check_copy(store, tmp, meta)
+            n = store.write_file(f"{tmp}/{f}", read_chunks(lfs, os.path.join(src, f)))
+            # (the files before the metadata were sized above, from one listing)
+            got = store.size(f"{tmp}/{f}") if not verify_first or f == METADATA_FILE else n
+            if n != sizes[f] or got != sizes[f]:
+                raise OSError(f"{store.path(f'{tmp}/{f}')}: wrote {n} bytes of "
+                              f"{sizes[f]}, {got} there")
+            nbytes += n
+        if not verify_first:
+            _check_copy(store, tmp, None)
+        store.commit(tmp, name, dirs)
+    except BaseException:
+        store.abort_upload(tmp, writer)
+        raise
+    return nbytes
+
+
+def fetch_step(store: Any, lfs: FileSystem, root: str, name: str,
+               replace: Callable[[], None]) -> None:
+    """Copy the mirror's ``name`` back into the local ``root``: into a temporary directory,
+    verify every checksum, ``replace()`` a damaged local copy, commit."""
+    final = os.path.join(root, name)
+    tmp = make_temporary(lfs, root, name)
+    try:
+        dirs, files = walk(store.listdir, store.is_dir, name)
+        for d in dirs:
+            lfs.mkdir(os.path.join(tmp, d))
+        for f in files:
+            if f in (COMMIT_SUCCESS_FILE, UPLOAD_MARKER):  # the mirror's own files
+                continue
+            lfs.write_file(os.path.join(tmp, f), store.read_chunks(f"{name}/{f}"))
+        rep = Checkpointer(lfs).verify(tmp, deep=True)
+        if not rep.ok:
+            raise CheckpointCorruptedError(store.path(name), "the mirror's copy is damaged "
+                                           "too: " + "; ".join(rep.problems))
+        if lfs.exists(final):
+            replace()
+        commit(lfs, tmp, final, subdirs=dirs)
+    except BaseException:
+        abort(lfs, tmp)
+        raise
