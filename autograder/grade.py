@@ -390,10 +390,8 @@ def similarity_report(out: Path, results: list[dict[str, Any]], labs: dict[str, 
         for s, r in rows.items():
             mine = sorted((m for m in matches if m.student == s and m.flagged),
                           key=lambda m: (m.other != similarity.MINICKPT, -m.score, m.other))
-            r["review"] = sorted([*r["review"], *(m.flag() for m in mine[:PEERS_NAMED + 1])]
-                                 + ([f"{SIMILAR}{len(mine) - PEERS_NAMED - 1} more "
-                                     "submission(s) as well; see similarity report"]
-                                    if len(mine) > PEERS_NAMED + 1 else []))
+            r["review"] = sorted([*r["review"],
+                                  *similarity.review_flags(matches, s, PEERS_NAMED)])
             shown += mine[:PEERS_NAMED + 1]
         pairs, seen = [], set()
         for m in shown:  # a pair once on the page (both rows name it)

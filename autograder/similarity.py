@@ -74,6 +74,10 @@ begin with a letter or a digit), so a student called ``minickpt`` is compared as
 GIVEN = "_given"
 """The key of :func:`lab_tasks`' entry that holds the code the released lab gives every
 student (its boilerplate), beside the task entries."""
+SIMILAR = "similar to "
+"""How every flag of this report begins."""
+PEERS_NAMED = 3
+"""Other submissions a flagged row names (the rest are counted; the report lists them)."""
 ADDED = "added cells"
 """Where shared code that is in no task cell is said to be."""
 PURE_CALLS = frozenset({"abs", "all", "any", "ascii", "bin", "bool", "bytes", "callable",
@@ -161,16 +165,30 @@ def _parse(code: str) -> ast.Module | None:
         return None
 
 
-def _is_pure(node: ast.AST) -> bool:
+def _is_pure(node: ast.AST, pure: frozenset[str] | set[str] = PURE_CALLS) -> bool:
     """An expression that, evaluated as a statement, does nothing: no call (but of a pure
-    builtin), no await, no yield."""
+    builtin, or of a function named in ``pure``), no await, no yield."""
     for n in ast.walk(node):
         if isinstance(n, (ast.Await, ast.Yield, ast.YieldFrom, ast.NamedExpr)):
             return False
         if isinstance(n, ast.Call) and not (isinstance(n.func, ast.Name)
-                                            and n.func.id in PURE_CALLS):
+                                            and n.func.id in pure):
             return False
     return True
+
+
+def _noop_functions(trees: list[ast.Module]) -> set[str]:
+    """The functions a party defines (at the top of a cell) whose body, once dead
+    statements are dropped, does nothing: at most a ``return`` of a pure value. A call of
+    one, as a statement, is dead too (a dummy ``_noop()`` after each statement)."""
+    out: set[str] = set()
+    for t in trees:
+        for node in t.body:
+            if isinstance(node, ast.FunctionDef) and not node.decorator_list and all(
+                    isinstance(s, ast.Return) and (s.value is None or _is_pure(s.value))
+                    for s in node.body):
+                out.add(node.name)
+    return out
 
 
 def _constant_truth(test: ast.AST) -> bool | None:
@@ -184,8 +202,9 @@ class _Dead(ast.NodeTransformer):
     """Drops what does nothing (see the module doc). ``read``: every name the submission
     reads somewhere; an assignment to names none of which is read is dead."""
 
-    def __init__(self, read: set[str]) -> None:
+    def __init__(self, read: set[str], noops: set[str] | None = None) -> None:
         self.read = read
+        self.pure = PURE_CALLS | (noops or set())
         self.dropped = 0
 
     def _body(self, stmts: list[ast.stmt]) -> list[ast.stmt]:
@@ -214,14 +233,17 @@ class _Dead(ast.NodeTransformer):
         return None
 
     def visit_Expr(self, node: ast.Expr) -> ast.AST | None:
-        return None if _is_pure(node.value) else node
+        return None if _is_pure(node.value, self.pure) else node
+
+    def visit_Assert(self, node: ast.Assert) -> ast.AST | None:
+        return None if _constant_truth(node.test) is True else node  # assert True
 
     def visit_If(self, node: ast.If) -> Any:
         truth = _constant_truth(node.test)
         if truth is not None:
             return self._body(node.body if truth else node.orelse) or None
         self.generic_visit(node)
-        if not node.body and not node.orelse and _is_pure(node.test):
+        if not node.body and not node.orelse and _is_pure(node.test, self.pure):
             return None
         return node
 
@@ -230,6 +252,24 @@ class _Dead(ast.NodeTransformer):
             return self._body(node.orelse) or None
         return self.generic_visit(node)
 
+    def visit_For(self, node: ast.For) -> Any:
+        empty = isinstance(node.iter, (ast.List, ast.Tuple, ast.Set, ast.Dict, ast.Constant)) \
+            and _constant_truth(node.iter) is False  # for _ in []: never runs
+        if empty:
+            return self._body(node.orelse) or None
+        self.generic_visit(node)
+        if not node.body and _is_pure(node.iter, self.pure):
+            return node.orelse or None  # a loop that does nothing on a pure iterable
+        return node
+
+    def visit_Try(self, node: ast.Try) -> Any:
+        self.generic_visit(node)
+        if not node.body:  # nothing can raise: no handler runs
+            return [*node.orelse, *node.finalbody] or None
+        return node
+
+    visit_TryStar = visit_Try
+
     def _targets_dead(self, targets: list[ast.expr]) -> bool:
         names = [n for t in targets for n in ast.walk(t)]
         return all(isinstance(n, (ast.Name, ast.Tuple, ast.List, ast.Starred, ast.expr_context))
@@ -237,7 +277,7 @@ class _Dead(ast.NodeTransformer):
                                                for n in names)
 
     def _dead_value(self, node: ast.stmt, value: ast.expr | None) -> Any:
-        if value is None or _is_pure(value):
+        if value is None or _is_pure(value, self.pure):
             return None
         return ast.copy_location(ast.Expr(value), node)
 
@@ -336,7 +376,8 @@ def units_of(code: dict[str, str]) -> list[Unit]:
     parsed = {k: t for k, t in trees.items() if t is not None}
     try:
         for _ in range(3):  # an assignment read only by a dead one is dead the next time
-            dead = _Dead(_read_names(list(parsed.values())))
+            dead = _Dead(_read_names(list(parsed.values())),
+                         _noop_functions(list(parsed.values())))
             parsed = {k: dead.visit(t) for k, t in parsed.items()}
             if not dead.dropped:
                 break
@@ -397,6 +438,7 @@ class Party:
     units: list[tuple[Unit, list[int]]]          # each unit with its k-gram hashes
     prints: set[int]                             # winnowed fingerprints, boilerplate removed
     grams: set[int]                              # every k-gram hash, boilerplate removed
+    _own: tuple[int, int] | None = field(default=None, repr=False)
 
     @property
     def size(self) -> int:
@@ -405,23 +447,38 @@ class Party:
     def covered(self, other: Party, boiler: set[int]) -> tuple[dict[str, set[int]], int, int]:
         """The lines (cell key → line numbers) of this party's code that lie in a k-gram
         the other party holds too; how many tokens do; how many lie in any k-gram that is
-        not boilerplate (the party's own code)."""
+        not boilerplate (the party's own code). ``other.grams`` holds no boilerplate."""
         lines: dict[str, set[int]] = {}
-        shared = own = 0
+        shared = 0
         for unit, hashes in self.units:
-            hit = [False] * len(unit.tokens)
-            mine = [False] * len(unit.tokens)
-            for i, h in enumerate(hashes):
-                if h not in boiler:
-                    mine[i:i + K] = [True] * K
-                    if h in other.grams:
-                        hit[i:i + K] = [True] * K
-            own += sum(mine)
-            for j, yes in enumerate(hit):
-                if yes:
-                    lines.setdefault(unit.cell, set()).add(unit.lines[j])
-                    shared += 1
-        return lines, shared, own
+            starts = [i for i, h in enumerate(hashes) if h in other.grams]
+            if not starts:
+                continue
+            cell = lines.setdefault(unit.cell, set())
+            a = b = starts[0]
+            for i in starts:  # the union of the runs [i, i + K), merged: each token once
+                if i > b:
+                    cell.update(unit.lines[a:b])
+                    shared += b - a
+                    a = i
+                b = i + K
+            cell.update(unit.lines[a:b])
+            shared += b - a
+        return lines, shared, self.own(boiler)
+
+    def own(self, boiler: set[int]) -> int:
+        """How many tokens lie in a k-gram that is not boilerplate."""
+        key = id(boiler)
+        if self._own is None or self._own[0] != key:
+            total = 0
+            for _unit, hashes in self.units:
+                end = -1
+                for i, h in enumerate(hashes):
+                    if h not in boiler:
+                        total += i + K - max(i, end)
+                        end = i + K
+            self._own = (key, total)
+        return self._own[1]
 
 
 def party(name: str, code: dict[str, str], boiler: set[int]) -> Party:
@@ -541,6 +598,18 @@ def compare(tasks: dict[str, dict[str, str]], students: dict[str, dict[str, str]
                                  _where(got.lines[a]), got.lines))
     parties.update((ref.name, ref) for ref in refs.values())
     return out, parties
+
+
+def review_flags(matches: list[Match], student: str, peers: int = PEERS_NAMED) -> list[str]:
+    """The review flags of ``student``'s row: minickpt's first, then the most similar other
+    submissions, ``peers + 1`` flags in all, and how many more there are (the report lists
+    them all)."""
+    mine = sorted((m for m in matches if m.student == student and m.flagged),
+                  key=lambda m: (m.other != MINICKPT, -m.score, m.other))
+    named = mine[:peers + 1]
+    rest = len(mine) - len(named)
+    return [m.flag() for m in named] + (
+        [f"{SIMILAR}{rest} more submission(s) as well; see similarity report"] if rest else [])
 
 
 def _cell_share(p: Party, lines: dict[str, set[int]], key: str) -> float:
