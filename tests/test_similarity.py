@@ -10,8 +10,8 @@ and 200 shared tokens):
   nothing after each statement (issue 38: 32 %; also a call of the student's own no-op
   function, ``assert True``, an empty ``try``/``for``), pasted into an added cell;
 * the derivatives of minickpt's code in the example corpus (the ``wrong`` versions, one
-  function changed) score 80-100 % against it and against each other, and are flagged: their
-  code is minickpt's;
+  function changed) score 87-100 % against it and 61-100 % against each other, and are
+  flagged (a pair from 80 %): their code is minickpt's;
 * independent work stays far below: ``natural_a`` / ``natural_b`` (lab 2) score under 30 %
   against each other and 43 % against minickpt with no task at the threshold; each lab's
   ``partial`` (written from the released lab, autograder/lab_examples/independent.py) scores
