@@ -240,7 +240,8 @@ class LabInfo:
     questions: dict[str, str] = field(default_factory=dict)
     tasks: dict[str, dict[str, str]] = field(default_factory=dict)
     """Task cell grade id -> ``reference`` (minickpt's code of the task, which the build
-    wrote into the source) and ``stub`` (what the release gives): for the similarity report."""
+    wrote into the source) and ``stub`` (what the release gives), and ``similarity.GIVEN``
+    -> ``code`` (what the release gives in its other cells): for the similarity report."""
 
     @property
     def max_score(self) -> float:
@@ -262,9 +263,7 @@ def lab_info(notebook: Path, name: str) -> LabInfo:
 
     lab = load_lab(notebook)
     info = lab.info()
-    tasks = {c.grade_id: {"reference": similarity.reference_of(c.source),
-                          "stub": similarity.stub_of(c.source)}
-             for c in lab.cells if c.role == "solution" and similarity.TASK_CELL.match(c.grade_id)}
+    tasks = similarity.lab_tasks(lab)
     return LabInfo(name, info["cells"], info["fingerprint"], info["questions"], tasks)
 
 
@@ -373,43 +372,44 @@ def _normalize(result: dict[str, Any], info: LabInfo) -> dict[str, Any]:
 
 def similarity_report(out: Path, results: list[dict[str, Any]], labs: dict[str, LabInfo]
                       ) -> None:
-    """Every lab's task cells against minickpt's and against each other's
-    (:mod:`autograder.similarity`): flags into ``review``, ``similarity-<lab>.html`` and
-    ``.csv``. From the results alone, so that a merge of slices compares the whole class."""
+    """Every lab's submissions, all their code cells, against minickpt's code of each task
+    and against each other (:mod:`autograder.similarity`): flags into ``review`` (both
+    parties of a similar pair are flagged, each naming the other), ``similarity-<lab>.html``
+    and ``.csv``. From the results alone, so that a merge of slices compares the whole class."""
     from . import similarity
 
     for lab, info in labs.items():
         rows = {r["student"]: r for r in results if r["lab"] == lab
                 and not r["student"].startswith(GRADER_PREFIX)}  # the source is minickpt's
-        if not rows or not info.tasks:
+        tasks = [t for t in info.tasks if similarity.TASK_CELL.match(t)]
+        if not rows or not tasks:
             continue
-        matches, fps = similarity.compare(info.tasks, {s: r.get("code", {})
-                                                       for s, r in rows.items()})
+        matches, parties = similarity.compare(info.tasks, {s: r.get("code", {})
+                                                           for s, r in rows.items()})
         shown = []
         for s, r in rows.items():
             mine = sorted((m for m in matches if m.student == s and m.flagged),
                           key=lambda m: (m.other != similarity.MINICKPT, -m.score, m.other))
-            r["review"] = sorted([*r["review"], *(m.flag() for m in mine[:PEERS_NAMED + 1])]
-                                 + ([f"{SIMILAR}{len(mine) - PEERS_NAMED - 1} more "
-                                     "submission(s) as well; see similarity report"]
-                                    if len(mine) > PEERS_NAMED + 1 else []))
+            r["review"] = sorted([*r["review"],
+                                  *similarity.review_flags(matches, s, PEERS_NAMED)])
             shown += mine[:PEERS_NAMED + 1]
         pairs, seen = [], set()
-        for m in shown:  # a pair once, from the side that holds more of the other
+        for m in shown:  # a pair once on the page (both rows name it)
             if frozenset((m.student, m.other)) not in seen:
                 seen.add(frozenset((m.student, m.other)))
                 pairs.append(m)
-        (out / f"similarity-{lab}.html").write_text(similarity.report(lab, pairs, fps),
+        (out / f"similarity-{lab}.html").write_text(similarity.report(lab, pairs, parties),
                                                     encoding="utf-8")
         with open(out / f"similarity-{lab}.csv", "w", newline="") as f:
             w = safe_text.writer(f)
             w.writerow(["student", "other", "score", "shared_tokens", "tokens", "flagged",
-                        *info.tasks])
+                        "found_in", *tasks])
             for m in sorted(matches, key=lambda m: (m.student, -m.score, m.other)):
                 if m.score >= similarity.LISTED:
                     w.writerow([m.student, m.other.replace(similarity.MINICKPT, "minickpt"),
                                 f"{m.score:.3f}", m.shared, m.total, int(m.flagged),
-                                *[f"{m.tasks[t]:.3f}" if t in m.tasks else "" for t in info.tasks]])
+                                "; ".join(m.where),
+                                *[f"{m.tasks[t]:.3f}" if t in m.tasks else "" for t in tasks]])
 
 
 def write_outputs(out: Path, results: list[dict[str, Any]], labs: dict[str, LabInfo],

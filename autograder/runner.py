@@ -32,10 +32,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from . import ROOT, cgroups, sandbox
+from . import ROOT, cgroups, sandbox, similarity
 from .notebook import (
     MAX_NOTEBOOK_BYTES,
-    TASK_CELL_RE,
     Assembled,
     Lab,
     SubmissionError,
@@ -60,8 +59,6 @@ WORKER_MEMORY = 4 << 30
 """RLIMIT_DATA of a grading worker, a backstop per process: the worker runs inside its slot's
 cgroup (whose memory bounds kernel and worker together), and whatever a kernel sends, it keeps
 only bounded parts of (execute.py: one output budget per submission)."""
-MAX_CODE_CHARS = 100_000
-"""What of a task cell the result keeps for the similarity report (results.json)."""
 KERNEL_ARGS = ["--HistoryManager.hist_file=:memory:", "--InteractiveShell.xmode=Minimal"]
 
 
@@ -311,8 +308,7 @@ def _run(job: Job, cfg: dict[str, Any], lab: Lab, student: list[Any], iso: sandb
             if c.role == "student" and c.show.strip()]  # what the student wrote, not what ran
     result["review"] = sorted(set(result["review"]) | set(scan(mine))
                               | set(reference_use(mine, lab)))
-    result["code"] = {c.grade_id: c.show[:MAX_CODE_CHARS] for c in asm.cells  # for similarity
-                      if c.role == "student" and TASK_CELL_RE.match(c.grade_id or "")}
+    result["code"] = similarity.submission_code(mine)  # every cell the student wrote
     if report.strays_killed:
         result["killed_processes"] = report.strays_killed
     _finish(root, result, lab, asm, executed, t0)
