@@ -194,10 +194,14 @@ def cleanup_temporaries(fs: FileSystem, root: str) -> list[str]:
         names = fs.listdir(root)
     except FileNotFoundError:
         return removed
-    for name in sorted(names):
-        if is_temporary(name):
-            fs.rmtree(os.path.join(root, name))
-            removed.append(name)
+    doomed = [name for name in sorted(names) if is_temporary(name)]
+    if any(DELETE_MARK in name for name in doomed):
+        # a killed delete's rename may not be durable yet: removing its files first would
+        # let a power cut bring the checkpoint back, torn, under its committed name
+        fs.fsync_dir(root)
+    for name in doomed:
+        fs.rmtree(os.path.join(root, name))
+        removed.append(name)
     if removed:
         fs.fsync_dir(root)
     return removed

@@ -103,6 +103,9 @@ def steps_to_keep(infos: Sequence[StepInfo], *, max_to_keep: int | None = None,
     durable. The rules, in Orbax's order:
 
     * ``max_to_keep=None``, or no more checkpoints than ``max_to_keep``: keep them all.
+      This rule comes first: it keeps checkpoints without a metric too, even when
+      ``keep_checkpoints_without_metrics`` is false. ``max_to_keep=0`` keeps none by
+      the rules below (``keep_period`` and ``keep_checkpoints_without_metrics`` still keep theirs).
     * Without ``best_fn``: the ``max_to_keep`` newest steps (by step number, not by the
       order of ``infos``).
     * With ``best_fn``: the ``max_to_keep`` best checkpoints among those with a metric, as

@@ -244,3 +244,25 @@ def test_sync_none_promises_the_files_data_only_and_crash_commit_says_so():
     assert not labkit.crash_commit(trusts_sync_none).problems
     report = labkit.crash_commit(trusts_sync_none, caller_batch=False)
     assert any("exists but is torn" in p for p in report.problems), report.problems[:3]
+
+
+@pytest.mark.task("2.4")
+def test_cleanup_makes_a_killed_deletes_rename_durable_before_removing_its_files():
+    """A background delete killed after its rename, before its fsync: the cleanup of the next
+    manager must fsync the run directory before removing the files, or a power cut brings the
+    step back torn (issue 39: 6 distinct problems before the fix)."""
+    for kw in ({"before": (1, 2), "step": 3, "max_to_keep": 2}, {"before": (1,), "step": 2, "max_to_keep": 1}):
+        report = labkit.crash_every_call(leftovers=True, retired=(1,), **kw)
+        assert report.points > 20 and not report.problems, report.first()
+
+    def no_fsync_first(fs, root):
+        removed = [n for n in sorted(fs.listdir(root)) if is_temporary(n)]
+        for n in removed:
+            fs.rmtree(os.path.join(root, n))
+        if removed:
+            fs.fsync_dir(root)
+        return removed
+
+    no_fsync_first.__name__ = "cleanup_temporaries"
+    report = labkit.crash_every_call(no_fsync_first, leftovers=True, retired=(1,))
+    assert any("step 1 is listed but damaged" in p for p in report.problems), report.problems[:2]

@@ -90,15 +90,19 @@ LOOKALIKES = ("notes.txt", "step_9.tmp")
 
 def crash_every_call(*fns: Callable[..., Any], before: tuple[int, ...] = (1, 2), step: int = 3,
                      max_to_keep: int | None = 2, leftovers: bool = False,
-                     random_states: int = 1) -> CrashReport:
+                     retired: tuple[int, ...] = (), random_states: int = 1) -> CrashReport:
     """Save ``step`` with a ``CheckpointManager`` (``max_to_keep``) into a run that holds
     ``before``, with the student's ``fns`` plugged in, and crash it before every one of its
     file-system calls (:mod:`minickpt.crashsim`). Every state a power cut there can leave is
     opened by a fresh manager, each listed step verified and restored.
 
     With ``leftovers`` the run also holds what crashed saves and deletes leave (a temporary
-    of ``step``, a half-removed deleted checkpoint) and two files of the user's. A problem
-    says where the crash was and what was lost or damaged.
+    of ``step``, a half-removed deleted checkpoint) and two files of the user's. The steps in
+    ``retired`` (of ``before``) are renamed for deletion first, in the same scenario, with
+    nothing fsynced: a background delete whose process was killed before its run directory's
+    fsync, so the page cache holds the rename and the disk may not; a cleanup that removes
+    their files before making that rename durable lets a power cut bring the step back
+    torn. A problem says where the crash was and what was lost or damaged.
     """
     import os
     import warnings
@@ -138,11 +142,19 @@ def crash_every_call(*fns: Callable[..., Any], before: tuple[int, ...] = (1, 2),
         doomed = [s for s in new if s not in kept]
         allowed = {tuple(before), new} | {tuple(s for s in new if s not in doomed[:j])
                                           for j in range(1, len(doomed) + 1)}
+        if retired:  # a retired step may be back (whole) or gone, with any of these
+            if not set(retired) <= set(before):
+                raise ValueError(f"retired={retired} must be steps of before={before}")
+            allowed |= {tuple(s for s in a if s not in retired) for a in allowed}
+            doomed += [s for s in retired if s not in doomed]
 
         def scenario(fs: FileSystem, world: str) -> None:
             with _same_names():
                 mngr = None
                 try:
+                    for s in retired:  # a killed delete's rename: in the page cache only
+                        path = os.path.join(world, "run", f"step_{s}")
+                        fs.rename(path, f"{path}{DELETE_MARK}0dead0de")
                     mngr = CheckpointManager(os.path.join(world, "run"), opts, fs=fs)
                     mngr.save(step, lab2_items(step))
                     mngr.close()
