@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from .common import Edit, _cell, _replace, blank, perfect
+from .common import Edit, Wrong, _cell, _replace, blank, perfect, swap, wrong_examples
 from .hostile import ISSUE_20
 
 # 4.1: the steps are compared, but their types never checked (True and 5.0 pass as steps)
@@ -129,6 +129,90 @@ def forged_result(release: Any, source: Any) -> Any:
     return nb
 
 
+def _cell_is(grade_id: str, code: str) -> Any:
+    """An edit for :class:`Wrong`: the cell ``grade_id`` becomes ``code``."""
+    def edit(nb: Any) -> None:
+        _cell(nb, grade_id).source = code.strip("\n")
+    return edit
+
+
+# issue 39: plausible wrong versions, each breaking one clause of its task's contract
+CREATE_HANDED = """    if save.primary:
+        try:
+            save.create()
+        except Exception as e:
+            error = e
+"""
+COMMIT_HANDED = """        try:
+            info = save.commit(written)
+        except Exception as e:
+            error = e
+"""
+REGION_READ = "        out[box_slices(part, box)] = read(part)\n"
+OWNER_LOOP = """        if box in seen:
+            continue
+        seen.add(box)
+        if process_of(device) == process_index:
+            mine.append((box, device))
+    return mine"""
+DISAGREE = '        raise ProcessDisagreementError("the step to save", list(steps))\n'
+WRONG: list[Wrong] = [
+    Wrong("4.1", "every process reaches the same verdict (not only the primary checks)",
+          swap("task_4_1", EVERYONE_COMPARES, PRIMARY_COMPARES)),
+    Wrong("4.1", "a step is an int >= 0, not a bool (True == 1)",
+          swap("task_4_1", "if not isinstance(s, int) or isinstance(s, bool) or s < 0:",
+               "if not isinstance(s, int) or s < 0:")),
+    Wrong("4.1", "a malformed entry is a plain ValueError even when the valid steps also disagree",
+          swap("task_4_1", TYPE_CHECK + EVERYONE_COMPARES + DISAGREE,
+               "    if len({s for s in steps if isinstance(s, int) and not isinstance(s, bool)}) > 1:\n"
+               + DISAGREE + TYPE_CHECK)),
+    Wrong("4.1", "a numpy integer is not a step (CheckpointManager.save refuses it too)",
+          swap("task_4_1", "if not isinstance(s, int) or isinstance(s, bool) or s < 0:",
+               "if not isinstance(s, (int, np.integer)) or isinstance(s, bool) or s < 0:")),
+    Wrong("4.2", "the owner is the first holder in the sharding's device order, not the lowest device.id",
+          swap("task_4_2", OWNER_LOOP, """        if box in seen:
+            continue
+        seen.add(box)
+        holders = [d for d, ix in devices_indices_map.items() if box_of(ix, shape) == box]
+        first = min(holders, key=lambda d: d.id)  # the lowest id owns the piece
+        if process_of(first) == process_index:
+            mine.append((box, first))
+    return mine""")),
+    Wrong("4.2", "every piece is written exactly once (a replicated piece by one device only)",
+          swap("task_4_2", DEDUP, "")),
+    Wrong("4.2", "the owner's process is what process_of says, not device.process_index",
+          swap("task_4_2", "if process_of(device) == process_index:",
+               "if device.process_index == process_index:")),
+    Wrong("4.2", "the owner is the first holder of a piece, not the last one in the map",
+          swap("task_4_2", OWNER_LOOP, """        seen.add(box)
+    last = {box_of(index, shape): device for device, index in devices_indices_map.items()}
+    return [(b, d) for b, d in last.items() if process_of(d) == process_index]""")),
+    Wrong("4.3", "a failure of the primary's create is learned at a barrier, not from a time-out",
+          swap("task_4_3", CREATE_HANDED, "    if save.primary:\n        save.create()\n")),
+    Wrong("4.3", "the step is published only once every process's shards are durable",
+          swap("task_4_3", COMMIT_AFTER_BARRIER, COMMIT_BEFORE_BARRIER)),
+    Wrong("4.3", "after a success every process holds what the primary's commit returned",
+          swap("task_4_3", 'save.barrier("committed", error, info)', 'save.barrier("committed", error)')),
+    Wrong("4.3", "a failed commit fails the save on every process: the primary never swallows it",
+          swap("task_4_3", COMMIT_HANDED, """        try:
+            info = save.commit(written)
+        except Exception:
+            pass  # the shards are on disk: a later save will commit them
+""")),
+    Wrong("4.4", "the region is 64-byte aligned (np.empty is aligned only by luck)",
+          swap("task_4_4", "out = aligned_empty(box_shape(box), dtype)",
+               "out = np.empty(box_shape(box), dtype)")),
+    Wrong("4.4", "bytes read are the bytes needed: each piece asked only for its share of the region",
+          swap("task_4_4", REGION_READ,
+               "        out[box_slices(part, box)] = read(piece_box)[box_slices(part, piece_box)]\n")),
+    Wrong("4.4", "the values hold on any restoring mesh, not only on the saving one",
+          _cell_is("task_4_4", ASSUMES_SAVING_MESH)),
+    Wrong("4.4", "the region has the dtype it is given, whatever the model's usual dtype",
+          swap("task_4_4", "out = aligned_empty(box_shape(box), dtype)",
+               "out = aligned_empty(box_shape(box), np.float32)")),
+]
+
+
 EXAMPLES: dict[str, Edit] = {
     "perfect": perfect,
     "blank": blank,
@@ -139,4 +223,5 @@ EXAMPLES: dict[str, Edit] = {
     "assumes_saving_mesh": assumes_saving_mesh,
     "forged_result": forged_result,
     **ISSUE_20,  # issue 20's four classes in one submission (cheap: see make_examples)
+    **wrong_examples(WRONG),
 }
