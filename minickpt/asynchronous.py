@@ -123,8 +123,8 @@ def start_in_background(writer: AsyncWriter, fn: Callable[[], Any], what: str) -
                                 f"of the save of {writer._what} was not collected yet")
         thread = threading.Thread(target=run_in_background, args=(writer, fn, what),
                                   name=f"{writer.name}:{what}", daemon=False)
+        thread.start()  # under the lock: a thread set but not started would look finished
         writer._thread, writer._what = thread, what
-    thread.start()
 
 
 def run_in_background(writer: AsyncWriter, fn: Callable[[], Any], what: str) -> None:

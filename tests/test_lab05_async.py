@@ -252,3 +252,35 @@ def test_a_leaf_deleted_before_the_snapshot_raises_and_is_never_photographed(pin
     x.delete()
     with pytest.raises(RuntimeError, match="deleted"):
         snapshot_leaf(x, path="params/w", pin=pin)
+
+
+@pytest.mark.task("5.2")
+def test_two_concurrent_starts_run_one_write_phase():
+    """Issue 39: two threads calling start() at once, interleaved at the worst moment by
+    lab.start_race. The reference once set writer._thread under the lock but started the
+    thread after letting it go: the other caller saw a thread not yet alive and started a
+    second write phase. A writer with no lock at all fails the same way."""
+    assert lab.start_race(AsyncWriter) is None
+
+    def start_in_background(writer, fn, what):  # the mistake: no lock at all
+        if writer._thread is not None and writer._thread.is_alive():
+            raise MiniCkptError(f"{what}: {writer._what} in flight")
+        thread = threading.Thread(target=run_in_background, args=(writer, fn, what),
+                                  name=f"{writer.name}:{what}")
+        writer._thread, writer._what = thread, what
+        thread.start()
+
+    with lab.plugged_in(start_in_background):
+        assert "two saves in flight" in (lab.start_race(AsyncWriter) or "")
+
+
+@pytest.mark.task("5.1")
+def test_pretend_no_pinning_turns_the_probe_off_and_back():
+    real = mtree.pinning_works()
+    w = jnp.arange(64.0) + 0
+    with lab.pretend_no_pinning():
+        assert mtree.pinning_works() is False and lab.pinning_works() is False
+        assert mtree.pinned_view(w) is None
+        snap = snapshot_leaf(w, pin=True)
+        assert not lab.shares_memory(snap, np.asarray(w))
+    assert mtree.pinning_works() is real

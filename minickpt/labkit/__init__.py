@@ -99,8 +99,10 @@ from .lab5 import (
     fresh_train_state,
     gated_fs,
     pinning_works,
+    pretend_no_pinning,
     record_async_run,
     shares_memory,
+    start_race,
     writer_threads,
 )
 from .lab6 import (
@@ -184,6 +186,7 @@ __all__ = [
     "pinning_works",
     "plugged_in",
     "preemption_drill",
+    "pretend_no_pinning",
     "printing_worker",
     "process_mesh",
     "protocol_message",
@@ -203,6 +206,7 @@ __all__ = [
     "simulate_lost_per_failure",
     "simulate_p_fail",
     "simulate_waste",
+    "start_race",
     "task_id",
     "tempdir",
     "train",

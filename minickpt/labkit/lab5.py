@@ -476,3 +476,148 @@ def record_async_run(directory: str, *, steps: int = 12, every: int = 2,
         mngr.wait_until_finished()
         history = list(mngr.save_history)
     return spans, save_intervals(history), history
+
+
+def pretend_no_pinning() -> Any:
+    """A context manager: inside it, minickpt's probe answers that this JAX does *not* pin a
+    CPU buffer while a numpy view of it lives (``pinning_works()`` is False, ``pinned_view``
+    returns None), as on a JAX version where donation reuses a viewed buffer. A snapshot
+    that trusts a view without asking the probe is then unsafe, whatever this JAX does."""
+    import contextlib
+
+    from .. import tree
+
+    @contextlib.contextmanager
+    def pretend() -> Any:
+        tree.pinning_works()  # the real verdict, cached first, so that it can be put back
+        with tree._PIN_LOCK:
+            real, tree._pinning = tree._pinning, False
+        try:
+            yield
+        finally:
+            with tree._PIN_LOCK:
+                tree._pinning = real
+
+    return pretend()
+
+
+def start_race(writer_cls: Any, *, patience_s: float = 3.0) -> str | None:
+    """Two threads call ``start`` on one writer at once, interleaved at the worst moment, the
+    same way every run: the first to read ``writer._thread`` is held there until the other
+    has reached that read too (or waits for ``writer._lock``), and, once it has set
+    ``writer._thread``, it is held again when it releases the lock, until the other's
+    ``start`` has returned. A writer that checks and starts under its lock refuses one of
+    the two; one that checks without the lock, or lets the lock go before the new thread has
+    started, runs two write phases at once. Returns None, or what went wrong."""
+    import threading
+    import time
+
+    racers: dict[int, str] = {}  # thread id -> "a" / "b"
+    arrived = {"a": threading.Event(), "b": threading.Event()}
+    returned = {"a": threading.Event(), "b": threading.Event()}
+    state = {"first": None, "setter": None, "held_at_release": False}
+    guard = threading.Lock()
+
+    def other(me: str) -> str:
+        return "b" if me == "a" else "a"
+
+    class ProbeLock:
+        def __init__(self) -> None:
+            self._inner = threading.Lock()
+
+        def acquire(self, blocking: bool = True, timeout: float = -1) -> bool:
+            me = racers.get(threading.get_ident())
+            if me is not None:
+                arrived[me].set()
+            return self._inner.acquire(blocking, timeout)
+
+        def release(self) -> None:
+            self._inner.release()
+            me = racers.get(threading.get_ident())
+            with guard:
+                hold = me is not None and state["setter"] == me and not state["held_at_release"]
+                if hold:
+                    state["held_at_release"] = True
+            if hold:
+                returned[other(me)].wait(patience_s)
+
+        def locked(self) -> bool:
+            return self._inner.locked()
+
+        __enter__ = acquire
+
+        def __exit__(self, *exc: Any) -> None:
+            self.release()
+
+    class Racing(writer_cls):  # type: ignore[misc, valid-type]
+        def __getattribute__(self, name: str) -> Any:
+            value = super().__getattribute__(name)  # read first: held with what it saw
+            if name == "_thread":
+                me = racers.get(threading.get_ident())
+                if me is not None:
+                    arrived[me].set()
+                    with guard:
+                        if state["first"] is None:
+                            state["first"] = me
+                        first = state["first"] == me
+                    if first:
+                        arrived[other(me)].wait(patience_s)
+            return value
+
+        def __setattr__(self, name: str, value: Any) -> None:
+            super().__setattr__(name, value)
+            me = racers.get(threading.get_ident()) if name == "_thread" else None
+            if me is not None:
+                with guard:
+                    if state["setter"] is None:
+                        state["setter"] = me
+
+    w = Racing()
+    w._lock = ProbeLock()
+    running, most, go = [0], [0], threading.Event()
+
+    def write() -> None:
+        with guard:
+            running[0] += 1
+            most[0] = max(most[0], running[0])
+        go.wait(patience_s)
+        with guard:
+            running[0] -= 1
+
+    outcome: dict[str, str] = {}
+
+    def racer(me: str) -> None:
+        racers[threading.get_ident()] = me
+        try:
+            w.start(write, what=f"step {1 if me == 'a' else 2}")
+            outcome[me] = "started"
+        except BaseException as e:
+            outcome[me] = type(e).__name__
+        finally:
+            returned[me].set()
+
+    threads = [threading.Thread(target=racer, args=(me,), name=f"start-race-{me}") for me in "ab"]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(4 * patience_s + 5)
+    time.sleep(0.05)  # a write phase started last has reached its counter
+    go.set()
+    try:
+        w.wait()
+    except BaseException as e:
+        return f"wait() after the race raised {type(e).__name__}: {e}"
+    try:
+        w.check_for_errors()
+    except BaseException:
+        pass
+    started = sorted(k for k, v in outcome.items() if v == "started")
+    if len(started) == 2 or most[0] > 1:
+        return ("two threads called start() at once and both write phases ran, two saves in "
+                "flight: check the thread in flight and start the new one under writer._lock, "
+                "and let the lock go only once the new thread has started (a thread that is "
+                "set in writer._thread but not started yet looks finished to the other caller)")
+    if sorted(outcome.values()) != ["MiniCkptError", "started"]:
+        return (f"two threads called start() at once: one should start and the other get "
+                f"MiniCkptError; got {outcome}")
+    return None
