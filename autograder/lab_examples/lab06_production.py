@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from .common import _answers, _cell, _replace, blank, perfect
+from .common import Wrong, _answers, _cell, _replace, blank, perfect, swap, wrong_examples
 from .hostile import ISSUE_20
 
 SAVES_IN_HANDLER = '''
@@ -113,10 +113,15 @@ def recover_at_restore(release: Any, source: Any) -> Any:
     """6.4 stops the recovery clock at the restore ('resumed from'), not at the first step
     computed again."""
     nb = perfect(release, source)
+    recover_at_restore_edit(nb)
+    return nb
+
+
+def recover_at_restore_edit(nb: Any) -> None:
+    """The edit of :func:`recover_at_restore`, on a notebook of reference answers."""
     _replace(nb, "task_6_4", '    ev = proc.wait_for(("resumed from step", "step"), deadline)\n',
              '    ev = proc.wait_for(("resumed from step", "step"), deadline)\n    first = ev[0] if ev else None\n')
     _replace(nb, "task_6_4", "rec.recover_s = ev[0] - t_kill", "rec.recover_s = first - t_kill")
-    return nb
 
 
 def loads_every_checkpoint(release: Any, source: Any) -> Any:
@@ -124,6 +129,83 @@ def loads_every_checkpoint(release: Any, source: Any) -> Any:
     nb = perfect(release, source)
     _cell(nb, "task_6_5").source = LOADS_EVERYTHING
     return nb
+
+
+# -- issue 39: the wrong-solution corpus (one clause broken per version) ----------------------
+T61, T62, T63, T64, T65 = "task_6_1", "task_6_2", "task_6_3", "task_6_4", "task_6_5"
+
+MIN_WITH_KEY = '''
+def best_checkpoint(source, metric, *, mode="min", where=None, fs=None):
+    """Task 6.5 — my version: the built-in min/max with a key."""
+    if mode not in ("min", "max"):
+        raise ValueError(f"mode must be 'min' or 'max', got {mode!r}")
+    metas = [m for m in checkpoint_metadata(source, fs=fs)
+             if metadata_matches(m, where) and metric_value(m, metric) is not None]
+    if not metas:
+        return None
+    pick = min if mode == "min" else max
+    return pick(metas, key=lambda m: metric_value(m, metric))
+'''.strip()
+
+
+def _no_waits(nb: Any) -> None:
+    """6.3 without ``wait_until_finished``: an async save may still be writing on return."""
+    _replace(nb, T63, "            manager.wait_until_finished()\n            return LoopResult(carry, step, True)",
+             "            return LoopResult(carry, step, True)")
+    _replace(nb, T63, "    manager.wait_until_finished()\n    return LoopResult(carry, step, False)",
+             "    return LoopResult(carry, step, False)")
+
+
+WRONG: list[Wrong] = [
+    # 6.1
+    Wrong("6.1", "raises ValueError for a save cost that is not >= 0, NaN included (tests `< 0`)",
+          swap(T61, "if not save_cost_s >= 0:  # also False for NaN", "if save_cost_s < 0:")),
+    Wrong("6.1", "an unknown method raises ValueError, never falls back silently to a formula (to Daly)",
+          swap(T61, 'if method != "daly":', 'if method is None:  # anything else: Daly')),
+    Wrong("6.1", "from C >= 2M on, Daly's rule is tau = M (the expansion used past its range)",
+          swap(T61, "    if c >= 2.0 * m:\n        return m\n", "")),
+    # 6.2
+    Wrong("6.2", "relative error below 1e-6 for segments far shorter than the MTBF (exp(x) - 1, not expm1)",
+          swap(T62, "m - seg / math.expm1(seg / m)", "m - seg / (math.exp(seg / m) - 1.0)")),
+    Wrong("6.2", "p_fail: relative error below 1e-6 for rare interruptions (1 - (1 - p)**n, not log1p)",
+          swap(T62, "return -math.expm1(n * math.log1p(-p)) if p < 1.0 else float(n > 0)",
+               "return 1.0 - (1.0 - p) ** n")),
+    Wrong("6.2", "p_fail raises ValueError when p is not a probability, NaN included (tests p < 0 or p > 1)",
+          swap(T62, "if not 0.0 <= p <= 1.0:", "if p < 0.0 or p > 1.0:")),
+    Wrong("6.2", "a failure also costs the restart R (left out of the uniform model)",
+          swap(T62, "return seg / 2.0 + restart_s", "return seg / 2.0")),
+    # 6.3
+    Wrong("6.3", "every save it started is on disk when it returns (no wait_until_finished: an async save "
+          "may still be writing)", _no_waits),
+    Wrong("6.3", "after a notice no step is lost: the step the manager names is offered to save before "
+          "the loop stops (reached_preemption asked first)", swap(T63, PREEMPTION_LAST, PREEMPTION_FIRST)),
+    Wrong("6.3", "the manager sees every step with its metrics (save without metrics=)",
+          swap(T63, "manager.save(step, items(carry), metrics=metrics)", "manager.save(step, items(carry))")),
+    Wrong("6.3", "on_step runs before the manager is offered the step (called after save: a notice in "
+          "on_step comes one step late)",
+          swap(T63, "        if on_step is not None:\n            on_step(step, carry, metrics)\n"
+               "        manager.save(step, items(carry), metrics=metrics)\n",
+               "        manager.save(step, items(carry), metrics=metrics)\n"
+               "        if on_step is not None:\n            on_step(step, carry, metrics)\n")),
+    # 6.4
+    Wrong("6.4", "recover_s runs to the first step computed, not to the restore",
+          recover_at_restore_edit),
+    Wrong("6.4", "a process that found no checkpoint started from scratch: resumed_from = 0 (left None)",
+          swap(T64, "        rec.resumed_from = 0  # no checkpoint yet: started from scratch\n", "        pass\n")),
+    Wrong("6.4", "raises DrillError when the new process ends without training again (returns 0 instead)",
+          swap(T64, '    if ev is None:\n        raise DrillError(f"the restarted worker ended without computing a step:\\n"\n'
+               '                         f"{proc.stderr_tail()}")\n',
+               "    if ev is None:\n        rec.resumed_from = 0\n        return 0\n")),
+    # 6.5
+    Wrong("6.5", "on a tie the newer step wins (min/max with a key keep the first, older one)",
+          lambda nb: setattr(_cell(nb, T65), "source", MIN_WITH_KEY)),
+    Wrong("6.5", "on a tie the newer step wins whatever the order of source (ties go to the later in the list)",
+          swap(T65, "key = (v if mode == \"max\" else -v, meta.step if meta.step is not None else -1)\n"
+               "        if best_key is None or key > best_key:",
+               "key = v if mode == \"max\" else -v\n        if best_key is None or key >= best_key:")),
+    Wrong("6.5", "raises ValueError for any mode but 'min' and 'max' (anything else read as 'min')",
+          swap(T65, '    if mode not in ("min", "max"):\n        raise ValueError(f"mode must be \'min\' or \'max\', got {mode!r}")\n', "")),
+]
 
 
 EXAMPLES = {
@@ -136,5 +218,6 @@ EXAMPLES = {
     "checks_before_save": checks_before_save,
     "recover_at_restore": recover_at_restore,
     "loads_every_checkpoint": loads_every_checkpoint,
+    **wrong_examples(WRONG),
     **ISSUE_20,  # issue 20's four classes in one submission (cheap: see make_examples)
 }

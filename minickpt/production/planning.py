@@ -36,8 +36,9 @@ def optimal_interval(save_cost_s: float, mtbf_s: float, *, method: str = "daly")
     """Task 6.1 — the compute time τ between saves that minimises the expected run time.
 
     ``"young"``: Young's first-order optimum (1974); ``"daly"``: Daly's higher-order one
-    (2006), which stays accurate when saves are not cheap compared with the MTBF, and is the
-    MTBF itself once C >= 2M (chapter 6, section 2). C >= 0 and M > 0 share a time unit, which
+    (2006), which stays accurate when saves are not cheap compared with the MTBF (chapter 6,
+    section 2), and is the MTBF itself once C >= 2M (Daly's own rule, where his expansion
+    stops holding). C >= 0 and M > 0 share a time unit, which
     the float result has; anything else (an unknown method, NaN) is a ValueError.
     """
     if not save_cost_s >= 0:  # also False for NaN
