@@ -558,7 +558,7 @@ class TestCorpusLab01(_Corpus):
     @GRADING
     def test_the_feedback_teaches(self, corpus):
         page = _feedback(corpus, "partial")  # the teaching message is there
-        assert "compare step numbers, not names" in page and "13 / 26 points" in page
+        assert "newest means the largest" in page and "13 / 26 points" in page
         out = corpus["runs"]["lab01_basics"]["out"]
         with open(out / "grades-lab01_basics.csv") as f:
             rows = {row["student"]: row for row in csv.DictReader(f)}
