@@ -147,14 +147,17 @@ class SlowDisk(FileSystem):
 
 
 def worker(ckpt_dir: str, total: int, every: int, sleep: float, *, preemptible: bool = False,
-           slow_fsync: float = 0.0, monitor: bool = False, forget_rng: bool = False) -> None:
+           slow_fsync: float = 0.0, monitor: bool = False, forget_rng: bool = False,
+           lockstep: bool = False) -> None:
     """Train to ``total`` steps, saving every ``every``, resuming from the latest checkpoint.
 
     Prints one line per event, the protocol :mod:`minickpt.production.drill` reads:
     ``resumed from step N``, ``step N`` (step N computed), ``saving step N`` (a save begins),
     ``saved step N``, then ``final <fingerprint>`` or ``preempted at step N``.
     ``forget_rng`` resumes with a fresh dropout key instead of the saved one: the mistake a
-    drill must catch.
+    drill must catch. ``lockstep`` waits for a line on stdin after each ``step N`` line, so a
+    reader that kills the worker after step N does so before step N + 1 begins, however far
+    behind the reader runs on a loaded machine.
     """
     from . import CheckpointManager, CheckpointManagerOptions
     from .production.preemption import PreemptionHandler, train_until_preempted
@@ -191,6 +194,8 @@ def worker(ckpt_dir: str, total: int, every: int, sleep: float, *, preemptible: 
 
         def on_step(step: int, carry: Any, metrics: Any) -> None:
             print(f"step {step}", flush=True)
+            if lockstep and not sys.stdin.readline():
+                raise SystemExit(f"the drill went away after step {step}")
             if mngr.should_save(step):
                 print(f"saving step {step}", flush=True)
 
@@ -215,10 +220,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--slow-fsync", type=float, default=0.0, help=argparse.SUPPRESS)
     p.add_argument("--monitor", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--forget-rng", action="store_true", help=argparse.SUPPRESS)
+    p.add_argument("--lockstep", action="store_true", help=argparse.SUPPRESS)
     a = p.parse_args(argv)
     if a.worker:
         worker(a.dir, a.steps, a.every, a.sleep, preemptible=a.preemptible,
-               slow_fsync=a.slow_fsync, monitor=a.monitor, forget_rng=a.forget_rng)
+               slow_fsync=a.slow_fsync, monitor=a.monitor, forget_rng=a.forget_rng,
+               lockstep=a.lockstep)
         return 0
 
     ckpt_dir = a.dir or tempfile.mkdtemp(prefix="minickpt-demo-")
@@ -233,10 +240,12 @@ def main(argv: list[str] | None = None) -> int:
            "--steps", str(a.steps), "--every", str(a.every)]
     print(f"2. the same run in a subprocess, saving every {a.every} steps into {ckpt_dir}")
     env = helper_env()  # JAX_PLATFORMS=cpu: this process may hold the only accelerator
-    proc = subprocess.Popen([*cmd, "--sleep", "0.02"], stdout=subprocess.PIPE, text=True,
-                            env=env)
+    # lockstep: the worker waits for a line from us after each step, so the kill lands right
+    # after step kill_at, not wherever the worker had got to by the time we read its line
+    proc = subprocess.Popen([*cmd, "--sleep", "0.02", "--lockstep"], stdout=subprocess.PIPE,
+                            stdin=subprocess.PIPE, text=True, env=env)
     killed_at = None
-    assert proc.stdout is not None
+    assert proc.stdout is not None and proc.stdin is not None
     deadline = time.monotonic() + 300
     for line in proc.stdout:
         if line.startswith("step ") and int(line.split()[1]) >= a.kill_at:
@@ -246,6 +255,9 @@ def main(argv: list[str] | None = None) -> int:
         if time.monotonic() > deadline:
             proc.kill()
             break
+        if line.startswith("step "):
+            proc.stdin.write("\n")
+            proc.stdin.flush()
     proc.wait(timeout=60)
     print(f"   killed with SIGKILL after step {killed_at} (exit code {proc.returncode})")
     print("3. restarting it: it finds the latest checkpoint and resumes")

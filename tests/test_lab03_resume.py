@@ -76,6 +76,8 @@ def test_the_drill_runs_the_students_resume_in_a_killed_process():
     assert runs[1]["on_disk"] == runs[1]["resumed_from"] == 5, out
     assert runs[2]["on_disk"] == runs[2]["resumed_from"] == 10, out
     assert runs[2]["steps"] == list(range(11, 16)) and out["diff"] is None, out
+    # lockstep: nothing ran past the step it was killed after, however slow this reader was
+    assert runs[0]["steps"] == list(range(1, 9)) and runs[1]["steps"] == list(range(6, 13)), out
     assert labkit.drill_message(out) is None
 
 
@@ -99,6 +101,13 @@ def test_the_drill_message_names_what_a_wrong_resume_did():
     msg = labkit.drill_message(record([killed, fine], diff="state/opt_state/0/mu: values differ"))
     assert "Adam's moments" in msg and "opt_state" in msg
     assert labkit.drill_message(record([killed, fine])) is None
+    # a restart that finds the last step committed has nothing to compute: that is right
+    done = {"on_disk": 15, "resumed_from": 15, "steps": [], "killed_after": None, "rc": 0,
+            "err": ""}
+    assert labkit.drill_message(record([killed, done])) is None
+    idle = {"on_disk": 10, "resumed_from": 10, "steps": [], "killed_after": None, "rc": 0,
+            "err": ""}
+    assert "expected [11]" in labkit.drill_message(record([killed, idle]))
 
 
 @pytest.mark.task("3.4")

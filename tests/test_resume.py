@@ -59,6 +59,7 @@ def test_demo_kills_and_resumes_identically(tmp_path):
                           "--steps", "30", "--every", "5", "--kill-at", "17"],
                          capture_output=True, text=True, timeout=240)
     assert out.returncode == 0, out.stdout + out.stderr
+    assert "killed with SIGKILL after step 17 " in out.stdout  # lockstep: exactly there
     assert "resumed from step 15" in out.stdout
     assert "identical to the uninterrupted one: YES" in out.stdout
 

@@ -74,7 +74,7 @@ ns = _w.namespace(labkit.lab3_namespace())
 with open(sys.argv[1]) as f:
     exec(compile(f.read(), "your resume (task 3.3)", "exec"), ns)
 with _plug(_w.wrap(ns["resume"])):
-    _run(_argv[2], int(_argv[3]), int(_argv[4]), float(_argv[5]))
+    _run(_argv[2], int(_argv[3]), int(_argv[4]), float(_argv[5]), lockstep=True)
 """
 
 
@@ -136,6 +136,14 @@ def lab3_drill(resume_fn: Callable[..., Any], *, steps: int = 15, every: int = 5
     chance = random.SystemRandom()  # the kill steps: chosen by nobody
     out: dict[str, Any] = {"steps": steps, "every": every, "runs": []}
 
+    def go_on(proc: subprocess.Popen[str]) -> None:
+        try:
+            assert proc.stdin is not None
+            proc.stdin.write("\n")
+            proc.stdin.flush()
+        except OSError:
+            pass  # it died: what it printed says how
+
     def latest(ckpt: str) -> int | None:
         if not os.path.isdir(ckpt):
             return None
@@ -158,8 +166,10 @@ def lab3_drill(resume_fn: Callable[..., Any], *, steps: int = 15, every: int = 5
             run: dict[str, Any] = {"on_disk": latest(ckpt), "killed_after": None,
                                    "resumed_from": 0, "steps": []}
             out["runs"].append(run)
+            # lockstep: the worker waits for our line after each step, so the kill lands
+            # right after the step we chose even when this process runs behind
             proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                                    stdin=subprocess.DEVNULL, text=True, env=env,
+                                    stdin=subprocess.PIPE, text=True, env=env,
                                     pass_fds=reports.pass_fds)
             target = None
             try:
@@ -181,6 +191,7 @@ def lab3_drill(resume_fn: Callable[..., Any], *, steps: int = 15, every: int = 5
                             proc.send_signal(signal.SIGKILL)
                             run["killed_after"] = step
                             break
+                        go_on(proc)
                     elif line.startswith("final "):
                         run["final"] = line.split()[1]
                 rest, err = proc.communicate(timeout=timeout_s)
@@ -251,7 +262,7 @@ def drill_message(r: Mapping[str, Any]) -> str | None:
             return story + (f"{said}. resume should restore the newest checkpoint and return "
                             "t_ckpt + 1 as the first step")
         want = list(range(disk + 1, disk + 1 + len(run["steps"])))
-        if not run["steps"] or run["steps"] != want:
+        if run["steps"] != want or (not run["steps"] and disk < r["steps"]):
             return story + (f"it computed steps {run['steps'][:6]}..., expected "
                             f"{want[:6] or [disk + 1]}... (each step once, from t_ckpt + 1)")
     last = runs[-1]
