@@ -36,6 +36,11 @@ from typing import Any
 from .referee import RECEIPT
 
 HIDDEN_BEGIN, HIDDEN_END = "### BEGIN HIDDEN TESTS", "### END HIDDEN TESTS"
+CHECK_BEGIN, CHECK_END = "### BEGIN GRADER CHECK", "### END GRADER CHECK"
+"""Inside a test's hidden part: code the grader runs in its own process, never the kernel, on
+the values the kernel reports (the names the block reads that it does not define). Where a
+test compares with minickpt's own result, that comparison lives here: neither the reference
+nor the expected values are ever in the student's process."""
 SOLUTION_BEGIN, SOLUTION_END = "### BEGIN SOLUTION", "### END SOLUTION"
 TEST_RE = re.compile(r"^test_(\d+)_(\d+)_")
 QUIZ_RE = re.compile(r"^test_quiz_")
@@ -58,6 +63,20 @@ def _text(source: Any) -> str:
     if isinstance(source, list) and all(isinstance(s, str) for s in source):
         return "".join(source)
     return ""
+
+
+def split_grader_check(source: str) -> tuple[str, str]:
+    """(what the kernel runs, what the grader runs) of a test cell: the cell without its
+    grader-check blocks, and those blocks' lines, dedented. ("", "") parts where none."""
+    kernel, check, inside = [], [], False
+    for line in source.split("\n"):
+        if CHECK_BEGIN in line:
+            inside = True
+        elif CHECK_END in line:
+            inside = False
+        else:
+            (check if inside else kernel).append(line)
+    return "\n".join(kernel), textwrap.dedent("\n".join(check)).strip("\n")
 
 
 def split_hidden(source: str) -> tuple[str, str]:
@@ -180,6 +199,8 @@ def load_lab(path: Path) -> Lab:
             except SyntaxError as e:
                 raise ValueError(f"{path}: the hidden part of quiz test {gid} must be code that "
                                  f"runs on its own (it is checked outside the kernel): {e}") from e
+        elif role == "test" and CHECK_BEGIN in source:
+            _check_block(path, gid, source)
         cells.append(lab_cell)
     if not any(c.role == "setup" for c in cells):
         raise ValueError(f"{path}: the lab has no setup cell (grade_id 'setup...', locked)")
@@ -277,15 +298,35 @@ class Assembled:
 
 
 def _quiz_names(hidden: str) -> tuple[str, ...]:
-    """The names a quiz's hidden check reads that the grader does not provide: the answers."""
+    """The names a quiz's hidden check (or a test's grader check) reads that the grader does
+    not provide and the check does not define: the values the kernel reports."""
     import builtins
 
     provided = set(HOST_QUIZ_NAMES) | {"lab", "np", "math"} | set(vars(builtins))
     tree = ast.parse(hidden)
     assigned = {n.id for n in ast.walk(tree) if isinstance(n, ast.Name)
-                and isinstance(n.ctx, ast.Store)}
+                and isinstance(n.ctx, ast.Store | ast.Del)}
+    assigned |= {n.name for n in ast.walk(tree)
+                 if isinstance(n, ast.FunctionDef | ast.AsyncFunctionDef | ast.ClassDef)}
+    assigned |= {n.arg for n in ast.walk(tree) if isinstance(n, ast.arg)}
+    assigned |= {(a.asname or a.name).split(".")[0] for n in ast.walk(tree)
+                 if isinstance(n, ast.Import | ast.ImportFrom) for a in n.names}
     return tuple(sorted({n.id for n in ast.walk(tree) if isinstance(n, ast.Name)
                          and isinstance(n.ctx, ast.Load)} - provided - assigned))
+
+
+def _check_block(path: Path, gid: str, source: str) -> None:
+    """A test's grader check must lie inside its hidden part and compile on its own."""
+    visible, hidden = split_hidden(source)
+    if CHECK_BEGIN in visible or CHECK_BEGIN not in hidden or CHECK_END not in hidden:
+        raise ValueError(f"{path}: test {gid}: a '{CHECK_BEGIN}' block must open and close "
+                         "inside the hidden tests (students never see it)")
+    _, check = split_grader_check(source)
+    try:
+        compile(check, f"<{gid} grader check>", "exec")
+    except SyntaxError as e:
+        raise ValueError(f"{path}: test {gid}: its grader check must be code that runs on its "
+                         f"own (it runs in the grader, not the kernel): {e}") from e
 
 
 def sign(key: bytes, text: str) -> str:
@@ -377,8 +418,9 @@ def assemble(lab: Lab, student: list[StudentCell], *, referee_path: str, key_fil
             if lc.role == "quiz":
                 report = _quiz_names(hidden)
                 text = visible
-            else:
-                report, text, hidden = (), lc.source, ""
+            else:  # the grader check (if any) stays here; the kernel reports what it reads
+                text, hidden = split_grader_check(lc.source)
+                report = _quiz_names(hidden) if hidden else ()
             mac = sign(key, f"{nonce}|test|{lc.grade_id}|{report!r}|{text}")
             sealed = seal_text(key, nonce, lc.grade_id, text)
             run = f"__referee__.test({lc.grade_id!r}, {sealed!r}, {mac!r}, {report!r})"
@@ -611,8 +653,9 @@ def decode_answer(tree: Any) -> Any:
 
 
 def judge_quiz(hidden: str, answers: dict[str, Any]) -> str | None:
-    """Run a quiz's hidden check in the grader on the reported answers: None if it passes,
-    else the message the student reads."""
+    """Run a quiz's hidden check (or a test's grader check) in the grader on the reported
+    values: None if it passes, else the message the student reads. A value the kernel could
+    not report as a plain literal is :class:`Unreadable`: it matches nothing."""
     import math
 
     import numpy as np
@@ -758,7 +801,7 @@ def grade_cells(asm: Assembled, executed: list[list[dict[str, Any]]],
             g.message = "the referee's report could not be read"
             grades.append(g)
             continue
-        if cell.role == "quiz":
+        if cell.hidden:  # the quiz's check, or the test's grader check: run here
             failed = judge_quiz(cell.hidden, answers)
             if failed:
                 g.message = failed

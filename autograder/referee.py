@@ -75,7 +75,7 @@ def _internal(name: str) -> bool:
     """IPython's own names in the user namespace (``_``, ``_i3``, ``_oh`` ...) and dunders."""
     return name in IPYTHON_NAMES or (name.startswith("__") and name.endswith("__")) or \
         re_fullmatch(r"_+|_i+|_i?\d+|_(ih|oh|dh)", name) is not None
-MAX_ANSWER = 10_000  # characters of one reported answer
+MAX_ANSWER = 200_000  # characters of one reported value (a quiz answer, a grader check's input)
 MAX_CELL_OUTPUT = 8 << 20
 """Characters a cell may print through ``sys.stdout``/``sys.stderr``; then ``print`` raises.
 A flood stops where it starts, the same way on every run (the grader also bounds what

@@ -10,6 +10,7 @@ from typing import Any
 import jax
 import numpy as np
 
+from .devices import shard
 from .plugging import reference
 
 
@@ -142,9 +143,60 @@ def donating_train_step() -> Callable[..., Any]:
 
 
 def _host_truth(tree: Any) -> Any:
-    """An independent copy of every leaf as it is now (the reference snapshot)."""
-    fn = reference("snapshot_leaf")
-    return jax.tree_util.tree_map(lambda x: fn(x), tree)
+    """An independent copy of every leaf as it is now: lab 1's ``to_host`` with a copy, not
+    task 5.1's code (a lab 5 check never runs the reference of a lab 5 task)."""
+    from ..tree import to_host
+
+    return jax.tree_util.tree_map(lambda x: to_host(x, copy=True), tree)
+
+
+def snapshot_cases() -> list[Any]:
+    """The leaves task 5.1's hidden test photographs: every kind minickpt stores."""
+    import jax.numpy as jnp
+
+
+    return [np.float64(2.5), np.int8(-3), np.array(7, np.uint16), np.ones((2, 3), jnp.bfloat16),
+            shard(jnp.arange(64.0).reshape(8, 8)), jnp.zeros((0, 3)), jax.random.key(1),
+            "text", 0, np.zeros((2, 0), np.float32), jnp.asarray(True)]
+
+
+def describe_leaf(x: Any) -> tuple[Any, ...]:
+    """A snapshot as plain values (kind, dtype, shape, bytes in hex), which the kernel can
+    report and the grader compare: a test's expected snapshot is never in the kernel."""
+    from ..tree import HostKey
+
+    if type(x) is np.ndarray:
+        return ("ndarray", str(x.dtype), tuple(int(n) for n in x.shape), x.tobytes().hex())
+    if type(x) is HostKey:
+        data = np.asarray(x.data)
+        return ("HostKey", str(x.impl), str(data.dtype), data.tobytes().hex())
+    if type(x) in (bool, int, float, str, type(None)):
+        return (type(x).__name__, repr(x))
+    return (type(x).__name__, "?")
+
+
+def random_timelines(n: int, *, seed: int) -> list[tuple[list[tuple[float, float]],
+                                                         list[tuple[float, float, float]]]]:
+    """``n`` random training timelines for task 5.3: (steps, saves in a shuffled order), one
+    save in flight at a time, as a real async run makes them. The same for the same seed, in
+    the kernel and in the grader."""
+    rng = np.random.default_rng(seed)
+    out = []
+    for _ in range(n):
+        t, steps, saves, prev_end = 0.0, [], [], 0.0
+        for _i in range(int(rng.integers(1, 15))):
+            d = float(rng.uniform(0.01, 0.2))
+            steps.append((t, t + d))
+            t += d + float(rng.uniform(0, 0.05))
+            if rng.random() < 0.4:
+                start = t
+                unblocked = max(t, prev_end) + float(rng.uniform(0, 0.02))
+                end = unblocked + float(rng.uniform(0.01, 0.6))
+                saves.append((start, unblocked, end))
+                prev_end, t = end, unblocked
+        order = rng.permutation(len(saves))
+        out.append((steps, [saves[j] for j in order]))
+    return out
 
 
 def async_training_run(directory: str, *, steps: int = 4, every: int = 2,
