@@ -126,6 +126,7 @@ from .plugging import (
 )
 from .temporaries import (
     flip_byte,
+    logged,
     quiet_stderr,
     tempdir,
 )
@@ -180,6 +181,7 @@ __all__ = [
     "lab4_values",
     "lab6_carry",
     "listing",
+    "logged",
     "mesh",
     "no_array_reads",
     "ownership_message",
