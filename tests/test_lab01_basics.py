@@ -89,3 +89,23 @@ def test_dtype_names_say_what_the_numbers_are_never_their_byte_order():
     big = np.arange(5, dtype=">f4")
     entry, buf = plan_leaf(("big",), big)
     assert entry["dtype"] == "float32" and bytes(buf) == big.astype("<f4").tobytes()
+
+
+@pytest.mark.task("1.4")
+def test_a_fresh_start_says_why_on_minickpts_log_and_logged_leaves_the_log_as_it_was(tmp_path):
+    """The clause 1.4's visible test checks with ``lab.logged``: returning the target, the
+    reference says why on minickpt's log, naming the directory it looked in (an empty one, or
+    one that does not exist yet). Catching the records changes the log only while it lasts."""
+    import logging
+
+    log = logging.getLogger("minickpt")
+    level, handlers = log.level, list(log.handlers)
+    restore = labkit.reference("restore_checkpoint")
+    target = {"w": np.zeros(2)}
+    for where in (str(tmp_path), str(tmp_path / "not-yet")):
+        with labkit.logged() as records:
+            assert restore(where, target) is target
+            logging.getLogger("minickpt.deeper").debug("not at INFO: not caught")
+        said = [r.getMessage() for r in records]
+        assert len(said) == 1 and where in said[0] and records[0].levelno == logging.INFO, said
+    assert (log.level, log.handlers) == (level, handlers)

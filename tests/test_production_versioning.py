@@ -121,13 +121,27 @@ def test_select_best_by_metric_mode_and_metadata():
         select_best(ms, "loss", mode="lowest")
 
 
-@given(st.lists(st.tuples(st.floats(allow_nan=True, allow_infinity=False, width=32),
+@pytest.mark.task("6.5")
+def test_a_non_finite_metric_never_wins_whatever_the_mode():
+    """A usable value is a finite number: NaN, +inf and -inf are what a diverged run reports,
+    and the manager's ``best_step`` never names such a checkpoint (chapter 2)."""
+    inf = float("inf")
+    ms = [_meta(0, {"loss": 0.5}), _meta(1, {"loss": -inf}), _meta(2, {"loss": 0.4}),
+          _meta(3, {"loss": inf}), _meta(4, {"loss": float("nan")})]
+    assert select_best(ms, "loss").step == 2
+    assert select_best(ms, "loss", mode="max").step == 0
+    assert select_best(ms, lambda m: m["loss"] * 10).step == 2
+    assert select_best([m for m in ms if m.step in (1, 3, 4)], "loss") is None
+    assert select_best([m for m in ms if m.step in (1, 3, 4)], "loss", mode="max") is None
+
+
+@given(st.lists(st.tuples(st.floats(allow_nan=True, allow_infinity=True, width=32),
                           st.sampled_from(["a", "b"])), max_size=12),
        st.sampled_from(["min", "max"]))
 def test_select_best_is_no_worse_than_any_match(rows, mode):
     ms = [_meta(i, {"m": v}, tag=t) for i, (v, t) in enumerate(rows)]
     best = select_best(ms, "m", mode=mode, where={"tag": "a"})
-    ok = [m for m in ms if m.custom_metadata["tag"] == "a" and not np.isnan(m.metrics["m"])]
+    ok = [m for m in ms if m.custom_metadata["tag"] == "a" and np.isfinite(m.metrics["m"])]
     if not ok:
         assert best is None
         return

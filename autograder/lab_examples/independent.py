@@ -323,7 +323,7 @@ LAB6_BEST = """def best_checkpoint(source: Any, metric: str | Callable[[Mapping[
         if not metadata_matches(meta, where):
             continue
         value = metric_value(meta, metric)
-        if value is None:
+        if value is None or not math.isfinite(value):  # a diverged run's ±inf is no score
             continue
         step = -1 if meta.step is None else meta.step
         if chosen is None or sign * value > score[0] or (sign * value == score[0] and step > score[1]):

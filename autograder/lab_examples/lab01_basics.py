@@ -792,6 +792,13 @@ WRONG: list[Wrong] = [
                ":")),
     Wrong("1.4", "newest means the largest step number, not the last name in sorted order",
           lambda nb: setattr(_cell(nb, "task_1_4"), "source", LEXICAL_RESTORE)),
+    Wrong("1.4", "it tells the log (log.info) why it returns the target, naming the directory: "
+                 "a silent fresh start goes unnoticed",
+          lambda nb: (_replace(nb, "task_1_4", '        log.info("minickpt: no checkpoint directory at %s; '
+                               'returning the target unchanged",\n                 ckpt_dir)\n', ""),
+                      _replace(nb, "task_1_4", '            log.info("minickpt: found no checkpoint in %s with '
+                               'prefix %r; returning the target "\n                     "unchanged", '
+                               'ckpt_dir, prefix)\n', ""))),
 ]
 
 

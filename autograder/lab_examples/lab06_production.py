@@ -51,7 +51,7 @@ def best_checkpoint(source, metric, *, mode="min", where=None, fs=None):
     best, best_key = None, None
     for meta in metas:
         v = metric_value(meta, metric)
-        if not metadata_matches(meta, where) or v is None:
+        if not metadata_matches(meta, where) or v is None or not math.isfinite(v):
             continue
         key = (v if mode == "max" else -v, meta.step)
         if best_key is None or key > best_key:
@@ -140,7 +140,8 @@ def best_checkpoint(source, metric, *, mode="min", where=None, fs=None):
     if mode not in ("min", "max"):
         raise ValueError(f"mode must be 'min' or 'max', got {mode!r}")
     metas = [m for m in checkpoint_metadata(source, fs=fs)
-             if metadata_matches(m, where) and metric_value(m, metric) is not None]
+             if metadata_matches(m, where) and metric_value(m, metric) is not None
+             and math.isfinite(metric_value(m, metric))]
     if not metas:
         return None
     pick = min if mode == "min" else max
@@ -205,6 +206,10 @@ WRONG: list[Wrong] = [
                "key = v if mode == \"max\" else -v\n        if best_key is None or key >= best_key:")),
     Wrong("6.5", "raises ValueError for any mode but 'min' and 'max' (anything else read as 'min')",
           swap(T65, '    if mode not in ("min", "max"):\n        raise ValueError(f"mode must be \'min\' or \'max\', got {mode!r}")\n', "")),
+    Wrong("6.5", "a usable value is a finite number: a diverged run's -inf loss (or +inf) never wins "
+          "(only metric_value's None skipped)",
+          swap(T65, "if v is None or not math.isfinite(v):  # ±inf compares, but is a diverged run's value",
+               "if v is None:")),
 ]
 
 

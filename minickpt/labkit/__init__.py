@@ -129,6 +129,7 @@ from .plugging import (
 )
 from .temporaries import (
     flip_byte,
+    logged,
     quiet_stderr,
     tempdir,
 )
@@ -184,6 +185,7 @@ __all__ = [
     "lab4_values",
     "lab6_carry",
     "listing",
+    "logged",
     "mesh",
     "no_array_reads",
     "ownership_message",

@@ -123,8 +123,10 @@ def best_checkpoint(source: Any, metric: str | Callable[[Mapping[str, Any]], Any
     ``source`` is a manager, a run directory or a list of metadata (see
     :func:`checkpoint_metadata`); ``metric`` and ``where`` as :func:`metric_value` and
     :func:`metadata_matches` read them. ``mode`` is ``"min"`` (a loss) or ``"max"`` (an
-    accuracy); anything else is a ValueError. A checkpoint without a usable value never wins;
-    on a tie the newer step does; None when no checkpoint qualifies.
+    accuracy); anything else is a ValueError. A checkpoint without a usable value, a finite
+    number, never wins: NaN and ±inf are what a diverged run reports, and the manager's
+    ``best_step`` never names such a checkpoint either. On a tie the newer step wins; None
+    when no checkpoint qualifies.
     """
     if mode not in ("min", "max"):
         raise ValueError(f"mode must be 'min' or 'max', got {mode!r}")
@@ -133,7 +135,7 @@ def best_checkpoint(source: Any, metric: str | Callable[[Mapping[str, Any]], Any
         if not metadata_matches(meta, where):
             continue
         v = metric_value(meta, metric)
-        if v is None:
+        if v is None or not math.isfinite(v):  # ±inf compares, but is a diverged run's value
             continue
         key = (v if mode == "max" else -v, meta.step if meta.step is not None else -1)
         if best_key is None or key > best_key:
