@@ -462,7 +462,7 @@ if ready("figure of section 1b", "sharded"):
 # 2. The primary creates the temporary directory — **barrier `created`**.
 # 3. Every process writes and fsyncs the shards it owns (task 4.2) — **barrier `written`**.
 # 4. The primary writes the manifests (listing every process's shard files) and the metadata, and
-#    commits: fsync, rename, fsync of the parent (chapter 2) — **barrier `committed`**; only then
+#    commits the step as one process would (lab task 2.3) — **barrier `committed`**; only then
 #    does `save` return anywhere (task 4.3).
 #
 # Every barrier has a time-out: a process that never arrives is named on every survivor, and
