@@ -236,9 +236,10 @@ def read_metadata(fs: FileSystem, path: str, *, step: int | None = None) -> Chec
     except ValueError as e:
         raise CheckpointCorruptedError(mpath, str(e)) from e
     obj = parse_json(raw, mpath, "metadata")
+    if isinstance(obj, dict):  # checksum first: a flipped byte in "format" or its version is
+        _check_metadata_crc(raw, obj, mpath)  # damage, not another format to leave alone
     if not isinstance(obj, dict) or obj.get("format") != FORMAT_NAME:
         raise FormatVersionError(mpath, "not a minickpt checkpoint")
-    _check_metadata_crc(raw, obj, mpath)
     v = obj.get("format_version")
     if not isinstance(v, int) or isinstance(v, bool) or not 1 <= v <= MAX_FORMAT_VERSION:
         raise FormatVersionError(mpath, f"format version {v!r} is not one this minickpt reads "

@@ -104,3 +104,29 @@ def test_restored_values_are_the_saved_ones(template):
     for s in (1, 2, 3):
         check_items(m.restore(s), s)
     assert np.array_equal(m.restore(2)["params"]["w"], items(2)["params"]["w"])
+
+
+@pytest.mark.timeout(120)
+def test_a_damaged_metadata_file_is_set_aside_so_the_resumed_run_saves_again(tmp_path):
+    """A flipped byte anywhere in the newest step's metadata (its format name or version
+    included) is damage, not a newer format: the fallback moves the step aside, and the run
+    that resumed from the step before saves that step again (found by a student: a flip at
+    byte 5 left step 4 in place, so save(3) returned False and save(4) raised)."""
+    def run(where):
+        d = tmp_path / f"run-{where}"
+        with CheckpointManager(d) as m:
+            m.save(2, {"x": {"w": np.full(3, 2.0)}})
+            m.save(4, {"x": {"w": np.full(3, 4.0)}})
+        meta = d / "step_4" / "_CHECKPOINT_METADATA"
+        raw = bytearray(meta.read_bytes())
+        raw[raw.index(where) + len(where) + 3] ^= 0x01  # the value's second character
+        meta.write_bytes(bytes(raw))
+        with CheckpointManager(d) as m, warnings.catch_warnings(record=True):
+            warnings.simplefilter("always")
+            assert m.restore().step == 2
+            assert m.all_steps() == [2], where
+            assert m.save(4, {"x": {"w": np.full(3, 4.5)}})
+        assert any(".minickpt-damaged-" in n for n in os.listdir(d))
+
+    for where in (b'"format"', b'"format_version"', b'"step"'):
+        run(where)
