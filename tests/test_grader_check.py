@@ -33,7 +33,7 @@ pytestmark = pytest.mark.timeout(300)
 STILL_IN_THE_KERNEL = {
     "lab01_basics": set(),
     "lab02_save_policy": set(),
-    "lab03_resume": {"test_3_4_migrate"},
+    "lab03_resume": set(),
     "lab04_multihost": set(),
     "lab05_async": set(),
     "lab06_production": set(),

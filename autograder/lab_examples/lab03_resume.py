@@ -95,6 +95,14 @@ WRONG: list[Wrong] = [
           "propagates, no fallback",
           swap("task_3_1", _DAMAGE, "        except (CheckpointCorruptedError, CheckpointTooLargeError,"
                " KeyError, ValueError) as e:  # a bad manifest")),
+    Wrong("3.1", "only too large *for this checkpoint* is given up: a plain MemoryError (the "
+          "program ran out now) propagates (fresh-student trial)",
+          swap("task_3_1", _DAMAGE, "        except (CheckpointCorruptedError, MemoryError) as e:"
+               "  # too large to restore")),
+    Wrong("3.1", "a file that is missing or unreadable *now* (ENOENT, EACCES) says the disk or "
+          "the caller is failing: it propagates (fresh-student trial)",
+          swap("task_3_1", _DAMAGE, "        except (CheckpointCorruptedError, CheckpointTooLargeError,"
+               " FileNotFoundError, PermissionError) as e:  # a file of the step is gone")),
     Wrong("3.1", "the one final error names every step tried *and why it failed*",
           swap("task_3_1", _FINAL,
                '    raise CheckpointCorruptedError(directory, "no checkpoint can be restored: "\n'
@@ -146,6 +154,10 @@ WRONG: list[Wrong] = [
           swap("task_3_4", _HINT,
                '        hint = ("Fix the rename rules, or pass allow_cast=True to cast dtypes, or "\n'
                '                "fill_missing=True to keep the new model\'s initial values")\n')),
+    Wrong("3.4", "report.renamed lists each saved path the rules *changed*, not every leaf "
+          "(fresh-student trial)",
+          swap("task_3_4", "        if new != old:\n            report.renamed[old] = new\n",
+               "        report.renamed[old] = new\n")),
     Wrong("3.4", "one error lists every problem found: duplicates together with the others",
           swap("task_3_4", _DUPS,
                _DUPS + "    if problems:  # a rename clash makes the rest meaningless\n"
