@@ -1,0 +1,124 @@
+"""Issue 38: the graded build of minickpt holds no implementation of the graded lab's tasks.
+
+Built from the same source as the library; every ``Task N.Y`` function of lab N becomes a plug
+point that calls the student's function of that name (or raises "not plugged in"). A process
+that imports the build, as a graded kernel or one of its workers does, reaches no
+implementation by any route: the module, a fresh run of the module's file, its source text,
+``labkit.reference``, a compiled cache.
+"""
+
+from __future__ import annotations
+
+import ast
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+from autograder import ROOT, build
+from autograder.graded_build import build_graded, lab_number, stub_module
+from minickpt.labkit import reference_functions
+
+LAB_NAMES = build.lab_names(ROOT / "solutions")
+PACKAGE = ROOT / "minickpt"
+pytestmark = pytest.mark.timeout(300)
+
+
+def _task_defs(folder: Path):
+    """(task ID, name, body statements) of every Task function in a built package."""
+    for path in folder.rglob("*.py"):
+        for node in ast.parse(path.read_text()).body:
+            if isinstance(node, ast.FunctionDef):
+                doc = ast.get_docstring(node) or ""
+                if doc.startswith("Task "):
+                    yield doc.split()[1], node.name, node.body
+
+
+@pytest.mark.parametrize("lab", LAB_NAMES)
+def test_every_task_of_the_lab_is_a_plug_point_and_nothing_else_is_touched(lab, tmp_path):
+    out, replaced = build_graded(lab, PACKAGE, tmp_path)
+    n = lab_number(lab)
+    want = {f"{tid} {fn.__name__}" for tid, fns in reference_functions().items()
+            if tid.startswith(f"{n}.") for fn in fns}
+    assert set(replaced) == want
+    for tid, name, body in _task_defs(out):
+        if tid.startswith(f"{n}."):
+            assert len(body) == 3 and "plugged" in ast.unparse(body[2]), (tid, name)
+        else:  # other labs' tasks: the library's own code, unchanged
+            assert "plugged" not in "".join(ast.unparse(s) for s in body), (tid, name)
+    assert not list(out.rglob("*.pyc")) and not list(out.rglob("__pycache__"))
+    built = [node for p in out.rglob("*.py") for node in ast.walk(ast.parse(p.read_text()))
+             if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef)]
+    for fn in (f for tid, fns in reference_functions().items() if tid.startswith(f"{n}.")
+               for f in fns):  # no function of the build holds most of an implementation
+        import inspect
+
+        body = ast.parse(textwrap.dedent(inspect.getsource(fn))).body[0].body[1:]
+        mine = {ast.unparse(s) for s in ast.walk(ast.Module(body=body, type_ignores=[]))
+                if isinstance(s, ast.stmt) and not isinstance(s, ast.Pass)}
+        for node in built:
+            theirs = {ast.unparse(s) for s in ast.walk(node) if isinstance(s, ast.stmt)}
+            assert len(mine & theirs) <= len(mine) // 2, (fn.__name__, node.name)
+
+def test_a_stub_keeps_the_name_and_docstring_and_the_rest_of_the_file():
+    src = textwrap.dedent('''
+        import os
+
+
+        def helper(x):
+            """Not a task."""
+            return x + 1
+
+
+        def should_save(step, *, last):
+            """Task 2.1 — the rule."""
+            return step > last
+        ''')
+    new, done = stub_module(src, 2)
+    assert done == ["2.1 should_save"]
+    assert "def helper(x):" in new and "return x + 1" in new and "return step > last" not in new
+    assert '"""Task 2.1 — the rule."""' in new or "'Task 2.1 — the rule.'" in new
+    assert stub_module(src, 3) == (src, [])
+
+
+PROBE = r'''
+import inspect, runpy, sys
+import minickpt
+from minickpt import labkit, policy
+assert minickpt.__file__.startswith(sys.argv[1]), minickpt.__file__
+ref = labkit.reference("should_save")
+assert ref is policy.should_save and getattr(ref, "_minickpt_plug_point", False)
+try:
+    ref(3, last_saved_step=None, save_interval_steps=5)
+except NotImplementedError as e:
+    assert "Task 2.1" in str(e) and "not plugged in" in str(e), e
+else:
+    raise SystemExit("the plug point ran something")
+copy = runpy.run_path(policy.__file__, run_name="minickpt.policy_copy")
+assert getattr(copy["should_save"], "_minickpt_plug_point", False)
+assert "% save_interval_steps" not in inspect.getsource(policy)
+
+
+def should_save(step, *, last_saved_step, save_interval_steps, save_on_steps=()):
+    return "the student's"
+
+
+assert policy.should_save(3, last_saved_step=None, save_interval_steps=5) == "the student's"
+from minickpt import _graded
+ns = {"steps_to_keep": lambda infos, **kw: {"from a worker's namespace"}}
+_graded.register(ns)
+assert policy.steps_to_keep([]) == {"from a worker's namespace"}
+print("no route")
+'''
+
+
+def test_a_process_on_the_graded_build_reaches_no_implementation(tmp_path):
+    out, _ = build_graded("lab02_save_policy", PACKAGE, tmp_path)
+    env = {**os.environ, "PYTHONPATH": str(tmp_path), "JAX_PLATFORMS": "cpu",
+           "PYTHONDONTWRITEBYTECODE": "1"}
+    proc = subprocess.run([sys.executable, "-c", PROBE, str(out)], capture_output=True,
+                          text=True, timeout=240, cwd=tmp_path, env=env)
+    assert proc.returncode == 0 and "no route" in proc.stdout, proc.stderr[-3000:]
