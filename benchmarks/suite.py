@@ -654,6 +654,8 @@ def report_markdown(res: Results, *, scaling: bool = True) -> str:
              f"{m.get('time')}, git {m.get('git', '?')}, mode {res.config['mode']}, "
              f"{res.seconds:.0f} s.",
              "",
+             arrays_statement(m),
+             "",
              "Page cache — warm rows: " + res.page_cache.get("warm", "") + "; cold rows: "
              + res.page_cache.get("cold", "") + ".",
              "",
@@ -669,6 +671,19 @@ def report_markdown(res: Results, *, scaling: bool = True) -> str:
     if st:
         parts += ["", "Scaling (medians; 50 float32 leaves):", "", st]
     return "\n".join(parts) + "\n"
+
+
+def arrays_statement(m: dict[str, Any]) -> str:
+    """Where the states' arrays live: a save starts from them there, a restore ends there."""
+    where = m.get("jax_devices", "?")
+    backend = m.get("jax_backend", "?")
+    if backend == "cpu":
+        return (f"Arrays: on the CPU ({where}, JAX's default backend): a save reads host "
+                "memory, a restore's arrays stay in host memory.")
+    return (f"Arrays: on the device — {where} (JAX's default backend, {backend}). Every state "
+            "is made of jax.Arrays placed there; a save includes the device-to-host copy, "
+            "and a restore ends with the arrays placed back there (its target carries their "
+            "shardings), for every library alike.")
 
 
 def disk_statement(disk: dict[str, Any] | None) -> str:
