@@ -126,3 +126,51 @@ def test_a_read_error_in_a_large_item_reaches_the_caller(saved):
     with pytest.raises(OSError, match="injected read error"):
         Checkpointer(fs).restore(path, {"state": _target(state)})
     assert fs.tripped
+
+
+ITEMS = 4  # items of 3 MiB: each small (read in one go), together worth reading in threads
+
+
+def _items() -> dict:
+    rng = np.random.default_rng(1)
+    return {f"part{j}": {"w": jnp.asarray(rng.standard_normal((3 << 20) // 4,
+                                                              dtype=np.float32)),
+                         "n": j} for j in range(ITEMS)}
+
+
+class _Threads(FileSystem):
+    def __init__(self) -> None:
+        self.threads: set[str] = set()
+
+    def read_into_many(self, fd, buffers, offset):
+        self.threads.add(threading.current_thread().name)
+        super().read_into_many(fd, buffers, offset)
+
+
+def test_several_items_are_read_at_once_and_come_back_exactly(tmp_path):
+    items = _items()
+    Checkpointer().save(tmp_path / "ck", items)
+    fs = _Threads()
+    target = {k: {"w": jax.ShapeDtypeStruct(v["w"].shape, v["w"].dtype,
+                                            sharding=v["w"].sharding), "n": 0}
+              for k, v in items.items()}
+    out = Checkpointer(fs).restore(tmp_path / "ck", target)
+    assert list(out) == list(items)
+    for k, v in items.items():
+        assert np.array_equal(np.asarray(out[k]["w"]), np.asarray(v["w"]))
+        assert isinstance(out[k]["w"], jax.Array) and out[k]["n"] == v["n"]
+    assert len({t for t in fs.threads if t.startswith("minickpt-item")}) > 1, fs.threads
+
+
+def test_the_first_damaged_item_in_order_is_the_one_reported(tmp_path):
+    items = _items()
+    Checkpointer().save(tmp_path / "ck", items)
+    for j in (1, 3):  # two damaged items: the error names the first, whichever thread ends first
+        data = tmp_path / "ck" / f"part{j}" / "data.bin"
+        raw = bytearray(data.read_bytes())
+        raw[len(raw) // 2] ^= 0x04
+        data.write_bytes(bytes(raw))
+    for _ in range(3):
+        with pytest.raises(CheckpointCorruptedError, match="checksum") as e:
+            Checkpointer().restore(tmp_path / "ck")
+        assert "part1" in str(e.value) and "part3" not in str(e.value)
