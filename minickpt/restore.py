@@ -445,17 +445,24 @@ def _streaming_put(manifest: Manifest, rest: Sequence[tuple[Names, int, Any, Exp
     for addressable devices on them as soon as its bytes are read and verified (the
     host-to-device transfer of one leaf overlaps the reading of the next), and the set it
     fills with the positions it placed. None for a small item: one batched put of all its
-    leaves after the reads costs less there (:func:`put_many`)."""
+    leaves after the reads costs less there (:func:`put_many`), and so it does for arrays
+    bound for CPU devices, which a put makes without copying (measured: streaming them cost
+    a 400 MB restore ~20 ms on a 2-core machine)."""
     entries = manifest.entries
     if sum(entries[i].get("nbytes", 0) for _, i, _, _ in rest) < _STREAM_FROM_BYTES:
         return None
     where: dict[int, Any] = {}  # position -> sharding, for the leaves that can go as they come
+    off_host: dict[int, bool] = {}  # id(sharding) -> whether it is on an accelerator
     for k, (_, i, _, want) in enumerate(rest):
         if want.kind != "array" or want.out != "jax" or entries[i]["kind"] != "array" \
                 or entries[i].get("scalar"):
             continue
         s = want.sharding if want.sharding is not None else sharding
-        if s is None or isinstance(s, jax.Device) or addressable(s):
+        if not (s is None or isinstance(s, jax.Device) or addressable(s)):
+            continue
+        if id(s) not in off_host:
+            off_host[id(s)] = _on_accelerator(s)
+        if off_host[id(s)]:
             where[k] = s
     if not where:
         return None
@@ -469,6 +476,18 @@ def _streaming_put(manifest: Manifest, rest: Sequence[tuple[Names, int, Any, Exp
         return out
 
     return on_leaf, placed
+
+
+def _on_accelerator(sharding: Any) -> bool:
+    """Whether a put to ``sharding`` (None: JAX's default device) copies to an accelerator."""
+    try:
+        if sharding is None:
+            return jax.default_backend() != "cpu"
+        if isinstance(sharding, jax.Device):
+            return sharding.platform != "cpu"
+        return any(d.platform != "cpu" for d in sharding.device_set)
+    except Exception:  # an unusual sharding: the batched put after the reads, as before
+        return False
 
 
 

@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 
 from minickpt import Checkpointer
+from minickpt import restore as restore_mod
 from minickpt.errors import CheckpointCorruptedError
 from minickpt.faults import FaultyFileSystem
 from minickpt.format import read as fmt_read
@@ -51,8 +52,17 @@ def _same(a, b) -> bool:
     return np.shape(a) == np.shape(b) and bool(np.array_equal(np.asarray(a), np.asarray(b)))
 
 
+@pytest.fixture(params=["accelerator", "cpu"])
+def streaming(request, monkeypatch):
+    """Streaming is for puts that copy to an accelerator; CI has none, so the test says
+    that the CPU device is one (the mechanism is the same), or leaves it a CPU."""
+    if request.param == "accelerator":
+        monkeypatch.setattr(restore_mod, "_on_accelerator", lambda sharding: True)
+    return request.param
+
+
 @pytest.mark.parametrize("verify", [True, False])
-def test_a_large_item_restores_every_kind_of_leaf_exactly(saved, verify):
+def test_a_large_item_restores_every_kind_of_leaf_exactly(saved, verify, streaming):
     path, state = saved
     out = Checkpointer().restore(path, {"state": _target(state)}, verify=verify)["state"]
     assert set(out) == set(state)
@@ -83,6 +93,7 @@ class _Recording(FileSystem):
 
 def test_transfers_start_while_the_item_is_still_being_read(saved, monkeypatch):
     path, state = saved
+    monkeypatch.setattr(restore_mod, "_on_accelerator", lambda sharding: True)
     events: list = []
     real_put = jax.device_put
 
@@ -103,7 +114,7 @@ def test_transfers_start_while_the_item_is_still_being_read(saved, monkeypatch):
     assert np.array_equal(np.asarray(out["w5"]), np.asarray(state["w5"]))
 
 
-def test_damage_in_a_large_item_is_still_found_and_named(saved):
+def test_damage_in_a_large_item_is_still_found_and_named(saved, streaming):
     path, state = saved
     data = path / "state" / "data.bin"
     raw = bytearray(data.read_bytes())
@@ -119,7 +130,7 @@ def test_damage_in_a_large_item_is_still_found_and_named(saved):
     assert not np.array_equal(np.asarray(out["w4"]), np.asarray(state["w4"]))
 
 
-def test_a_read_error_in_a_large_item_reaches_the_caller(saved):
+def test_a_read_error_in_a_large_item_reaches_the_caller(saved, streaming):
     path, state = saved
     fs = FaultyFileSystem(fail_at=0, ops={"preadv"},
                           error=OSError(errno.EIO, "injected read error"))
@@ -147,7 +158,7 @@ class _Threads(FileSystem):
         super().read_into_many(fd, buffers, offset)
 
 
-def test_several_items_are_read_at_once_and_come_back_exactly(tmp_path):
+def test_several_items_are_read_at_once_and_come_back_exactly(tmp_path, streaming):
     items = _items()
     Checkpointer().save(tmp_path / "ck", items)
     fs = _Threads()
@@ -174,3 +185,18 @@ def test_the_first_damaged_item_in_order_is_the_one_reported(tmp_path):
         with pytest.raises(CheckpointCorruptedError, match="checksum") as e:
             Checkpointer().restore(tmp_path / "ck")
         assert "part1" in str(e.value) and "part3" not in str(e.value)
+
+
+def test_a_cpu_target_is_placed_in_one_batch_after_the_reads(saved, monkeypatch):
+    """On a CPU a put makes no copy: there the batched put after the reads is cheaper."""
+    path, state = saved
+    real, seen = restore_mod._streaming_put, []
+
+    def spy(*a, **k):
+        seen.append(real(*a, **k))
+        return seen[-1]
+
+    monkeypatch.setattr(restore_mod, "_streaming_put", spy)
+    Checkpointer().restore(path, {"state": _target(state)})
+    assert seen == [None]
+    assert restore_mod._on_accelerator(jax.devices("cpu")[0]) is False
