@@ -4,6 +4,7 @@ values as before, every checksum still checked, damage and I/O errors still name
 
 import errno
 import json
+import os
 import threading
 
 import jax
@@ -149,19 +150,28 @@ def _items() -> dict:
                          "n": j} for j in range(ITEMS)}
 
 
-class _Threads(FileSystem):
+class _Together(FileSystem):
+    """Holds the first read of each reader thread until two threads are reading at once: a
+    restore that reads its items one after another never gets past it (the barrier breaks)."""
+
     def __init__(self) -> None:
-        self.threads: set[str] = set()
+        self.barrier = threading.Barrier(2, timeout=20)
+        self.waited: set[str] = set()
 
     def read_into_many(self, fd, buffers, offset):
-        self.threads.add(threading.current_thread().name)
+        me = threading.current_thread().name
+        if me.startswith("minickpt-item") and me not in self.waited and len(self.waited) < 2:
+            self.waited.add(me)
+            self.barrier.wait()
         super().read_into_many(fd, buffers, offset)
 
 
-def test_several_items_are_read_at_once_and_come_back_exactly(tmp_path, streaming):
+def test_several_items_are_read_at_once_and_come_back_exactly(tmp_path, streaming,
+                                                               monkeypatch):
     items = _items()
     Checkpointer().save(tmp_path / "ck", items)
-    fs = _Threads()
+    monkeypatch.setattr(os, "cpu_count", lambda: 4)  # a 1-core CI runner reads one at a time
+    fs = _Together()
     target = {k: {"w": jax.ShapeDtypeStruct(v["w"].shape, v["w"].dtype,
                                             sharding=v["w"].sharding), "n": 0}
               for k, v in items.items()}
@@ -170,7 +180,7 @@ def test_several_items_are_read_at_once_and_come_back_exactly(tmp_path, streamin
     for k, v in items.items():
         assert np.array_equal(np.asarray(out[k]["w"]), np.asarray(v["w"]))
         assert isinstance(out[k]["w"], jax.Array) and out[k]["n"] == v["n"]
-    assert len({t for t in fs.threads if t.startswith("minickpt-item")}) > 1, fs.threads
+    assert len(fs.waited) == 2 and not fs.barrier.broken
 
 
 def test_the_first_damaged_item_in_order_is_the_one_reported(tmp_path):
@@ -200,3 +210,22 @@ def test_a_cpu_target_is_placed_in_one_batch_after_the_reads(saved, monkeypatch)
     Checkpointer().restore(path, {"state": _target(state)})
     assert seen == [None]
     assert restore_mod._on_accelerator(jax.devices("cpu")[0]) is False
+
+
+@pytest.mark.parametrize("size", [512 << 10, 3 << 20])  # checked by decode_leaf; by read_leaves
+def test_damage_in_a_middle_sized_item_is_found_and_named(tmp_path, size):
+    rng = np.random.default_rng(2)
+    tree = {"a": rng.standard_normal(size // 8).astype(np.float32),
+            "b": rng.standard_normal(size // 8).astype(np.float32)}
+    Checkpointer().save(tmp_path / "ck", {"m": tree})
+    man = json.loads((tmp_path / "ck" / "m" / "manifest.json").read_text())
+    b = next(e for e in man["leaves"] if e["path"] == ["b"])
+    data = tmp_path / "ck" / "m" / "data.bin"
+    raw = bytearray(data.read_bytes())
+    raw[b["offset"] + 7] ^= 0x80
+    data.write_bytes(bytes(raw))
+    with pytest.raises(CheckpointCorruptedError, match="checksum") as e:
+        Checkpointer().restore(tmp_path / "ck")
+    assert "(leaf b)" in str(e.value) and "data.bin" in str(e.value)
+    out = Checkpointer().restore(tmp_path / "ck", verify=False)["m"]
+    assert np.array_equal(out["a"], tree["a"]) and not np.array_equal(out["b"], tree["b"])
