@@ -33,7 +33,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--dir", default="", help="where checkpoints are written (default: a "
                    "fresh folder under --out, on the same disk); removed afterwards")
     p.add_argument("--only", nargs="*", default=(), metavar="FIGURE",
-                   choices=["tiny", "leaves200", "leaves100k", "trainstate", "large", "huge",
+                   choices=["tiny", "leaves200", "leaves100k", "trainstate", "large", "items", "huge",
                             "memory",
                             "scaling",
                             "async", "multihost"], help="run only these figures (leaves100k, 100,000 small leaves, runs only "

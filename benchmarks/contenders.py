@@ -276,17 +276,18 @@ class MinickptCheckpointer(_Checkpointer):
 
     label, stem = "minickpt", "mc"
 
-    def __init__(self, workdir: str, tree: Any):
+    def __init__(self, workdir: str, tree: Any, *, items: bool = False):
         import minickpt
 
         self.ck = minickpt.Checkpointer()
+        self.items = items  # each top-level key of the tree an item of its own
         super().__init__(workdir, tree)
 
     def _save(self, path: str) -> None:
-        self.ck.save(path, {ITEM: self.tree})
+        self.ck.save(path, dict(self.tree) if self.items else {ITEM: self.tree})
 
     def _restore(self, path: str) -> Any:
-        return self.ck.restore(path, {ITEM: self.target})
+        return self.ck.restore(path, dict(self.target) if self.items else {ITEM: self.target})
 
 
 class MinickptManager(_Manager):

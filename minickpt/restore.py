@@ -420,11 +420,74 @@ def restore_item(fs: FileSystem, manifest: Manifest, target: Any = None, *, item
             outs[names] = restore_by_region(fs, manifest, i, want, where, verify=verify)
         else:
             rest.append((names, i, leaf, want))
-    values = read_leaves(fs, manifest, [r[1] for r in rest], verify=verify)
+    stream = _streaming_put(manifest, rest, sharding, local)
+    values = read_leaves(fs, manifest, [r[1] for r in rest], verify=verify,
+                         on_leaf=None if stream is None else stream[0])
+    streamed = set() if stream is None else stream[1]
+    if streamed:  # placed already, as their bytes arrived: the others are finished below
+        for k in streamed:
+            outs[rest[k][0]] = values[k]
+        left = [k for k in range(len(rest)) if k not in streamed]
+        rest, values = [rest[k] for k in left], [values[k] for k in left]
     placed = _outputs(values, [r[2] for r in rest], sharding, [r[3] for r in rest], local)
     for r, out in zip(rest, placed, strict=True):
         outs[r[0]] = out
     return unflatten_like(target, outs)
+
+
+_STREAM_FROM_BYTES = 8 << 20  # read by several threads (read_leaves): transfers overlap them
+
+
+def _streaming_put(manifest: Manifest, rest: Sequence[tuple[Names, int, Any, Expect]],
+                   sharding: Any, addressable: _Addressable
+                   ) -> tuple[Callable[[int, Any], Any], set[int]] | None:
+    """For a large item: a :func:`read_leaves` ``on_leaf`` that puts each array bound whole
+    for addressable devices on them as soon as its bytes are read and verified (the
+    host-to-device transfer of one leaf overlaps the reading of the next), and the set it
+    fills with the positions it placed. None for a small item: one batched put of all its
+    leaves after the reads costs less there (:func:`put_many`), and so it does for arrays
+    bound for CPU devices, which a put makes without copying (measured: streaming them cost
+    a 400 MB restore ~20 ms on a 2-core machine)."""
+    entries = manifest.entries
+    if sum(entries[i].get("nbytes", 0) for _, i, _, _ in rest) < _STREAM_FROM_BYTES:
+        return None
+    where: dict[int, Any] = {}  # position -> sharding, for the leaves that can go as they come
+    off_host: dict[int, bool] = {}  # id(sharding) -> whether it is on an accelerator
+    for k, (_, i, _, want) in enumerate(rest):
+        if want.kind != "array" or want.out != "jax" or entries[i]["kind"] != "array" \
+                or entries[i].get("scalar"):
+            continue
+        s = want.sharding if want.sharding is not None else sharding
+        if not (s is None or isinstance(s, jax.Device) or addressable(s)):
+            continue
+        if id(s) not in off_host:
+            off_host[id(s)] = _on_accelerator(s)
+        if off_host[id(s)]:
+            where[k] = s
+    if not where:
+        return None
+    placed: set[int] = set()
+
+    def on_leaf(k: int, value: Any) -> Any:
+        if k not in where or not isinstance(value, np.ndarray):
+            return value
+        out = jax.device_put(value) if where[k] is None else jax.device_put(value, where[k])
+        placed.add(k)
+        return out
+
+    return on_leaf, placed
+
+
+def _on_accelerator(sharding: Any) -> bool:
+    """Whether a put to ``sharding`` (None: JAX's default device) copies to an accelerator."""
+    try:
+        if sharding is None:
+            return jax.default_backend() != "cpu"
+        if isinstance(sharding, jax.Device):
+            return sharding.platform != "cpu"
+        return any(d.platform != "cpu" for d in sharding.device_set)
+    except Exception:  # an unusual sharding: the batched put after the reads, as before
+        return False
 
 
 

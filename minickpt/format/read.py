@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import os
 import zlib
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
@@ -22,11 +22,18 @@ from .spec import _CRC_IN_THREAD_BYTES, DTYPES, crc32
 
 
 def read_leaves(fs: FileSystem, manifest: Manifest, indices: Sequence[int] | None = None, *,
-                verify: bool = True) -> list[Any]:
+                verify: bool = True,
+                on_leaf: Callable[[int, Any], Any] | None = None) -> list[Any]:
     """The host values of the chosen leaves (all by default), each decoded by
     :func:`decode_leaf`: arrays of their saved dtype, keys as :class:`HostKey`, values as
     Python objects. With ``verify`` every array's CRC-32 is checked; a mismatch raises
     :class:`CheckpointCorruptedError` naming the data file and the leaf.
+
+    ``on_leaf(k, value)`` is called for the ``k``-th chosen leaf read from the data file as
+    soon as its bytes are read and verified — in a large item, from the reader thread that
+    read it, while other leaves are still being read — and what it returns takes the leaf's
+    place in the result: a restore starts each leaf's host-to-device transfer there, so the
+    transfers overlap the reads instead of following them all.
     """
     idx = list(range(len(manifest.entries))) if indices is None else list(indices)
     _check_fits_in_memory(sum(manifest.entries[i].get("nbytes", 0) for i in idx),
@@ -50,25 +57,42 @@ def read_leaves(fs: FileSystem, manifest: Manifest, indices: Sequence[int] | Non
     dpath = os.path.join(manifest.item_dir, manifest.data_file)
     # a large item is read by several threads that check checksums as they go
     nbytes = sum(e["nbytes"] for _, e in wanted)
-    big = verify and nbytes >= _CRC_IN_THREAD_BYTES
+    big = nbytes >= _CRC_IN_THREAD_BYTES
+    # from 1 MiB on, checksums are checked here with the fastest CRC-32 at hand (ISA-L where
+    # installed: ~7× zlib's speed, 90 ms saved on 400 MB) and decode_leaf only decodes; a
+    # small item's leaves are checked by decode_leaf itself (task 1.3's, in a lab)
+    own_crc = verify and nbytes >= _ONE_READ_BELOW
     span = None if big else _one_read_span(wanted, nbytes)
     arrays: list[tuple[int, dict[str, Any], np.ndarray]] = []
     if span is None:
         # raw bytes, 64-byte aligned (so a CPU device_put can alias them); decoded below by
         # task 1.3's decode_leaf, so a student's version runs in every restore
         arrays = [(k, e, aligned_empty((e["nbytes"],), np.uint8)) for k, e in wanted]
+    done = [False] * len(out)  # leaves already decoded (and handed to on_leaf) as they came
+
+    def arrived(item: tuple[int, dict[str, Any], np.ndarray]) -> None:
+        k, e, raw = item
+        value = decode_leaf(e, raw, verify=False, where=dpath)  # its CRC was just checked
+        out[k] = value if on_leaf is None else on_leaf(k, value)
+        done[k] = True
+
     fd = fs.open_read(dpath)
     try:
         if big:
-            _read_and_verify(fs, fd, arrays, dpath)
+            _read_and_verify(fs, fd, arrays, dpath, verify=verify, arrived=arrived)
         elif span is not None:
             arrays = _read_span(fs, fd, wanted, span, dpath)
         else:
             _read_arrays(fs, fd, arrays, dpath)
     finally:
         fs.close(fd)
-    for k, e, raw in arrays:
-        out[k] = decode_leaf(e, raw, verify=verify and not big, where=dpath)
+    for item in arrays:
+        k, e, raw = item
+        if not done[k]:  # a small item's leaves, and empty ones (never in a read)
+            if own_crc and not big:
+                _check_crc(item, dpath)
+            value = decode_leaf(e, raw, verify=verify and not own_crc, where=dpath)
+            out[k] = value if on_leaf is None else on_leaf(k, value)
     return out
 
 
@@ -199,12 +223,16 @@ def _check_crc(item: tuple[int, dict[str, Any], np.ndarray], where: str) -> None
 
 
 def _read_and_verify(fs: FileSystem, fd: int,
-                     arrays: list[tuple[int, dict[str, Any], np.ndarray]], where: str) -> None:
+                     arrays: list[tuple[int, dict[str, Any], np.ndarray]], where: str, *,
+                     verify: bool = True,
+                     arrived: Callable[[tuple[int, dict[str, Any], np.ndarray]], None]
+                     | None = None) -> None:
     """Large items: the file is cut into a few contiguous parts, read by as many threads,
     each through its own descriptor (so each keeps its own sequential read-ahead) and each
-    checking the checksums of what it just read. Copying out of the page cache and
-    checksumming then use several cores, and a cold file is still read sequentially. The
-    first damage in file order is the one reported. ``where`` is the data file's path."""
+    checking the checksums of what it just read (with ``verify``), then handing each leaf
+    to ``arrived``. Copying out of the page cache and checksumming then use several cores,
+    and a cold file is still read sequentially. The first damage in file order is the one
+    reported. ``where`` is the data file's path."""
     batches = _read_batches(arrays)
     n = max(1, min(_READ_THREADS, os.cpu_count() or 1, len(batches)))
     size = (len(batches) + n - 1) // n
@@ -216,7 +244,10 @@ def _read_and_verify(fs: FileSystem, fd: int,
             for batch in part:
                 _read_batch(fs, f, batch, where)
                 for item in batch[2]:
-                    _check_crc(item, where)
+                    if verify:
+                        _check_crc(item, where)
+                    if arrived is not None:
+                        arrived(item)
         finally:
             if own_fd:
                 fs.close(f)
