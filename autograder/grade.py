@@ -767,10 +767,9 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def graded_build_on() -> bool:
-    """Kernels import the graded build of minickpt (issue 38) with ``MINICKPT_GRADED_BUILD=on``;
-    otherwise the full library, reference included (the default until every lab's corpus
-    grades as expected with it)."""
-    return os.environ.get("MINICKPT_GRADED_BUILD", "off").lower() in ("on", "1", "yes")
+    """Sandboxed kernels import the graded build of minickpt (issue 38), unless
+    ``MINICKPT_GRADED_BUILD=off``: then the full library, reference included."""
+    return os.environ.get("MINICKPT_GRADED_BUILD", "on").lower() not in ("off", "0", "no")
 
 
 def build_graded_labs(labs: list[str], work: Path) -> dict[str, str]:

@@ -345,7 +345,7 @@ def seal_text(key: bytes, nonce: str, grade_id: str, text: str) -> str:
 
 def assemble(lab: Lab, student: list[StudentCell], *, referee_path: str, key_file: str,
              key: bytes | None = None, nonce: str | None = None,
-             refereed: bool = True) -> Assembled:
+             refereed: bool = True, hoist: bool = False) -> Assembled:
     """The notebook to run for one submission (see the module doc). ``refereed=False`` runs
     the tests as plain cells, the way nbgrader does: only to show what the referee stops."""
     key = key if key is not None else secrets.token_bytes(32)
@@ -439,9 +439,21 @@ def assemble(lab: Lab, student: list[StudentCell], *, referee_path: str, key_fil
             cells.extend(deferred)
         for i in extras.get(j, []):
             cells.append(RunCell("code", student[i].source, student[i].source, "student"))
+    if hoist:  # the graded build: every cell of the student's before the first test
+        cells = _hoisted(cells)
     if not refereed:
         cells = cells[1:]
     return Assembled(cells, key, nonce, notes, refereed)
+
+
+def _hoisted(cells: list[RunCell]) -> list[RunCell]:
+    """The student's cells moved up, in their order, to just before the first test or quiz
+    cell. On the graded build minickpt calls the student's function for every task of the
+    lab; a test of task 1 that saves through the library then needs task 3's code, which the
+    lab places after that test."""
+    first = next((i for i, c in enumerate(cells) if c.role in ("test", "quiz")), len(cells))
+    moved = [c for c in cells[first:] if c.role == "student"]
+    return cells[:first] + moved + [c for c in cells[first:] if c.role != "student"]
 
 
 def hidden_lines_of(asm: Assembled) -> set[str]:

@@ -222,16 +222,18 @@ def _run(job: Job, cfg: dict[str, Any], lab: Lab, student: list[Any], iso: sandb
         key_file = str(ipc / "referee.key")
         extra_ro = {str(REFEREE_FILE): REFEREE_IN_SANDBOX,
                     **data_files(Path(cfg.get("release") or RELEASE) / lab.name, cwd)}
-        graded = (cfg.get("graded") or {}).get(lab.name)
-        if graded:  # issue 38: the lab's tasks are absent from the minickpt the kernel imports
-            extra_ro[graded] = sandbox.env_package() or sandbox.grader_package() or ""
+        build = (cfg.get("graded") or {}).get(lab.name)
+        if build:  # issue 38: the lab's tasks are absent from the minickpt the kernel imports
+            extra_ro[build] = sandbox.env_package() or sandbox.grader_package() or ""
     else:
         scratch = root / "scratch"
         (scratch / "tmp").mkdir(parents=True)
         referee_path, cwd, key_file, extra_ro = str(REFEREE_FILE), str(scratch), \
             str(scratch / "referee.key"), {}
     refereed = os.environ.get("MINICKPT_REFEREE", "").lower() not in ("off", "0", "no")
-    asm = assemble(lab, student, referee_path=referee_path, key_file=key_file, refereed=refereed)
+    graded = bool((cfg.get("graded") or {}).get(lab.name)) and iso.sandboxed
+    asm = assemble(lab, student, referee_path=referee_path, key_file=key_file, refereed=refereed,
+                   hoist=graded)
     for c in asm.cells:
         if c.role == "student":
             c.run = _compilable(c.run)

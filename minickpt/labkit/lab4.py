@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import inspect
 import re
 import secrets
 from collections.abc import Callable, Mapping, Sequence
@@ -12,7 +11,7 @@ import jax
 import numpy as np
 
 from .checks import LabCheckError
-from .plugging import reference
+from .plugging import graded_build, own_task_functions, reference, task_sources
 from .temporaries import tempdir
 from .watch import Reports
 
@@ -143,29 +142,6 @@ class ProcessesRun:
                                 f"{', '.join(map(str, bad))}: {self.error_of(bad[0])}")
 
 
-def _task_source(fns: Sequence[Callable[..., Any]]) -> str:
-    """The code that defines ``fns``: the whole notebook cell each comes from (so helpers
-    defined beside it come too), or the function's own source for one defined in a file."""
-    import linecache
-    import os
-    import textwrap
-
-    parts: list[str] = []
-    seen: set[str] = set()
-    for fn in fns:
-        code = getattr(fn, "__code__", None)
-        filename = getattr(code, "co_filename", "")
-        if filename in seen:
-            continue
-        seen.add(filename)
-        cell = linecache.getlines(filename)
-        if cell and not os.path.exists(filename):  # a notebook cell (IPython keeps its text)
-            parts.append("".join(cell))
-        else:
-            parts.append(textwrap.dedent(inspect.getsource(fn)))
-    return "\n\n".join(parts)
-
-
 def can_start_processes(what: str) -> bool:
     """True when this machine can run a test's processes (a ``jax.distributed`` job joins
     them over TCP on 127.0.0.1). Where it refuses every TCP socket (a TPU VM's container),
@@ -222,7 +198,10 @@ def run_processes(body: str, *, processes: int = 4, devices: int = 2,
     names = [getattr(fn, "__name__", "") for fn in functions]
     for fn in functions:
         reference(fn.__name__)  # a name no task has fails here, not in every process
-    source = _task_source(functions)
+    mine = list(functions)
+    if graded_build():  # minickpt calls the student's other lab 4 tasks there, also in a test of its own code
+        mine += own_task_functions("4")
+    source = task_sources(mine)
     key = secrets.token_bytes(32)  # signs the harness's reports (see _WORKER's _signer)
     with tempdir() as work, Reports(functions) as reports:
         script = os.path.join(work, "lab4_process.py")

@@ -9,7 +9,7 @@ import inspect
 import pkgutil
 import re
 import sys
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from functools import cache
 from typing import Any
 
@@ -106,3 +106,52 @@ def plugged_in(*fns: Callable[..., Any]) -> Iterator[None]:
     finally:
         for mod, attr, value in reversed(patched):
             setattr(mod, attr, value)
+
+
+def graded_build() -> bool:
+    """Whether this process runs the graded build of minickpt (``autograder.graded_build``):
+    the graded lab's tasks are plug points there, with no implementation behind them."""
+    import importlib.util
+
+    return importlib.util.find_spec("minickpt._graded") is not None
+
+
+def own_task_functions(task: str) -> list[Callable[..., Any]]:
+    """The student's functions for every task of ``task``'s lab that the notebook defines:
+    on the graded build a worker process needs them all (minickpt calls the student's other
+    tasks there, not its own), not only the task under test."""
+    lab = task.split(".")[0]
+    main = sys.modules.get("__main__")
+    out = []
+    for tid, fns in reference_functions().items():
+        if tid.split(".")[0] != lab:
+            continue
+        for ref in fns:
+            fn = getattr(main, ref.__name__, None)
+            if callable(fn) and fn is not ref and getattr(fn, "__code__", None) is not None \
+                    and not getattr(fn, "_minickpt_plug_point", False):
+                out.append(fn)
+    return out
+
+
+def task_sources(fns: Sequence[Callable[..., Any]]) -> str:
+    """The code that defines ``fns``: the whole notebook cell each comes from (so helpers
+    defined beside it come too), or the function's own source for one defined in a file."""
+    import linecache
+    import os
+    import textwrap
+
+    parts: list[str] = []
+    seen: set[str] = set()
+    for fn in fns:
+        code = getattr(fn, "__code__", None)
+        filename = getattr(code, "co_filename", "")
+        if filename in seen:
+            continue
+        seen.add(filename)
+        cell = linecache.getlines(filename)
+        if cell and not os.path.exists(filename):  # a notebook cell (IPython keeps its text)
+            parts.append("".join(cell))
+        else:
+            parts.append(textwrap.dedent(inspect.getsource(fn)))
+    return "\n\n".join(parts)
