@@ -767,9 +767,11 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def graded_build_on() -> bool:
-    """Sandboxed kernels import the graded build of minickpt (issue 38), unless
-    ``MINICKPT_GRADED_BUILD=off``: then the full library, reference included."""
-    return os.environ.get("MINICKPT_GRADED_BUILD", "on").lower() not in ("off", "0", "no")
+    """Sandboxed kernels import the graded build of minickpt (issue 38) with
+    ``MINICKPT_GRADED_BUILD=on``; by default the full library, reference included: on the
+    graded build a test of one task runs on the student's code for the others, so an
+    unfinished lab loses points of the tasks it did (docs/grading.md, *The trust model*)."""
+    return os.environ.get("MINICKPT_GRADED_BUILD", "off").lower() in ("on", "1", "yes")
 
 
 def build_graded_labs(labs: list[str], work: Path) -> dict[str, str]:
