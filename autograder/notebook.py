@@ -65,30 +65,29 @@ def _text(source: Any) -> str:
     return ""
 
 
+def _split(source: str, begin: str, end: str) -> tuple[list[str], list[str]]:
+    """The lines outside / inside the ``begin`` … ``end`` markers (the markers dropped)."""
+    outside, inside_lines, inside = [], [], False
+    for line in source.split("\n"):
+        if begin in line:
+            inside = True
+        elif end in line:
+            inside = False
+        else:
+            (inside_lines if inside else outside).append(line)
+    return outside, inside_lines
+
+
 def split_grader_check(source: str) -> tuple[str, str]:
     """(what the kernel runs, what the grader runs) of a test cell: the cell without its
     grader-check blocks, and those blocks' lines, dedented. ("", "") parts where none."""
-    kernel, check, inside = [], [], False
-    for line in source.split("\n"):
-        if CHECK_BEGIN in line:
-            inside = True
-        elif CHECK_END in line:
-            inside = False
-        else:
-            (check if inside else kernel).append(line)
+    kernel, check = _split(source, CHECK_BEGIN, CHECK_END)
     return "\n".join(kernel), textwrap.dedent("\n".join(check)).strip("\n")
 
 
 def split_hidden(source: str) -> tuple[str, str]:
     """(visible part, hidden part) of a test cell: the lines outside / inside the markers."""
-    visible, hidden, inside = [], [], False
-    for line in source.split("\n"):
-        if HIDDEN_BEGIN in line:
-            inside = True
-        elif HIDDEN_END in line:
-            inside = False
-        else:
-            (hidden if inside else visible).append(line)
+    visible, hidden = _split(source, HIDDEN_BEGIN, HIDDEN_END)
     return "\n".join(visible).rstrip("\n"), textwrap.dedent("\n".join(hidden)).strip("\n")
 
 
