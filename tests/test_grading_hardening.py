@@ -739,7 +739,10 @@ def test_a_test_scores_only_with_its_own_valid_receipt():
         mac = sign(key, f"{asm.nonce}|pass|{gid}|{payload}")
         return {"output_type": "stream", "name": "stdout", "text": f"{RECEIPT} {gid} {mac} {payload}\n"}
 
-    executed[idx["test_1_1_names"]] = [receipt("test_1_1_names")]
+    names = [[("a", "first"), ("a", "second"), ("b", "0"), ("b", "1", "0")],
+             [("3", "x"), ("10", "0"), ("10", "1")], [()], []]  # what flatten_with_names gives
+    executed[idx["test_1_1_names"]] = [receipt("test_1_1_names",
+                                               answers={"names": referee_literal(names)})]
     executed[idx["test_1_1_minickpt"]] = [receipt("test_1_1_minickpt", key=b"x" * 32)]  # forged
     executed[idx["test_1_2_host"]] = [receipt("test_1_1_names")]                        # replayed
     executed[idx["test_quiz_q1"]] = [receipt("test_quiz_q1", answers={"Q1": ("str", "B")})]
@@ -763,6 +766,12 @@ def test_a_test_scores_only_with_its_own_valid_receipt():
     assert grades["test_1_1_minickpt"].score == 0 and grades["test_1_2_host"].score == 0
     assert grades["test_quiz_q1"].score == 1
     assert grades["test_quiz_q2"].score == 0 and "save_checkpoint" in grades["test_quiz_q2"].message
+    wrong = [list(reversed(n)) for n in names]  # a signed receipt cannot carry a wrong answer in
+    executed[idx["test_1_1_names"]] = [receipt("test_1_1_names",
+                                               answers={"names": referee_literal(wrong)})]
+    grades = {g.grade_id: g for g in grade_cells(asm, executed, {}, lab.grade_cells)}
+    assert grades["test_1_1_names"].score == 0 and "should give the names" in \
+        grades["test_1_1_names"].message
 
 
 def test_what_was_put_back_before_a_failing_test_reaches_review_and_earns_nothing():
