@@ -287,7 +287,6 @@ SHARDED = '''
 from minickpt.multihost.ownership import owned_shards
 from minickpt.multihost.sync import default_sync
 from minickpt.format.shards import box_of
-from minickpt.labkit import plugged_in
 m = mesh((N, 2), ("p", "l"))
 layout = {"A": ((8, 4), P("p", "l")),      # split over processes and over the 2 devices of each
           "B": ((8, 4), P(None, "l"))}     # split over the 2 devices, replicated over the 4 processes
@@ -326,45 +325,75 @@ if ME == 0:
     except Exception as e:                                         # interleaved writes: not even readable
         report(naive={"readable": False, "error": f"{type(e).__name__}: {e}"})
 
-# 2c: a commit that does not wait for the slowest process (plugged in for this save only)
-def two_barrier_commit(save):
-    error = None
-    if save.primary:
-        save.create()
-    save.barrier("created")
-    try:
-        files = save.write()
-    except Exception as e:            # reported at the next barrier, as it should be
-        files, error = None, e
-    if save.primary and error is None:
-        save.commit([files])          # my shards are on disk: publish now (no second barrier!)
-    save.barrier("written", error, files)
-    save.barrier("committed")
+# 2c: two rules of any collective publication, on a small object of their own: every process's
+# input-pipeline position (how far it has read its share of the data), one file per process, and
+# one index that a reader trusts. Process 3's disk is 1 s slow.
 sync = default_sync()
-if ME == 3:
-    sync.faults["before_write"] = lambda: time.sleep(1.0)         # process 3 is a little slow
-with plugged_in(two_barrier_commit), mc.CheckpointManager(os.path.join(DIR, "ckpt"), opts) as mngr:
-    try:
-        mngr.save(2, {"params": params})
-        report(hasty="saved")
-    except Exception as e:
-        report(hasty=f"{type(e).__name__}: {str(e)[:160]}")
-sync.faults.clear()
+POS = os.path.join(DIR, "positions")
+
+def write_position(tag, delay=0.0):                                # this process's part, durable
+    os.makedirs(os.path.join(POS, tag), exist_ok=True)
+    time.sleep(delay)
+    name = f"p{ME}.json"
+    with open(os.path.join(POS, tag, name), "w") as f:
+        json.dump({"process": ME, "examples_read": 1000 * (ME + 1)}, f)
+        f.flush()
+        os.fsync(f.fileno())
+    return name
+
+def publish_index(tag, parts):                                     # one process: the index, by rename
+    d = os.path.join(POS, tag)
+    with open(os.path.join(d, "index.tmp"), "w") as f:
+        json.dump(parts, f)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(os.path.join(d, "index.tmp"), os.path.join(d, "index.json"))
+    return sorted(n for n in os.listdir(d) if n.startswith("p"))  # what a reader finds right then
+
+sync.exchange("positions-start", None, 20.0)
+slow = 1.0 if ME == 3 else 0.0
+mine = write_position("hasty", slow)                               # (i) publish when *my* part is done
 if ME == 0:
-    try:
-        mc.Checkpointer().restore(os.path.join(DIR, "ckpt", "step_2"))
-        report(hasty_restore="restored")
-    except Exception as e:
-        report(hasty_restore=f"{type(e).__name__}: {str(e)[:300]}")
-    published = os.path.join(DIR, "ckpt", "step_2", "params")
-    with open(os.path.join(published, "manifest.json")) as f:
-        listed = [r["process"] for r in json.load(f)["shard_files"]]
-    report(hasty_listed=listed, hasty_files=sorted(n for n in os.listdir(published) if n.startswith("data")))
-shutil = __import__("shutil")
-default_sync().exchange("hasty-done", None, 20.0)
+    report(hasty_found=publish_index("hasty", [f"p{p}.json" for p in range(N)]))
+sync.exchange("positions-hasty", None, 20.0)
+t = time.perf_counter()
+mine = write_position("waited", slow)                              # (ii) a barrier before publishing
+parts = sync.exchange("positions-written", mine, 20.0)             # returns once every part is durable
 if ME == 0:
-    shutil.rmtree(os.path.join(DIR, "ckpt", "step_2"), ignore_errors=True)
-default_sync().exchange("hasty-cleaned", None, 20.0)
+    report(waited_found=publish_index("waited", parts), waited_listed=parts,
+           waited_s=round(time.perf_counter() - t, 2))
+
+FAIL_TIMEOUT = 2.0                                                 # (iii) process 2's write fails
+def failing_write(tag):
+    if ME == 2:
+        raise OSError(5, "Input/output error (injected on process 2)")
+    return write_position(tag)
+
+sync.exchange("positions-waited", None, 20.0)
+t = time.perf_counter()
+try:                                                               # its failure handed in at the barrier
+    mine, error = failing_write("handed"), None
+except OSError as e:
+    mine, error = None, f"{type(e).__name__}: {e}"
+said = sync.exchange("positions-handed", {"part": mine, "error": error}, FAIL_TIMEOUT, what="positions written")
+failed = [p for p, s in enumerate(said) if s["error"]]
+if failed:
+    outcome = f"not published: process(es) {failed} failed: {said[failed[0]]['error']}"
+else:
+    outcome = "published" if ME != 0 else str(publish_index("handed", [s["part"] for s in said]))
+report(handed=outcome, handed_s=round(time.perf_counter() - t, 3))
+
+sync.exchange("positions-handed-done", None, 20.0)
+t = time.perf_counter()
+try:                                                               # the same failure, raised alone
+    parts = sync.exchange("positions-alone", failing_write("alone"), FAIL_TIMEOUT, what="positions written")
+    outcome = "published" if ME != 0 else str(publish_index("alone", parts))
+except Exception as e:
+    outcome = f"{type(e).__name__}: {e}"
+report(alone=outcome, alone_s=round(time.perf_counter() - t, 2))
+sync.exchange("positions-done", None, 20.0)                        # process 2 waits here for the others
+if ME == 0:
+    report(published={tag: os.path.exists(os.path.join(POS, tag, "index.json")) for tag in ("handed", "alone")})
 
 # 2d: two processes that want different steps
 with mc.CheckpointManager(os.path.join(DIR, "ckpt"), opts) as mngr:
@@ -454,23 +483,28 @@ if ready("figure of section 1b", "sharded"):
 # ## 2. The collective protocol
 #
 # A collective save has to produce what a single process would: one checkpoint of one step,
-# complete, or nothing. minickpt's protocol (lab 4 builds its decisions) is, on every process:
+# complete, or nothing. minickpt's save (lab 4 builds its decisions) has three parts, on every
+# process:
 #
 # 1. **Agree** (task 4.1): publish the step (and the tree's structure); all-gather; every process
 #    checks that all are equal. A disagreement is an error on *every* process, naming who said
 #    what.
-# 2. The primary creates the temporary directory — **barrier `created`**.
-# 3. Every process writes and fsyncs the shards it owns (task 4.2) — **barrier `written`**.
-# 4. The primary writes the manifests (listing every process's shard files) and the metadata, and
-#    commits the step as one process would (lab task 2.3) — **barrier `committed`**; only then
-#    does `save` return anywhere (task 4.3).
+# 2. **Write**: every process writes and fsyncs the shards it owns (task 4.2) into the step's
+#    temporary directory.
+# 3. **Publish**: one process, the *primary*, writes the manifests (listing every process's shard
+#    files) and the metadata, and commits the step as one process would (lab task 2.3): a rename.
 #
-# Every barrier has a time-out: a process that never arrives is named on every survivor, and
-# every survivor raises. What is on disk depends on when it went missing. Before the `written`
-# barrier, nothing is committed. After it, every shard is already durable. If the primary is
-# alive, its commit completes and the step stays, while the survivors still report the failed
-# save. If the primary itself dies before its rename, a temporary directory is left, which the
-# next primary removes. Lab 4's fault points drive these cases.
+# Between and around these parts the processes meet at *barriers*, each with a time-out. Where
+# the barriers go, what travels through them, and what each process does when something fails
+# is the *commit protocol*, lab task 4.3; section 2c shows the two rules it rests on, on a
+# smaller object, and sections 2d–2f what goes wrong without agreement, and when a process
+# dies. What every survivor sees is the same in every case: a process that never arrives at a
+# barrier is named on every survivor after the time-out, and every survivor raises. What is on
+# disk depends on when it went missing: before every shard is durable, nothing may be published;
+# once every shard is durable and the primary alive, its commit may complete and the step stay,
+# while the survivors still report the failed save; if the primary itself dies before its
+# rename, a temporary directory is left, which the next primary removes. Lab 4's fault points
+# drive these cases.
 #
 # ### 2a. What a collective save writes
 
@@ -517,37 +551,78 @@ if ready("section 2b", "sharded"):
 # all-reduced gradient — does not help: the damage is in the moments between the writes.) Under
 # sharding it loses the model for certain.
 #
-# ### 2c. A commit that does not wait for the slowest process
+# ### 2c. Two rules of a collective publication, on a smaller object
 #
-# The job above also saved step 2 with a protocol that skips the second barrier: the primary
-# publishes the step as soon as its own shards are on disk. Process 3 was 1 s slow to write:
+# The commit of a checkpoint rests on two rules that hold for anything several processes write and
+# one of them publishes. The job above showed them on a smaller object than a checkpoint: the
+# *position of every process's input pipeline* (how far it has read its share of the data), one
+# small file per process, `p<i>.json`, and one `index.json` that names the parts. A reader trusts
+# the index: what it names must be there. Process 0 writes the index (to a temporary name, fsync,
+# one rename); process 3's disk is 1 s slow. Three variants:
+#
+# - **(i)** process 0 publishes the index as soon as *its own* part is written;
+# - **(ii)** every process writes its part, then all meet at a barrier (`Sync.exchange`, which
+#   returns every process's value once every process has called it), and only then does process 0
+#   publish, with the names the barrier brought;
+# - **(iii)** process 2's write fails with an `OSError`. Either process 2 hands its failure in at
+#   that barrier, as its value, and every process reads it there; or process 2 raises at once,
+#   alone, and never comes to the barrier (a 2 s time-out).
 
 # %%
 if ready("section 2c", "sharded"):
+    print(f"(i)   index.json published by process 0 when its own part was done; parts on disk then: "
+          f"{sh[0]['hasty_found']}")
+    print(f"(ii)  published after the barrier, {sh[0]['waited_s']} s after the writes began: the index names "
+          f"{sh[0]['waited_listed']}; on disk then: {sh[0]['waited_found']}")
     for p, r in enumerate(sh):
-        print(f"process {p}: {r['hasty']}")
-    print("restoring step 2:", sh[0]["hasty_restore"])
-    print(f"step_2's manifest lists the shard files of process(es) {sh[0]['hasty_listed']}; "
-          f"the data files in step_2/params: {sh[0]['hasty_files']}")
-    claim(all(r["hasty"] != "saved" for r in sh), "the save of step 2 failed on every process",
-          seen=[r["hasty"][:40] for r in sh])
-    claim(sh[0]["hasty_listed"] == [0], "the published manifest lists only the primary's shard files",
-          seen=sh[0]["hasty_listed"])
-    claim(sh[0]["hasty_restore"].startswith("CheckpointCorruptedError")
-          and "24 element(s) not covered" in sh[0]["hasty_restore"],
-          "the restore refuses step 2: 24 of A's 32 elements (rows 2-8, processes 1-3) are covered by no "
-          "listed shard", seen=sh[0]["hasty_restore"][:120])
+        print(f"(iii) process {p}: failure handed in: after {r['handed_s']:.3f} s, {r['handed']}")
+    for p, r in enumerate(sh):
+        print(f"(iii) process {p}: raised alone:      after {r['alone_s']:.2f} s, {r['alone']}")
+    print("index.json published in (iii):", sh[0]["published"])
+    claim("p3.json" not in sh[0]["hasty_found"],
+          "(i) the index was published while process 3's part was not yet on disk", seen=sh[0]["hasty_found"])
+    every = [f"p{p}.json" for p in range(4)]
+    claim(sh[0]["waited_listed"] == every and sh[0]["waited_found"] == every,
+          "(ii) after the barrier, the index names every process's part and every part is on disk",
+          seen=(sh[0]["waited_listed"], sh[0]["waited_found"]))
+    claim(all(r["handed"].startswith("not published: process(es) [2] failed: OSError") for r in sh)
+          and all(r["handed_s"] < 2.0 for r in sh),
+          "(iii) handed in: every process, process 2 included, learned of process 2's OSError at the barrier, "
+          "before the 2 s time-out", seen=[r["handed_s"] for r in sh])
+    claim(all(sh[p]["alone"].startswith("PeerTimeoutError") and "process(es) 2" in sh[p]["alone"]
+              and sh[p]["alone_s"] >= 2.0 for p in (0, 1, 3)) and sh[2]["alone"].startswith("OSError"),
+          "(iii) raised alone: process 2 knew its own error, the others only that process 2 did not come, "
+          "after the whole 2 s time-out", seen=[(r["alone"][:30], r["alone_s"]) for r in sh])
+    claim(sh[0]["published"] == {"handed": False, "alone": False}, "(iii) no index was published after a failure",
+          seen=sh[0]["published"])
+    handed = max(r["handed_s"] for r in sh)
+    verdict(handed < 0.5, "a failure handed in at the barrier reaches everyone in a fraction of a second",
+            otherwise="a busy machine delays every process; compare with the time-out, not with zero",
+            seen=f"slowest {handed:.3f} s")
 
 # %% [markdown]
-# The primary committed as soon as its own write was done, and it committed what it knew: a
-# manifest that lists *its own* shard files only (the `[files]` in `two_barrier_commit`; the other
-# processes' lists travel with the `written` barrier it no longer waits for). Process 3, 1 s late,
-# found the temporary directory already renamed (its error names the vanished path); processes 1
-# and 2 may have written their `data.p<i>.bin` into it in time — look at the data files printed —
-# but no manifest names them. So `step_2` was *published with only process 0's shards*: the
-# restore refuses it, because rows 2–8 of `A` (the rows of processes 1–3) are covered by no
-# listed shard. Had the job crashed at that moment, the newest checkpoint on disk would have been
-# this incomplete one: the barrier before the commit is what makes "published" mean "complete".
+# **Rule 1: a barrier before publishing makes "published" mean "complete".** In (i) the index
+# named four parts while process 3's was not on disk: a reader at that moment — or after a crash
+# at that moment, for good — finds the index promising a part that is not there. Process 0 had no
+# way to know better: that another process has finished is something only a meeting of the
+# processes tells. In (ii) the barrier returned only once every part was durable, so the index
+# was complete when it appeared; the price is that process 0 published about 1 s later, the time
+# of the slowest writer (section 3 measures that price).
+#
+# **Rule 2: a failure is reported at the next barrier, so that nobody waits for a time-out.**
+# When process 2 handed its error in, every process read it at the barrier, in a fraction of a
+# second, and nobody published. When it raised alone, the three others could not tell a failed
+# write from a dead or hung process: they waited for the whole time-out, then knew only that
+# process 2 had not come. Here that cost the 2 s time-out and a little more (the times printed);
+# with a production time-out (60 s in minickpt, 1200 s in Orbax's background phase) it is a
+# stalled job, once per failure.
+#
+# A checkpoint's commit needs both rules and more than this index did: a temporary directory
+# that someone must create before anyone writes into it, a publication (writing the manifests,
+# the rename) that can itself fail, processes that must not return before the step is published,
+# and a result of the publication that every process has to learn. How to arrange all of it with
+# `CollectiveSave`'s parts is lab task 4.3: its contract says what must hold, and its tests inject
+# a failure at every phase to check it.
 #
 # ### 2d. Processes that want different steps
 
@@ -735,9 +810,9 @@ if ready("figure of section 3", "barrel"):
 # *Each process's whole `save()` (solid) and the fast processes' own write (gray), against the
 # delay of process 3 alone.* What to look for: the four solid lines on top of each other, along
 # the dotted line $d + T_{\mathrm{write}}$ (a slope of about 1), and a flat gray line — the three
-# fast processes spend the difference waiting at the `written` barrier. The two verdicts above say
-# whether this run shows it. (The absolute times depend on your disk and on how busy the machine
-# is.) The cure is never to skip the barrier but to remove the slow stave: balanced shards, a fast local
+# fast processes spend the difference waiting at the barrier before the commit. The two verdicts
+# above say whether this run shows it. (The absolute times depend on your disk and on how busy the
+# machine is.) The cure is never to skip the barrier but to remove the slow stave: balanced shards, a fast local
 # disk for the write (chapter 6's tiered storage), and writing in the background (chapter 5).
 
 # %% [markdown]
@@ -883,8 +958,9 @@ if ready("section 5 (replicated array)", "barrel"):
 # **"Each host can save when it reaches the step; they will all get there."** Not at the same
 # time, and perhaps not at the same step (section 2d). Without agreement and barriers, a crash
 # between two hosts' writes leaves a checkpoint stitched from two moments, or one published
-# without a slow host's shards (section 2c). The same holds on restore: processes that each take
-# their own `latest_step()` can restore two different steps (section 2e).
+# without a slow host's shards (section 2c showed it on a smaller object). The same holds on
+# restore: processes that each take their own `latest_step()` can restore two different steps
+# (section 2e).
 #
 # **"Orbax uses file locks to stop processes from colliding."** (A seed's.) Its commit takes no
 # lock: the primary writes `commit_success.txt` into the temporary directory and renames it
@@ -914,15 +990,14 @@ if ready("section 5 (replicated array)", "barrel"):
 # - Data parallelism keeps bit-identical replicas ($\bar g$ is the same everywhere), so the
 #   primary may save one copy and broadcast it on restore. Sharded state exists whole nowhere:
 #   each process writes the pieces it owns — one replica each, the first in the sharding's order.
-# - A collective save agrees on the step, then: create — barrier — every process writes its
-#   shards — barrier — the primary commits — barrier. Every barrier has a time-out that names the
-#   missing process; a failure anywhere makes the save raise on every surviving process, and
-#   nothing incomplete is ever published. A failure before the `written` barrier commits nothing
-#   (section 2f); after it every shard is durable, so a live primary's commit completes and the
-#   complete step stays, though the save reported a failure (section 2).
-# - Without the agreement, steps mix; without the barrier before the commit, an incomplete
-#   checkpoint is published; "every process saves its own copy" loses a sharded model and can
-#   tear a replicated one. Agree on the step to restore as well: processes can list different
+# - A collective save agrees on the step, then every process writes its shards and one process
+#   publishes. Two rules govern the barriers between them (section 2c): a barrier before
+#   publishing makes "published" mean "complete"; a failure handed in at the next barrier reaches
+#   every process at once, while one raised alone looks like a dead process, and costs every other
+#   the whole time-out. Every barrier has a time-out that names the missing process (section 2f).
+# - Without the agreement, steps mix; without a barrier before publishing, an incomplete
+#   checkpoint can be published (section 2c's index); "every process saves its own copy" loses a
+#   sharded model and can tear a replicated one. Agree on the step to restore as well: processes can list different
 #   newest steps while a commit lands.
 # - Orbax has no step agreement (its barriers compare names, not steps), splits replicated arrays
 #   over their replicas' processes, and compresses with zstd.
@@ -937,4 +1012,4 @@ if ready("section 5 (replicated array)", "barrel"):
 #
 # In [lab 4](../labs/lab04_multihost/lab04_multihost.ipynb) you write the four decisions of this
 # protocol and run them inside real multi-process saves: the step agreement (task 4.1), shard
-# ownership (4.2), the two-barrier commit (4.3) and the restore onto another mesh (4.4).
+# ownership (4.2), the commit protocol (4.3) and the restore onto another mesh (4.4).
