@@ -122,3 +122,36 @@ def test_a_process_on_the_graded_build_reaches_no_implementation(tmp_path):
     proc = subprocess.run([sys.executable, "-c", PROBE, str(out)], capture_output=True,
                           text=True, timeout=240, cwd=tmp_path, env=env)
     assert proc.returncode == 0 and "no route" in proc.stdout, proc.stderr[-3000:]
+
+
+@pytest.mark.timeout(600)
+def test_round_4_gains_nothing_on_the_graded_build_and_a_right_lab_everything(tmp_path):
+    """Issue 38 by construction: the round-4 submission (task functions delegating to daemon
+    threads that run ``lab.reference``) scores every task point on the full library (its
+    expected row in the corpus) and none on the graded build, where the right answers keep
+    full marks. Lab 5: three tasks, a few seconds a submission."""
+    import csv
+    import shutil
+
+    from autograder.sandbox import probe
+
+    if probe().mode != "bwrap-root":
+        if os.environ.get("MINICKPT_REQUIRE_SANDBOX") == "1":
+            pytest.fail("the graded build is mounted only in the sandbox: run as root with "
+                        "bubblewrap (scripts/install-sandbox.sh)")
+        pytest.skip("the graded build is mounted only in the sandbox (bubblewrap, as root)")
+    examples = ROOT / "autograder" / "examples"
+    for student in ("attack_round_4", "perfect"):
+        shutil.copytree(examples / student / "lab05_async", tmp_path / "subs" / student /
+                        "lab05_async")
+    env = {**os.environ, "JAX_PLATFORMS": "cpu", "MINICKPT_GRADED_BUILD": "on"}
+    env.pop("XLA_FLAGS", None)
+    proc = subprocess.run(["bash", str(ROOT / "autograder" / "grade.sh"), str(tmp_path / "subs"),
+                           "-j", "2", "--out", str(tmp_path / "out"), "--work",
+                           str(tmp_path / "work")], capture_output=True, text=True,
+                          timeout=540, env=env)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    rows = {r["student"]: r for r in csv.DictReader(
+        (tmp_path / "out" / "grades-lab05_async.csv").open())}
+    assert [rows["attack_round_4"][t] for t in ("5.1", "5.2", "5.3")] == ["0", "0", "0"]
+    assert float(rows["perfect"]["total"]) == 20.0, rows["perfect"]

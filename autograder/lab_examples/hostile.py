@@ -180,3 +180,79 @@ ISSUE_20: dict[str, Edit] = {"attack_issue_20": attack_issue_20}
 
 """Issue 20's classes for labs 2-6 (each lab's module adds them to its EXAMPLES); an
 ``attack_`` example: graded only in the sandbox (its spinners really spin)."""
+
+
+ROUND_4_THREADS = '''
+# Round 4 of the hostile trials: every task function hands its calls to a daemon thread
+# started when the function is defined, which fetches minickpt's own implementation through
+# lab.reference and runs it there, outside the calling thread that the grader watches.
+import queue
+import threading
+
+import minickpt as _mc
+
+
+def _delegate(name):
+    jobs = queue.Queue()
+
+    def serve():
+        ref = _mc.labkit.reference(name)
+        while True:
+            args, kwargs, out, done = jobs.get()
+            try:
+                out.append((True, ref(*args, **kwargs)))
+            except BaseException as e:  # handed back to the caller
+                out.append((False, e))
+            done.set()
+
+    worker = threading.Thread(target=serve, daemon=True)
+    worker.start()
+
+    def fn(*args, **kwargs):
+        if threading.current_thread() is worker:
+            raise RuntimeError(f"{name} re-entered its own thread")
+        out, done = [], threading.Event()
+        jobs.put((args, kwargs, out, done))
+        if not done.wait(20):
+            raise TimeoutError(name)
+        ok, value = out[0]
+        if not ok:
+            raise value
+        return value
+
+    fn.__name__ = fn.__qualname__ = name
+    return fn
+
+
+for _name in TASK_NAMES:
+    globals()[_name] = _delegate(_name)
+'''
+
+
+def attack_round_4(release: Any, source: Any) -> Any:
+    """Issue 38, round 4: a blank lab in which, after each task cell, a cell of the student's
+    redefines that task's functions as delegates that run minickpt's own implementation
+    (``lab.reference``) in daemon threads started at definition time. On the full library
+    the referee's watch (the calling thread's profile hook) does not see them: every task
+    scores, and only the constructs are flagged in review. On the graded build
+    (``MINICKPT_GRADED_BUILD=on``) ``lab.reference`` is a plug point: nothing to delegate to."""
+    import ast
+
+    nb = blank(release, source)
+    for cell in list(nb.cells):
+        gid = cell.metadata.get("nbgrader", {}).get("grade_id", "")
+        if gid.startswith("task_"):
+            names = [n.name for n in ast.parse(_first_source(source, gid)).body
+                     if isinstance(n, ast.FunctionDef)]
+            _insert_after(nb, cell, ROUND_4_THREADS.replace("TASK_NAMES", repr(names)))
+    return nb
+
+
+def _first_source(source: Any, gid: str) -> str:
+    for c in source.cells:
+        if c.metadata.get("nbgrader", {}).get("grade_id") == gid:
+            return c.source
+    raise KeyError(gid)
+
+
+ROUND_4: dict[str, Edit] = {"attack_round_4": attack_round_4}

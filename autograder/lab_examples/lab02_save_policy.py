@@ -9,7 +9,7 @@ from __future__ import annotations
 from typing import Any
 
 from .common import Edit, Wrong, _answers, _cell, _replace, blank, perfect, swap, wrong_examples
-from .hostile import ISSUE_20
+from .hostile import ISSUE_20, ROUND_4
 
 INTERVAL = "    return step % save_interval_steps == 0 or step in save_on_steps"
 NEWEST = "        keep = set(steps[-max_to_keep:]) if max_to_keep > 0 else set()"
@@ -229,5 +229,5 @@ EXAMPLES: dict[str, Edit] = {
     "commit_replaces_existing": commit_replaces_existing,
     "cleanup_too_greedy": cleanup_too_greedy,
     **wrong_examples(WRONG),  # issue 39: wrong_a, wrong_b ... (one wrong version per task)
-    **ISSUE_20,  # issue 20's four classes in one submission (cheap: see make_examples)
+    **ISSUE_20, **ROUND_4,  # issue 20's four classes in one submission (cheap: see make_examples)
 }

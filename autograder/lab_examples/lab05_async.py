@@ -6,7 +6,7 @@ from __future__ import annotations
 from typing import Any
 
 from .common import Edit, Wrong, _answers, _replace, blank, perfect, swap, wrong_examples
-from .hostile import ISSUE_20
+from .hostile import ISSUE_20, ROUND_4
 
 COPIED = "    return to_host(x, copy=True, path=path)"
 SHARED = "    return to_host(x, path=path)  # to_host already brings it to the host"
@@ -167,6 +167,6 @@ EXAMPLES: dict[str, Edit] = {
     "perfect": perfect, "blank": blank, "partial": partial, "shares_memory": shares_memory,
     "swallows_errors": swallows_errors, "two_in_flight": two_in_flight,
     "wall_time_overlap": wall_time_overlap,
-    **ISSUE_20,  # issue 20's four classes in one submission (cheap: see make_examples)
+    **ISSUE_20, **ROUND_4,  # issue 20's four classes in one submission (cheap: see make_examples)
     **wrong_examples(WRONG),  # issue 39: wrong_a ... one wrong version per task each
 }
