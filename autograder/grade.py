@@ -765,7 +765,6 @@ def _parser() -> argparse.ArgumentParser:
     return p
 
 
-
 def graded_build_on() -> bool:
     """Sandboxed kernels import the graded build of minickpt (issue 38) with
     ``MINICKPT_GRADED_BUILD=on``; by default the full library, reference included: on the

@@ -14,7 +14,6 @@ lab does not grade) is copied unchanged. Built from the same source, once per gr
 from __future__ import annotations
 
 import ast
-import hashlib
 import re
 import shutil
 from pathlib import Path
@@ -115,11 +114,3 @@ def build_graded(lab: str, package: Path, dest: Path) -> tuple[Path, list[str]]:
                          f"'Task {n}.Y ...')")
     return out, replaced
 
-
-def fingerprint(folder: Path) -> str:
-    """A hash of a built folder's files (names and bytes), for caches keyed on what runs."""
-    h = hashlib.sha256()
-    for p in sorted(folder.rglob("*")):
-        if p.is_file():
-            h.update(str(p.relative_to(folder)).encode() + b"\0" + p.read_bytes())
-    return h.hexdigest()[:16]

@@ -192,12 +192,9 @@ def load_lab(path: Path) -> Lab:
         lab_cell = LabCell("code" if kind == "code" else "markdown", source, role, gid,
                            str(cell.get("id", "")), float(meta.get("points", 0)))
         if role == "quiz":
-            _, hidden = split_hidden(source)
-            try:
-                compile(hidden, f"<{gid} hidden>", "exec")
-            except SyntaxError as e:
-                raise ValueError(f"{path}: the hidden part of quiz test {gid} must be code that "
-                                 f"runs on its own (it is checked outside the kernel): {e}") from e
+            _must_compile(split_hidden(source)[1], f"<{gid} hidden>",
+                          f"{path}: the hidden part of quiz test {gid} must be code that runs "
+                          "on its own (it is checked outside the kernel)")
         elif role == "test" and CHECK_BEGIN in source:
             _check_block(path, gid, source)
         cells.append(lab_cell)
@@ -320,12 +317,17 @@ def _check_block(path: Path, gid: str, source: str) -> None:
     if CHECK_BEGIN in visible or CHECK_BEGIN not in hidden or CHECK_END not in hidden:
         raise ValueError(f"{path}: test {gid}: a '{CHECK_BEGIN}' block must open and close "
                          "inside the hidden tests (students never see it)")
-    _, check = split_grader_check(source)
+    _must_compile(split_grader_check(source)[1], f"<{gid} grader check>",
+                  f"{path}: test {gid}: its grader check must be code that runs on its own "
+                  "(it runs in the grader, not the kernel)")
+
+
+def _must_compile(code: str, name: str, why: str) -> None:
+    """Code the grader runs in its own process: a SyntaxError is the lab's, said at load."""
     try:
-        compile(check, f"<{gid} grader check>", "exec")
+        compile(code, name, "exec")
     except SyntaxError as e:
-        raise ValueError(f"{path}: test {gid}: its grader check must be code that runs on its "
-                         f"own (it runs in the grader, not the kernel): {e}") from e
+        raise ValueError(f"{why}: {e}") from e
 
 
 def sign(key: bytes, text: str) -> str:

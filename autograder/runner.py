@@ -217,23 +217,22 @@ def _run(job: Job, cfg: dict[str, Any], lab: Lab, student: list[Any], iso: sandb
     limits = sandbox.Limits(**cfg["limits"])
     ipc = Path(cfg["ipc"])
     sandbox.prepare_ipc_dir(ipc, iso, uid or 0)
+    graded = (cfg.get("graded") or {}).get(lab.name) if iso.sandboxed else None
     if iso.sandboxed:
         referee_path, cwd = REFEREE_IN_SANDBOX, f"/home/student/{lab.name}"
         key_file = str(ipc / "referee.key")
         extra_ro = {str(REFEREE_FILE): REFEREE_IN_SANDBOX,
                     **data_files(Path(cfg.get("release") or RELEASE) / lab.name, cwd)}
-        build = (cfg.get("graded") or {}).get(lab.name)
-        if build:  # issue 38: the lab's tasks are absent from the minickpt the kernel imports
-            extra_ro[build] = sandbox.env_package() or sandbox.grader_package() or ""
+        if graded:  # issue 38: the lab's tasks are absent from the minickpt the kernel imports
+            extra_ro[graded] = sandbox.env_package() or sandbox.grader_package() or ""
     else:
         scratch = root / "scratch"
         (scratch / "tmp").mkdir(parents=True)
         referee_path, cwd, key_file, extra_ro = str(REFEREE_FILE), str(scratch), \
             str(scratch / "referee.key"), {}
     refereed = os.environ.get("MINICKPT_REFEREE", "").lower() not in ("off", "0", "no")
-    graded = bool((cfg.get("graded") or {}).get(lab.name)) and iso.sandboxed
     asm = assemble(lab, student, referee_path=referee_path, key_file=key_file, refereed=refereed,
-                   hoist=graded)
+                   hoist=bool(graded))
     for c in asm.cells:
         if c.role == "student":
             c.run = _compilable(c.run)

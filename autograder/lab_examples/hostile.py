@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from .common import Edit, _first, _insert_after, blank, perfect
+from .common import Edit, _cell, _first, _insert_after, blank, perfect
 
 PATCH_STDLIB = """
 # Make every failing check inside a `with` block pass: the standard library's generator-based
@@ -242,17 +242,10 @@ def attack_round_4(release: Any, source: Any) -> Any:
     for cell in list(nb.cells):
         gid = cell.metadata.get("nbgrader", {}).get("grade_id", "")
         if gid.startswith("task_"):
-            names = [n.name for n in ast.parse(_first_source(source, gid)).body
+            names = [n.name for n in ast.parse(_cell(source, gid).source).body
                      if isinstance(n, ast.FunctionDef)]
             _insert_after(nb, cell, ROUND_4_THREADS.replace("TASK_NAMES", repr(names)))
     return nb
-
-
-def _first_source(source: Any, gid: str) -> str:
-    for c in source.cells:
-        if c.metadata.get("nbgrader", {}).get("grade_id") == gid:
-            return c.source
-    raise KeyError(gid)
 
 
 ROUND_4: dict[str, Edit] = {"attack_round_4": attack_round_4}
