@@ -22,6 +22,7 @@ pytestmark = pytest.mark.timeout(180)
 
 MIB = 1 << 20
 LARGE = [f"w{i}" for i in range(5)]  # 5 × 8 MiB: a data file written with O_DIRECT, if allowed
+DEVICE = ["empty", "small", "step", *LARGE]  # _state()'s device arrays, in tree order
 
 
 def _state() -> dict:
@@ -105,7 +106,7 @@ def test_the_first_leaf_is_written_before_the_last_transfer_is_waited_for(tmp_pa
     state = _state()
     Checkpointer(_Recorder(events)).save(tmp_path / "ck", {"state": state}, step=1)
     waits = [e[1] for e in events if e[0] == "wait"]
-    assert waits == LARGE, "each large device leaf is waited for once, in tree order"
+    assert waits == DEVICE, "each device array is waited for once, in tree order"
     last = events.index(("wait", LARGE[-1]))
     written_before = sum(n for kind, n in events[:last] if kind == "wrote")
     assert written_before >= 8 * MIB, \
@@ -149,7 +150,7 @@ def test_a_failed_transfer_leaves_no_step_and_no_temporary_files(tmp_path, io, m
     assert any(bad in note for note in getattr(err.value, "__notes__", [])), \
         "the error says which leaf it was bringing over"
     assert os.listdir(tmp_path) == []
-    assert [e[1] for e in events if e[0] == "wait"] == LARGE[:LARGE.index(bad) + 1]
+    assert [e[1] for e in events if e[0] == "wait"] == DEVICE[:DEVICE.index(bad) + 1]
 
 
 def test_async_snapshots_are_not_streamed(tmp_path):
