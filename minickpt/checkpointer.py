@@ -310,13 +310,17 @@ class Checkpointer:
 
     # ---- saving ------------------------------------------------------------------------
     def plan(self, items: Mapping[str, Any], *, copy: bool = False,
-             executor: Executor | None = None, pin: bool = False) -> dict[str, ItemPlan]:
+             executor: Executor | None = None, pin: bool = False,
+             stream: bool = False) -> dict[str, ItemPlan]:
         """The snapshot phase: every item brought to the host and laid out.
 
         ``copy=True`` makes it a true snapshot that later mutation, deletion or donation of
         the arrays cannot change (what an async save needs); ``executor`` copies large leaves
         in parallel threads; ``pin=True`` lets CPU arrays be pinned zero-copy views instead
-        of copies, where JAX allows it (:func:`minickpt.tree.pinned_view`).
+        of copies, where JAX allows it (:func:`minickpt.tree.pinned_view`). ``stream=True``
+        (the synchronous save) checks every leaf and starts every transfer, but leaves a
+        large item's device arrays to :meth:`write`, which writes each as soon as its
+        transfer is done (:func:`minickpt.format.encode.plan_item`).
         """
         if not isinstance(items, Mapping) or not items:
             raise TypeError("items must be a non-empty mapping of item name to pytree, "
@@ -325,7 +329,7 @@ class Checkpointer:
         for name, tree in items.items():
             try:
                 plans[check_name(str(name))] = plan_item(tree, copy=copy, executor=executor,
-                                                         pin=pin)
+                                                         pin=pin, stream=stream)
             except UnsupportedLeafError as e:
                 raise UnsupportedLeafError(f"item '{name}': {e}") from None
         return plans
@@ -344,7 +348,7 @@ class Checkpointer:
         if exists:
             raise StepAlreadyExistsError(f"{directory} already exists: minickpt never "
                                          "replaces a committed checkpoint")
-        plans = self.plan(items)
+        plans = self.plan(items, stream=True)  # the writer waits for each transfer
         stats = SaveStats(step, directory, start_time=init_ns / 1e9)
         stats.snapshot_s = time.perf_counter() - t0
         self.write(directory, plans, step=step, metrics=metrics,

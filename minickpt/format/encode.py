@@ -45,6 +45,9 @@ class ItemPlan:
     entries: list[dict[str, Any]]
     buffers: list[np.ndarray | None]  # 1-D uint8 views of each array leaf, None otherwise
     nbytes: int = 0
+    # a synchronous save's large device leaves, still on their way to the host: their
+    # entries and buffers are None until the writer reaches them (see _Stream)
+    stream: _Stream | None = None
 
     @property
     def num_leaves(self) -> int:
@@ -125,13 +128,19 @@ def plan_leaf(names: Names, host: Any) -> tuple[dict[str, Any], np.ndarray | Non
 
 
 def plan_item(tree: Any, *, copy: bool = False, executor: Executor | None = None,
-              pin: bool = False) -> ItemPlan:
+              pin: bool = False, stream: bool = False) -> ItemPlan:
     """Bring a tree to the host and lay it out: skeleton, entries, byte views and offsets.
 
     With an ``executor``, large leaves are brought over (and copied, with ``copy=True``) in its
     threads: numpy copies release the GIL, so an async save's snapshot uses several cores.
     ``pin=True`` lets a pinned zero-copy view of a CPU array stand in for its copy
     (:func:`minickpt.tree.pinned_view`).
+
+    ``stream=True`` (a synchronous save: no copy, no executor) leaves the item's device arrays
+    where they are, their transfers started: the writer takes each when it reaches it
+    (:class:`_Stream`), so that writing overlaps the transfers still under way. Every leaf is
+    still checked here, in tree order, without a transfer: a leaf minickpt cannot store is
+    refused before anything is written.
     """
     skel, named = skeleton(tree)
     entries: list[dict[str, Any]] = []
@@ -154,8 +163,16 @@ def plan_item(tree: Any, *, copy: bool = False, executor: Executor | None = None
                     futures[i] = executor.submit(_host, leaf, copy, pin, path_str(names))
         except RuntimeError:  # the executor is shut down (interpreter exit): do it here
             pass
+    later = (_deferrable(named) if stream and not copy and executor is None
+             and to_host is _OWN[0] and plan_leaf is _OWN[1] else set())
     offset = 0
     for i, (names, leaf) in enumerate(named):
+        if i in later:  # checked now, brought over when the writer reaches it
+            dtype_name(leaf.dtype)  # refuses what plan_leaf would refuse, without a transfer
+            entries.append(None)  # type: ignore[arg-type]
+            buffers.append(None)
+            offset = _align(offset) + int(leaf.nbytes)
+            continue
         was_np_scalar = isinstance(leaf, np.generic)
         fut = futures.get(i)
         host = fut.result() if fut is not None else _host(leaf, copy, pin, path_str(names))
@@ -168,9 +185,122 @@ def plan_item(tree: Any, *, copy: bool = False, executor: Executor | None = None
             offset += buf.nbytes
         entries.append(entry)
         buffers.append(buf)
+    if later:  # the offsets are laid out as the leaves arrive, by the same rule as below
+        plan = ItemPlan(skel, entries, buffers, offset)
+        plan.stream = _Stream(plan, {i: named[i] for i in later})
+        return plan
     if offset >= DIRECT_IO_MIN_BYTES:  # whether or not O_DIRECT is on: the same bytes
         offset = _page_congruent(entries, buffers)
     return ItemPlan(skel, entries, buffers, offset)
+
+
+# the library's own task functions (labkit.plugged_in swaps the module attributes that are
+# them): only with these is a streamed item's layout known before its leaves arrive
+_OWN = (to_host, plan_leaf)
+
+
+def _deferrable(named: Sequence[tuple[Names, Any]]) -> set[int]:
+    """The leaves a synchronous save may bring over as it writes them: live, fully
+    addressable device arrays (not typed keys: small, and laid out by their key data). None
+    where they add up to less than :data:`_JOIN_BELOW`: such an item is written in one
+    piece, after all of its leaves are on the host."""
+    import jax
+
+    later, total = set(), 0
+    for i, (_names, leaf) in enumerate(named):
+        if not isinstance(leaf, jax.Array) or is_prng_key(leaf):
+            continue
+        try:
+            if leaf.is_deleted() or not leaf.is_fully_addressable:
+                continue  # to_host raises for it now, as it always did
+        except Exception:  # an unusual array type: brought over now, as before
+            continue
+        later.add(i)
+        total += int(leaf.nbytes)
+    return later if total >= _JOIN_BELOW else set()
+
+
+def _wait_for_host(leaf: Any, path: str) -> Any:
+    """The writer's wait for one leaf's device-to-host copy (started by :func:`plan_item`)."""
+    return to_host(leaf, path=path)
+
+
+class _Stream:
+    """The leaves of a streamed item (``plan_item(stream=True)``), settled in tree order as
+    the writer reaches them: leaf i's transfer is waited for, its entry and bytes made
+    (:func:`plan_leaf`), its offset laid out (by :func:`_page_congruent`'s rule, which needs
+    only the leaves before it) and its checksum started, while the later transfers go on.
+
+    Once every leaf is settled, the entries, offsets, checksums and data file are exactly
+    those of a plan made with every leaf on the host first."""
+
+    def __init__(self, plan: ItemPlan, pending: dict[int, tuple[Names, Any]]):
+        self.plan = plan
+        self.pending = pending
+        self.direct = plan.nbytes >= DIRECT_IO_MIN_BYTES  # laid out for O_DIRECT, as below
+        self.next = 0  # the first leaf not settled yet
+        self.end = 0  # where the data file's bytes end so far
+        self.crcs: list[Any] = [None] * len(plan.entries)
+        self.pool: ThreadPoolExecutor | None = None
+        self.in_thread = plan.nbytes >= _CRC_IN_THREAD_BYTES
+        # the data file's greatest possible size (each large leaf moved < 4 KiB further)
+        from .. import fs as _fs
+
+        self.bound = plan.nbytes + (_fs._DIO_PAGE * len(plan.entries) if self.direct else 0)
+
+    def settle(self, i: int) -> np.ndarray | None:
+        """Leaf i's bytes (None for a value leaf), settling every leaf up to it first."""
+        while self.next <= i:
+            self._settle_next()
+        return self.plan.buffers[i]
+
+    def _settle_next(self) -> None:
+        from .. import fs as _fs
+
+        plan, i = self.plan, self.next
+        if i in self.pending:
+            names, leaf = self.pending[i]
+            path = path_str(names)
+            try:
+                entry, buf = plan_leaf(names, _wait_for_host(leaf, path))
+            except Exception as e:
+                e.add_note(f"minickpt: while bringing leaf {path} to the host to write it")
+                raise
+            if buf is None or buf.nbytes != int(leaf.nbytes):
+                raise RuntimeError(f"leaf {path}: {getattr(buf, 'nbytes', None)} bytes on the "
+                                   f"host where the device array holds {leaf.nbytes}")
+            plan.entries[i], plan.buffers[i] = entry, buf
+            del self.pending[i]
+        entry, buf = plan.entries[i], plan.buffers[i]
+        if buf is not None:
+            offset = _align(self.end)
+            addr = buf.ctypes.data
+            if self.direct and buf.nbytes >= _fs.DIRECT_CHUNK and addr % ALIGN == 0:
+                offset += (addr - offset) % _fs._DIO_PAGE
+            entry["offset"] = offset
+            self.end = offset + buf.nbytes
+            self.crcs[i] = self._crc(buf)
+        self.next += 1
+
+    def _crc(self, buf: np.ndarray) -> Any:
+        if self.in_thread:  # the CRC releases the GIL: it runs while the writer writes
+            try:
+                self.pool = self.pool or ThreadPoolExecutor(1, thread_name_prefix="minickpt-crc")
+                return self.pool.submit(crc32, buf)
+            except RuntimeError:  # interpreter exit: no new work may be scheduled
+                self.in_thread = False
+        return crc32(buf)
+
+    def finish(self) -> list[int | None]:
+        """Settle what the writer did not reach; the checksums. The plan is then complete."""
+        self.settle(len(self.plan.entries) - 1)
+        self.plan.nbytes = self.end
+        return [c.result() if isinstance(c, Future) else c for c in self.crcs]
+
+    def close(self) -> None:
+        if self.pool is not None:
+            self.pool.shutdown(wait=True, cancel_futures=True)
+            self.pool = None
 
 
 def _page_congruent(entries: list[dict[str, Any]], buffers: list[np.ndarray | None]) -> int:
@@ -243,9 +373,13 @@ _WRITEBACK_EVERY = 32 << 20  # start the disk on each 32 MiB written (measured: 
 
 def _data_chunks(plan: ItemPlan) -> Iterable[memoryview | bytes]:
     pos = 0
-    for entry, buf in zip(plan.entries, plan.buffers, strict=True):
+    stream = plan.stream
+    for i, buf in enumerate(plan.buffers):
+        if stream is not None:  # leaf i waited for only now, as it is about to be written
+            buf = stream.settle(i)
         if buf is None:
             continue
+        entry = plan.entries[i]
         pad = entry["offset"] - pos
         if pad:
             yield _ZEROS[:pad]
@@ -329,8 +463,11 @@ def write_item_data(fs: FileSystem, item_dir: str, plan: ItemPlan, *,
     """
     t0 = time.perf_counter()
     fsync_s = 0.0
-    has_data = any(b is not None for b in plan.buffers)
     dpath = os.path.join(item_dir, data_file)
+    if plan.stream is not None:
+        fsync_s, crcs = _write_streamed(fs, dpath, plan, fsync, sync)
+        return _item_data(plan, crcs, data_file, True, t0, fsync_s)
+    has_data = any(b is not None for b in plan.buffers)
     crc_future = _crc_in_thread(plan) if plan.nbytes >= _CRC_IN_THREAD_BYTES else None
     if crc_future is not None:
         fsync_s += _write_data(fs, dpath, plan, fsync, sync)
@@ -339,6 +476,11 @@ def write_item_data(fs: FileSystem, item_dir: str, plan: ItemPlan, *,
         crcs = _crc_all(plan.buffers)
         if plan.nbytes or has_data:
             fsync_s += _write_data(fs, dpath, plan, fsync, sync)
+    return _item_data(plan, crcs, data_file, has_data, t0, fsync_s)
+
+
+def _item_data(plan: ItemPlan, crcs: Sequence[int | None], data_file: str, has_data: bool,
+               t0: float, fsync_s: float) -> ItemData:
     entries = []
     for entry, crc in zip(plan.entries, crcs, strict=True):
         if crc is not None:
@@ -346,6 +488,20 @@ def write_item_data(fs: FileSystem, item_dir: str, plan: ItemPlan, *,
         entries.append(entry)
     return ItemData(entries, data_file if has_data else None, plan.nbytes,
                     write_s=time.perf_counter() - t0 - fsync_s, fsync_s=fsync_s)
+
+
+def _write_streamed(fs: FileSystem, dpath: str, plan: ItemPlan, fsync: bool,
+                    sync: SyncBatch | None) -> tuple[float, list[int | None]]:
+    """Write a streamed item's data file, each leaf as it arrives; its fsync time and the
+    leaf checksums. The plan is complete afterwards (its offsets, its size)."""
+    stream = plan.stream
+    assert stream is not None
+    try:
+        fsync_s = _write_data(fs, dpath, plan, fsync, sync)
+        return fsync_s, stream.finish()
+    finally:
+        stream.close()
+        plan.stream = None
 
 
 def write_item_manifest(fs: FileSystem, item_dir: str, plan: ItemPlan, data: ItemData, *,
@@ -409,7 +565,8 @@ def _write_direct(fs: FileSystem, path: str, plan: ItemPlan) -> int | None:
         _direct_refused(path, e)
         return None
     try:
-        fs.write_all_direct(dfd, _data_chunks(plan), size=plan.nbytes)
+        size = plan.stream.bound if plan.stream is not None else plan.nbytes
+        fs.write_all_direct(dfd, _data_chunks(plan), size=size)
     except BaseException as e:
         try:
             fs.close(dfd)
