@@ -71,6 +71,7 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
+from . import device_snapshot
 from .checkpointer import (
     Checkpointer,
     CheckpointMetadata,
@@ -265,14 +266,35 @@ def _finish_pending_saves() -> None:
 
 
 SNAPSHOT_ENV = "MINICKPT_ASYNC_SNAPSHOT"
-"""Set to ``copy`` to make every async snapshot a host copy (no pinned zero-copy views)."""
+"""How async snapshots are taken: ``copy`` makes every one a host copy (no pinned zero-copy
+views, no device-side copies); ``host`` rules out the device-side snapshot only; ``device``
+forces it for every ``jax.Array`` leaf, CPU arrays included, whatever the free memory; unset
+(or ``pin``): the defaults — pinned views on the CPU, device-side copies of accelerator leaves
+where they fit."""
+
+
+def _snapshot_env() -> str:
+    return os.environ.get(SNAPSHOT_ENV, "").strip().lower()
 
 
 def default_zero_copy() -> bool:
     """Whether async snapshots may pin CPU arrays instead of copying them: yes, unless the
     environment variable ``MINICKPT_ASYNC_SNAPSHOT`` is ``copy`` (to compare, or to rule the
     pinning out when something looks wrong)."""
-    return os.environ.get(SNAPSHOT_ENV, "").strip().lower() != "copy"
+    return _snapshot_env() != "copy"
+
+
+def default_device_snapshot() -> bool | None:
+    """Whether async saves copy ``jax.Array`` leaves on their devices and transfer the copies
+    in the background (:mod:`minickpt.device_snapshot`): ``MINICKPT_ASYNC_SNAPSHOT=device``
+    forces it (True), ``host`` or ``copy`` rules it out (False); otherwise None, automatic:
+    accelerator leaves, when their copies fit in the devices' free memory."""
+    mode = _snapshot_env()
+    if mode == "device":
+        return True
+    if mode in ("host", "copy"):
+        return False
+    return None
 
 
 def default_snapshot_threads() -> int:
@@ -299,12 +321,18 @@ class AsyncCheckpointer(Checkpointer):
     def __init__(self, fs: FileSystem | None = None, *,
                  wait_warning_s: float | None = None,
                  snapshot_threads: int | None = None,
-                 zero_copy: bool | None = None):
+                 zero_copy: bool | None = None,
+                 device_snapshot: bool | None = None):
         super().__init__(fs)
         self._writer = AsyncWriter(wait_warning_s=wait_warning_s)
         self._threads = snapshot_threads or default_snapshot_threads()
         self.zero_copy = default_zero_copy() if zero_copy is None else zero_copy
         """Pin CPU arrays instead of copying them in the snapshot (where JAX allows it)."""
+        self.device_snapshot = (default_device_snapshot() if device_snapshot is None
+                                else device_snapshot)
+        """Copy ``jax.Array`` leaves on their devices in ``save()`` and transfer the copies in
+        the background: True for every such leaf, False never, None for accelerator leaves
+        whose copies fit in the devices' free memory (:mod:`minickpt.device_snapshot`)."""
         self._pool: ThreadPoolExecutor | None = None
         self._in_flight_path: str | None = None
         self._start_lock = threading.Lock()
@@ -372,13 +400,20 @@ class AsyncCheckpointer(Checkpointer):
         t_snap = time.perf_counter()
         if self._pool is None and self._threads > 1:
             self._pool = ThreadPoolExecutor(self._threads, thread_name_prefix="minickpt-snap")
-        plans = self.plan(items, copy=True, executor=self._pool, pin=self.zero_copy)
+        on_device = None
+        if self.device_snapshot is not False:  # copies enqueued on the devices, or None
+            on_device = device_snapshot.take(items, force=self.device_snapshot is True,
+                                             executor=self._pool, pin=self.zero_copy)
+        plans = ({} if on_device is not None else
+                 self.plan(items, copy=True, executor=self._pool, pin=self.zero_copy))
         stats = SaveStats(step, directory, start_time=wall0, async_=True, wait_s=wait_s)
         stats.snapshot_s = time.perf_counter() - t_snap
         what = directory if step is None else f"step {step} ({directory})"
 
         def write_phase() -> None:
             try:
+                if on_device is not None:  # the device-to-host transfer of the copies
+                    plans.update(on_device.finish())
                 self.write(directory, plans, step=step, metrics=metrics,
                            custom_metadata=custom_metadata, stats=stats, init_ns=init_ns,
                            release=True)
@@ -386,6 +421,8 @@ class AsyncCheckpointer(Checkpointer):
                     on_commit(stats)
             finally:
                 plans.clear()  # free the copies, unpin the views: written now
+                if on_device is not None:
+                    on_device.release()
 
         stats.blocking_s = time.perf_counter() - t0
         self.start_write(directory, write_phase, stats=stats, what=what, t0=t0,

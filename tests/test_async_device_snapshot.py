@@ -110,17 +110,19 @@ def test_save_returns_before_the_transfer_and_deletion_after_it_changes_nothing(
     n = np.arange(1000, dtype=np.float64)
     key = jax.random.key(5)
     with AsyncCheckpointer(device_snapshot=True) as ck:
-        stats = ck.save(tmp_path / "c", {"s": {"x": x, "j": j, "n": n, "k": key,
-                                               "g": np.float32(2.5), "i": 7}})
-        # save() has returned while the transfer is held: nothing has been fetched yet
-        assert held.fetched == [] and ck.is_saving_in_progress()
-        assert copies.calls == 2  # x and j: keys and numpy leaves are snapshot on the host
-        x.delete()
-        j.delete()
-        key.delete()
-        n[:] = -1.0
-        assert held.started.wait(WAIT)
-        held.release()
+        try:
+            stats = ck.save(tmp_path / "c", {"s": {"x": x, "j": j, "n": n, "k": key,
+                                                   "g": np.float32(2.5), "i": 7}})
+            # save() has returned while the transfer is held: nothing has been fetched yet
+            assert held.fetched == [] and ck.is_saving_in_progress()
+            assert copies.calls == 2  # x and j: keys and numpy leaves: on the host, now
+            x.delete()
+            j.delete()
+            key.delete()
+            n[:] = -1.0
+            assert held.started.wait(WAIT)
+        finally:
+            held.release()
         ck.wait_until_finished()
         assert stats.ok
         r = ck.restore(tmp_path / "c")["s"]
@@ -143,17 +145,20 @@ def test_donation_right_after_save_changes_nothing(tmp_path, monkeypatch):
     ptr = x.unsafe_buffer_pointer()
     cut = _sharded(jnp.arange(256.0), PartitionSpec("d"))  # 4 shards, each copied in place
     state = {"x": x, "cut": cut}
-    step_fn = jax.jit(lambda t: jax.tree.map(lambda a: a * 0 - 7, t), donate_argnums=0)
+    step_fn = jax.jit(lambda a: a * 0 - 7, donate_argnums=0)
     opts = CheckpointManagerOptions(enable_async_checkpointing=True)
     with CheckpointManager(tmp_path, opts) as m:
-        m._async.device_snapshot = True
-        assert m.save(1, {"s": state})
-        after = step_fn(state)  # dispatched at once, no wait
-        jax.block_until_ready(after)
-        assert x.is_deleted() and cut.is_deleted(), "the snapshot kept the donated buffers"
-        assert after["x"].unsafe_buffer_pointer() == ptr  # XLA wrote -7 where x was
-        assert held.fetched == []
-        held.release()
+        try:
+            m._async.device_snapshot = True
+            assert m.save(1, {"s": state})
+            after = {k: step_fn(v) for k, v in state.items()}  # dispatched at once, no wait
+            del state
+            jax.block_until_ready(after)
+            assert x.is_deleted() and cut.is_deleted(), "the snapshot kept the donated buffers"
+            assert after["x"].unsafe_buffer_pointer() == ptr  # XLA wrote -7 where x was
+            assert held.fetched == []
+        finally:
+            held.release()
         m.wait_until_finished()
         r = m.restore(1)["s"]
     np.testing.assert_array_equal(r["x"], np.arange(1 << 16, dtype=np.float32))
