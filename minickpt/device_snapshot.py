@@ -53,6 +53,12 @@ def on_accelerator(x: Any) -> bool:
             and _transfer_made_a_copy(x))
 
 
+def accelerator_present() -> bool:
+    """Whether JAX's default backend is an accelerator: on a CPU-only JAX the automatic mode
+    looks no further (asked only once a save holds a ``jax.Array``)."""
+    return jax.default_backend() != "cpu"
+
+
 def copy_on_device(x: jax.Array) -> jax.Array:
     """A copy of ``x`` in new buffers on the same devices, with the same sharding; enqueued
     (asynchronous dispatch), not waited for."""
@@ -162,6 +168,10 @@ def take(items: Mapping[str, Any], *, force: bool, executor: Executor | None = N
     if not isinstance(items, Mapping) or not items:
         raise TypeError("items must be a non-empty mapping of item name to pytree, "
                         "e.g. {'params': params, 'opt_state': opt_state}")
+    if not force and not (any(isinstance(leaf, jax.Array)
+                              for leaf in jax.tree_util.tree_leaves(list(items.values())))
+                          and accelerator_present()):
+        return None  # the host snapshot, at the cost of one flattening
     flat: dict[str, tuple[dict[str, Any], list[tuple[Names, Any]]]] = {}
     chosen: dict[str, list[int]] = {}
     for name, tree in items.items():

@@ -224,6 +224,7 @@ def test_auto_copies_on_the_device_only_when_the_copies_fit(tmp_path, monkeypatc
     the copies (64 KiB here) must fit in half the device's free memory; with too little
     free, or no figures at all, the save takes today's host snapshot."""
     monkeypatch.delenv(asy.SNAPSHOT_ENV, raising=False)
+    monkeypatch.setattr(dsnap, "accelerator_present", lambda: True)
     monkeypatch.setattr(dsnap, "on_accelerator", lambda x: isinstance(x, jax.Array))
     stats = None if free is None else {"bytes_limit": free + 500, "bytes_in_use": 500}
     monkeypatch.setattr(dsnap, "memory_stats", lambda device: stats)
