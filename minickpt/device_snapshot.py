@@ -108,7 +108,7 @@ def fits(leaves: Sequence[jax.Array], fraction: float = MAX_FREE_FRACTION) -> bo
 @dataclass
 class _Item:
     skel: dict[str, Any]
-    named: list[tuple[Names, Any]]
+    names: list[Names]  # the leaves' paths: the state's own leaves are not kept
     hosts: list[Any]  # the host snapshot of each leaf; None where a copy is pending
     scalar: list[bool]
     copies: dict[int, jax.Array] = field(default_factory=dict)
@@ -139,19 +139,20 @@ class DeviceSnapshot:
             plans: dict[str, ItemPlan] = {}
             for name, it in self._items.items():
                 for i, c in list(it.copies.items()):
-                    it.hosts[i] = fetch(c, path_str(it.named[i][0]))
+                    it.hosts[i] = fetch(c, path_str(it.names[i]))
                     del it.copies[i]  # the host array holds no reference to the device buffer
                 plans[name] = _layout(it)
-                it.named.clear()  # the state's own leaves: not kept past the snapshot
             return plans
         finally:
             self.release()
 
     def release(self) -> None:
-        """Drop every copy still held (freed on its device) and the references to the state."""
+        """Drop every copy still held (freed on its device) and every host snapshot (a pinned
+        view is unpinned once the plans made of it are cleared too)."""
         for it in self._items.values():
             it.copies.clear()
-            it.named.clear()
+            it.hosts.clear()
+        self._items.clear()
 
 
 def take(items: Mapping[str, Any], *, force: bool, executor: Executor | None = None,
@@ -189,8 +190,9 @@ def take(items: Mapping[str, Any], *, force: bool, executor: Executor | None = N
         except UnsupportedLeafError as e:
             raise UnsupportedLeafError(f"item '{name}': {e}") from None
     for name, it in out.items():  # every leaf checked: now enqueue the copies
+        named = flat[name][1]
         for i in chosen[name]:
-            it.copies[i] = copy_on_device(it.named[i][1])
+            it.copies[i] = copy_on_device(named[i][1])
     return DeviceSnapshot(out)
 
 
@@ -228,7 +230,7 @@ def _host_part(skel: dict[str, Any], named: list[tuple[Names, Any]], device: set
         fut = futures.get(i)
         hosts[i] = fut.result() if fut is not None else snapshot_leaf(
             leaf, path=path_str(names), pin=pin)
-    return _Item(skel, list(named), hosts, scalar)
+    return _Item(skel, [names for names, _leaf in named], hosts, scalar)
 
 
 def _layout(it: _Item) -> ItemPlan:
@@ -237,7 +239,7 @@ def _layout(it: _Item) -> ItemPlan:
     entries: list[dict[str, Any]] = []
     buffers: list[np.ndarray | None] = []
     offset = 0
-    for (names, _leaf), host, was_scalar in zip(it.named, it.hosts, it.scalar, strict=True):
+    for names, host, was_scalar in zip(it.names, it.hosts, it.scalar, strict=True):
         entry, buf = plan_leaf(names, host)
         if was_scalar:
             entry["scalar"] = True

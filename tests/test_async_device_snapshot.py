@@ -10,8 +10,10 @@ module's seam (``minickpt.device_snapshot.fetch``), so what is checked does not 
 thread timing: nothing here measures time.
 """
 
+import gc
 import os
 import threading
+import weakref
 
 import jax
 import jax.numpy as jnp
@@ -21,6 +23,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 import minickpt.asynchronous as asy
 import minickpt.device_snapshot as dsnap
+import minickpt.tree as mtree
 from minickpt import CheckpointManager, CheckpointManagerOptions
 from minickpt.asynchronous import AsyncCheckpointer
 from minickpt.commit import is_temporary
@@ -246,3 +249,45 @@ def test_the_guard_counts_each_devices_share():
     need = dsnap.bytes_per_device([cut, rep])
     assert set(need) == set(jax.devices()[:4])
     assert all(v == 1024 + 4096 for v in need.values())
+
+
+def test_host_leaves_beside_device_copies_are_let_go_once_written(tmp_path, monkeypatch):
+    """In the automatic mode a CPU array next to accelerator leaves keeps its pinned view;
+    once the save is written nothing holds it: a donation then gets its buffer."""
+    if not mtree.pinning_works():
+        pytest.skip(f"jax {jax.__version__} does not pin CPU buffers")
+    monkeypatch.delenv(asy.SNAPSHOT_ENV, raising=False)
+    monkeypatch.setattr(dsnap, "accelerator_present", lambda: True)
+    x = jnp.arange(256.0)
+    monkeypatch.setattr(dsnap, "on_accelerator", lambda a: a is x)
+    monkeypatch.setattr(dsnap, "memory_stats", lambda d: {"bytes_limit": 1 << 30,
+                                                          "bytes_in_use": 0})
+    copies = CountedCopies(monkeypatch)
+    w = jnp.arange(4096, dtype=jnp.float32) + 0
+    with AsyncCheckpointer() as ck:
+        ck.save(tmp_path / "c", {"s": {"x": x, "w": w}})
+        ck.wait_until_finished()
+        jax.block_until_ready(jax.jit(lambda a: a * 0, donate_argnums=0)(w))
+        assert w.is_deleted(), "the written save still pins the CPU leaf"
+        r = ck.restore(tmp_path / "c")["s"]
+    assert copies.calls == 1
+    np.testing.assert_array_equal(r["w"], np.arange(4096, dtype=np.float32))
+    np.testing.assert_array_equal(r["x"], np.arange(256.0))
+
+
+def test_the_save_in_flight_holds_no_reference_to_the_state(tmp_path, monkeypatch):
+    """While the copies wait for their transfer, the save holds only them: a state the loop
+    drops (without donating it) is freed at once, not kept as a second copy on the device."""
+    held = HeldTransfer(monkeypatch)
+    x = jnp.arange(1024.0) + 0
+    ref = weakref.ref(x)
+    with AsyncCheckpointer(device_snapshot=True) as ck:
+        try:
+            ck.save(tmp_path / "c", {"s": {"x": x}})
+            del x
+            gc.collect()
+            assert ref() is None, "the save in flight keeps the state's array alive"
+        finally:
+            held.release()
+        ck.wait_until_finished()
+        np.testing.assert_array_equal(ck.restore(tmp_path / "c")["s"]["x"], np.arange(1024.0))
