@@ -122,10 +122,6 @@ class DeviceSnapshot:
     def __init__(self, items: dict[str, _Item]):
         self._items = items
 
-    @property
-    def num_copies(self) -> int:
-        return sum(len(it.copies) for it in self._items.values())
-
     def finish(self) -> dict[str, ItemPlan]:
         """Transfer every copy to the host (all started before any is waited for), free it,
         and lay each item out. Raises what a transfer raises."""
@@ -140,7 +136,7 @@ class DeviceSnapshot:
             for name, it in self._items.items():
                 for i, c in list(it.copies.items()):
                     it.hosts[i] = fetch(c, path_str(it.names[i]))
-                    del it.copies[i]  # the host array holds no reference to the device buffer
+                    del it.copies[i]  # on an accelerator: its device memory is freed now
                 plans[name] = _layout(it)
             return plans
         finally:
