@@ -6,7 +6,9 @@ An async save has two phases:
    memory that nothing else will change: numpy leaves and everything mutable are *copied*;
    arrays on a GPU/TPU come over by their device-to-host transfer (which is a copy); arrays on
    the CPU backend are *pinned zero-copy views* where JAX allows it (below), copies otherwise.
-   ``save()`` returns as soon as the photo exists.
+   ``save()`` returns as soon as the photo exists. On an accelerator the photo can stay on
+   the device instead (the *device-side snapshot*, below): ``save()`` then only enqueues a
+   copy of each array on its own device, and the transfer to the host is part of phase 2.
 2. **The background write** (in a thread, :class:`AsyncWriter`). The photo is written with
    exactly the synchronous path's :meth:`Checkpointer.write <minickpt.checkpointer.Checkpointer.write>`
    — temporary directory, fsync of every file and directory, rename that never replaces, fsync
@@ -37,6 +39,25 @@ not hold in the JAX at hand, every snapshot is a copy (logged once, at debug lev
 :func:`snapshot` — the lab's Task 5.1 — is always the copy, the idea the course teaches first.
 Arrays sharded over several CPU devices are pinned when replicated (one buffer is viewed);
 otherwise they are assembled into a new host array and copied, as before.
+
+**The device-side snapshot** (:mod:`minickpt.device_snapshot`). On a GPU/TPU the host photo
+is the device-to-host transfer of the whole state, and ``save()`` waits for it (on a TPU v5e,
+400 MB held the training loop 100+ ms: async throughput 0.49 / 0.92 / 0.96 of no-save
+throughput with a save every 140 / 500 / 1000 steps). Instead, ``save()`` enqueues
+``jnp.copy`` of each accelerator leaf — a jitted copy into new buffers with the leaf's
+sharding, dispatched asynchronously — and returns; the background writer transfers the copies
+(all started before any is waited for), frees them, and writes as above. The copy is safe
+against what the loop does next because it is a JAX computation that reads the leaf,
+dispatched before any later step that donates or deletes it; its buffers belong to the save
+alone. It costs one state's worth of device memory until written, so by default it is used
+only when the accelerator leaves' copies take at most half of every device's free memory
+(``memory_stats()``: ``bytes_limit - bytes_in_use``; no figures, no device snapshot).
+Everything else (numpy leaves, scalars, typed PRNG keys, CPU arrays) still gets its host photo
+in ``save()``, where an unsupported leaf is refused before any copy is enqueued; a transfer
+that fails is the save's error, like a failed write, and nothing is committed.
+``MINICKPT_ASYNC_SNAPSHOT=device`` or ``AsyncCheckpointer(device_snapshot=True)`` forces it
+for every ``jax.Array`` leaf, CPU ones included (how the tests run it); ``host`` (or
+``copy``) or ``device_snapshot=False`` rules it out. TPU figures: to be measured.
 
 One save is in flight at a time: the next ``save()`` first waits for the previous one (and logs
 a warning when that wait is long — saves are then slower than the interval between them).
@@ -71,6 +92,7 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
+from . import device_snapshot
 from .checkpointer import (
     Checkpointer,
     CheckpointMetadata,
@@ -265,14 +287,35 @@ def _finish_pending_saves() -> None:
 
 
 SNAPSHOT_ENV = "MINICKPT_ASYNC_SNAPSHOT"
-"""Set to ``copy`` to make every async snapshot a host copy (no pinned zero-copy views)."""
+"""How async snapshots are taken: ``copy`` makes every one a host copy (no pinned zero-copy
+views, no device-side copies); ``host`` rules out the device-side snapshot only; ``device``
+forces it for every ``jax.Array`` leaf, CPU arrays included, whatever the free memory; unset
+(or ``pin``): the defaults — pinned views on the CPU, device-side copies of accelerator leaves
+where they fit."""
+
+
+def _snapshot_env() -> str:
+    return os.environ.get(SNAPSHOT_ENV, "").strip().lower()
 
 
 def default_zero_copy() -> bool:
     """Whether async snapshots may pin CPU arrays instead of copying them: yes, unless the
     environment variable ``MINICKPT_ASYNC_SNAPSHOT`` is ``copy`` (to compare, or to rule the
     pinning out when something looks wrong)."""
-    return os.environ.get(SNAPSHOT_ENV, "").strip().lower() != "copy"
+    return _snapshot_env() != "copy"
+
+
+def default_device_snapshot() -> bool | None:
+    """Whether async saves copy ``jax.Array`` leaves on their devices and transfer the copies
+    in the background (:mod:`minickpt.device_snapshot`): ``MINICKPT_ASYNC_SNAPSHOT=device``
+    forces it (True), ``host`` or ``copy`` rules it out (False); otherwise None, automatic:
+    accelerator leaves, when their copies fit in the devices' free memory."""
+    mode = _snapshot_env()
+    if mode == "device":
+        return True
+    if mode in ("host", "copy"):
+        return False
+    return None
 
 
 def default_snapshot_threads() -> int:
@@ -299,12 +342,18 @@ class AsyncCheckpointer(Checkpointer):
     def __init__(self, fs: FileSystem | None = None, *,
                  wait_warning_s: float | None = None,
                  snapshot_threads: int | None = None,
-                 zero_copy: bool | None = None):
+                 zero_copy: bool | None = None,
+                 device_snapshot: bool | None = None):
         super().__init__(fs)
         self._writer = AsyncWriter(wait_warning_s=wait_warning_s)
         self._threads = snapshot_threads or default_snapshot_threads()
         self.zero_copy = default_zero_copy() if zero_copy is None else zero_copy
         """Pin CPU arrays instead of copying them in the snapshot (where JAX allows it)."""
+        self.device_snapshot = (default_device_snapshot() if device_snapshot is None
+                                else device_snapshot)
+        """Copy ``jax.Array`` leaves on their devices in ``save()`` and transfer the copies in
+        the background: True for every such leaf, False never, None for accelerator leaves
+        whose copies fit in the devices' free memory (:mod:`minickpt.device_snapshot`)."""
         self._pool: ThreadPoolExecutor | None = None
         self._in_flight_path: str | None = None
         self._start_lock = threading.Lock()
@@ -372,13 +421,20 @@ class AsyncCheckpointer(Checkpointer):
         t_snap = time.perf_counter()
         if self._pool is None and self._threads > 1:
             self._pool = ThreadPoolExecutor(self._threads, thread_name_prefix="minickpt-snap")
-        plans = self.plan(items, copy=True, executor=self._pool, pin=self.zero_copy)
+        on_device = None
+        if self.device_snapshot is not False:  # copies enqueued on the devices, or None
+            on_device = device_snapshot.take(items, force=self.device_snapshot is True,
+                                             executor=self._pool, pin=self.zero_copy)
+        plans = ({} if on_device is not None else
+                 self.plan(items, copy=True, executor=self._pool, pin=self.zero_copy))
         stats = SaveStats(step, directory, start_time=wall0, async_=True, wait_s=wait_s)
         stats.snapshot_s = time.perf_counter() - t_snap
         what = directory if step is None else f"step {step} ({directory})"
 
         def write_phase() -> None:
             try:
+                if on_device is not None:  # the device-to-host transfer of the copies
+                    plans.update(on_device.finish())
                 self.write(directory, plans, step=step, metrics=metrics,
                            custom_metadata=custom_metadata, stats=stats, init_ns=init_ns,
                            release=True)
@@ -386,6 +442,8 @@ class AsyncCheckpointer(Checkpointer):
                     on_commit(stats)
             finally:
                 plans.clear()  # free the copies, unpin the views: written now
+                if on_device is not None:
+                    on_device.release()
 
         stats.blocking_s = time.perf_counter() - t0
         self.start_write(directory, write_phase, stats=stats, what=what, t0=t0,
