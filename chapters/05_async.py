@@ -262,7 +262,16 @@ plt.show()
 # leaves the bytes alone. minickpt checks once per process that this JAX behaves so, and then
 # uses pinned views (`AsyncCheckpointer(zero_copy=False)` forces copies).
 #
-# Measured for several state sizes, with both snapshot kinds. Every save gets a *fresh* state:
+# On a GPU or TPU minickpt has a third choice: copy each array *on its own device* (a jitted
+# copy into new buffers, at the device's memory bandwidth), return, and let the background
+# writer do the device-to-host transfer of the copies. A donating step cannot touch a copy: it
+# is a computation on the array, dispatched before the step. It costs one state's worth of
+# device memory until written, so minickpt does it only where the copies fit in half the
+# free device memory (`AsyncCheckpointer(device_snapshot=False)` rules it out).
+#
+# Measured for several state sizes, with both snapshot kinds of this platform (on the CPU:
+# pinned view and copy; on a GPU or TPU: the transfer in `save()` and the on-device copy).
+# Every save gets a *fresh* state:
 # on a GPU or TPU, JAX keeps the host copy that an array's first `np.asarray` made (and hands it
 # out again), so a second save of the same unchanged array would measure no transfer at all.
 
@@ -270,8 +279,9 @@ plt.show()
 sizes_mb = [4, 16, 48]
 rows = []
 for mb in sizes_mb:
-    for zero_copy in (True, False):
-        with mc.AsyncCheckpointer(zero_copy=zero_copy) as ck:
+    for zero_copy in (True, False):  # on an accelerator: the transfer, the on-device copy
+        kind = dict(zero_copy=zero_copy) if ON_CPU else dict(device_snapshot=not zero_copy)
+        with mc.AsyncCheckpointer(**kind) as ck:
             runs = []
             for rep in range(2):  # the best of two: other programs make single runs noisy
                 # a fresh state each time: JAX keeps the host copy an accelerator array made on
@@ -286,7 +296,8 @@ for p in WORK.glob("phases-*"):
     shutil.rmtree(p)
 print(f"{'state':>7s} {'snapshot kind':>14s} {'snapshot':>9s} {'blocked':>9s} {'write':>9s}")
 for mb, zc, snap, blk, wr in rows:
-    kind = ("pinned view" if zc else "copy") if ON_CPU else "device->host"
+    kind = ("pinned view" if zc else "copy") if ON_CPU else ("device->host" if zc
+                                                             else "on-device copy")
     print(f"{mb:5d}MB {kind:>14s} {snap * 1e3:7.1f}ms {blk * 1e3:7.1f}ms {wr * 1e3:7.1f}ms")
 pinned = {mb: (snap, wr) for mb, zc, snap, _, wr in rows if zc}
 copied = {mb: snap for mb, zc, snap, _, _ in rows if not zc}
@@ -302,6 +313,11 @@ if not ON_CPU:
             otherwise="at these sizes fixed costs (dispatch, synchronisation) dominate the "
                       "transfer on this device", seen=f"{pinned[sizes_mb[0]][0] * 1e3:.1f} ms at "
             f"{sizes_mb[0]} MB, {pinned[sizes_mb[-1]][0] * 1e3:.1f} ms at {sizes_mb[-1]} MB")
+    big = sizes_mb[-1]
+    verdict(copied[big] < pinned[big][0] / 2,
+            "the on-device copy blocks the loop for less than half the transfer",
+            otherwise="at these sizes the device's dispatch costs about as much as the transfer",
+            seen=f"{copied[big] * 1e3:.1f} vs {pinned[big][0] * 1e3:.1f} ms at {big} MB")
 if ON_CPU:
     verdict(max(snap for snap, _ in pinned.values()) < 0.002,
             "the pinned view stays under 2 ms whatever the size: it copies nothing",
@@ -316,7 +332,7 @@ if ON_CPU:
 # %%
 fig, ax = plt.subplots(figsize=(8, 3.4))
 for zc, marker, label in ((True, "o", "snapshot, pinned view (CPU) / transfer (GPU, TPU)"),
-                          (False, "s", "snapshot, copy")):
+                          (False, "s", "snapshot, copy (CPU) / on-device copy (GPU, TPU)")):
     pts = [(mb, snap * 1e3) for mb, z, snap, _, _ in rows if z == zc]
     ax.plot(*zip(*pts, strict=True), marker + "-", label=label)
 ax.plot(sizes_mb, [wr * 1e3 for mb, z, _, _, wr in rows if z], "^--", color="grey",
@@ -341,7 +357,8 @@ plt.show()
 # view** should stay at a fraction of a millisecond whatever the size: it copies nothing. The
 # verdicts under the table say which of these this run shows (best of two runs each). (The price moves rather than
 # vanishes: the first donating step after a save must allocate a fresh buffer instead of
-# reusing the pinned one.) On a GPU or TPU both rows are the device-to-host transfer.
+# reusing the pinned one.) On a GPU or TPU the first row is the device-to-host transfer and the
+# second the on-device copy, whose transfer moved into the background write.
 
 # %% [markdown]
 # ## 3. The consistency boundary
@@ -716,7 +733,7 @@ if ON_CPU:
 # | | minickpt | Orbax |
 # |---|---|---|
 # | turn it on | `CheckpointManagerOptions(enable_async_checkpointing=True)` | the same name (default `True`) |
-# | blocks for | the snapshot (a pinned view on CPU, the transfer on GPU/TPU) | `copy_to_host_async` + `np.asarray` of each shard (the transfer on GPU/TPU; on CPU measured above) |
+# | blocks for | the snapshot (a pinned view on CPU; on GPU/TPU an on-device copy where it fits, else the transfer) | `copy_to_host_async` + `np.asarray` of each shard (the transfer on GPU/TPU; on CPU measured above) |
 # | one save in flight | the next `save()` waits, warns after 1 s | the next `save()` waits |
 # | background error | raised at the next `save()` / `wait_until_finished()` / `close()`, errno kept | raised at `wait_until_finished()` / next save |
 # | finish before exit | `wait_until_finished()` / `close()`; pending saves are finished at normal exit | `wait_until_finished()` / `close()` |
@@ -724,8 +741,9 @@ if ON_CPU:
 # %% [markdown]
 # ## 7. Common misconceptions
 #
-# * **"An async save is free."** The snapshot blocks, and it is the cost of bytes to host
-#   memory on an accelerator. And the write still takes its time: if saves come more often
+# * **"An async save is free."** The snapshot blocks: on an accelerator it is the cost of
+#   bytes to host memory, or of an on-device copy that holds one more state's worth of device
+#   memory until it is written. And the write still takes its time: if saves come more often
 #   than they can be written, the loop stalls at every `save()` (section 4).
 # * **"`jax.Array` is immutable, so keeping a reference is a snapshot."** The value is
 #   immutable; the buffer is not. Donation marks the array deleted and lets XLA reuse its memory
@@ -742,8 +760,8 @@ if ON_CPU:
 #
 # ## Summary
 #
-# * An async save has two phases: the **snapshot** (blocking: a pinned view on CPU, the
-#   device-to-host transfer on GPU/TPU, or a copy) and the **background write** (files, fsync,
+# * An async save has two phases: the **snapshot** (blocking: a pinned view on CPU; on
+#   GPU/TPU an on-device copy where it fits, else the device-to-host transfer; or a copy) and the **background write** (files, fsync,
 #   rename, retention).
 # * The **consistency boundary** is the return of `save()`: after it the loop may mutate numpy
 #   leaves and donate device buffers, so the snapshot must own (or pin) its memory.
