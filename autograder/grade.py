@@ -766,11 +766,12 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def graded_build_on() -> bool:
-    """Sandboxed kernels import the graded build of minickpt (issue 38) with
-    ``MINICKPT_GRADED_BUILD=on``; by default the full library, reference included: on the
-    graded build a test of one task runs on the student's code for the others, so an
-    unfinished lab loses points of the tasks it did (docs/grading.md, *The trust model*)."""
-    return os.environ.get("MINICKPT_GRADED_BUILD", "off").lower() in ("on", "1", "yes")
+    """Sandboxed kernels import the graded build of minickpt (issue 38) unless
+    ``MINICKPT_GRADED_BUILD=off`` (an instructor's override: the full library, reference
+    included). On the graded build minickpt holds none of the lab's tasks and calls the
+    student's function wherever it needs one, so a test of one task may run the student's
+    code of an earlier one (docs/grading.md, *The trust model*)."""
+    return os.environ.get("MINICKPT_GRADED_BUILD", "on").lower() not in ("off", "0", "no")
 
 
 def build_graded_labs(labs: list[str], work: Path) -> dict[str, str]:
