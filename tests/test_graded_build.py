@@ -155,3 +155,50 @@ def test_round_4_gains_nothing_on_the_graded_build_and_a_right_lab_everything(tm
         (tmp_path / "out" / "grades-lab05_async.csv").open())}
     assert [rows["attack_round_4"][t] for t in ("5.1", "5.2", "5.3")] == ["0", "0", "0"]
     assert float(rows["perfect"]["total"]) == 20.0, rows["perfect"]
+
+
+SAYS_WHOSE = r'''
+from minickpt import policy
+from minickpt.labkit import LabCheckError
+
+
+def steps_to_keep(infos, **kw):
+    raise NotImplementedError("Task 2.2: steps_to_keep")
+
+
+def should_save(step, **kw):
+    raise OSError(2, "No such file or directory")
+
+
+exec(compile("""
+try:
+    policy.steps_to_keep([])
+except NotImplementedError as e:
+    assert str(e) == ("this test runs your Task 2.2 steps_to_keep, which raised "
+                      "NotImplementedError: Task 2.2: steps_to_keep"), e
+else:
+    raise SystemExit("nothing raised")
+try:
+    policy.should_save(3, last_saved_step=None)
+except FileNotFoundError as e:
+    assert e.errno == 2 and "your Task 2.1 should_save, which raised FileNotFoundError" in str(e), e
+err = LabCheckError("the manager kept the wrong steps")
+assert str(err).startswith("the manager kept the wrong steps [this test runs your Task 2.2 "
+                           "steps_to_keep too: under the grader"), err
+""", "<test_2_1_minickpt>", "exec"), globals())
+exec(compile("assert str(LabCheckError('x')) == 'x'", "<test_2_2_rules>", "exec"), globals())
+assert str(LabCheckError("y")) == "y"  # outside a test
+print("says whose")
+'''
+
+
+def test_a_failure_in_another_task_of_the_student_says_which(tmp_path):
+    """On the graded build a test of one task runs the student's functions of others (minickpt
+    calls them): what one of those raises keeps its type and says whose it is, and a failing
+    check names the other tasks the test ran."""
+    build_graded("lab02_save_policy", PACKAGE, tmp_path)
+    env = {**os.environ, "PYTHONPATH": str(tmp_path), "JAX_PLATFORMS": "cpu",
+           "PYTHONDONTWRITEBYTECODE": "1"}
+    proc = subprocess.run([sys.executable, "-c", SAYS_WHOSE], capture_output=True, text=True,
+                          timeout=240, cwd=tmp_path, env=env)
+    assert proc.returncode == 0 and "says whose" in proc.stdout, proc.stderr[-3000:]
