@@ -776,13 +776,19 @@ def graded_build_on() -> bool:
 
 def build_graded_labs(labs: list[str], work: Path) -> dict[str, str]:
     """{lab: its graded build of minickpt}, built afresh under ``work/graded`` from the
-    grader's own minickpt, readable by the sandbox's uids (bound read-only in the kernel)."""
+    grader's own minickpt, readable by the sandbox's uids (bound read-only in the kernel).
+    A lab none of whose tasks minickpt holds (an instructor's own lab, ``Task N.Y`` in no
+    docstring) has nothing to take out: it is graded on the full library, and said so."""
     from . import sandbox
-    from .graded_build import build_graded
+    from .graded_build import build_graded, holds_tasks
 
     package = Path(sandbox.grader_package() or "")
     out = {}
     for lab in labs:
+        if not holds_tasks(package, lab):
+            print(f"grade: {lab}: minickpt holds none of its tasks; graded on the full library",
+                  flush=True)
+            continue
         folder, _ = build_graded(lab, package, work / "graded" / lab)
         for p in [folder.parent.parent, folder.parent, *folder.rglob("*"), folder]:
             p.chmod(0o755 if p.is_dir() else 0o644)

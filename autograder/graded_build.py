@@ -75,8 +75,10 @@ def plugged_call(task: str, name: str, args: tuple, kwargs: dict):
     """Call the student's ``name`` for ``task``; what it raises says that this test ran it,
     the same exception (its type, and its message after that line), so that a test of one
     task that fails in another of the student's tasks says which."""
-    ran(task, name)
     fn = plugged(task, name)
+    if getattr(fn, "_minickpt_stand_in", False):  # a test's stand-in (labkit.standing_in)
+        return fn(*args, **kwargs)
+    ran(task, name)
     try:
         return fn(*args, **kwargs)
     except Exception as e:
@@ -135,6 +137,16 @@ def stub_module(source: str, lab: int) -> tuple[str, list[str]]:
     for first, last, stub in sorted(edits, reverse=True):
         lines[first:last] = [stub]
     return "".join(lines), done
+
+
+def holds_tasks(package: Path, lab: str) -> bool:
+    """Whether ``package`` (minickpt's folder) has a function of a task of ``lab``."""
+    try:
+        n = lab_number(lab)
+    except ValueError:
+        return False
+    return any(stub_module(src.read_text(encoding="utf-8"), n)[1]
+               for src in sorted(package.rglob("*.py")) if "__pycache__" not in src.parts)
 
 
 def build_graded(lab: str, package: Path, dest: Path) -> tuple[Path, list[str]]:
