@@ -411,8 +411,10 @@ class _Corpus:
             assert r["total"] == 0 and all(v == 0 for v in r["groups"].values()), r["groups"]
             for gid, err in r["messages"].items():
                 m = re.match(r"test_(\d+)_(\d+)_", gid)
-                if m:  # an unfinished task fails with its own ID
-                    assert f"Task {m.group(1)}.{m.group(2)}" in err, (gid, err)
+                if m:  # an unfinished task fails with its own ID, or names the other task
+                    # of the student's that minickpt ran first (the graded build calls theirs)
+                    assert f"Task {m.group(1)}.{m.group(2)}" in err or \
+                        re.search(r"this test runs your Task \d+\.\d+ \w+", err), (gid, err)
 
     @GRADING
     def test_the_kernels_were_sandboxed_and_changed_nothing(self, corpus):
@@ -511,7 +513,9 @@ class TestCorpusLab01(_Corpus):
 
     @GRADING
     def test_a_kernel_that_dies_keeps_the_points_before_it_and_says_why(self, corpus):
-        for student, cell in (("cheat_os_exit", "test_1_3_leaf"),
+        # cheat_os_exit's plan_leaf (1.3) exits the kernel: on the graded build the first test
+        # that saves through minickpt (1.1's) runs it
+        for student, cell in (("cheat_os_exit", "test_1_1_minickpt"),
                               ("cheat_kill_kernel", "test_1_4_resume")):
             r = _result(corpus, student)
             assert r["status"] == "graded" and not r["ran_all_cells"]
@@ -574,7 +578,8 @@ class TestCorpusLab01(_Corpus):
         assert any("get_ipython" in f for f in lie["review"])
         assert any("builtins.type" in f for f in _result(corpus, "cheat_patch_builtins")["review"])
         forged = _result(corpus, "cheat_forge_receipt")  # the audit's forgery: nothing to sign
-        assert forged["groups"]["1.3"] == 0 and forged["total"] == 22, forged["messages"]
+        # (its 1.3 is the forgery: 1.1 and 1.2's tests that save through minickpt run it too)
+        assert forged["groups"]["1.3"] == 0 and forged["total"] == 15, forged["messages"]
         assert all(forged["messages"][g].startswith("LabCheckError")
                    for g in ("test_1_3_leaf", "test_1_3_minickpt")), forged["messages"]
         assert {"sys.modules in task_1_3", "the text '__referee__' in task_1_3",
