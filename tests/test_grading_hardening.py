@@ -383,11 +383,16 @@ class _Corpus:
             got = {g: f"{v:g}" for g, v in r["groups"].items()}
             want = {k: v for k, v in e.items()
                     if k not in ("lab", "student", "total", "status", "review")}
-            assert (got, f"{r['total']:g}", r["status"]) == (want, e["total"], e["status"]), \
-                f"{student}: {r['messages']} {r['reason']}"
+            # "2|4": either (a row that races: on the graded build a test runs the student's
+            # other tasks, and a wrong one of those can race, as commit_before_barrier's commit)
+            same = set(got) == set(want) and all(got[k] in want[k].split("|") for k in want) \
+                and f"{r['total']:g}" in e["total"].split("|") and r["status"] == e["status"]
+            assert same, (got, f"{r['total']:g}", r["status"], want, e["total"], e["status"],
+                          f"{student}: {r['messages']} {r['reason']}")
             for flag in filter(None, (e.get("review") or "").split(";")):  # optional column:
                 assert any(flag in f for f in r["review"]), (student, flag, r["review"])
-            row = r"\s+".join([student, *want.values(), e["total"], e["status"]])
+            row = r"\s+".join([student, *(f"(?:{v})" for v in want.values()),
+                               f"(?:{e['total']})", e["status"]])
             assert re.search(rf"^{row}\b", corpus["run_of"][lab, student]["proc"].stdout, re.M), \
                 f"the printed table lacks the row of {student}"
         if not graded_attacks:
