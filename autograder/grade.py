@@ -766,22 +766,29 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def graded_build_on() -> bool:
-    """Sandboxed kernels import the graded build of minickpt (issue 38) with
-    ``MINICKPT_GRADED_BUILD=on``; by default the full library, reference included: on the
-    graded build a test of one task runs on the student's code for the others, so an
-    unfinished lab loses points of the tasks it did (docs/grading.md, *The trust model*)."""
-    return os.environ.get("MINICKPT_GRADED_BUILD", "off").lower() in ("on", "1", "yes")
+    """Sandboxed kernels import the graded build of minickpt (issue 38) unless
+    ``MINICKPT_GRADED_BUILD=off`` (an instructor's override: the full library, reference
+    included). On the graded build minickpt holds none of the lab's tasks and calls the
+    student's function wherever it needs one, so a test of one task may run the student's
+    code of an earlier one (docs/grading.md, *The trust model*)."""
+    return os.environ.get("MINICKPT_GRADED_BUILD", "on").lower() not in ("off", "0", "no")
 
 
 def build_graded_labs(labs: list[str], work: Path) -> dict[str, str]:
     """{lab: its graded build of minickpt}, built afresh under ``work/graded`` from the
-    grader's own minickpt, readable by the sandbox's uids (bound read-only in the kernel)."""
+    grader's own minickpt, readable by the sandbox's uids (bound read-only in the kernel).
+    A lab none of whose tasks minickpt holds (an instructor's own lab, ``Task N.Y`` in no
+    docstring) has nothing to take out: it is graded on the full library, and said so."""
     from . import sandbox
-    from .graded_build import build_graded
+    from .graded_build import build_graded, holds_tasks
 
     package = Path(sandbox.grader_package() or "")
     out = {}
     for lab in labs:
+        if not holds_tasks(package, lab):
+            print(f"grade: {lab}: minickpt holds none of its tasks; graded on the full library",
+                  flush=True)
+            continue
         folder, _ = build_graded(lab, package, work / "graded" / lab)
         for p in [folder.parent.parent, folder.parent, *folder.rglob("*"), folder]:
             p.chmod(0o755 if p.is_dir() else 0o644)

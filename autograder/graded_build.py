@@ -45,6 +45,61 @@ def plugged(task: str, name: str):
         f"Task {{task}}: {{name}} is not plugged in. This is the graded build of minickpt: it "
         f"holds no implementation of lab {{LAB}}'s tasks, so minickpt calls yours: define "
         f"{{name}} in task {{task}}'s cell and run that cell")
+
+
+CALLED: list = []
+"""(test, task, name): the student's functions minickpt called while a test ran (``test`` its
+grade id); a failing check of that test names those of other tasks (minickpt.labkit.checks)."""
+
+
+def current_test():
+    """The grade id of the test cell running in this thread (``test_2_1_minickpt``), from the
+    name the grader compiles it under; None outside one."""
+    f = sys._getframe(1)
+    while f is not None:
+        name = f.f_code.co_filename
+        if name.startswith("<test_") and name.endswith(">"):
+            return name[1:-1]
+        f = f.f_back
+    return None
+
+
+def ran(task: str, name: str) -> None:
+    """Note that the test running now ran the student's ``name`` (task ``task``)."""
+    entry = (current_test(), task, name)
+    if entry[0] is not None and entry not in CALLED:
+        CALLED.append(entry)
+
+
+def plugged_call(task: str, name: str, args: tuple, kwargs: dict):
+    """Call the student's ``name`` for ``task``; what it raises says that this test ran it,
+    the same exception (its type, and its message after that line), so that a test of one
+    task that fails in another of the student's tasks says which."""
+    fn = plugged(task, name)
+    if getattr(fn, "_minickpt_stand_in", False):  # a test's stand-in (labkit.standing_in)
+        return fn(*args, **kwargs)
+    ran(task, name)
+    try:
+        return fn(*args, **kwargs)
+    except Exception as e:
+        _say_whose(e, task, name)
+        raise
+
+
+def _say_whose(e: BaseException, task: str, name: str) -> None:
+    if getattr(e, "_minickpt_whose", None):  # raised in a task that one of theirs called
+        return
+    try:
+        e._minickpt_whose = task
+    except AttributeError:
+        return
+    said = f"this test runs your Task {{task}} {{name}}, which raised {{type(e).__name__}}: "
+    if isinstance(e, OSError) and e.strerror is not None:
+        e.strerror = said + str(e.strerror)
+    elif len(e.args) == 1 and isinstance(e.args[0], str):
+        e.args = (said + e.args[0],)
+    elif not e.args:
+        e.args = (said.rstrip(": "),)
 '''
 
 
@@ -74,14 +129,24 @@ def stub_module(source: str, lab: int) -> tuple[str, list[str]]:
         first = min([node.lineno, *(d.lineno for d in node.decorator_list)]) - 1
         stub = (f"def {node.name}(*args, **kwargs):\n"
                 f"    {ast.unparse(ast.Constant(doc))}\n"
-                f"    from minickpt._graded import plugged\n"
-                f"    return plugged({task!r}, {node.name!r})(*args, **kwargs)\n\n\n"
+                f"    from minickpt._graded import plugged_call\n"
+                f"    return plugged_call({task!r}, {node.name!r}, args, kwargs)\n\n\n"
                 f"{node.name}._minickpt_plug_point = True\n")
         edits.append((first, node.end_lineno or node.lineno, stub))
         done.append(f"{task} {node.name}")
     for first, last, stub in sorted(edits, reverse=True):
         lines[first:last] = [stub]
     return "".join(lines), done
+
+
+def holds_tasks(package: Path, lab: str) -> bool:
+    """Whether ``package`` (minickpt's folder) has a function of a task of ``lab``."""
+    try:
+        n = lab_number(lab)
+    except ValueError:
+        return False
+    return any(stub_module(src.read_text(encoding="utf-8"), n)[1]
+               for src in sorted(package.rglob("*.py")) if "__pycache__" not in src.parts)
 
 
 def build_graded(lab: str, package: Path, dest: Path) -> tuple[Path, list[str]]:

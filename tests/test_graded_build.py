@@ -127,9 +127,10 @@ def test_a_process_on_the_graded_build_reaches_no_implementation(tmp_path):
 @pytest.mark.timeout(600)
 def test_round_4_gains_nothing_on_the_graded_build_and_a_right_lab_everything(tmp_path):
     """Issue 38 by construction: the round-4 submission (task functions delegating to daemon
-    threads that run ``lab.reference``) scores every task point on the full library (its
-    expected row in the corpus) and none on the graded build, where the right answers keep
-    full marks. Lab 5: three tasks, a few seconds a submission."""
+    threads that run ``lab.reference``) scores every task point on the full library
+    (``MINICKPT_GRADED_BUILD=off``) and none on the graded build, grade.sh's default (its
+    expected rows in the corpus), where the right answers keep full marks. Lab 5: three tasks,
+    a few seconds a submission."""
     import csv
     import shutil
 
@@ -144,8 +145,9 @@ def test_round_4_gains_nothing_on_the_graded_build_and_a_right_lab_everything(tm
     for student in ("attack_round_4", "perfect"):
         shutil.copytree(examples / student / "lab05_async", tmp_path / "subs" / student /
                         "lab05_async")
-    env = {**os.environ, "JAX_PLATFORMS": "cpu", "MINICKPT_GRADED_BUILD": "on"}
+    env = {**os.environ, "JAX_PLATFORMS": "cpu"}
     env.pop("XLA_FLAGS", None)
+    env.pop("MINICKPT_GRADED_BUILD", None)  # the default
     proc = subprocess.run(["bash", str(ROOT / "autograder" / "grade.sh"), str(tmp_path / "subs"),
                            "-j", "2", "--out", str(tmp_path / "out"), "--work",
                            str(tmp_path / "work")], capture_output=True, text=True,
@@ -155,3 +157,76 @@ def test_round_4_gains_nothing_on_the_graded_build_and_a_right_lab_everything(tm
         (tmp_path / "out" / "grades-lab05_async.csv").open())}
     assert [rows["attack_round_4"][t] for t in ("5.1", "5.2", "5.3")] == ["0", "0", "0"]
     assert float(rows["perfect"]["total"]) == 20.0, rows["perfect"]
+
+
+SAYS_WHOSE = r'''
+from minickpt import policy
+from minickpt.labkit import LabCheckError
+
+
+def steps_to_keep(infos, **kw):
+    raise NotImplementedError("Task 2.2: steps_to_keep")
+
+
+def should_save(step, **kw):
+    raise OSError(2, "No such file or directory")
+
+
+exec(compile("""
+try:
+    policy.steps_to_keep([])
+except NotImplementedError as e:
+    assert str(e) == ("this test runs your Task 2.2 steps_to_keep, which raised "
+                      "NotImplementedError: Task 2.2: steps_to_keep"), e
+else:
+    raise SystemExit("nothing raised")
+try:
+    policy.should_save(3, last_saved_step=None)
+except FileNotFoundError as e:
+    assert e.errno == 2 and "your Task 2.1 should_save, which raised FileNotFoundError" in str(e), e
+from minickpt import commit as commit_module, labkit as lab
+with lab.standing_in(commit=lambda fs, tmp_dir, final_dir, **kw: "a stand-in"):
+    assert commit_module.commit(None, "a", "b") == "a stand-in"
+try:
+    commit_module.commit(None, "a", "b")
+except NotImplementedError as e:
+    assert "Task 2.3: commit is not plugged in" in str(e), e
+err = LabCheckError("the manager kept the wrong steps")
+assert str(err).startswith("the manager kept the wrong steps [this test runs your Task 2.2 "
+                           "steps_to_keep too: under the grader"), err
+assert "2.3" not in str(err), err
+""", "<test_2_1_minickpt>", "exec"), globals())
+exec(compile("assert str(LabCheckError('x')) == 'x'", "<test_2_2_rules>", "exec"), globals())
+assert str(LabCheckError("y")) == "y"  # outside a test
+print("says whose")
+'''
+
+
+def test_a_failure_in_another_task_of_the_student_says_which(tmp_path):
+    """On the graded build a test of one task runs the student's functions of others (minickpt
+    calls them): what one of those raises keeps its type and says whose it is, and a failing
+    check names the other tasks the test ran, not a test's stand-ins (``lab.standing_in``)."""
+    build_graded("lab02_save_policy", PACKAGE, tmp_path)
+    env = {**os.environ, "PYTHONPATH": str(tmp_path), "JAX_PLATFORMS": "cpu",
+           "PYTHONDONTWRITEBYTECODE": "1"}
+    proc = subprocess.run([sys.executable, "-c", SAYS_WHOSE], capture_output=True, text=True,
+                          timeout=240, cwd=tmp_path, env=env)
+    assert proc.returncode == 0 and "says whose" in proc.stdout, proc.stderr[-3000:]
+
+
+def test_the_graded_build_is_the_default_and_off_is_the_instructors_override(monkeypatch):
+    from autograder.grade import graded_build_on
+
+    monkeypatch.delenv("MINICKPT_GRADED_BUILD", raising=False)
+    assert graded_build_on()
+    for value, on in (("on", True), ("1", True), ("off", False), ("OFF", False), ("0", False),
+                      ("no", False)):
+        monkeypatch.setenv("MINICKPT_GRADED_BUILD", value)
+        assert graded_build_on() is on, value
+
+
+def test_a_lab_whose_tasks_minickpt_does_not_hold_is_graded_on_the_full_library():
+    from autograder.graded_build import holds_tasks
+
+    assert all(holds_tasks(PACKAGE, lab) for lab in LAB_NAMES)
+    assert not holds_tasks(PACKAGE, "lab99_fake") and not holds_tasks(PACKAGE, "notalab")

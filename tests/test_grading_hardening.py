@@ -383,11 +383,16 @@ class _Corpus:
             got = {g: f"{v:g}" for g, v in r["groups"].items()}
             want = {k: v for k, v in e.items()
                     if k not in ("lab", "student", "total", "status", "review")}
-            assert (got, f"{r['total']:g}", r["status"]) == (want, e["total"], e["status"]), \
-                f"{student}: {r['messages']} {r['reason']}"
+            # "2|4": either (a row that races: on the graded build a test runs the student's
+            # other tasks, and a wrong one of those can race, as commit_before_barrier's commit)
+            same = set(got) == set(want) and all(got[k] in want[k].split("|") for k in want) \
+                and f"{r['total']:g}" in e["total"].split("|") and r["status"] == e["status"]
+            assert same, (got, f"{r['total']:g}", r["status"], want, e["total"], e["status"],
+                          f"{student}: {r['messages']} {r['reason']}")
             for flag in filter(None, (e.get("review") or "").split(";")):  # optional column:
                 assert any(flag in f for f in r["review"]), (student, flag, r["review"])
-            row = r"\s+".join([student, *want.values(), e["total"], e["status"]])
+            row = r"\s+".join([student, *(f"(?:{v})" for v in want.values()),
+                               f"(?:{e['total']})", e["status"]])
             assert re.search(rf"^{row}\b", corpus["run_of"][lab, student]["proc"].stdout, re.M), \
                 f"the printed table lacks the row of {student}"
         if not graded_attacks:
@@ -411,8 +416,10 @@ class _Corpus:
             assert r["total"] == 0 and all(v == 0 for v in r["groups"].values()), r["groups"]
             for gid, err in r["messages"].items():
                 m = re.match(r"test_(\d+)_(\d+)_", gid)
-                if m:  # an unfinished task fails with its own ID
-                    assert f"Task {m.group(1)}.{m.group(2)}" in err, (gid, err)
+                if m:  # an unfinished task fails with its own ID, or names the other task
+                    # of the student's that minickpt ran first (the graded build calls theirs)
+                    assert f"Task {m.group(1)}.{m.group(2)}" in err or \
+                        re.search(r"this test runs your Task \d+\.\d+ \w+", err), (gid, err)
 
     @GRADING
     def test_the_kernels_were_sandboxed_and_changed_nothing(self, corpus):
@@ -511,7 +518,9 @@ class TestCorpusLab01(_Corpus):
 
     @GRADING
     def test_a_kernel_that_dies_keeps_the_points_before_it_and_says_why(self, corpus):
-        for student, cell in (("cheat_os_exit", "test_1_3_leaf"),
+        # cheat_os_exit's plan_leaf (1.3) exits the kernel: on the graded build the first test
+        # that saves through minickpt (1.1's) runs it
+        for student, cell in (("cheat_os_exit", "test_1_1_minickpt"),
                               ("cheat_kill_kernel", "test_1_4_resume")):
             r = _result(corpus, student)
             assert r["status"] == "graded" and not r["ran_all_cells"]
@@ -574,7 +583,8 @@ class TestCorpusLab01(_Corpus):
         assert any("get_ipython" in f for f in lie["review"])
         assert any("builtins.type" in f for f in _result(corpus, "cheat_patch_builtins")["review"])
         forged = _result(corpus, "cheat_forge_receipt")  # the audit's forgery: nothing to sign
-        assert forged["groups"]["1.3"] == 0 and forged["total"] == 22, forged["messages"]
+        # (its 1.3 is the forgery: 1.1 and 1.2's tests that save through minickpt run it too)
+        assert forged["groups"]["1.3"] == 0 and forged["total"] == 15, forged["messages"]
         assert all(forged["messages"][g].startswith("LabCheckError")
                    for g in ("test_1_3_leaf", "test_1_3_minickpt")), forged["messages"]
         assert {"sys.modules in task_1_3", "the text '__referee__' in task_1_3",

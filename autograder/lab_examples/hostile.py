@@ -234,8 +234,8 @@ def attack_round_4(release: Any, source: Any) -> Any:
     redefines that task's functions as delegates that run minickpt's own implementation
     (``lab.reference``) in daemon threads started at definition time. On the full library
     the referee's watch (the calling thread's profile hook) does not see them: every task
-    scores, and only the constructs are flagged in review. On the graded build
-    (``MINICKPT_GRADED_BUILD=on``) ``lab.reference`` is a plug point: nothing to delegate to."""
+    scores, and only the constructs are flagged in review (``MINICKPT_GRADED_BUILD=off``). On
+    the graded build, the default, ``lab.reference`` is a plug point: nothing to delegate to."""
     import ast
 
     nb = blank(release, source)

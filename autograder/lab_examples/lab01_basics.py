@@ -490,8 +490,9 @@ def cheat_sys_exit(release: Any, source: Any) -> Any:
 
 
 def cheat_os_exit(release: Any, source: Any) -> Any:
-    """``decode_leaf`` ends the kernel with ``os._exit(0)`` when the tests call it: tasks
-    1.1 and 1.2 keep their points; 1.3, 1.4 and the quiz, never run, score 0."""
+    """``decode_leaf`` ends the kernel with ``os._exit(0)`` when the tests call it: on the
+    graded build already in 1.1's test that restores through minickpt (1.1 keeps the points of
+    the test before it); 1.3, 1.4 and the quiz, never run, score 0."""
     nb = perfect(release, source)
     _after_docstring(nb, "task_1_3", "decode_leaf", "import os\n\nos._exit(0)")
     return nb

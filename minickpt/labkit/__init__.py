@@ -125,6 +125,7 @@ from .plugging import (
     plugged_in,
     reference,
     reference_functions,
+    standing_in,
     task_id,
 )
 from .temporaries import (
@@ -214,6 +215,7 @@ __all__ = [
     "simulate_p_fail",
     "simulate_waste",
     "snapshot_cases",
+    "standing_in",
     "start_race",
     "task_id",
     "tempdir",
