@@ -248,4 +248,49 @@ def attack_round_4(release: Any, source: Any) -> Any:
     return nb
 
 
-ROUND_4: dict[str, Edit] = {"attack_round_4": attack_round_4}
+ROUND_4_RUNPY = '''
+# each task function: minickpt's own, re-run from a copy of its module's file (new code objects)
+import importlib, pathlib, pkgutil, runpy, tempfile
+import minickpt
+
+
+def _module_of(name):
+    for info in pkgutil.walk_packages(minickpt.__path__, "minickpt."):
+        try:
+            mod = importlib.import_module(info.name)
+        except Exception:
+            continue
+        f = getattr(mod, name, None)
+        if callable(f) and getattr(f, "__module__", None) == mod.__name__:
+            return mod
+    raise LookupError(name)
+
+
+for _name in TASK_NAMES:
+    _mod = _module_of(_name)
+    _copy = pathlib.Path(tempfile.mkdtemp()) / "copy.py"
+    _copy.write_text("\\n" + pathlib.Path(_mod.__file__).read_text())
+    globals()[_name] = runpy.run_path(str(_copy), run_name=_mod.__name__)[_name]
+'''
+
+
+def attack_round_4_runpy(release: Any, source: Any) -> Any:
+    """Issue 38, round 4 without threads: a blank lab in which, after each task cell, a cell
+    of the student's takes that task's functions from a copy of minickpt's module file, run
+    with ``runpy.run_path`` (new code objects, which no watch of minickpt's own recognises).
+    On the graded build the copied file holds only plug points, which call the student's
+    function of that name: the copy's function calls itself through them, and fails."""
+    import ast
+
+    nb = blank(release, source)
+    for cell in list(nb.cells):
+        gid = cell.metadata.get("nbgrader", {}).get("grade_id", "")
+        if gid.startswith("task_"):
+            names = [n.name for n in ast.parse(_cell(source, gid).source).body
+                     if isinstance(n, ast.FunctionDef)]
+            _insert_after(nb, cell, ROUND_4_RUNPY.replace("TASK_NAMES", repr(names)))
+    return nb
+
+
+ROUND_4: dict[str, Edit] = {"attack_round_4": attack_round_4,
+                             "attack_round_4_runpy": attack_round_4_runpy}
