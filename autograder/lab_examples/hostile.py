@@ -229,13 +229,9 @@ for _name in TASK_NAMES:
 '''
 
 
-def attack_round_4(release: Any, source: Any) -> Any:
-    """Issue 38, round 4: a blank lab in which, after each task cell, a cell of the student's
-    redefines that task's functions as delegates that run minickpt's own implementation
-    (``lab.reference``) in daemon threads started at definition time. On the full library
-    the referee's watch (the calling thread's profile hook) does not see them: every task
-    scores, and only the constructs are flagged in review (``MINICKPT_GRADED_BUILD=off``). On
-    the graded build, the default, ``lab.reference`` is a plug point: nothing to delegate to."""
+def _after_each_task(release: Any, source: Any, code: str) -> Any:
+    """A blank lab with ``code`` in a cell of the student's after each task cell, its
+    ``TASK_NAMES`` the names of the functions that task defines."""
     import ast
 
     nb = blank(release, source)
@@ -244,8 +240,18 @@ def attack_round_4(release: Any, source: Any) -> Any:
         if gid.startswith("task_"):
             names = [n.name for n in ast.parse(_cell(source, gid).source).body
                      if isinstance(n, ast.FunctionDef)]
-            _insert_after(nb, cell, ROUND_4_THREADS.replace("TASK_NAMES", repr(names)))
+            _insert_after(nb, cell, code.replace("TASK_NAMES", repr(names)))
     return nb
+
+
+def attack_round_4(release: Any, source: Any) -> Any:
+    """Issue 38, round 4: a blank lab in which, after each task cell, a cell of the student's
+    redefines that task's functions as delegates that run minickpt's own implementation
+    (``lab.reference``) in daemon threads started at definition time. On the full library
+    the referee's watch (the calling thread's profile hook) does not see them: every task
+    scores, and only the constructs are flagged in review (``MINICKPT_GRADED_BUILD=off``). On
+    the graded build, the default, ``lab.reference`` is a plug point: nothing to delegate to."""
+    return _after_each_task(release, source, ROUND_4_THREADS)
 
 
 ROUND_4_RUNPY = '''
@@ -278,18 +284,9 @@ def attack_round_4_runpy(release: Any, source: Any) -> Any:
     """Issue 38, round 4 without threads: a blank lab in which, after each task cell, a cell
     of the student's takes that task's functions from a copy of minickpt's module file, run
     with ``runpy.run_path`` (new code objects, which no watch of minickpt's own recognises).
-    On the graded build the copied file holds only plug points, which call the student's
-    function of that name: the copy's function calls itself through them, and fails."""
-    import ast
-
-    nb = blank(release, source)
-    for cell in list(nb.cells):
-        gid = cell.metadata.get("nbgrader", {}).get("grade_id", "")
-        if gid.startswith("task_"):
-            names = [n.name for n in ast.parse(_cell(source, gid).source).body
-                     if isinstance(n, ast.FunctionDef)]
-            _insert_after(nb, cell, ROUND_4_RUNPY.replace("TASK_NAMES", repr(names)))
-    return nb
+    On the graded build the copied file holds only plug points; the student's name is bound
+    to such a copy, which a plug point does not count as the student's: "not plugged in"."""
+    return _after_each_task(release, source, ROUND_4_RUNPY)
 
 
 ROUND_4: dict[str, Edit] = {"attack_round_4": attack_round_4,
