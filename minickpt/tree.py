@@ -577,15 +577,3 @@ def snapshot_leaf(x: Any, *, path: str = "<leaf>", pin: bool = False) -> Any:
         if view is not None:
             return view
     return to_host(x, copy=True, path=path)
-
-
-def tree_to_host(tree: Any, *, copy: bool = False) -> list[tuple[Names, Any]]:
-    """All leaves on the host, with their names. Device-to-host copies run concurrently."""
-    flat = flatten_with_names(tree)
-    for _, leaf in flat:  # start every transfer before waiting on any (matters on GPU/TPU)
-        if isinstance(leaf, jax.Array) and not is_prng_key(leaf):
-            try:
-                leaf.copy_to_host_async()
-            except Exception:  # not addressable here, or already on the host
-                pass
-    return [(names, to_host(leaf, copy=copy, path=path_str(names))) for names, leaf in flat]
