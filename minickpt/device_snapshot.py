@@ -36,7 +36,7 @@ import numpy as np
 
 from .errors import UnsupportedLeafError
 from .format import encode as _encode
-from .format.encode import ItemPlan, plan_leaf
+from .format.encode import ItemPlan
 from .format.spec import check_name, dtype_name
 from .tree import Names, _transfer_made_a_copy, is_prng_key, path_str, skeleton, snapshot_leaf
 
@@ -232,19 +232,4 @@ def _host_part(skel: dict[str, Any], named: list[tuple[Names, Any]], device: set
 def _layout(it: _Item) -> ItemPlan:
     """The item's entries, byte views and offsets: :func:`~minickpt.format.encode.plan_item`'s
     layout, from leaves already on the host."""
-    entries: list[dict[str, Any]] = []
-    buffers: list[np.ndarray | None] = []
-    offset = 0
-    for names, host, was_scalar in zip(it.names, it.hosts, it.scalar, strict=True):
-        entry, buf = plan_leaf(names, host)
-        if was_scalar:
-            entry["scalar"] = True
-        if buf is not None:
-            offset = _encode._align(offset)
-            entry["offset"] = offset
-            offset += buf.nbytes
-        entries.append(entry)
-        buffers.append(buf)
-    if offset >= _encode.DIRECT_IO_MIN_BYTES:
-        offset = _encode._page_congruent(entries, buffers)
-    return ItemPlan(it.skel, entries, buffers, offset)
+    return _encode.lay_out(it.skel, zip(it.names, it.hosts, it.scalar, strict=True))

@@ -10,7 +10,7 @@ import json
 import logging
 import os
 import time
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from concurrent.futures import Executor, Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
@@ -143,8 +143,6 @@ def plan_item(tree: Any, *, copy: bool = False, executor: Executor | None = None
     refused before anything is written.
     """
     skel, named = skeleton(tree)
-    entries: list[dict[str, Any]] = []
-    buffers: list[np.ndarray | None] = []
     # start every device-to-host transfer before waiting on any of them (on a CPU backend
     # the arrays already are host memory: nothing to start, and the calls cost ~4 µs each)
     if _on_accelerator(named):
@@ -165,17 +163,38 @@ def plan_item(tree: Any, *, copy: bool = False, executor: Executor | None = None
             pass
     later = (_deferrable(named) if stream and not copy and executor is None
              and to_host is _OWN[0] and plan_leaf is _OWN[1] else set())
-    offset = 0
-    for i, (names, leaf) in enumerate(named):
-        if i in later:  # checked now, brought over when the writer reaches it
-            dtype_name(leaf.dtype)  # refuses what plan_leaf would refuse, without a transfer
+
+    def leaves() -> Iterator[tuple[Names, Any, bool] | int]:  # in tree order, one at a time
+        for i, (names, leaf) in enumerate(named):
+            if i in later:  # checked now, brought over when the writer reaches it
+                dtype_name(leaf.dtype)  # refuses what plan_leaf would refuse, without a transfer
+                yield int(leaf.nbytes)
+                continue
+            was_np_scalar = isinstance(leaf, np.generic)
+            fut = futures.get(i)
+            host = fut.result() if fut is not None else _host(leaf, copy, pin, path_str(names))
+            yield names, host, was_np_scalar
+
+    plan = lay_out(skel, leaves())
+    if later:  # the offsets are laid out as the leaves arrive, by the same rule (_Stream)
+        plan.stream = _Stream(plan, {i: named[i] for i in later})
+    return plan
+
+
+def lay_out(skel: dict[str, Any], leaves: Iterable[tuple[Names, Any, bool] | int]) -> ItemPlan:
+    """Lay out an item's leaves; shared by plan_item and device snapshots so their bytes match."""
+    # leaves, in tree order: (names, host as to_host gives it, was a numpy scalar), or an int
+    entries: list[dict[str, Any]] = []
+    buffers: list[np.ndarray | None] = []
+    offset, streamed = 0, False
+    for leaf in leaves:
+        if isinstance(leaf, int):  # the byte count of a streamed item's leaf still on its
+            # device: its entry comes with it, and _Stream lays the item out again as they arrive
             entries.append(None)  # type: ignore[arg-type]
             buffers.append(None)
-            offset = _align(offset) + int(leaf.nbytes)
+            offset, streamed = _align(offset) + leaf, True
             continue
-        was_np_scalar = isinstance(leaf, np.generic)
-        fut = futures.get(i)
-        host = fut.result() if fut is not None else _host(leaf, copy, pin, path_str(names))
+        names, host, was_np_scalar = leaf
         entry, buf = plan_leaf(names, host)
         if was_np_scalar:
             entry["scalar"] = True
@@ -185,11 +204,7 @@ def plan_item(tree: Any, *, copy: bool = False, executor: Executor | None = None
             offset += buf.nbytes
         entries.append(entry)
         buffers.append(buf)
-    if later:  # the offsets are laid out as the leaves arrive, by the same rule as below
-        plan = ItemPlan(skel, entries, buffers, offset)
-        plan.stream = _Stream(plan, {i: named[i] for i in later})
-        return plan
-    if offset >= DIRECT_IO_MIN_BYTES:  # whether or not O_DIRECT is on: the same bytes
+    if offset >= DIRECT_IO_MIN_BYTES and not streamed:  # whether or not O_DIRECT is on
         offset = _page_congruent(entries, buffers)
     return ItemPlan(skel, entries, buffers, offset)
 
