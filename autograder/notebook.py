@@ -49,8 +49,11 @@ MAX_CELLS = 2000
 MAX_CELL_CHARS = 1_000_000
 HOST_QUIZ_NAMES = ("check", "same", "close_to", "check_choice", "check_choices",
                    "expect_raises", "LabCheckError")
-"""What a quiz's hidden check may use in the grader (plus ``lab``, ``np``, ``math`` and the
-builtins); every other name it reads is an answer the kernel reports."""
+"""What a quiz's hidden check may use in the grader (plus ``lab``, ``np``, ``math``, the
+builtins and :data:`GRADER_TOOLS`); every other name it reads is an answer the kernel reports."""
+GRADER_TOOLS = ("grader_drill",)
+"""What the grader lends a grader check for this submission: ``grader_drill(task)`` runs the
+task's drill itself, with the student's code in sandboxed workers (:mod:`autograder.drills`)."""
 
 
 class SubmissionError(Exception):
@@ -298,7 +301,8 @@ def _quiz_names(hidden: str) -> tuple[str, ...]:
     not provide and the check does not define: the values the kernel reports."""
     import builtins
 
-    provided = set(HOST_QUIZ_NAMES) | {"lab", "np", "math"} | set(vars(builtins))
+    provided = set(HOST_QUIZ_NAMES) | set(GRADER_TOOLS) | {"lab", "np", "math"} \
+        | set(vars(builtins))
     tree = ast.parse(hidden)
     assigned = {n.id for n in ast.walk(tree) if isinstance(n, ast.Name)
                 and isinstance(n.ctx, ast.Store | ast.Del)}
@@ -665,10 +669,12 @@ def decode_answer(tree: Any) -> Any:
     return Unreadable(str(v))
 
 
-def judge_quiz(hidden: str, answers: dict[str, Any]) -> str | None:
+def judge_quiz(hidden: str, answers: dict[str, Any],
+               tools: dict[str, Any] | None = None) -> str | None:
     """Run a quiz's hidden check (or a test's grader check) in the grader on the reported
     values: None if it passes, else the message the student reads. A value the kernel could
-    not report as a plain literal is :class:`Unreadable`: it matches nothing."""
+    not report as a plain literal is :class:`Unreadable`: it matches nothing. ``tools``: the
+    :data:`GRADER_TOOLS` bound to this submission (a check that uses one without them fails)."""
     import math
 
     import numpy as np
@@ -678,6 +684,8 @@ def judge_quiz(hidden: str, answers: dict[str, Any]) -> str | None:
     ns: dict[str, Any] = {name: getattr(labkit, name) for name in HOST_QUIZ_NAMES}
     ns.update(lab=labkit, np=np, math=math, __name__="__quiz__")
     ns.update(answers)
+    for name in GRADER_TOOLS:
+        ns[name] = (tools or {}).get(name, _no_tool(name))
     try:
         exec(compile(hidden, "<hidden quiz check>", "exec"), ns)
     except labkit.LabCheckError as e:
@@ -685,6 +693,12 @@ def judge_quiz(hidden: str, answers: dict[str, Any]) -> str | None:
     except Exception as e:
         return f"{type(e).__name__}: {e}"
     return None
+
+
+def _no_tool(name: str) -> Any:
+    def missing(*args: Any, **kwargs: Any) -> Any:
+        raise RuntimeError(f"this check needs the grader's {name}, which this run has not")
+    return missing
 
 
 @dataclass
@@ -784,8 +798,10 @@ def _restored_before_failure(asm: Assembled, gid: str,
 
 
 def grade_cells(asm: Assembled, executed: list[list[dict[str, Any]]],
-                notes_by_cell: dict[int, str], points: dict[str, float]) -> list[CellGrade]:
-    """Scores of the graded cells from the executed outputs (one list per RunCell)."""
+                notes_by_cell: dict[int, str], points: dict[str, float],
+                tools: dict[str, Any] | None = None) -> list[CellGrade]:
+    """Scores of the graded cells from the executed outputs (one list per RunCell); ``tools``
+    for the grader checks (:data:`GRADER_TOOLS`)."""
     grades = []
     for index, cell in enumerate(asm.cells):
         if cell.role not in ("test", "quiz"):
@@ -815,7 +831,7 @@ def grade_cells(asm: Assembled, executed: list[list[dict[str, Any]]],
             grades.append(g)
             continue
         if cell.hidden:  # the quiz's check, or the test's grader check: run here
-            failed = judge_quiz(cell.hidden, answers)
+            failed = judge_quiz(cell.hidden, answers, tools)
             if failed:
                 g.message = failed
                 grades.append(g)

@@ -32,7 +32,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from . import ROOT, cgroups, sandbox, similarity
+from . import ROOT, cgroups, drills, sandbox, similarity
 from .notebook import (
     MAX_NOTEBOOK_BYTES,
     Assembled,
@@ -294,7 +294,10 @@ def _run(job: Job, cfg: dict[str, Any], lab: Lab, student: list[Any], iso: sandb
     executed = [[_text_only(o) for o in c.get("outputs", [])] if c.cell_type == "code" else []
                 for c in nb.cells]
     notes = {i: msg for i, msg in report.not_run.items()}
-    for g in grade_cells(asm, executed, notes, lab.grade_cells):
+    box = drills.Box(iso, uid or 0, limits, {graded: extra_ro[graded]} if graded else {},
+                     root, slot_cgroup)
+    tools = {"grader_drill": drills.tool([c.run for c in asm.cells if c.role == "student"], box)}
+    for g in grade_cells(asm, executed, notes, lab.grade_cells, tools):
         result["scores"][g.grade_id] = g.score
         if g.message:
             result["messages"][g.grade_id] = g.message

@@ -104,10 +104,13 @@ def test_the_drill_message_names_what_a_wrong_resume_did():
     # a restart that finds the last step committed has nothing to compute: that is right
     done = {"on_disk": 15, "resumed_from": 15, "steps": [], "killed_after": None, "rc": 0,
             "err": ""}
-    assert labkit.drill_message(record([killed, done])) is None
+    late = {**killed, "steps": list(range(1, 16)), "killed_after": 15}
+    assert labkit.drill_message(record([late, done])) is None
+    # a checkpoint of a step the killed worker never reached was written ahead of time
+    assert "had not computed yet" in labkit.drill_message(record([killed, done]))
     idle = {"on_disk": 10, "resumed_from": 10, "steps": [], "killed_after": None, "rc": 0,
             "err": ""}
-    assert "expected [11]" in labkit.drill_message(record([killed, idle]))
+    assert "expected [11]" in labkit.drill_message(record([{**killed, "killed_after": 12}, idle]))
 
 
 @pytest.mark.task("3.4")

@@ -1,0 +1,205 @@
+"""Drills the grader runs itself (issue 38): the student's functions run in worker processes
+in the submission's sandbox; the driver, the kill moments, the reading of the disk, the
+reference run and the verdict stay in the grader's process, where no student code runs.
+
+A test cell asks for one in its grader check (``failed = grader_drill("3.3")``). The kernel
+runs its own drill for the student's feedback too, but that one runs in the student's process
+and proves nothing; this one decides. What it judges is what it observes: the steps it chose
+to kill at, the checkpoints committed on disk at each start (read by the full library here),
+the workers' exit codes, and the final checkpoint restored and compared by trusted code.
+"""
+
+from __future__ import annotations
+
+import ast
+import contextlib
+import os
+import shutil
+import stat
+import sys
+import tempfile
+import threading
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from . import sandbox
+
+SCRATCH_BYTES = 256 << 20
+"""What a drill's workers may leave in its folder (a real folder of the grading machine, not a
+size-capped tmpfs): past it the workers are killed and the drill fails."""
+
+
+def definitions(cells: Sequence[str], names: Iterable[str]) -> str:
+    """The code a worker runs: from every cell of the student's that defines one of ``names``
+    at its top level, that cell's imports and definitions (functions, classes), in notebook
+    order, so the last definition of a name is the one that counts, as in the kernel. Nothing
+    else of the cell runs (no statement that prints, trains or tests)."""
+    names = set(names)
+    kept = (ast.Import, ast.ImportFrom, ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)
+    parts: list[str] = []
+    for source in cells:
+        try:
+            tree = ast.parse(source)
+        except (SyntaxError, ValueError):
+            continue
+        if not any(isinstance(n, ast.FunctionDef | ast.AsyncFunctionDef) and n.name in names
+                   for n in tree.body):
+            continue
+        lines = source.splitlines(keepends=True)
+        for node in tree.body:
+            if isinstance(node, kept):
+                first = min([node.lineno, *(d.lineno for d in
+                                            getattr(node, "decorator_list", []))])
+                parts.append("".join(lines[first - 1:node.end_lineno]))
+    return "\n".join(parts)
+
+
+@dataclass
+class Box:
+    """How a drill's workers start: in the submission's sandbox, with its limits and the
+    minickpt its kernel imported (the graded build), as the slot's uid; ``root`` is the job's
+    folder, where each drill gets a scratch folder that only the drill's workers write."""
+
+    iso: sandbox.Isolation
+    uid: int
+    limits: sandbox.Limits
+    extra_ro: dict[str, str]
+    root: Path
+    cgroup: Any = None
+    over: list[str] = field(default_factory=list)
+
+    @contextlib.contextmanager
+    def scratch(self) -> Iterator[str]:
+        d = tempfile.mkdtemp(prefix="drill-", dir=self.root)
+        if self.iso.mode == "bwrap-root" and self.uid:
+            os.chown(d, self.uid, self.uid)
+        stop = threading.Event()
+        guard = threading.Thread(target=self._guard, args=(d, stop), daemon=True)
+        guard.start()
+        try:
+            yield d
+        finally:
+            stop.set()
+            guard.join()
+            self.end_workers()
+            shutil.rmtree(d, ignore_errors=True)
+
+    def _guard(self, d: str, stop: threading.Event) -> None:
+        while not stop.wait(0.25):
+            if _size(d) > SCRATCH_BYTES:
+                self.over.append(f"the workers wrote more than {SCRATCH_BYTES >> 20} MiB")
+                self.end_workers()
+
+    def wrap(self, d: str) -> Callable[[list[str], dict[str, str]], list[str]]:
+        """``argv`` (a Python command) → the same run in the sandbox, seeing ``d`` read-write
+        at its own path and nothing else of this machine but what its kernel saw. Called once
+        the grader has written what the workers start from: the folder is then the slot's."""
+        def wrapped(argv: list[str], env: dict[str, str]) -> list[str]:
+            if self.iso.mode == "bwrap-root" and self.uid:
+                for top, dirs, files in os.walk(d):
+                    for name in [top, *(os.path.join(top, n) for n in dirs + files)]:
+                        os.lchown(name, self.uid, self.uid)
+            python = sandbox.sandbox_python(sys.executable) if self.iso.sandboxed else argv[0]
+            inner = {k: v for k, v in env.items() if k.startswith(sandbox.PASS_ENV_PREFIXES)}
+            return sandbox.kernel_command(
+                self.iso, [python, *argv[1:]], uid=self.uid, cwd="/tmp", ipc_dir=d,
+                read_only=sandbox.python_paths(sys.executable), limits=self.limits, env=inner,
+                extra_ro={**sandbox.package_binds(sys.executable), **self.extra_ro})
+        return wrapped
+
+    def end_workers(self) -> None:
+        """No process of a worker survives it (a killed worker's children included)."""
+        if self.cgroup is not None:
+            self.cgroup.kill(spare={os.getpid()})
+        elif self.iso.mode == "bwrap-root" and self.uid:
+            sandbox.kill_uid(self.uid)
+        else:
+            sandbox.kill_descendants(os.getpid())
+
+    def plain(self, d: str) -> str | None:
+        """Why the folder the workers wrote may not be read by the grader (a link, a device,
+        a FIFO ...), or None: only folders and regular files are read here."""
+        for top, dirs, files in os.walk(d):
+            for name in dirs + files:
+                path = os.path.join(top, name)
+                st = os.lstat(path)
+                if not (stat.S_ISDIR(st.st_mode) or stat.S_ISREG(st.st_mode)):
+                    return f"the workers left {os.path.relpath(path, d)}, not a plain file"
+        return None
+
+
+def _size(d: str) -> int:
+    total = 0
+    for top, _, files in os.walk(d):
+        for name in files:
+            with contextlib.suppress(OSError):
+                total += os.lstat(os.path.join(top, name)).st_blocks * 512
+    return total
+
+
+def drill_3_3(cells: Sequence[str], box: Box) -> str | None:
+    """Task 3.3's crash drill, judged here (None: passed). The worker runs the student's lab 3
+    task functions; before its first start the folder already holds a checkpoint of step 5
+    from a run of a seed drawn now, so only a resume that restores what is on disk ends where
+    this process's own continuation of that run ends."""
+    import random
+
+    from minickpt.labkit import lab3
+
+    names = ("resume", "restore_newest_valid", "check_structure", "migrate")
+    code = definitions(cells, names)
+    if "resume" not in {n.name for n in ast.parse(code).body
+                        if isinstance(n, ast.FunctionDef | ast.AsyncFunctionDef)}:
+        return "the grader's drill found no function resume defined in your notebook"
+    seed = random.SystemRandom().randint(1, 2**31 - 1)
+    with box.scratch() as d:
+        try:
+            r = lab3.run_lab3_drill(code, d, steps=15, every=5, kills=2, wrap=box.wrap(d),
+                                    env=_worker_env(), plant_seed=seed,
+                                    after_run=lambda: _after(box, d))
+        except _Refused:
+            pass
+        if box.over:
+            return f"the grader's drill stopped: {box.over[0]}"
+    failed = lab3.drill_message(r)
+    if failed is None and any(run["rc"] != -9 for run in r["runs"][:-1]):
+        failed = (f"the killed workers should have died of the SIGKILL (exit -9): "
+                  f"{[run['rc'] for run in r['runs']]}")
+    return None if failed is None else f"the grader's own drill: {failed}"
+
+
+def _after(box: Box, d: str) -> None:
+    """After each run: its processes gone, and nothing but plain files left to read."""
+    box.end_workers()
+    why = box.plain(d)
+    if why:
+        box.over.append(why)
+    if box.over:
+        raise _Refused(box.over[0])
+
+
+class _Refused(Exception):
+    """The workers' folder may not be read here (what :meth:`Box.plain` found, or too big)."""
+
+
+def _worker_env() -> dict[str, str]:
+    """The worker's variables (the sandbox starts from a clean environment and adds these)."""
+    env = {k: v for k, v in os.environ.items() if k.startswith(sandbox.PASS_ENV_PREFIXES)}
+    return {**env, "JAX_PLATFORMS": "cpu"}
+
+
+DRILLS: dict[str, Callable[[Sequence[str], Box], str | None]] = {"3.3": drill_3_3}
+
+
+def tool(cells: Sequence[str], box: Box | None) -> Callable[[str], str | None]:
+    """``grader_drill(task)`` for a grader check: runs that task's drill on this submission's
+    code, in ``box`` (None: no sandbox here, the workers run as plain processes)."""
+    def grader_drill(task: str) -> str | None:
+        if task not in DRILLS:
+            raise KeyError(f"no grader drill for task {task}")
+        if box is None:
+            raise RuntimeError("the grader's drill needs the job's folder")
+        return DRILLS[task](cells, box)
+    return grader_drill

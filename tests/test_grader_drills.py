@@ -1,0 +1,110 @@
+"""Issue 38: the grader runs lab 3's crash drill itself (autograder/drills.py). The student's
+functions run in sandboxed workers; the kill moments, the disk, the reference run and the
+verdict stay in the grader's process. Each wrong resume here passes the drill the kernel runs
+(in the student's process, where it proves nothing) and must fail the grader's."""
+
+from __future__ import annotations
+
+import json
+import os
+import textwrap
+from pathlib import Path
+
+import pytest
+
+from autograder import drills, sandbox
+from autograder.notebook import judge_quiz
+
+ROOT = Path(__file__).resolve().parent.parent
+REQUIRE = os.environ.get("MINICKPT_REQUIRE_SANDBOX") == "1"
+pytestmark = pytest.mark.timeout(600)
+
+
+def _solution_cells(lab: str = "lab03_resume") -> list[str]:
+    nb = json.loads((ROOT / "solutions" / lab / f"{lab}.ipynb").read_text())
+    cells = []
+    for c in nb["cells"]:
+        gid = c.get("metadata", {}).get("nbgrader", {}).get("grade_id", "")
+        if gid.startswith("task_"):
+            cells.append("".join(line for line in c["source"]
+                                 if line.strip() not in ("### BEGIN SOLUTION", "### END SOLUTION")))
+    return cells
+
+
+@pytest.fixture
+def box(tmp_path):
+    """A drill's box as the grader makes it: sandboxed as root with a slot uid where this
+    machine allows it (CI), else plain processes (the workers then run unsandboxed)."""
+    iso = sandbox.probe()
+    if iso.mode != "bwrap-root":
+        if REQUIRE:
+            pytest.fail(f"needs the sandbox as root (have {iso.mode}: {iso.detail})")
+        yield drills.Box(sandbox.unsandboxed("a test without the sandbox"), 0, sandbox.Limits(),
+                         {}, tmp_path)
+        return
+    with sandbox.SlotUids(1) as slot:
+        os.chmod(tmp_path, 0o755)
+        yield drills.Box(iso, slot.uids[0], sandbox.Limits(), {}, tmp_path)
+
+
+def _with_resume(code: str) -> list[str]:
+    """The solution's lab 3 cells with resume replaced by ``code`` (a later cell: the last
+    definition counts, as in the kernel)."""
+    return [*_solution_cells(), textwrap.dedent(code)]
+
+
+def test_definitions_keep_imports_and_definitions_of_the_task_cells_only():
+    cells = ["import os\nx = print('not run')\ndef resume(m, s, r):\n    return s, r, 1\n",
+             "def helper():\n    pass\nprint('a cell that defines no task function')\n",
+             "@staticmethod\ndef resume(m, s, r):\n    return s, r, 2\nresume(1, 2, 3)\n",
+             "%time not python\n"]
+    code = drills.definitions(cells, {"resume"})
+    assert "import os" in code and "print" not in code and "helper" not in code
+    assert code.index("return s, r, 1") < code.index("@staticmethod") < code.index("return s, r, 2")
+    assert "resume(1, 2, 3)" not in code
+
+
+def test_the_solutions_resume_passes_the_graders_drill(box):
+    assert drills.drill_3_3(_solution_cells(), box) is None
+
+
+RECOMPUTES = """
+def resume(mngr, state, rng):
+    # recomputes the run up to the newest step instead of restoring it: right only for the
+    # one run that the kernel's drill starts from
+    t = mngr.latest_step()
+    if t is None:
+        return state, rng, 1
+    s, r, _ = mc.demo.train(state, rng, 0, t)
+    return s, r, t + 1
+"""
+
+JUMPS_AHEAD = """
+def resume(mngr, state, rng):
+    # restores, then trains to the end itself and commits the last step: nothing left to kill
+    t = mngr.latest_step()
+    if t is None:
+        state, rng, t = state, rng, 0
+    else:
+        got = mngr.restore(target={"state": state, "rng": rng})
+        state, rng = got["state"], got["rng"]
+    state, rng, _ = mc.demo.train(state, rng, t, 15)
+    mngr.save(15, {"state": state, "rng": rng}, force=True)
+    return state, rng, 16
+"""
+
+
+@pytest.mark.parametrize("code,said", [(RECOMPUTES, "ended elsewhere"),
+                                       (JUMPS_AHEAD, "resumed from step 15")])
+def test_a_resume_that_does_not_go_on_from_the_disk_fails_the_graders_drill(box, code, said):
+    failed = drills.drill_3_3(_with_resume(code), box)
+    assert failed is not None and said in failed, failed
+
+
+def test_a_missing_resume_is_named():
+    assert "no function resume" in drills.drill_3_3(["def other():\n    pass\n"], None)
+
+
+def test_a_grader_check_without_the_tool_fails_with_a_reason():
+    failed = judge_quiz("failed = grader_drill('3.3')\ncheck(failed is None, failed)\n", {})
+    assert failed is not None and "grader_drill" in failed
