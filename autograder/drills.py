@@ -110,13 +110,13 @@ class Box:
         return wrapped
 
     def end_workers(self) -> None:
-        """No process of a worker survives it (a killed worker's children included)."""
+        """No process of a worker survives it (a killed worker's children included). Without
+        the sandbox as root nothing marks them (the drill has killed its own worker; the
+        sandbox's PID namespace takes the rest with it)."""
         if self.cgroup is not None:
             self.cgroup.kill(spare={os.getpid()})
         elif self.iso.mode == "bwrap-root" and self.uid:
             sandbox.kill_uid(self.uid)
-        else:
-            sandbox.kill_descendants(os.getpid())
 
     def plain(self, d: str) -> str | None:
         """Why the folder the workers wrote may not be read by the grader (a link, a device,
