@@ -187,7 +187,8 @@ def run_loop_worker(source: str, directory: str, *, name: str = "train_until_pre
     finally:
         if r >= 0:
             os.close(r)
-    out: dict[str, Any] = {"rc": None, "lines": [], "err": "", "signalled": None, "forged": 0}
+    out: dict[str, Any] = {"rc": None, "lines": [], "err": "", "signalled": None, "forged": 0,
+                           "timeout": timeout}
     tail: list[str] = []
 
     def drain() -> None:  # stderr, read as it comes (a full pipe would stop the worker)
@@ -212,7 +213,7 @@ def run_loop_worker(source: str, directory: str, *, name: str = "train_until_pre
     timer.start()
     try:
         assert proc.stdout is not None
-        for raw in proc.stdout:
+        for raw in iter(lambda: proc.stdout.readline(1 << 16), ""):  # a line without end: cut
             said, bad = read_signed([raw], key if key is not None else b"", _TAG)
             out["forged"] += bad
             value = said[0] if said else None
@@ -459,9 +460,12 @@ def effects_message(record: Mapping[str, Any], i: int) -> str | None:
                 "newest checkpoint, one step_fn call each, until a notice or stop. Its stderr "
                 f"ends with:\n{tail}")
     if rc != 0:
+        why = (f" (killed: it ran past the drill's {run.get('timeout', 40):.0f} s, or ended "
+               "itself so)" if rc == -9 else " (did something end it first: sys.exit in a "
+               "signal handler?)")
         return (f"{label} exited with code {rc}: the loop should return, and the process end "
-                "normally (exit 0), after a SIGTERM as without one (did something end it "
-                f"first: sys.exit in a signal handler?). Its stderr ends with:\n{tail}")
+                f"normally (exit 0), after a SIGTERM as without one{why}. Its stderr ends "
+                f"with:\n{tail}")
     if at is not None and newest not in (at, at + 1):
         return (f"{label}: the SIGTERM came right after step {at} was computed, so the job "
                 f"saves and stops at step {at} or {at + 1} (the step the manager names); "
