@@ -1191,9 +1191,8 @@ for pt in crashsim.explore(str(template), lambda fs, w: resave(fs, Path(w) / "ru
     for st, got in zip(pt.states, pt.outcomes):
         outcome_counts[got] = outcome_counts.get(got, 0) + 1
     if pt.call.startswith("rename") and killed is None:
-        # the last in-order state is what a killed process leaves (everything, data included)
-        in_order = [o for st, o in zip(pt.states, pt.outcomes) if st.label.startswith("every")]
-        killed = (pt.call, in_order[-1])
+        # the state a killed process leaves: every operation, data included
+        killed = (pt.call, next(o for st, o in zip(pt.states, pt.outcomes) if st.killed))
 shutil.rmtree(SCRATCH, ignore_errors=True)
 print("outcomes over every crash state of the re-save:", outcome_counts)
 print(f"a process killed before '{killed[0]}' restarts with: {killed[1]}")

@@ -99,6 +99,7 @@ class CrashState:
     label: str
     ops: frozenset[int]
     data: str | tuple[tuple[int, str], ...] = "new"
+    killed: bool = False  # what a killed process leaves: every operation, all data kept
 
 
 DATA_SAID = {"old": "file data not fsynced lost (a new file empty)",
@@ -434,7 +435,8 @@ class CrashRecorder(FileSystem):
                     if k == len(pending) else
                     f"the disk kept the first {k} of the {len(pending)} directory changes "
                     "not yet fsynced, in order")
-            states += [CrashState(f"{what}; {DATA_SAID.get(m, m)}", ops, m) for m in modes]
+            states += [CrashState(f"{what}; {DATA_SAID.get(m, m)}", ops, m,
+                                  killed=k == len(pending) and m == "new") for m in modes]
         rng = random.Random(f"{seed}/{self.count}")
         for r in range(random_states if pending or dirty else 0):
             ops = durable | self._per_directory_prefixes(pending, rng)

@@ -68,6 +68,19 @@ def test_a_rename_is_durable_only_after_its_parent_is_fsynced(tmp_path):
     assert all(rec.tree(s) == {"e": {"f": b"data"}} for s in rec.crash_states())
 
 
+def test_one_state_is_what_a_killed_process_leaves(tmp_path):
+    """Every operation and every byte: the state a SIGKILL (not a power cut) leaves, marked
+    so that a reader need not parse the labels."""
+    rec = CrashRecorder(tmp_path)
+    rec.mkdir(str(tmp_path / "d"))
+    fd = rec.open(str(tmp_path / "d" / "f"), os.O_WRONLY | os.O_CREAT | os.O_EXCL)
+    rec.write(fd, b"abcdefgh")
+    rec.close(fd)
+    rec.rename(str(tmp_path / "d"), str(tmp_path / "e"))
+    killed = [s for s in rec.crash_states() if s.killed]
+    assert len(killed) == 1 and rec.tree(killed[0]) == {"e": {"f": b"abcdefgh"}}
+
+
 def test_unsynced_data_may_come_back_empty_zeroed_or_torn_under_a_durable_name(tmp_path):
     rec = CrashRecorder(tmp_path)
     fd = rec.open(str(tmp_path / "f"), os.O_WRONLY | os.O_CREAT | os.O_EXCL)
