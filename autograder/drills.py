@@ -203,3 +203,35 @@ def tool(cells: Sequence[str], box: Box | None) -> Callable[[str], str | None]:
             raise RuntimeError("the grader's drill needs the job's folder")
         return DRILLS[task](cells, box)
     return grader_drill
+
+
+# lab 4
+def drill_4_3(cells: Sequence[str], box: Box) -> str | None:
+    """Lab 4's multi-process save, judged here (None: passed): one sandboxed command launches
+    4 JAX processes (one network namespace, for their TCP on 127.0.0.1) that run the student's
+    lab 4 functions and make three saves whose layout, values (seeds), primary, slow process
+    and failure (an OSError at a point before publication, on a process) are drawn now. The
+    verdict is read from the disk by this process: the failed save left nothing, each good
+    save is a committed step that verifies, every piece written once, restored here to the
+    values drawn for it; then the command's exit code."""
+    from minickpt.labkit import lab4
+
+    plan = lab4.drill_plan()
+    code = definitions(cells, plan["names"])
+    defined = {n.name for n in ast.parse(code).body
+               if isinstance(n, ast.FunctionDef | ast.AsyncFunctionDef)}
+    if "two_barrier_commit" not in defined:
+        return "the grader's drill found no function two_barrier_commit defined in your notebook"
+    with box.scratch() as d:
+        try:
+            r = lab4.run_lab4_drill(code, d, plan, wrap=box.wrap(d), env=_worker_env(),
+                                    after_run=lambda: _after(box, d))
+        except _Refused:
+            pass
+        if box.over:
+            return f"the grader's drill stopped: {box.over[0]}"
+        failed = lab4.lab4_drill_message(r, plan)
+    return None if failed is None else f"the grader's own drill: {failed}"
+
+
+DRILLS["4.3"] = drill_4_3
