@@ -206,17 +206,17 @@ def tool(cells: Sequence[str], box: Box | None) -> Callable[[str], str | None]:
 
 
 # lab 4
-def drill_4_3(cells: Sequence[str], box: Box) -> str | None:
+def drill_4_3(cells: Sequence[str], box: Box, plan: dict[str, Any] | None = None) -> str | None:
     """Lab 4's multi-process save, judged here (None: passed): one sandboxed command launches
     4 JAX processes (one network namespace, for their TCP on 127.0.0.1) that run the student's
     lab 4 functions and make three saves whose layout, values (seeds), primary, slow process
     and failure (an OSError at a point before publication, on a process) are drawn now. The
     verdict is read from the disk by this process: the failed save left nothing, each good
     save is a committed step that verifies, every piece written once, restored here to the
-    values drawn for it; then the command's exit code."""
+    values drawn for it; then the command's exit code. ``plan``: a drawn one (tests)."""
     from minickpt.labkit import lab4
 
-    plan = lab4.drill_plan()
+    plan = plan or lab4.drill_plan()
     code = definitions(cells, plan["names"])
     defined = {n.name for n in ast.parse(code).body
                if isinstance(n, ast.FunctionDef | ast.AsyncFunctionDef)}

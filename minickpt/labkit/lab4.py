@@ -722,13 +722,7 @@ def lab4_drill_message(r: Mapping[str, Any], plan: Mapping[str, Any]) -> str | N
     it; then the command's exit code (0: every worker saw its saves end as they must)."""
     import os
 
-    from ..manager import CheckpointManager
-    from ..options import CheckpointManagerOptions
-
     ckpt = r["ckpt"]
-    saves = plan["saves"]
-    good = [s for s in saves if s["action"] != "raise"]
-    failed = [s for s in saves if s["action"] == "raise"]
 
     def where(s: Mapping[str, Any]) -> str:
         if s["action"] == "raise":
@@ -742,39 +736,57 @@ def lab4_drill_message(r: Mapping[str, Any], plan: Mapping[str, Any]) -> str | N
     tails = said.get("tails") or []
     hint = f"; process 0 printed: {tails[0].strip()[-600:]}" if tails else (
         f"; {r['err'].strip()[-600:]}" if r.get("err") else "")
-    on_disk = listing(ckpt) if os.path.isdir(ckpt) else []
-    for s in failed:
-        name = f"step_{s['step']}"
-        if name in on_disk:
-            return f"{where(s)}: {name} was published although the save failed before its commit"
-        tmp = [n for n in on_disk if n.startswith(name + ".")]
-        if tmp:
-            return f"{where(s)}: the failed save left its temporary directory {tmp[0]}"
-    for s in good:
-        name = f"step_{s['step']}"
-        if name not in on_disk:
-            return f"{where(s)}: {name} was not committed (the folder holds {on_disk}){hint}"
-    want = sorted(f"step_{s['step']}" for s in good)
-    if sorted(on_disk) != want:
-        return f"after the drill's saves the folder should hold {want} alone; it holds {on_disk}"
+    if not os.path.isdir(ckpt):
+        return f"the saves' processes made no checkpoint folder{hint}"
+    try:
+        return _drill_disk(r, plan, where, hint)
+    except Exception as e:  # what the workers left is not a checkpoint this library reads
+        return f"the checkpoints on disk could not be read: {type(e).__name__}: {str(e)[:300]}"
+
+
+def _drill_disk(r: Mapping[str, Any], plan: Mapping[str, Any], where: Callable[[Any], str],
+                hint: str) -> str | None:
+    import os
+
+    from ..manager import CheckpointManager
+    from ..options import CheckpointManagerOptions
+
+    ckpt, saves = r["ckpt"], plan["saves"]
+    good = [s for s in saves if s["action"] != "raise"]
+    said = r.get("said") or {}
+    on_disk = listing(ckpt)
     boxes = drill_boxes(plan["layout"], plan["processes"])
     with CheckpointManager(ckpt, CheckpointManagerOptions(read_only=True)) as m:
-        for s in good:
+        for s in saves:  # in the order of the plan: the first that went wrong is said
             name = f"step_{s['step']}"
+            if s["action"] == "raise":
+                if name in on_disk:
+                    return (f"{where(s)}: {name} was published although the save failed "
+                            "before its commit")
+                tmp = [n for n in on_disk if n.startswith(name + ".")]
+                if tmp:
+                    return f"{where(s)}: the failed save left its temporary directory {tmp[0]}"
+                continue
+            if name not in on_disk:
+                return f"{where(s)}: {name} was not committed (the folder holds {on_disk}){hint}"
             report = m.verify(s["step"])
             if not report.ok:
-                return f"{where(s)}: {name} does not verify: {report.problems[:2]}"
+                said_ = "; ".join(str(x).replace(ckpt + os.sep, "") for x in report.problems[:2])
+                return f"{where(s)}: {name} does not verify: {said_}"
             msg = coverage_message(os.path.join(ckpt, name), "params", boxes)
             if msg is not None:
                 return f"{where(s)}: {msg}"
             got = m.restore(s["step"])["params"]
             for leaf, (shape, spec, dtype) in plan["layout"].items():
                 want_v = drill_values(s["seed"], leaf, shape, dtype)
-                have = np.asarray(got.get(leaf)) if leaf in got else None
+                have = np.asarray(got[leaf]) if leaf in got else None
                 if have is None or have.shape != want_v.shape or have.dtype != want_v.dtype \
                         or not np.array_equal(have, want_v):
                     return (f"{where(s)}: leaf {leaf} ({dtype} {shape} on P{tuple(spec)}) "
                             "restored here does not hold the values it was saved with")
+    want = sorted(f"step_{s['step']}" for s in good)
+    if sorted(on_disk) != want:
+        return f"after the drill's saves the folder should hold {want} alone; it holds {on_disk}"
     if r.get("rc") != 0:
         return (f"the saves' processes ended with exit code {r.get('rc')} (each process exits 0 "
                 f"when its good saves returned and its failed save raised; codes: "
