@@ -56,7 +56,8 @@ def _plan(point: str = "after_write", victim: int = 2, primary: int = 1,
     plan = lab4.drill_plan(random.Random(7))
     plan["primary"] = primary
     plan["saves"][0]["process"] = next(p for p in (3, 2, 0) if p != primary)
-    plan["saves"][1].update(point=point, process=primary if point == "before_commit" else victim)
+    plan["saves"][1].update(point=point, process=victim)
+    plan["saves"][2].update(process=primary)
     if every_spec:
         dtypes = ["float32", "int32", "float16", "int8"]
         plan["layout"] = {f"s{i}": [[8, 4 * (1 + i % 2)],
@@ -86,14 +87,16 @@ def test_the_values_are_the_seeds_and_differ_between_seeds():
     assert lab4.drill_values(5, "w", (8, 4), "int8").dtype == np.int8
 
 
-def test_a_drawn_plan_fails_a_save_before_publication_on_a_process_that_reaches_the_point():
+def test_a_drawn_plan_fails_saves_before_publication_on_a_process_that_reaches_the_point():
     for seed in range(50):
         plan = lab4.drill_plan(random.Random(seed))
-        good, bad, last = plan["saves"]
-        assert bad["action"] == "raise" and bad["point"] in lab4.DRILL_POINTS
-        assert bad["point"] != "before_commit" or bad["process"] == plan["primary"]
+        good, bad, commit, last = plan["saves"]
+        assert bad["action"] == "raise" and bad["point"] in lab4.DRILL_POINTS[:-1]
+        assert commit == {**commit, "point": "before_commit", "process": plan["primary"],
+                          "action": "raise"}
         assert good["process"] != plan["primary"] and float(good["action"]) > 0
-        assert good["step"] < bad["step"] < last["step"]
+        assert last["action"] == "0" and last["process"] == plan["processes"]
+        assert good["step"] < bad["step"] < commit["step"] < last["step"]
 
 
 def test_the_solution_passes_the_graders_drill_on_every_sharding(box):
@@ -154,6 +157,31 @@ def two_barrier_commit(save):
     save.barrier("committed", error, info)
 """
 
+SWALLOWS_COMMIT = """
+def two_barrier_commit(save):
+    # a failed commit: the shards are on disk, a later save will commit them
+    error = None
+    if save.primary:
+        try:
+            save.create()
+        except Exception as e:
+            error = e
+    save.barrier("created", error)
+    files = None
+    try:
+        files = save.write()
+    except Exception as e:
+        error = e
+    written = save.barrier("written", error, files)
+    info = {}
+    if save.primary:
+        try:
+            info = save.commit(written)
+        except Exception:
+            pass
+    save.barrier("committed", error, info)
+"""
+
 EVERY_REPLICA = """
 def owned_shards(shape, devices_indices_map, process_index, *, process_of=lambda d: d.process_index):
     # every device holding a piece writes it
@@ -166,6 +194,7 @@ def owned_shards(shape, devices_indices_map, process_index, *, process_of=lambda
     (COMMITS_BEFORE_BARRIER, _plan(), "step_"),
     (SWALLOWS_WRITE, _plan("after_write", victim=2), "was published although the save failed"),
     (EVERY_REPLICA, _plan(every_spec=True), "more than one shard"),
+    (SWALLOWS_COMMIT, _plan(), "returned as if it had succeeded"),
 ])
 def test_a_wrong_save_fails_the_graders_drill(box, code, plan, said):
     failed = drills.drill_4_3(_with(code), box, plan)

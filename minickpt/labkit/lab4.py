@@ -511,7 +511,8 @@ DRILL_SPECS: tuple[tuple[Any, ...], ...] = (
 """The shardings the grader's drill draws from, on a (processes, 2) mesh ``("p", "l")``: each
 spans the processes (a fully replicated array is the primary's alone, not its shards)."""
 DRILL_POINTS = ("after_agree", "after_create", "before_write", "after_write", "before_commit")
-"""Where the drill's failed save may fail: every point before the step is published."""
+"""Where a drill's save may fail: every point before the step is published (``before_commit``:
+the primary's commit, which only the primary reaches)."""
 
 _DRILL_WORKER = '''\
 import json, os, sys, time
@@ -640,8 +641,10 @@ def drill_boxes(layout: Mapping[str, Sequence[Any]], processes: int
 def drill_plan(chance: Any = None, processes: int = 4) -> dict[str, Any]:
     """What the grader draws for one drill: the tree's layout (3 leaves, shardings and sizes),
     the primary, the seeds of the values, a slow process in the first save, and the process
-    and the point where the second save fails. Three saves: a good one, a failed one (an
-    OSError on one process, before publication: nothing may be published), a good one."""
+    and the point where the second save fails. Four saves: a good one (a process slow to
+    write), a failed one (an OSError on a process, at a point before publication), one whose
+    primary's commit fails before the rename, a good one. A failed save publishes nothing and
+    raises on every process."""
     import random
 
     chance = chance or random.SystemRandom()
@@ -650,18 +653,23 @@ def drill_plan(chance: Any = None, processes: int = 4) -> dict[str, Any]:
         spec = [list(e) if isinstance(e, tuple) else e for e in chance.choice(DRILL_SPECS)]
         shape = [2 * processes * chance.randint(1, 2), processes * chance.randint(1, 3)]
         layout[f"leaf{i}_{chance.randint(0, 999)}"] = [shape, spec, dtype]
-    steps = sorted(chance.sample(range(1, 1000), 3))
+    steps = sorted(chance.sample(range(1, 1000), 4))
     primary = chance.randrange(processes)
     slow = chance.choice([p for p in range(processes) if p != primary])
-    point = chance.choice(DRILL_POINTS)
-    victim = primary if point == "before_commit" else chance.randrange(processes)  # its commit
+
+    def seed() -> int:
+        return chance.randint(1, 2**31 - 1)
+
     saves = [
-        {"step": steps[0], "seed": chance.randint(1, 2**31 - 1), "process": slow,
-         "point": "before_write", "action": "1.5"},
-        {"step": steps[1], "seed": chance.randint(1, 2**31 - 1), "process": victim,
-         "point": point, "action": "raise"},
-        {"step": steps[2], "seed": chance.randint(1, 2**31 - 1), "process": processes,
-         "point": "before_write", "action": "0"},
+        {"step": steps[0], "seed": seed(), "process": slow, "point": "before_write",
+         "action": "1.5"},
+        {"step": steps[1], "seed": seed(), "process": chance.randrange(processes),
+         "point": chance.choice(DRILL_POINTS[:-1]), "action": "raise"},
+        # the primary's commit fails (before the rename): only the primary reaches that point
+        {"step": steps[2], "seed": seed(), "process": primary, "point": "before_commit",
+         "action": "raise"},
+        {"step": steps[3], "seed": seed(), "process": processes, "point": "before_write",
+         "action": "0"},
     ]
     return {"layout": layout, "primary": primary, "saves": saves, "timeout_s": 6,
             "processes": processes,
@@ -788,7 +796,30 @@ def _drill_disk(r: Mapping[str, Any], plan: Mapping[str, Any], where: Callable[[
     if sorted(on_disk) != want:
         return f"after the drill's saves the folder should hold {want} alone; it holds {on_disk}"
     if r.get("rc") != 0:
-        return (f"the saves' processes ended with exit code {r.get('rc')} (each process exits 0 "
-                f"when its good saves returned and its failed save raised; codes: "
-                f"{said.get('rc')}){hint}")
+        why = _drill_said(said, saves, where) or f"exit codes {said.get('rc')}{hint}"
+        return (f"the disk is right, but the saves' processes did not all end as they must (each "
+                f"exits 0 when its good saves returned and its failed saves raised): {why}")
+    return None
+
+
+def _drill_said(said: Mapping[str, Any], saves: Sequence[Mapping[str, Any]],
+                where: Callable[[Any], str]) -> str | None:
+    """What the workers printed about their saves (for the message only: never evidence)."""
+    import json
+
+    for p, tail in enumerate(said.get("tails") or []):
+        for line in str(tail).splitlines():
+            if not line.startswith("DRILL "):
+                continue
+            try:
+                seen = json.loads(line[len("DRILL "):])["saves"]
+            except (ValueError, KeyError, TypeError):
+                continue
+            for s in saves:
+                got = seen.get(str(s["step"])) if isinstance(seen, dict) else None
+                if s["action"] == "raise" and got == "returned":
+                    return (f"on process {p}, {where(s)} returned as if it had succeeded: a "
+                            "failure anywhere must fail the save on every process")
+                if s["action"] != "raise" and got not in (None, "returned"):
+                    return f"on process {p}, {where(s)} raised {got}"
     return None
