@@ -217,7 +217,7 @@ def drill_4_3(cells: Sequence[str], box: Box, plan: dict[str, Any] | None = None
     from minickpt.labkit import lab4
 
     plan = plan or lab4.drill_plan()
-    code = definitions(cells, plan["names"])
+    code = _whole_cells(cells, plan["names"])
     defined = {n.name for n in ast.parse(code).body
                if isinstance(n, ast.FunctionDef | ast.AsyncFunctionDef)}
     if "two_barrier_commit" not in defined:
@@ -232,6 +232,22 @@ def drill_4_3(cells: Sequence[str], box: Box, plan: dict[str, Any] | None = None
             return f"the grader's drill stopped: {box.over[0]}"
         failed = lab4.lab4_drill_message(r, plan)
     return None if failed is None else f"the grader's own drill: {failed}"
+
+
+def _whole_cells(cells: Sequence[str], names: Iterable[str]) -> str:
+    """Lab 4's workers run the whole cell each task function is defined in, as its process
+    tests do (the lab says so: a helper or a constant beside the function comes along)."""
+    names = set(names)
+    parts = []
+    for source in cells:
+        try:
+            tree = ast.parse(source)
+        except (SyntaxError, ValueError):
+            continue
+        if any(isinstance(n, ast.FunctionDef | ast.AsyncFunctionDef) and n.name in names
+               for n in tree.body):
+            parts.append(source)
+    return "\n\n".join(parts)
 
 
 DRILLS["4.3"] = drill_4_3

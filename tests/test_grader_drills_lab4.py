@@ -80,6 +80,15 @@ def test_drill_boxes_are_the_pieces_of_each_sharding():
     assert [[0, 8], [0, 2]] in boxes["b"] and [[0, 1], [0, 4]] in boxes["c"]
 
 
+def test_the_workers_run_the_whole_cells_of_the_task_functions_as_the_lab_says():
+    cells = ["PHASES = ('created', 'written')\ndef two_barrier_commit(save):\n    return PHASES\n",
+             "x = 1\nprint('a cell without a task function')\n", "%time not python\n",
+             "def owned_shards(*a, **k):\n    return []\n"]
+    code = drills._whole_cells(cells, lab4.drill_plan(random.Random(1))["names"])
+    assert "PHASES = " in code and "owned_shards" in code and "x = 1" not in code
+    assert code.index("PHASES") < code.index("def owned_shards")
+
+
 def test_the_values_are_the_seeds_and_differ_between_seeds():
     a = lab4.drill_values(5, "w", (8, 4), "float16")
     assert a.dtype == np.float16 and np.array_equal(a, lab4.drill_values(5, "w", (8, 4), "float16"))
