@@ -110,13 +110,13 @@ class Box:
         return wrapped
 
     def end_workers(self) -> None:
-        """No process of a worker survives it (a killed worker's children included)."""
+        """No process of a worker survives it (a killed worker's children included). Without
+        the sandbox as root nothing marks them (the drill has killed its own worker; the
+        sandbox's PID namespace takes the rest with it)."""
         if self.cgroup is not None:
             self.cgroup.kill(spare={os.getpid()})
         elif self.iso.mode == "bwrap-root" and self.uid:
             sandbox.kill_uid(self.uid)
-        else:
-            sandbox.kill_descendants(os.getpid())
 
     def plain(self, d: str) -> str | None:
         """Why the folder the workers wrote may not be read by the grader (a link, a device,
@@ -205,15 +205,84 @@ def tool(cells: Sequence[str], box: Box | None) -> Callable[[str], str | None]:
     return grader_drill
 
 
+# lab 6
+def drill_6_3(cells: Sequence[str], box: Box) -> str | None:
+    """Task 6.3's preemption drill, judged here (None: passed). The student's loop runs in
+    the lab's driver in sandboxed workers, one after another on one folder that already holds
+    a checkpoint of another run (a step and a carry drawn now); each but the last gets a
+    SIGTERM from this process right after a step drawn here (the worker waits after each step
+    until this process let it go on, so the notice lands inside that step), and the last runs
+    to ``stop``. The verdict (:func:`minickpt.labkit.lab6.effects_message`) comes from what
+    this process saw: whether it sent each SIGTERM it planned, the exit codes, and every
+    checkpoint on disk after each process, read here and compared with the carry going on
+    from the planted one. ``stop`` is a multiple of ``every``, so the last step is saved by
+    the manager's interval and the end of the run is judged on disk too (the driver's
+    printed carry is not taken)."""
+    import random
+
+    from minickpt.labkit import lab6
+
+    code = definitions(cells, ("train_until_preempted",))
+    if "train_until_preempted" not in {n.name for n in ast.parse(code).body
+                                       if isinstance(n, ast.FunctionDef | ast.AsyncFunctionDef)}:
+        return "the grader's drill found no function train_until_preempted defined in your notebook"
+    chance = random.SystemRandom()
+    with box.scratch() as d:
+        try:
+            r = lab6.run_preemption_drill(
+                code, d, signals=3, stop=50, every=10, chance=chance,
+                plant_seed=chance.randint(1, 2**31 - 1), judge=lab6.effects_message,
+                wrap=box.wrap(d), env=_worker_env(), after_run=lambda: _after(box, d),
+                lockstep=True, send_signal=_signal_worker(box))
+        except _Refused:
+            pass
+        if box.over:
+            return f"the grader's drill stopped: {box.over[0]}"
+    return None if r["failed"] is None else f"the grader's own drill: {r['failed']}"
+
+
+def _signal_worker(box: Box) -> Callable[[Any, int], bool]:
+    """``send_signal(proc, sig)`` for a worker started by ``box.wrap``: in the sandbox the
+    process started is bubblewrap's, and the signal goes to the Python worker inside it (the
+    oldest process below it that is not bubblewrap's; a process the worker forks is younger)."""
+    def send(proc: Any, sig: int) -> bool:
+        pid = proc.pid
+        if box.iso.sandboxed:
+            found = []
+            for p in sandbox.descendants(proc.pid):
+                try:
+                    with open(f"/proc/{p}/stat") as f:
+                        stat = f.read()
+                    comm = stat[stat.index("(") + 1:stat.rindex(")")]
+                    started = int(stat[stat.rindex(")") + 2:].split()[19])
+                except (OSError, ValueError, IndexError):
+                    continue
+                if comm != "bwrap":
+                    found.append((started, p))
+            if not found:
+                return False  # the worker is gone: the drill records no signal sent
+            pid = min(found)[1]
+        try:
+            os.kill(pid, sig)
+        except ProcessLookupError:
+            return False
+        return True
+    return send
+
+
+DRILLS["6.3"] = drill_6_3
+
+
 # lab 4
 def drill_4_3(cells: Sequence[str], box: Box, plan: dict[str, Any] | None = None) -> str | None:
     """Lab 4's multi-process save, judged here (None: passed): one sandboxed command launches
     4 JAX processes (one network namespace, for their TCP on 127.0.0.1) that run the student's
-    lab 4 functions and make three saves whose layout, values (seeds), primary, slow process
-    and failure (an OSError at a point before publication, on a process) are drawn now. The
-    verdict is read from the disk by this process: the failed save left nothing, each good
-    save is a committed step that verifies, every piece written once, restored here to the
-    values drawn for it; then the command's exit code. ``plan``: a drawn one (tests)."""
+    lab 4 functions and make four saves whose layout, values (seeds), primary, slow process
+    and failures (an OSError at a point before publication, on a process; the primary's
+    commit) are drawn now. The verdict is read from the disk by this process: a failed save
+    left nothing, each good save is a committed step that verifies, every piece written once,
+    restored here to the values drawn for it; then the command's exit code. ``plan``: a drawn
+    one (tests)."""
     from minickpt.labkit import lab4
 
     plan = plan or lab4.drill_plan()

@@ -101,6 +101,13 @@ class CrashState:
     data: str | tuple[tuple[int, str], ...] = "new"
 
 
+DATA_SAID = {"old": "file data not fsynced lost (a new file empty)",
+             "zeros": "files not fsynced hold zeros at their new size",
+             "torn": "files not fsynced cut short (half their new data)",
+             "new": "file data not fsynced kept"}
+"""How a crash state's label says what became of un-synced file data (a lab's message reads it)."""
+
+
 class CrashRecorder(FileSystem):
     """A pass-through file system that models durability and can crash before any call.
 
@@ -422,16 +429,19 @@ class CrashRecorder(FileSystem):
         states = []
         for k in range(len(pending) + 1):
             ops = durable | frozenset(pending[:k])
-            what = ("only what was synced" if k == 0 else
-                    "every directory operation" if k == len(pending) else
-                    f"the first {k} of {len(pending)} un-synced directory operations")
-            states += [CrashState(f"{what}; un-synced data {m}", ops, m) for m in modes]
+            what = ("the disk kept only what was fsynced" if k == 0 else
+                    "the disk kept every directory change (mkdir, rename, unlink)"
+                    if k == len(pending) else
+                    f"the disk kept the first {k} of the {len(pending)} directory changes "
+                    "not yet fsynced, in order")
+            states += [CrashState(f"{what}; {DATA_SAID.get(m, m)}", ops, m) for m in modes]
         rng = random.Random(f"{seed}/{self.count}")
         for r in range(random_states if pending or dirty else 0):
             ops = durable | self._per_directory_prefixes(pending, rng)
             data = tuple((i, rng.choice(self.data_modes)) for i in dirty)
-            states.append(CrashState(f"directories persisted independently (#{r}); un-synced "
-                                     "data mixed", ops, data))
+            states.append(CrashState(f"each directory kept its own changes up to a point of its "
+                                     f"own (draw {r}); file data not fsynced lost, zeroed, cut "
+                                     "or kept, file by file", ops, data))
         return states
 
     def _per_directory_prefixes(self, pending: list[int], rng: random.Random) -> frozenset[int]:

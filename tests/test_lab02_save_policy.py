@@ -227,6 +227,24 @@ def test_crash_commit_catches_each_wrong_design(wrong, kw, said):
     assert "/dev/shm" not in report.first()
 
 
+def renames_around_fs(fs, tmp_dir, final_dir, *, subdirs=(), sync=None):
+    """A right order of calls, but its rename is os.rename: the crash test cannot see it."""
+    batch = sync or SyncBatch(fs)
+    for d in _dirs(tmp_dir, subdirs):
+        batch.add_dir(d)
+    batch.flush()
+    os.rename(tmp_dir, final_dir)
+    fs.fsync_dir(os.path.dirname(final_dir))
+
+
+@pytest.mark.task("2.3")
+def test_a_rename_that_bypasses_fs_is_named_first():
+    """A fresh student's report: os.rename in the commit left one cryptic problem ("its rename
+    is not durable yet") although their order of calls was right."""
+    report = labkit.crash_commit(renames_around_fs)
+    assert "no rename went through the fs" in report.first(), report.problems[:2]
+
+
 def trusts_sync_none(fs, tmp_dir, final_dir, *, subdirs=(), sync=None):
     """sync=None read as "everything is durable already": the directories are never fsynced."""
     if sync is not None:

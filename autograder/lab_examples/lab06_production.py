@@ -188,6 +188,15 @@ WRONG: list[Wrong] = [
                "        manager.save(step, items(carry), metrics=metrics)\n",
                "        manager.save(step, items(carry), metrics=metrics)\n"
                "        if on_step is not None:\n            on_step(step, carry, metrics)\n")),
+    Wrong("6.3", "the manager sees every step (its interval decides which are saved): offered only the "
+          "step a notice names, no interval checkpoint is written, the end of the run included "
+          "(issue 38: it passes the kernel's drill, whose last process's carry is only printed; the "
+          "grader's own drill judges the run's last step on disk)",
+          swap(T63, PREEMPTION_LAST,
+               "        if manager.reached_preemption(step):  # a notice: save the step it names, stop\n"
+               "            manager.save(step, items(carry), metrics=metrics, force=True)\n"
+               "            manager.wait_until_finished()\n"
+               "            return LoopResult(carry, step, True)")),
     # 6.4
     Wrong("6.4", "recover_s runs to the first step computed, not to the restore",
           recover_at_restore_edit),
