@@ -499,3 +499,327 @@ def protocol_message(fn: Callable[[Any], Any], primary: bool,
     if not fail and raised is not None:
         return f"on {who}, two_barrier_commit raised {type(raised).__name__}: {raised}"
     return None
+
+
+# ---------------------------------------------------------------------------------------
+# the grader's drill (issue 38): the grader draws the data and the faults, the workers run the
+# student's lab 4 functions in the submission's sandbox, and the verdict is read from the disk
+# ---------------------------------------------------------------------------------------
+DRILL_SPECS: tuple[tuple[Any, ...], ...] = (
+    ("p", "l"), ("p", None), (None, "l"), ("l", "p"), ("l", None), (None, "p"),
+    (("p", "l"), None), (("l", "p"), None))
+"""The shardings the grader's drill draws from, on a (processes, 2) mesh ``("p", "l")``: each
+spans the processes (a fully replicated array is the primary's alone, not its shards)."""
+DRILL_POINTS = ("after_agree", "after_create", "before_write", "after_write", "before_commit")
+"""Where a drill's save may fail: every point before the step is published (``before_commit``:
+the primary's commit, which only the primary reaches)."""
+
+_DRILL_WORKER = '''\
+import json, os, sys, time
+_me = int(os.environ.get("MINICKPT_PROCESS_ID", "0"))
+try:  # at most 2 CPUs each, so that JAX's thread pools stay small on a many-core machine
+    _cpus = sorted(os.sched_getaffinity(0))
+    if len(_cpus) > 2:
+        _start = (2 * _me) % len(_cpus)
+        os.sched_setaffinity(0, (_cpus[_start:] + _cpus)[:2])
+except (AttributeError, OSError):
+    pass
+import minickpt.multihost.process as _mhp
+_mhp.initialize()
+import jax
+import minickpt as mc
+from minickpt.labkit import lab4 as _lab4
+from minickpt.labkit import plugged_in as _plug
+from minickpt.multihost.sync import default_sync as _default_sync
+_ckpt, _code, _plan = sys.argv[1], sys.argv[2], json.loads(sys.argv[3])
+_ns = {"__name__": "lab04_student"}
+exec(_lab4.LAB4_IMPORTS, _ns)
+with open(_code, encoding="utf-8") as _f:
+    exec(compile(_f.read(), "<your lab 4 cells>", "exec"), _ns)
+_mine = [_ns[_n] for _n in _plan["names"] if callable(_ns.get(_n))]
+ME, N = jax.process_index(), jax.process_count()
+_seen, _code_out = {}, 0
+with _plug(*_mine):
+    _sync = _default_sync()
+    _opts = mc.CheckpointManagerOptions(multihost=mc.MultiHostOptions(
+        timeout_s=_plan["timeout_s"], primary_host=_plan["primary"]))
+    with mc.CheckpointManager(_ckpt, _opts) as _mngr:
+        for _save in _plan["saves"]:
+            _tree = {"params": _lab4.drill_tree(_save["seed"], _plan["layout"])}
+            _sync.faults.clear()
+            if _save["process"] == ME:
+                if _save["action"] == "raise":
+                    def _hook(_point=_save["point"]):
+                        raise OSError(5, f"Input/output error (injected at {_point} on process {ME})")
+                else:
+                    def _hook(_s=float(_save["action"])):
+                        time.sleep(_s)
+                _sync.faults[_save["point"]] = _hook
+            try:
+                _mngr.save(_save["step"], _tree)
+                _seen[_save["step"]] = "returned"
+            except Exception as _e:
+                _seen[_save["step"]] = f"{type(_e).__name__}: {str(_e)[:200]}"
+            _sync.faults.clear()
+            if (_seen[_save["step"]] == "returned") != (_save["action"] != "raise"):
+                _code_out = 3
+    print("DRILL " + json.dumps({"process": ME, "saves": _seen}), flush=True)
+    try:  # process 0 hosts the coordination service: nobody leaves before everybody is done
+        _sync.exchange("lab4-drill-done", None, 20.0, "the end of the drill")
+        if ME == 0:
+            time.sleep(0.5)
+    except Exception:
+        pass
+_mhp.hard_exit(_code_out)
+'''
+
+_DRILL_LAUNCHER = '''\
+import json, sys
+from minickpt.launch import launch
+res = launch(["-c", sys.argv[1], *sys.argv[2:5]], int(sys.argv[5]), devices_per_process=2,
+             timeout_s=float(sys.argv[6]), grace_s=float(sys.argv[6]),
+             env={"JAX_PLATFORMS": "cpu"})
+tails = ["".join(o[-6:])[-1500:] for o in res.outputs]
+print("LAUNCHED " + json.dumps({"rc": res.returncodes, "timed_out": res.timed_out,
+                                "tails": tails}), flush=True)
+sys.exit(0 if all(rc == 0 for rc in res.returncodes) else 1)
+'''
+
+
+def drill_values(seed: int, name: str, shape: Sequence[int], dtype: str) -> np.ndarray:
+    """The values of leaf ``name`` in the drill's save of ``seed``: drawn from ``seed``, so
+    that only the grader, which chose it, knows them before the workers run."""
+    import zlib
+
+    rng = np.random.default_rng([int(seed), zlib.crc32(name.encode())])
+    if np.issubdtype(np.dtype(dtype), np.integer):
+        return rng.integers(-100, 100, tuple(shape)).astype(np.dtype(dtype))
+    return (rng.standard_normal(tuple(shape)) * 100).astype(np.dtype(dtype))
+
+
+def _spec(entries: Sequence[Any]) -> Any:
+    from jax.sharding import PartitionSpec
+
+    return PartitionSpec(*[tuple(e) if isinstance(e, list | tuple) else e for e in entries])
+
+
+def drill_tree(seed: int, layout: Mapping[str, Sequence[Any]]) -> dict[str, jax.Array]:
+    """In a worker of the drill: the tree to save, each leaf on its drawn sharding over the
+    job's (processes, 2) mesh, with the values of :func:`drill_values`."""
+    from jax.sharding import NamedSharding
+
+    m = process_mesh((jax.process_count(), 2), ("p", "l"))
+    out = {}
+    for name, (shape, spec, dtype) in layout.items():
+        g = drill_values(seed, name, shape, dtype)
+        out[name] = jax.make_array_from_callback(tuple(shape), NamedSharding(m, _spec(spec)),
+                                                 lambda idx, g=g: g[idx])
+    return out
+
+
+def drill_boxes(layout: Mapping[str, Sequence[Any]], processes: int
+                ) -> dict[str, list[list[list[int]]]]:
+    """Leaf -> its distinct pieces on the drill's mesh, worked out here without devices."""
+    ids = np.arange(2 * processes).reshape(processes, 2)
+    owner = {i: i // 2 for i in range(2 * processes)}
+    out: dict[str, list[list[list[int]]]] = {}
+    for name, (shape, spec, _) in layout.items():
+        imap = fake_devices_indices_map(tuple(shape), ids, ("p", "l"),
+                                        [tuple(e) if isinstance(e, list) else e for e in spec],
+                                        owner)
+        from ..format.shards import box_of
+
+        boxes: list[list[list[int]]] = []
+        for index in imap.values():
+            b = [list(x) for x in box_of(index, tuple(shape))]
+            if b not in boxes:
+                boxes.append(b)
+        out[name] = boxes
+    return out
+
+
+def drill_plan(chance: Any = None, processes: int = 4) -> dict[str, Any]:
+    """What the grader draws for one drill: the tree's layout (3 leaves, shardings and sizes),
+    the primary, the seeds of the values, a slow process in the first save, and the process
+    and the point where the second save fails. Four saves: a good one (a process slow to
+    write), a failed one (an OSError on a process, at a point before publication), one whose
+    primary's commit fails before the rename, a good one. A failed save publishes nothing and
+    raises on every process."""
+    import random
+
+    chance = chance or random.SystemRandom()
+    layout = {}
+    for i, dtype in enumerate(chance.sample(["float32", "int32", "float16", "int8"], 3)):
+        spec = [list(e) if isinstance(e, tuple) else e for e in chance.choice(DRILL_SPECS)]
+        shape = [2 * processes * chance.randint(1, 2), processes * chance.randint(1, 3)]
+        layout[f"leaf{i}_{chance.randint(0, 999)}"] = [shape, spec, dtype]
+    steps = sorted(chance.sample(range(1, 1000), 4))
+    primary = chance.randrange(processes)
+    slow = chance.choice([p for p in range(processes) if p != primary])
+
+    def seed() -> int:
+        return chance.randint(1, 2**31 - 1)
+
+    saves = [
+        {"step": steps[0], "seed": seed(), "process": slow, "point": "before_write",
+         "action": "1.5"},
+        {"step": steps[1], "seed": seed(), "process": chance.randrange(processes),
+         "point": chance.choice(DRILL_POINTS[:-1]), "action": "raise"},
+        # the primary's commit fails (before the rename): only the primary reaches that point
+        {"step": steps[2], "seed": seed(), "process": primary, "point": "before_commit",
+         "action": "raise"},
+        {"step": steps[3], "seed": seed(), "process": processes, "point": "before_write",
+         "action": "0"},
+    ]
+    return {"layout": layout, "primary": primary, "saves": saves, "timeout_s": 6,
+            "processes": processes,
+            "names": ["agree_on_step", "owned_shards", "two_barrier_commit",
+                      "region_from_pieces"]}
+
+
+def run_lab4_drill(code: str, d: str, plan: Mapping[str, Any], *, timeout_s: float = 120.0,
+                   env: Mapping[str, str] | None = None, python: str | None = None,
+                   wrap: Callable[[list[str], dict[str, str]], list[str]] | None = None,
+                   after_run: Callable[[], None] | None = None) -> dict[str, Any]:
+    """Lab 4's drill, as the grader runs it from its own process (autograder/drills.py): one
+    command (``wrap`` puts it in the submission's sandbox, one network namespace for the
+    job's TCP on 127.0.0.1) launches ``plan["processes"]`` JAX processes that run ``code``
+    (the student's lab 4 functions, plugged into minickpt) and make the plan's saves in
+    ``d/ckpt``. ``after_run``: once the command has ended (its processes gone, the folder
+    checked readable). Returns ``rc`` (the command's), ``said`` (what the launcher printed:
+    steering only, never evidence) and ``err``; the verdict is :func:`lab4_drill_message`,
+    which reads the disk."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    ckpt = os.path.join(d, "ckpt")
+    src = os.path.join(d, "lab4_tasks.py")
+    with open(src, "w", encoding="utf-8") as f:
+        f.write(code)
+    launch_s = timeout_s * 0.75
+    cmd = [python or sys.executable, "-c", _DRILL_LAUNCHER, _DRILL_WORKER, ckpt, src,
+           json.dumps(plan), str(plan["processes"]), str(launch_s)]
+    env = {**(env if env is not None else {}), "JAX_PLATFORMS": "cpu"}
+    cmd = wrap(cmd, env) if wrap is not None else cmd
+    out: dict[str, Any] = {"rc": None, "said": None, "err": "", "ckpt": ckpt}
+    try:
+        proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=timeout_s,
+                              errors="replace")
+        out["rc"] = proc.returncode
+        for line in proc.stdout.splitlines():
+            if line.startswith("LAUNCHED "):
+                try:
+                    out["said"] = json.loads(line[len("LAUNCHED "):])
+                except ValueError:
+                    pass
+        out["err"] = (proc.stderr or "")[-2000:]
+    except subprocess.TimeoutExpired:
+        out["err"] = f"still running after {timeout_s:.0f} s"
+    finally:
+        if after_run is not None:
+            after_run()
+    return out
+
+
+def lab4_drill_message(r: Mapping[str, Any], plan: Mapping[str, Any]) -> str | None:
+    """The verdict of :func:`run_lab4_drill`, read from the disk by this process (the full
+    library): the failed save left nothing, each good save is a committed step that verifies,
+    every piece of every leaf written exactly once, and restored here to the values drawn for
+    it; then the command's exit code (0: every worker saw its saves end as they must)."""
+    import os
+
+    ckpt = r["ckpt"]
+
+    def where(s: Mapping[str, Any]) -> str:
+        if s["action"] == "raise":
+            return (f"the save of step_{s['step']} (an OSError at {s['point']} on process "
+                    f"{s['process']}, primary {plan['primary']})")
+        slow = (f", process {s['process']} slow at {s['point']} ({s['action']} s)"
+                if s["process"] < plan["processes"] and float(s["action"]) > 0 else "")
+        return f"the save of step_{s['step']} (no failure{slow}, primary {plan['primary']})"
+
+    said = r.get("said") or {}
+    tails = said.get("tails") or []
+    hint = f"; process 0 printed: {tails[0].strip()[-600:]}" if tails else (
+        f"; {r['err'].strip()[-600:]}" if r.get("err") else "")
+    if not os.path.isdir(ckpt):
+        return f"the saves' processes made no checkpoint folder{hint}"
+    try:
+        return _drill_disk(r, plan, where, hint)
+    except Exception as e:  # what the workers left is not a checkpoint this library reads
+        return f"the checkpoints on disk could not be read: {type(e).__name__}: {str(e)[:300]}"
+
+
+def _drill_disk(r: Mapping[str, Any], plan: Mapping[str, Any], where: Callable[[Any], str],
+                hint: str) -> str | None:
+    import os
+
+    from ..manager import CheckpointManager
+    from ..options import CheckpointManagerOptions
+
+    ckpt, saves = r["ckpt"], plan["saves"]
+    good = [s for s in saves if s["action"] != "raise"]
+    said = r.get("said") or {}
+    on_disk = listing(ckpt)
+    boxes = drill_boxes(plan["layout"], plan["processes"])
+    with CheckpointManager(ckpt, CheckpointManagerOptions(read_only=True)) as m:
+        for s in saves:  # in the order of the plan: the first that went wrong is said
+            name = f"step_{s['step']}"
+            if s["action"] == "raise":
+                if name in on_disk:
+                    return (f"{where(s)}: {name} was published although the save failed "
+                            "before its commit")
+                tmp = [n for n in on_disk if n.startswith(name + ".")]
+                if tmp:
+                    return f"{where(s)}: the failed save left its temporary directory {tmp[0]}"
+                continue
+            if name not in on_disk:
+                return f"{where(s)}: {name} was not committed (the folder holds {on_disk}){hint}"
+            report = m.verify(s["step"])
+            if not report.ok:
+                said_ = "; ".join(str(x).replace(ckpt + os.sep, "") for x in report.problems[:2])
+                return f"{where(s)}: {name} does not verify: {said_}"
+            msg = coverage_message(os.path.join(ckpt, name), "params", boxes)
+            if msg is not None:
+                return f"{where(s)}: {msg}"
+            got = m.restore(s["step"])["params"]
+            for leaf, (shape, spec, dtype) in plan["layout"].items():
+                want_v = drill_values(s["seed"], leaf, shape, dtype)
+                have = np.asarray(got[leaf]) if leaf in got else None
+                if have is None or have.shape != want_v.shape or have.dtype != want_v.dtype \
+                        or not np.array_equal(have, want_v):
+                    return (f"{where(s)}: leaf {leaf} ({dtype} {shape} on P{tuple(spec)}) "
+                            "restored here does not hold the values it was saved with")
+    want = sorted(f"step_{s['step']}" for s in good)
+    if sorted(on_disk) != want:
+        return f"after the drill's saves the folder should hold {want} alone; it holds {on_disk}"
+    if r.get("rc") != 0:
+        why = _drill_said(said, saves, where) or f"exit codes {said.get('rc')}{hint}"
+        return (f"the disk is right, but the saves' processes did not all end as they must (each "
+                f"exits 0 when its good saves returned and its failed saves raised): {why}")
+    return None
+
+
+def _drill_said(said: Mapping[str, Any], saves: Sequence[Mapping[str, Any]],
+                where: Callable[[Any], str]) -> str | None:
+    """What the workers printed about their saves (for the message only: never evidence)."""
+    import json
+
+    for p, tail in enumerate(said.get("tails") or []):
+        for line in str(tail).splitlines():
+            if not line.startswith("DRILL "):
+                continue
+            try:
+                seen = json.loads(line[len("DRILL "):])["saves"]
+            except (ValueError, KeyError, TypeError):
+                continue
+            for s in saves:
+                got = seen.get(str(s["step"])) if isinstance(seen, dict) else None
+                if s["action"] == "raise" and got == "returned":
+                    return (f"on process {p}, {where(s)} returned as if it had succeeded: a "
+                            "failure anywhere must fail the save on every process")
+                if s["action"] != "raise" and got not in (None, "returned"):
+                    return f"on process {p}, {where(s)} raised {got}"
+    return None

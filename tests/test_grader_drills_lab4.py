@@ -1,0 +1,214 @@
+"""Issue 38, lab 4: the grader runs the multi-process save itself (autograder/drills.py,
+drill_4_3). One sandboxed command launches 4 JAX processes with the student's lab 4 functions;
+the layout, the values (seeds), the primary, a slow process and a failure are drawn by the
+grader, and the verdict is read from the disk by the grader's own process."""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import textwrap
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from autograder import drills, sandbox
+from minickpt.labkit import lab4
+
+ROOT = Path(__file__).resolve().parent.parent
+REQUIRE = os.environ.get("MINICKPT_REQUIRE_SANDBOX") == "1"
+pytestmark = pytest.mark.timeout(300)
+
+
+def _solution_cells() -> list[str]:
+    nb = json.loads((ROOT / "solutions/lab04_multihost/lab04_multihost.ipynb").read_text())
+    cells = []
+    for c in nb["cells"]:
+        gid = c.get("metadata", {}).get("nbgrader", {}).get("grade_id", "")
+        if gid.startswith("task_"):
+            cells.append("".join(line for line in c["source"]
+                                 if line.strip() not in ("### BEGIN SOLUTION", "### END SOLUTION")))
+    return cells
+
+
+@pytest.fixture
+def box(tmp_path):
+    """A drill's box as the grader makes it: sandboxed as root with a slot uid where this
+    machine allows it, else plain processes."""
+    iso = sandbox.probe()
+    if iso.mode != "bwrap-root":
+        if REQUIRE:
+            pytest.fail(f"needs the sandbox as root (have {iso.mode}: {iso.detail})")
+        yield drills.Box(sandbox.unsandboxed("a test without the sandbox"), 0, sandbox.Limits(),
+                         {}, tmp_path)
+        return
+    with sandbox.SlotUids(1) as slot:
+        os.chmod(tmp_path, 0o755)
+        yield drills.Box(iso, slot.uids[0], sandbox.Limits(), {}, tmp_path)
+
+
+def _plan(point: str = "after_write", victim: int = 2, primary: int = 1,
+          every_spec: bool = False) -> dict:
+    """A drawn plan with its failure fixed (and, with ``every_spec``, a leaf of every sharding
+    the drill draws from)."""
+    plan = lab4.drill_plan(random.Random(7))
+    plan["primary"] = primary
+    plan["saves"][0]["process"] = next(p for p in (3, 2, 0) if p != primary)
+    plan["saves"][1].update(point=point, process=victim)
+    plan["saves"][2].update(process=primary)
+    if every_spec:
+        dtypes = ["float32", "int32", "float16", "int8"]
+        plan["layout"] = {f"s{i}": [[8, 4 * (1 + i % 2)],
+                                    [list(e) if isinstance(e, tuple) else e for e in spec],
+                                    dtypes[i % 4]]
+                          for i, spec in enumerate(lab4.DRILL_SPECS)}
+    return plan
+
+
+def _with(code: str) -> list[str]:
+    """The solution's lab 4 cells, then ``code`` (a later cell: the last definition counts)."""
+    return [*_solution_cells(), textwrap.dedent(code)]
+
+
+def test_drill_boxes_are_the_pieces_of_each_sharding():
+    boxes = lab4.drill_boxes({"a": [[8, 4], ["p", "l"], "float32"],
+                              "b": [[8, 4], [None, "l"], "int8"],
+                              "c": [[8, 4], [["l", "p"], None], "float16"]}, 4)
+    assert len(boxes["a"]) == 8 and len(boxes["b"]) == 2 and len(boxes["c"]) == 8
+    assert [[0, 8], [0, 2]] in boxes["b"] and [[0, 1], [0, 4]] in boxes["c"]
+
+
+def test_the_workers_run_the_whole_cells_of_the_task_functions_as_the_lab_says():
+    cells = ["PHASES = ('created', 'written')\ndef two_barrier_commit(save):\n    return PHASES\n",
+             "x = 1\nprint('a cell without a task function')\n", "%time not python\n",
+             "def owned_shards(*a, **k):\n    return []\n"]
+    code = drills._whole_cells(cells, lab4.drill_plan(random.Random(1))["names"])
+    assert "PHASES = " in code and "owned_shards" in code and "x = 1" not in code
+    assert code.index("PHASES") < code.index("def owned_shards")
+
+
+def test_the_values_are_the_seeds_and_differ_between_seeds():
+    a = lab4.drill_values(5, "w", (8, 4), "float16")
+    assert a.dtype == np.float16 and np.array_equal(a, lab4.drill_values(5, "w", (8, 4), "float16"))
+    assert not np.array_equal(a, lab4.drill_values(6, "w", (8, 4), "float16"))
+    assert lab4.drill_values(5, "w", (8, 4), "int8").dtype == np.int8
+
+
+def test_a_drawn_plan_fails_saves_before_publication_on_a_process_that_reaches_the_point():
+    for seed in range(50):
+        plan = lab4.drill_plan(random.Random(seed))
+        good, bad, commit, last = plan["saves"]
+        assert bad["action"] == "raise" and bad["point"] in lab4.DRILL_POINTS[:-1]
+        assert commit == {**commit, "point": "before_commit", "process": plan["primary"],
+                          "action": "raise"}
+        assert good["process"] != plan["primary"] and float(good["action"]) > 0
+        assert last["action"] == "0" and last["process"] == plan["processes"]
+        assert good["step"] < bad["step"] < commit["step"] < last["step"]
+
+
+def test_the_solution_passes_the_graders_drill_on_every_sharding(box):
+    assert drills.drill_4_3(_solution_cells(), box, _plan(every_spec=True)) is None
+
+
+def test_the_solution_passes_a_drawn_drill(box):
+    assert drills.drill_4_3(_solution_cells(), box) is None
+
+
+COMMITS_BEFORE_BARRIER = """
+def two_barrier_commit(save):
+    # the primary publishes as soon as its own shards are written
+    error = None
+    if save.primary:
+        try:
+            save.create()
+        except Exception as e:
+            error = e
+    save.barrier("created", error)
+    files = None
+    try:
+        files = save.write()
+    except Exception as e:
+        error = e
+    info = {}
+    if save.primary:
+        try:
+            info = save.commit([files])
+        except Exception as e:
+            error = e
+    save.barrier("written", error, files)
+    save.barrier("committed", error, info)
+"""
+
+SWALLOWS_WRITE = """
+def two_barrier_commit(save):
+    # a failed write is the writer's business: the others commit what was written
+    error = None
+    if save.primary:
+        try:
+            save.create()
+        except Exception as e:
+            error = e
+    save.barrier("created", error)
+    files = None
+    try:
+        files = save.write()
+    except Exception:
+        pass
+    written = save.barrier("written", None, files)
+    info = {}
+    if save.primary:
+        try:
+            info = save.commit(written)
+        except Exception as e:
+            error = e
+    save.barrier("committed", error, info)
+"""
+
+SWALLOWS_COMMIT = """
+def two_barrier_commit(save):
+    # a failed commit: the shards are on disk, a later save will commit them
+    error = None
+    if save.primary:
+        try:
+            save.create()
+        except Exception as e:
+            error = e
+    save.barrier("created", error)
+    files = None
+    try:
+        files = save.write()
+    except Exception as e:
+        error = e
+    written = save.barrier("written", error, files)
+    info = {}
+    if save.primary:
+        try:
+            info = save.commit(written)
+        except Exception:
+            pass
+    save.barrier("committed", error, info)
+"""
+
+EVERY_REPLICA = """
+def owned_shards(shape, devices_indices_map, process_index, *, process_of=lambda d: d.process_index):
+    # every device holding a piece writes it
+    return [(box_of(index, shape), device) for device, index in devices_indices_map.items()
+            if process_of(device) == process_index]
+"""
+
+
+@pytest.mark.parametrize("code,plan,said", [
+    (COMMITS_BEFORE_BARRIER, _plan(), "step_"),
+    (SWALLOWS_WRITE, _plan("after_write", victim=2), "was published although the save failed"),
+    (EVERY_REPLICA, _plan(every_spec=True), "more than one shard"),
+    (SWALLOWS_COMMIT, _plan(), "returned as if it had succeeded"),
+])
+def test_a_wrong_save_fails_the_graders_drill(box, code, plan, said):
+    failed = drills.drill_4_3(_with(code), box, plan)
+    assert failed is not None and "grader's own drill" in failed and said in failed, failed
+
+
+def test_a_missing_two_barrier_commit_is_named():
+    assert "no function two_barrier_commit" in drills.drill_4_3(["def other():\n    pass\n"], None)
