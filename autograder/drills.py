@@ -31,22 +31,29 @@ SCRATCH_BYTES = 256 << 20
 size-capped tmpfs): past it the workers are killed and the drill fails."""
 
 
-def definitions(cells: Sequence[str], names: Iterable[str]) -> str:
-    """The code a worker runs: from every cell of the student's that defines one of ``names``
-    at its top level, that cell's imports and definitions (functions, classes), in notebook
-    order, so the last definition of a name is the one that counts, as in the kernel. Nothing
-    else of the cell runs (no statement that prints, trains or tests)."""
+def _cells_defining(cells: Sequence[str],
+                    names: Iterable[str]) -> Iterator[tuple[str, ast.Module]]:
+    """The student's cells (source, tree) that define one of ``names`` at their top level, in
+    notebook order; a cell Python cannot parse defines nothing."""
     names = set(names)
-    kept = (ast.Import, ast.ImportFrom, ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)
-    parts: list[str] = []
     for source in cells:
         try:
             tree = ast.parse(source)
         except (SyntaxError, ValueError):
             continue
-        if not any(isinstance(n, ast.FunctionDef | ast.AsyncFunctionDef) and n.name in names
-                   for n in tree.body):
-            continue
+        if any(isinstance(n, ast.FunctionDef | ast.AsyncFunctionDef) and n.name in names
+               for n in tree.body):
+            yield source, tree
+
+
+def definitions(cells: Sequence[str], names: Iterable[str]) -> str:
+    """The code a worker runs: from every cell of the student's that defines one of ``names``
+    at its top level, that cell's imports and definitions (functions, classes), in notebook
+    order, so the last definition of a name is the one that counts, as in the kernel. Nothing
+    else of the cell runs (no statement that prints, trains or tests)."""
+    kept = (ast.Import, ast.ImportFrom, ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)
+    parts: list[str] = []
+    for source, tree in _cells_defining(cells, names):
         lines = source.splitlines(keepends=True)
         for node in tree.body:
             if isinstance(node, kept):
@@ -54,6 +61,34 @@ def definitions(cells: Sequence[str], names: Iterable[str]) -> str:
                                             getattr(node, "decorator_list", []))])
                 parts.append("".join(lines[first - 1:node.end_lineno]))
     return "\n".join(parts)
+
+
+def _whole_cells(cells: Sequence[str], names: Iterable[str]) -> str:
+    """Lab 4's workers run the whole cell each task function is defined in, as its process
+    tests do (the lab says so: a helper or a constant beside the function comes along)."""
+    return "\n\n".join(source for source, _ in _cells_defining(cells, names))
+
+
+def _missing(code: str, name: str) -> str | None:
+    """Why the drill cannot start when ``code`` defines no function ``name``, else None."""
+    if name in {n.name for n in ast.parse(code).body
+                if isinstance(n, ast.FunctionDef | ast.AsyncFunctionDef)}:
+        return None
+    return f"the grader's drill found no function {name} defined in your notebook"
+
+
+def _in_box(box: Box, run: Callable[[str], Any]) -> tuple[Any, str | None]:
+    """``run(scratch)`` inside ``box``: (its result, None), or (None, why the drill stopped:
+    the workers left what may not be read here, or wrote too much)."""
+    result = None
+    with box.scratch() as d:
+        try:
+            result = run(d)
+        except _Refused:
+            pass
+        if box.over:
+            return None, f"the grader's drill stopped: {box.over[0]}"
+    return result, None
 
 
 @dataclass
@@ -150,19 +185,14 @@ def drill_3_3(cells: Sequence[str], box: Box) -> str | None:
 
     names = ("resume", "restore_newest_valid", "check_structure", "migrate")
     code = definitions(cells, names)
-    if "resume" not in {n.name for n in ast.parse(code).body
-                        if isinstance(n, ast.FunctionDef | ast.AsyncFunctionDef)}:
-        return "the grader's drill found no function resume defined in your notebook"
+    if why := _missing(code, "resume"):
+        return why
     seed = random.SystemRandom().randint(1, 2**31 - 1)
-    with box.scratch() as d:
-        try:
-            r = lab3.run_lab3_drill(code, d, steps=15, every=5, kills=2, wrap=box.wrap(d),
-                                    env=_worker_env(), plant_seed=seed,
-                                    after_run=lambda: _after(box, d))
-        except _Refused:
-            pass
-        if box.over:
-            return f"the grader's drill stopped: {box.over[0]}"
+    r, stopped = _in_box(box, lambda d: lab3.run_lab3_drill(
+        code, d, steps=15, every=5, kills=2, wrap=box.wrap(d), env=_worker_env(),
+        plant_seed=seed, after_run=lambda: _after(box, d)))
+    if stopped:
+        return stopped
     failed = lab3.drill_message(r)
     if failed is None and any(run["rc"] != -9 for run in r["runs"][:-1]):
         failed = (f"the killed workers should have died of the SIGKILL (exit -9): "
@@ -188,9 +218,6 @@ def _worker_env() -> dict[str, str]:
     """The worker's variables (the sandbox starts from a clean environment and adds these)."""
     env = {k: v for k, v in os.environ.items() if k.startswith(sandbox.PASS_ENV_PREFIXES)}
     return {**env, "JAX_PLATFORMS": "cpu"}
-
-
-DRILLS: dict[str, Callable[[Sequence[str], Box], str | None]] = {"3.3": drill_3_3}
 
 
 def tool(cells: Sequence[str], box: Box | None) -> Callable[[str], str | None]:
@@ -223,21 +250,16 @@ def drill_6_3(cells: Sequence[str], box: Box) -> str | None:
     from minickpt.labkit import lab6
 
     code = definitions(cells, ("train_until_preempted",))
-    if "train_until_preempted" not in {n.name for n in ast.parse(code).body
-                                       if isinstance(n, ast.FunctionDef | ast.AsyncFunctionDef)}:
-        return "the grader's drill found no function train_until_preempted defined in your notebook"
+    if why := _missing(code, "train_until_preempted"):
+        return why
     chance = random.SystemRandom()
-    with box.scratch() as d:
-        try:
-            r = lab6.run_preemption_drill(
-                code, d, signals=3, stop=50, every=10, chance=chance,
-                plant_seed=chance.randint(1, 2**31 - 1), judge=lab6.effects_message,
-                wrap=box.wrap(d), env=_worker_env(), after_run=lambda: _after(box, d),
-                lockstep=True, send_signal=_signal_worker(box))
-        except _Refused:
-            pass
-        if box.over:
-            return f"the grader's drill stopped: {box.over[0]}"
+    r, stopped = _in_box(box, lambda d: lab6.run_preemption_drill(
+        code, d, signals=3, stop=50, every=10, chance=chance,
+        plant_seed=chance.randint(1, 2**31 - 1), judge=lab6.effects_message,
+        wrap=box.wrap(d), env=_worker_env(), after_run=lambda: _after(box, d),
+        lockstep=True, send_signal=_signal_worker(box)))
+    if stopped:
+        return stopped
     return None if r["failed"] is None else f"the grader's own drill: {r['failed']}"
 
 
@@ -270,8 +292,6 @@ def _signal_worker(box: Box) -> Callable[[Any, int], bool]:
     return send
 
 
-DRILLS["6.3"] = drill_6_3
-
 
 # lab 4
 def drill_4_3(cells: Sequence[str], box: Box, plan: dict[str, Any] | None = None) -> str | None:
@@ -287,36 +307,16 @@ def drill_4_3(cells: Sequence[str], box: Box, plan: dict[str, Any] | None = None
 
     plan = plan or lab4.drill_plan()
     code = _whole_cells(cells, plan["names"])
-    defined = {n.name for n in ast.parse(code).body
-               if isinstance(n, ast.FunctionDef | ast.AsyncFunctionDef)}
-    if "two_barrier_commit" not in defined:
-        return "the grader's drill found no function two_barrier_commit defined in your notebook"
-    with box.scratch() as d:
-        try:
-            r = lab4.run_lab4_drill(code, d, plan, wrap=box.wrap(d), env=_worker_env(),
-                                    after_run=lambda: _after(box, d))
-        except _Refused:
-            pass
-        if box.over:
-            return f"the grader's drill stopped: {box.over[0]}"
-        failed = lab4.lab4_drill_message(r, plan)
+    if why := _missing(code, "two_barrier_commit"):
+        return why
+    failed, stopped = _in_box(box, lambda d: lab4.lab4_drill_message(lab4.run_lab4_drill(
+        code, d, plan, wrap=box.wrap(d), env=_worker_env(),
+        after_run=lambda: _after(box, d)), plan))  # judged before the folder goes
+    if stopped:
+        return stopped
     return None if failed is None else f"the grader's own drill: {failed}"
 
 
-def _whole_cells(cells: Sequence[str], names: Iterable[str]) -> str:
-    """Lab 4's workers run the whole cell each task function is defined in, as its process
-    tests do (the lab says so: a helper or a constant beside the function comes along)."""
-    names = set(names)
-    parts = []
-    for source in cells:
-        try:
-            tree = ast.parse(source)
-        except (SyntaxError, ValueError):
-            continue
-        if any(isinstance(n, ast.FunctionDef | ast.AsyncFunctionDef) and n.name in names
-               for n in tree.body):
-            parts.append(source)
-    return "\n\n".join(parts)
-
-
-DRILLS["4.3"] = drill_4_3
+DRILLS: dict[str, Callable[..., str | None]] = {"3.3": drill_3_3, "4.3": drill_4_3,
+                                               "6.3": drill_6_3}
+"""The drills a grader check may ask for, by task."""

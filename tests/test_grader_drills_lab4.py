@@ -5,48 +5,22 @@ grader, and the verdict is read from the disk by the grader's own process."""
 
 from __future__ import annotations
 
-import json
-import os
 import random
 import textwrap
 from pathlib import Path
 
 import numpy as np
 import pytest
+from drill_support import solution_cells
 
-from autograder import drills, sandbox
+from autograder import drills
 from minickpt.labkit import lab4
 
 ROOT = Path(__file__).resolve().parent.parent
-REQUIRE = os.environ.get("MINICKPT_REQUIRE_SANDBOX") == "1"
 pytestmark = pytest.mark.timeout(300)
 
 
-def _solution_cells() -> list[str]:
-    nb = json.loads((ROOT / "solutions/lab04_multihost/lab04_multihost.ipynb").read_text())
-    cells = []
-    for c in nb["cells"]:
-        gid = c.get("metadata", {}).get("nbgrader", {}).get("grade_id", "")
-        if gid.startswith("task_"):
-            cells.append("".join(line for line in c["source"]
-                                 if line.strip() not in ("### BEGIN SOLUTION", "### END SOLUTION")))
-    return cells
 
-
-@pytest.fixture
-def box(tmp_path):
-    """A drill's box as the grader makes it: sandboxed as root with a slot uid where this
-    machine allows it, else plain processes."""
-    iso = sandbox.probe()
-    if iso.mode != "bwrap-root":
-        if REQUIRE:
-            pytest.fail(f"needs the sandbox as root (have {iso.mode}: {iso.detail})")
-        yield drills.Box(sandbox.unsandboxed("a test without the sandbox"), 0, sandbox.Limits(),
-                         {}, tmp_path)
-        return
-    with sandbox.SlotUids(1) as slot:
-        os.chmod(tmp_path, 0o755)
-        yield drills.Box(iso, slot.uids[0], sandbox.Limits(), {}, tmp_path)
 
 
 def _plan(point: str = "after_write", victim: int = 2, primary: int = 1,
@@ -69,7 +43,7 @@ def _plan(point: str = "after_write", victim: int = 2, primary: int = 1,
 
 def _with(code: str) -> list[str]:
     """The solution's lab 4 cells, then ``code`` (a later cell: the last definition counts)."""
-    return [*_solution_cells(), textwrap.dedent(code)]
+    return [*solution_cells("lab04_multihost"), textwrap.dedent(code)]
 
 
 def test_drill_boxes_are_the_pieces_of_each_sharding():
@@ -109,11 +83,11 @@ def test_a_drawn_plan_fails_saves_before_publication_on_a_process_that_reaches_t
 
 
 def test_the_solution_passes_the_graders_drill_on_every_sharding(box):
-    assert drills.drill_4_3(_solution_cells(), box, _plan(every_spec=True)) is None
+    assert drills.drill_4_3(solution_cells("lab04_multihost"), box, _plan(every_spec=True)) is None
 
 
 def test_the_solution_passes_a_drawn_drill(box):
-    assert drills.drill_4_3(_solution_cells(), box) is None
+    assert drills.drill_4_3(solution_cells("lab04_multihost"), box) is None
 
 
 COMMITS_BEFORE_BARRIER = """

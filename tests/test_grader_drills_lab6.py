@@ -6,47 +6,20 @@ the student's process, where it proves nothing) and must fail the grader's."""
 
 from __future__ import annotations
 
-import json
-import os
 import textwrap
 from pathlib import Path
 
 import pytest
+from drill_support import solution_cells
 
-from autograder import drills, sandbox
+from autograder import drills
 from minickpt.labkit import lab6
 
 ROOT = Path(__file__).resolve().parent.parent
-REQUIRE = os.environ.get("MINICKPT_REQUIRE_SANDBOX") == "1"
 pytestmark = pytest.mark.timeout(600)
 
 
-def _solution_cells() -> list[str]:
-    nb = json.loads((ROOT / "solutions" / "lab06_production" /
-                     "lab06_production.ipynb").read_text())
-    cells = []
-    for c in nb["cells"]:
-        gid = c.get("metadata", {}).get("nbgrader", {}).get("grade_id", "")
-        if gid.startswith("task_"):
-            cells.append("".join(line for line in c["source"]
-                                 if line.strip() not in ("### BEGIN SOLUTION", "### END SOLUTION")))
-    return cells
 
-
-@pytest.fixture
-def box(tmp_path):
-    """A drill's box as the grader makes it: sandboxed as root with a slot uid where this
-    machine allows it (CI), else plain processes (the workers then run unsandboxed)."""
-    iso = sandbox.probe()
-    if iso.mode != "bwrap-root":
-        if REQUIRE:
-            pytest.fail(f"needs the sandbox as root (have {iso.mode}: {iso.detail})")
-        yield drills.Box(sandbox.unsandboxed("a test without the sandbox"), 0, sandbox.Limits(),
-                         {}, tmp_path)
-        return
-    with sandbox.SlotUids(1) as slot:
-        os.chmod(tmp_path, 0o755)
-        yield drills.Box(iso, slot.uids[0], sandbox.Limits(), {}, tmp_path)
 
 
 def _kernel_drill(code: str, d: Path) -> str | None:
@@ -63,7 +36,7 @@ def _kernel_drill(code: str, d: Path) -> str | None:
 
 
 def test_the_solutions_loop_passes_the_graders_drill(box):
-    assert drills.drill_6_3(_solution_cells(), box) is None
+    assert drills.drill_6_3(solution_cells("lab06_production"), box) is None
 
 
 SAVES_ONLY_ON_NOTICE = """
@@ -127,7 +100,7 @@ def test_a_loop_whose_disk_is_wrong_fails_the_graders_drill(box, tmp_path, code,
                                                             kernel_passes):
     if kernel_passes:  # the kernel's drill (student's process) takes it: the grader's must not
         assert _kernel_drill(code, tmp_path) is None
-    failed = drills.drill_6_3([*_solution_cells(), textwrap.dedent(code)], box)
+    failed = drills.drill_6_3([*solution_cells("lab06_production"), textwrap.dedent(code)], box)
     assert failed is not None and said in failed, failed
 
 

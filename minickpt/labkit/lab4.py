@@ -40,10 +40,7 @@ from minickpt.multihost.save import CollectiveSave
 from minickpt.multihost.sync import default_sync
 """
 
-_WORKER = '''\
-import json, os, sys
-
-
+_PIN_CPUS = '''\
 _me = int(os.environ.get("MINICKPT_PROCESS_ID", "0"))
 try:  # at most 2 CPUs each, so that JAX's thread pools stay small on a many-core machine
     _cpus = sorted(os.sched_getaffinity(0))
@@ -52,7 +49,15 @@ try:  # at most 2 CPUs each, so that JAX's thread pools stay small on a many-cor
         os.sched_setaffinity(0, (_cpus[_start:] + _cpus)[:2])
 except (AttributeError, OSError):
     pass
-from minickpt.launch import signer as _signer
+'''
+"""A worker's first lines: at most 2 CPUs each, so that JAX's thread pools stay small on a
+many-core machine (``_me``: its process id)."""
+
+_WORKER = '''\
+import json, os, sys
+
+
+''' + _PIN_CPUS + '''from minickpt.launch import signer as _signer
 _send, _ = _signer({key_env!r})  # before any code of the student's: see minickpt.launch.signer
 del _signer
 import minickpt.multihost.process as _mhp
@@ -516,15 +521,7 @@ the primary's commit, which only the primary reaches)."""
 
 _DRILL_WORKER = '''\
 import json, os, sys, time
-_me = int(os.environ.get("MINICKPT_PROCESS_ID", "0"))
-try:  # at most 2 CPUs each, so that JAX's thread pools stay small on a many-core machine
-    _cpus = sorted(os.sched_getaffinity(0))
-    if len(_cpus) > 2:
-        _start = (2 * _me) % len(_cpus)
-        os.sched_setaffinity(0, (_cpus[_start:] + _cpus)[:2])
-except (AttributeError, OSError):
-    pass
-import minickpt.multihost.process as _mhp
+''' + _PIN_CPUS + '''import minickpt.multihost.process as _mhp
 _mhp.initialize()
 import jax
 import minickpt as mc
