@@ -532,6 +532,15 @@ def _write_graded(path: Path, asm: Assembled, executed: list[list[Any]]) -> None
 # ---------------------------------------------------------------------------------------
 # the worker process
 # ---------------------------------------------------------------------------------------
+def keep_jax_on_cpu() -> None:
+    """This process's own JAX (grader checks, the reference runs of the grader's drills) runs
+    on the CPU: an accelerator belongs to the kernels, and on a TPU only one process may hold
+    it. Set in JAX's config, not the environment, which the kernels inherit JAX_* from."""
+    import jax
+
+    jax.config.update("jax_platforms", "cpu")
+
+
 def worker_main(cfg_json: str) -> int:
     """Grade jobs read from stdin (one JSON per line); answer ``done <id>`` on the original
     stdout, which nothing else writes to (stdout is redirected to the log)."""
@@ -551,6 +560,8 @@ def worker_main(cfg_json: str) -> int:
     cfg = json.loads(cfg_json)
     labs: dict[str, Lab] = {}
     from . import notebook  # noqa: F401  (loads nbformat & co before the first job)
+
+    keep_jax_on_cpu()
 
     sandbox.become_subreaper()  # what a submission double-forks away still comes back here
     for line in sys.stdin:

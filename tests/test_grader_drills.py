@@ -5,52 +5,26 @@ verdict stay in the grader's process. Each wrong resume here passes the drill th
 
 from __future__ import annotations
 
-import json
-import os
 import textwrap
 from pathlib import Path
 
 import pytest
+from drill_support import solution_cells
 
-from autograder import drills, sandbox
+from autograder import drills
 from autograder.notebook import judge_quiz
 
 ROOT = Path(__file__).resolve().parent.parent
-REQUIRE = os.environ.get("MINICKPT_REQUIRE_SANDBOX") == "1"
 pytestmark = pytest.mark.timeout(600)
 
 
-def _solution_cells(lab: str = "lab03_resume") -> list[str]:
-    nb = json.loads((ROOT / "solutions" / lab / f"{lab}.ipynb").read_text())
-    cells = []
-    for c in nb["cells"]:
-        gid = c.get("metadata", {}).get("nbgrader", {}).get("grade_id", "")
-        if gid.startswith("task_"):
-            cells.append("".join(line for line in c["source"]
-                                 if line.strip() not in ("### BEGIN SOLUTION", "### END SOLUTION")))
-    return cells
 
-
-@pytest.fixture
-def box(tmp_path):
-    """A drill's box as the grader makes it: sandboxed as root with a slot uid where this
-    machine allows it (CI), else plain processes (the workers then run unsandboxed)."""
-    iso = sandbox.probe()
-    if iso.mode != "bwrap-root":
-        if REQUIRE:
-            pytest.fail(f"needs the sandbox as root (have {iso.mode}: {iso.detail})")
-        yield drills.Box(sandbox.unsandboxed("a test without the sandbox"), 0, sandbox.Limits(),
-                         {}, tmp_path)
-        return
-    with sandbox.SlotUids(1) as slot:
-        os.chmod(tmp_path, 0o755)
-        yield drills.Box(iso, slot.uids[0], sandbox.Limits(), {}, tmp_path)
 
 
 def _with_resume(code: str) -> list[str]:
     """The solution's lab 3 cells with resume replaced by ``code`` (a later cell: the last
     definition counts, as in the kernel)."""
-    return [*_solution_cells(), textwrap.dedent(code)]
+    return [*solution_cells("lab03_resume"), textwrap.dedent(code)]
 
 
 def test_definitions_keep_imports_and_definitions_of_the_task_cells_only():
@@ -65,7 +39,7 @@ def test_definitions_keep_imports_and_definitions_of_the_task_cells_only():
 
 
 def test_the_solutions_resume_passes_the_graders_drill(box):
-    assert drills.drill_3_3(_solution_cells(), box) is None
+    assert drills.drill_3_3(solution_cells("lab03_resume"), box) is None
 
 
 RECOMPUTES = """
@@ -108,3 +82,18 @@ def test_a_missing_resume_is_named():
 def test_a_grader_check_without_the_tool_fails_with_a_reason():
     failed = judge_quiz("failed = grader_drill('3.3')\ncheck(failed is None, failed)\n", {})
     assert failed is not None and "grader_drill" in failed
+
+
+def test_the_grading_worker_keeps_its_own_jax_on_the_cpu_and_the_kernels_env_unpinned():
+    """The grader's checks and drill references run JAX in the grading worker; on a TPU that
+    process must not take the chip a neighbouring kernel needs, nor pin the kernels."""
+    import os
+    import subprocess
+    import sys
+
+    env = {k: v for k, v in os.environ.items() if k != "JAX_PLATFORMS"}
+    code = ("from autograder import runner, sandbox; runner.keep_jax_on_cpu(); import jax; "
+            "print(jax.config.jax_platforms, 'JAX_PLATFORMS' in sandbox.kernel_env())")
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
+                         timeout=120)
+    assert out.stdout.split() == ["cpu", "False"], out.stderr[-2000:]
