@@ -4,8 +4,6 @@ The reference implementation of the course "Checkpointing in JAX". Every module 
 concept of the course; the labs rebuild its pieces.
 """
 
-__version__ = "0.1.0"
-
 from .asynchronous import AsyncCheckpointer
 from .checkpointer import Checkpointer, CheckpointMetadata, SaveStats, VerifyReport
 from .errors import (
@@ -28,6 +26,7 @@ from .manager import CheckpointManager
 from .multihost.save import MultiHostOptions
 from .options import CheckpointManagerOptions
 from .tree import HostKey
+from .version import __version__
 
 __all__ = [
     "AsyncCheckpointer",

@@ -30,7 +30,6 @@ from concurrent.futures import Executor, ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from . import __version__
 from .commit import METADATA_FILE, abort, commit, make_temporary
 from .errors import (
     CheckpointCorruptedError,
@@ -56,6 +55,7 @@ from .format.spec import (
 from .fs import DEFAULT_FS, FileSystem, SyncBatch
 from .gitinfo import git_info
 from .restore import restore_item
+from .version import __version__
 
 MAX_METADATA_BYTES = 16 << 20
 

@@ -16,11 +16,12 @@ import numpy as np
 
 from .commit import METADATA_FILE
 from .errors import CheckpointCorruptedError, CheckpointNotFoundError, MiniCkptError
+from .format.spec import canonical_impl
 from .fs import DEFAULT_FS, FileSystem
 from .manager import CheckpointManager
 from .options import CheckpointManagerOptions
 from .orbax_dirs import ITEM_FILES, orbax_metrics, orbax_steps, read_json, real_dir
-from .tree import HostKey, canonical_impl
+from .tree import HostKey
 
 
 # ---- conversion ---------------------------------------------------------------------------

@@ -22,13 +22,12 @@ from .format.manifest import Manifest
 from .format.read import read_leaves
 from .format.regions import read_region
 from .format.shards import box_of
-from .format.spec import DTYPES
+from .format.spec import DTYPES, canonical_impl
 from .fs import FileSystem
 from .tree import (
     _LIBRARY_FLATTEN,
     HostKey,
     Names,
-    canonical_impl,
     flatten_with_names,
     from_skeleton,
     is_prng_key,

@@ -12,7 +12,6 @@ Lab 1 rebuilds :func:`flatten_with_names`, :func:`unflatten_like` and :func:`to_
 from __future__ import annotations
 
 import contextlib
-import functools
 import json
 import logging
 import threading
@@ -26,6 +25,7 @@ import numpy as np
 
 from .errors import UnsupportedLeafError
 from .format.buffers import aligned_empty
+from .format.spec import canonical_impl
 
 Names = tuple[str, ...]
 
@@ -328,30 +328,6 @@ class HostKey:
     @property
     def shape(self) -> tuple[int, ...]:
         return tuple(self.data.shape[: self.data.ndim - len(_impl_key_shape(self.impl))])
-
-
-KNOWN_IMPLS = ("threefry2x32", "rbg", "unsafe_rbg", "philox2x32", "philox4x32", "threefry4x32")
-
-
-@functools.lru_cache(maxsize=64)
-def canonical_impl(impl: str) -> str:
-    """The name ``jax.random.key(..., impl=)`` and ``wrap_key_data`` accept for a key
-    implementation, given its name as ``str(jax.random.key_impl(key))`` wrote it. JAX 0.4.30
-    writes the short tag (``"fry"`` for ``threefry2x32``), newer JAX the name, and each accepts
-    only names: a checkpoint written by either restores under both. Unknown: unchanged."""
-    try:
-        jax.random.key(0, impl=impl)
-        return impl
-    except Exception:  # not a name this JAX accepts: perhaps another JAX's way to print it
-        pass
-    for name in KNOWN_IMPLS:  # as key_impl prints it here, or its tag: the dtype "key<fry>"
-        try:
-            key = jax.random.key(0, impl=name)
-            if impl in (str(jax.random.key_impl(key)), str(key.dtype)[4:-1]):
-                return name
-        except Exception:  # this JAX lacks that implementation
-            continue
-    return impl
 
 
 def _impl_key_shape(impl: str) -> tuple[int, ...]:

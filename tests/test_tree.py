@@ -6,9 +6,9 @@ import numpy as np
 import pytest
 
 from minickpt.errors import UnsupportedLeafError
+from minickpt.format.spec import canonical_impl
 from minickpt.tree import (
     HostKey,
-    canonical_impl,
     flatten_with_names,
     from_skeleton,
     nest,

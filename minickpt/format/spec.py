@@ -3,6 +3,7 @@ checksum, the allowed dtypes and names (see :mod:`minickpt.format` for the layou
 
 from __future__ import annotations
 
+import functools
 import json
 import math
 import re
@@ -97,6 +98,36 @@ _KEY_SHAPES: dict[str, tuple[int, ...] | None] = {}
 _IMPL_RE = re.compile(r"^[a-z0-9_]{1,64}$")
 
 
+KNOWN_IMPLS = ("threefry2x32", "rbg", "unsafe_rbg", "philox2x32", "philox4x32", "threefry4x32")
+
+
+@functools.lru_cache(maxsize=64)
+def canonical_impl(impl: str) -> str:
+    """The name ``jax.random.key(..., impl=)`` and ``wrap_key_data`` accept for a key
+    implementation, given its name as ``str(jax.random.key_impl(key))`` wrote it. JAX 0.4.30
+    writes the short tag (``"fry"`` for ``threefry2x32``), newer JAX the name, and each accepts
+    only names: a checkpoint written by either restores under both. Unknown: unchanged.
+
+    It lives with the format's names (a manifest stores the name as the writer's JAX printed
+    it), below :mod:`minickpt.tree`, which uses it too; JAX is imported on first use, as in
+    :func:`key_data_shape`."""
+    import jax
+
+    try:
+        jax.random.key(0, impl=impl)
+        return impl
+    except Exception:  # not a name this JAX accepts: perhaps another JAX's way to print it
+        pass
+    for name in KNOWN_IMPLS:  # as key_impl prints it here, or its tag: the dtype "key<fry>"
+        try:
+            key = jax.random.key(0, impl=name)
+            if impl in (str(jax.random.key_impl(key)), str(key.dtype)[4:-1]):
+                return name
+        except Exception:  # this JAX lacks that implementation
+            continue
+    return impl
+
+
 def key_data_shape(impl: str) -> tuple[int, ...] | None:
     """The trailing data shape of a PRNG key implementation JAX knows (None if unknown).
 
@@ -108,8 +139,6 @@ def key_data_shape(impl: str) -> tuple[int, ...] | None:
         import jax
 
         try:
-            from ..tree import canonical_impl
-
             name = canonical_impl(impl)  # JAX 0.4.30 wrote "fry" for threefry2x32
             _KEY_SHAPES[impl] = tuple(jax.eval_shape(
                 lambda: jax.random.key_data(jax.random.key(0, impl=name))).shape)
