@@ -9,6 +9,7 @@ No dtype is ever cast silently.
 
 from __future__ import annotations
 
+import os
 import re
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -18,6 +19,7 @@ import jax
 import numpy as np
 
 from .errors import Mismatch, StructureMismatchError
+from .format.buffers import aligned_empty
 from .format.manifest import Manifest
 from .format.read import read_leaves
 from .format.regions import read_region
@@ -421,7 +423,8 @@ def restore_item(fs: FileSystem, manifest: Manifest, target: Any = None, *, item
             rest.append((names, i, leaf, want))
     stream = _streaming_put(manifest, rest, sharding, local)
     values = read_leaves(fs, manifest, [r[1] for r in rest], verify=verify,
-                         on_leaf=None if stream is None else stream[0])
+                         on_leaf=None if stream is None else stream[0],
+                         transient=() if stream is None else stream[2])
     streamed = set() if stream is None else stream[1]
     if streamed:  # placed already, as their bytes arrived: the others are finished below
         for k in streamed:
@@ -439,19 +442,23 @@ _STREAM_FROM_BYTES = 8 << 20  # read by several threads (read_leaves): transfers
 
 def _streaming_put(manifest: Manifest, rest: Sequence[tuple[Names, int, Any, Expect]],
                    sharding: Any, addressable: _Addressable
-                   ) -> tuple[Callable[[int, Any], Any], set[int]] | None:
+                   ) -> tuple[Callable[[int, Any], Any], set[int], set[int]] | None:
     """For a large item: a :func:`read_leaves` ``on_leaf`` that puts each array bound whole
-    for addressable devices on them as soon as its bytes are read and verified (the
-    host-to-device transfer of one leaf overlaps the reading of the next), and the set it
-    fills with the positions it placed. None for a small item: one batched put of all its
-    leaves after the reads costs less there (:func:`put_many`), and so it does for arrays
-    bound for CPU devices, which a put makes without copying (measured: streaming them cost
-    a 400 MB restore ~20 ms on a 2-core machine)."""
+    for addressable accelerator devices on them as soon as its bytes are read and verified
+    (the host-to-device transfer of one leaf overlaps the reading of the next), the set it
+    fills with the positions it placed, and the positions whose host bytes are transient:
+    read into the reused buffers of the restore pool, since the device keeps its own copy
+    (:func:`restore_pool_mode`). None for a small item: one batched put of all its leaves
+    after the reads costs less there (:func:`put_many`), and so it does for arrays bound
+    for CPU devices, which a put makes without copying (measured: streaming them cost a
+    400 MB restore ~20 ms on a 2-core machine), unless the pool is forced on for them."""
     entries = manifest.entries
     if sum(entries[i].get("nbytes", 0) for _, i, _, _ in rest) < _STREAM_FROM_BYTES:
         return None
+    mode = restore_pool_mode()
     where: dict[int, Any] = {}  # position -> sharding, for the leaves that can go as they come
-    off_host: dict[int, bool] = {}  # id(sharding) -> whether it is on an accelerator
+    off_host: dict[int, bool] = {}  # id(sharding) -> whether its leaves go as they come
+    on_device: dict[int, bool] = {}  # id(sharding) -> whether it is on an accelerator
     for k, (_, i, _, want) in enumerate(rest):
         if want.kind != "array" or want.out != "jax" or entries[i]["kind"] != "array" \
                 or entries[i].get("scalar"):
@@ -460,25 +467,59 @@ def _streaming_put(manifest: Manifest, rest: Sequence[tuple[Names, int, Any, Exp
         if not (s is None or isinstance(s, jax.Device) or addressable(s)):
             continue
         if id(s) not in off_host:
-            off_host[id(s)] = _on_accelerator(s)
+            on_device[id(s)] = _device_memory(s)  # what the put really does
+            off_host[id(s)] = mode == "on" or _on_accelerator(s)
         if off_host[id(s)]:
             where[k] = s
     if not where:
         return None
     placed: set[int] = set()
+    pooled = mode != "off"
 
     def on_leaf(k: int, value: Any) -> Any:
         if k not in where or not isinstance(value, np.ndarray):
             return value
-        out = jax.device_put(value) if where[k] is None else jax.device_put(value, where[k])
+        s = where[k]
+        if pooled and not on_device[id(s)]:  # a CPU put aliases aligned host memory (even
+            value = _own_copy(value)  # with may_alias=False): never the pool's buffer
+        out = jax.device_put(value) if s is None else jax.device_put(value, s)
         placed.add(k)
         return out
 
-    return on_leaf, placed
+    return on_leaf, placed, set(where) if pooled else set()
+
+
+def _own_copy(value: np.ndarray) -> np.ndarray:
+    """``value`` copied into 64-byte aligned memory of its own, which a CPU put then takes
+    without a second copy."""
+    out = aligned_empty(value.shape, value.dtype)
+    np.copyto(out, value)
+    return out
+
+
+def restore_pool_mode() -> str:
+    """How a large restore onto devices uses host memory (``MINICKPT_RESTORE_POOL``):
+
+    * ``auto`` (the default): leaves bound for an accelerator are read into the restore
+      pool's reused buffers and copied to their device; leaves bound for CPU devices are
+      read into memory of their own, which their arrays then own without a copy;
+    * ``on``: CPU devices too, each array a copy out of the pool (what the tests use to
+      show, on a CPU, that such a restore's host memory is bounded);
+    * ``off``: every leaf read into memory of its own and kept until the restore returns
+      (the path before the pool)."""
+    mode = os.environ.get("MINICKPT_RESTORE_POOL", "auto").strip().lower()
+    return mode if mode in ("on", "off") else "auto"
 
 
 def _on_accelerator(sharding: Any) -> bool:
-    """Whether a put to ``sharding`` (None: JAX's default device) copies to an accelerator."""
+    """Whether a put to ``sharding`` (None: JAX's default device) copies to an accelerator:
+    where a restore streams its leaves as they arrive (tests may say so of a CPU)."""
+    return _device_memory(sharding)
+
+
+def _device_memory(sharding: Any) -> bool:
+    """Whether a put to ``sharding`` copies into an accelerator's memory: a CPU put may
+    alias the host buffer instead, so a pool buffer must not be put there as it is."""
     try:
         if sharding is None:
             return jax.default_backend() != "cpu"

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import os
 import zlib
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
@@ -14,7 +14,7 @@ import numpy as np
 from ..errors import CheckpointCorruptedError
 from ..fs import FileSystem
 from ..tree import HostKey, path_str
-from .buffers import _check_fits_in_memory, aligned_empty
+from .buffers import POOL_MAX_LEAF, RESTORE_POOL, _check_fits_in_memory, aligned_empty
 from .encode import decode_value
 from .manifest import Manifest, _corrupt
 from .regions import read_region
@@ -23,7 +23,8 @@ from .spec import _CRC_IN_THREAD_BYTES, DTYPES, crc32
 
 def read_leaves(fs: FileSystem, manifest: Manifest, indices: Sequence[int] | None = None, *,
                 verify: bool = True,
-                on_leaf: Callable[[int, Any], Any] | None = None) -> list[Any]:
+                on_leaf: Callable[[int, Any], Any] | None = None,
+                transient: Collection[int] = ()) -> list[Any]:
     """The host values of the chosen leaves (all by default), each decoded by
     :func:`decode_leaf`: arrays of their saved dtype, keys as :class:`HostKey`, values as
     Python objects. With ``verify`` every array's CRC-32 is checked; a mismatch raises
@@ -34,9 +35,19 @@ def read_leaves(fs: FileSystem, manifest: Manifest, indices: Sequence[int] | Non
     read it, while other leaves are still being read — and what it returns takes the leaf's
     place in the result: a restore starts each leaf's host-to-device transfer there, so the
     transfers overlap the reads instead of following them all.
+
+    ``transient``: positions ``k`` whose host bytes ``on_leaf`` only reads until what it
+    returns is ready (a leaf it copies to an accelerator). In a large item these are read
+    into reused buffers of :data:`~minickpt.format.buffers.RESTORE_POOL`, each reader thread
+    holding two: the next leaf is read while the last one's transfer runs, and a buffer takes
+    another leaf once that transfer is done (``block_until_ready`` of ``on_leaf``'s value).
+    So the host memory of a restore onto devices is a few leaves, not the state, and it
+    touches no fresh memory for the rest. A host array ``on_leaf`` hands back is copied out.
     """
     idx = list(range(len(manifest.entries))) if indices is None else list(indices)
-    _check_fits_in_memory(sum(manifest.entries[i].get("nbytes", 0) for i in idx),
+    # host memory: every leaf kept on the host, and a transient leaf only while it is placed
+    _check_fits_in_memory(sum(manifest.entries[i].get("nbytes", 0) for k, i in enumerate(idx)
+                              if k not in transient),
                           f"from {manifest.item_dir}", " (restore fewer leaves with a partial "
                           "target, or use a bigger machine)")
     out: list[Any] = [None] * len(idx)
@@ -64,17 +75,25 @@ def read_leaves(fs: FileSystem, manifest: Manifest, indices: Sequence[int] | Non
     own_crc = verify and nbytes >= _ONE_READ_BELOW
     span = None if big else _one_read_span(wanted, nbytes)
     arrays: list[tuple[int, dict[str, Any], np.ndarray]] = []
+    # a large item's transient leaves go through the pool's buffers (None here: none yet)
+    pooled = {k for k, e in wanted if k in transient and e["nbytes"]} \
+        if big and on_leaf is not None else set()
     if span is None:
         # raw bytes, 64-byte aligned (so a CPU device_put can alias them); decoded below by
         # task 1.3's decode_leaf, so a student's version runs in every restore
-        arrays = [(k, e, aligned_empty((e["nbytes"],), np.uint8)) for k, e in wanted]
+        arrays = [(k, e, None if k in pooled else aligned_empty((e["nbytes"],), np.uint8))
+                  for k, e in wanted]
     done = [False] * len(out)  # leaves already decoded (and handed to on_leaf) as they came
 
-    def arrived(item: tuple[int, dict[str, Any], np.ndarray]) -> None:
+    def arrived(item: tuple[int, dict[str, Any], np.ndarray]) -> Any:
         k, e, raw = item
         value = decode_leaf(e, raw, verify=False, where=dpath)  # its CRC was just checked
-        out[k] = value if on_leaf is None else on_leaf(k, value)
+        value = value if on_leaf is None else on_leaf(k, value)
+        if k in pooled and isinstance(value, np.ndarray):  # still the pool's bytes: copied
+            value = value.copy()
+        out[k] = value
         done[k] = True
+        return value
 
     fd = fs.open_read(dpath)
     try:
@@ -88,7 +107,8 @@ def read_leaves(fs: FileSystem, manifest: Manifest, indices: Sequence[int] | Non
         fs.close(fd)
     for item in arrays:
         k, e, raw = item
-        if not done[k]:  # a small item's leaves, and empty ones (never in a read)
+        if not done[k]:
+            assert raw is not None, "a pooled leaf that was not read"  # a small item's leaves, and empty ones (never in a read)
             if own_crc and not big:
                 _check_crc(item, dpath)
             value = decode_leaf(e, raw, verify=verify and not own_crc, where=dpath)
@@ -158,21 +178,29 @@ def _read_span(fs: FileSystem, fd: int, wanted: list[tuple[int, dict[str, Any]]]
     return [(k, e, buf[e["offset"] - lo:e["offset"] - lo + e["nbytes"]]) for k, e in wanted]
 
 
-def _read_batches(arrays: list[tuple[int, dict[str, Any], np.ndarray]]
-                  ) -> list[tuple[int, list[memoryview], list[Any]]]:
-    """Leaves in file order, grouped into reads: ``(file offset, buffers, leaves)`` each.
+def _read_batches(arrays: list[tuple[int, dict[str, Any], np.ndarray | None]]
+                  ) -> list[tuple[int, list[memoryview] | None, list[Any]]]:
+    """Leaves in file order, grouped into reads: ``(file offset, buffers, leaves)`` each; a
+    leaf without a buffer yet (pooled) is a read of its own, ``(offset, None, [leaf])``.
 
     Neighbouring leaves share one preadv call (small gaps are read into scratch buffers);
     a read holds at most 256 leaves and ``_READ_BATCH_BYTES`` bytes, so that checksums can
     be verified — and other reads run — while the next ones are in flight."""
     order = sorted(arrays, key=lambda t: t[1]["offset"])
-    batches: list[tuple[int, list[memoryview], list[Any]]] = []
+    batches: list[tuple[int, list[memoryview] | None, list[Any]]] = []
     bufs: list[memoryview] = []
     items: list[Any] = []
     start = pos = nbytes = 0
     for item in order:
         _, e, arr = item
         if e["nbytes"] == 0:
+            continue
+        if arr is None:  # read on its own into a pool buffer (see _read_and_verify)
+            if bufs:
+                batches.append((start, bufs, items))
+            batches.append((e["offset"], None, [item]))
+            bufs, items, nbytes, start = [], [], 0, e["offset"]
+            pos = e["offset"] + e["nbytes"]
             continue
         view = memoryview(arr.reshape(-1).view(np.uint8))
         gap = e["offset"] - pos
@@ -223,32 +251,50 @@ def _check_crc(item: tuple[int, dict[str, Any], np.ndarray], where: str) -> None
 
 
 def _read_and_verify(fs: FileSystem, fd: int,
-                     arrays: list[tuple[int, dict[str, Any], np.ndarray]], where: str, *,
+                     arrays: list[tuple[int, dict[str, Any], np.ndarray | None]], where: str, *,
                      verify: bool = True,
-                     arrived: Callable[[tuple[int, dict[str, Any], np.ndarray]], None]
+                     arrived: Callable[[tuple[int, dict[str, Any], np.ndarray]], Any]
                      | None = None) -> None:
     """Large items: the file is cut into a few contiguous parts, read by as many threads,
     each through its own descriptor (so each keeps its own sequential read-ahead) and each
     checking the checksums of what it just read (with ``verify``), then handing each leaf
     to ``arrived``. Copying out of the page cache and checksumming then use several cores,
     and a cold file is still read sequentially. The first damage in file order is the one
-    reported. ``where`` is the data file's path."""
+    reported. ``where`` is the data file's path.
+
+    A leaf without a buffer (``None``: a transient leaf of :func:`read_leaves`) is read into
+    a buffer of the pool; once the thread has read and handed over its next leaf, it waits
+    for this one's value to be ready (its transfer done) and gives the buffer back. So each
+    thread holds at most two pool buffers, and one leaf's transfer overlaps the next read."""
     batches = _read_batches(arrays)
     n = max(1, min(_READ_THREADS, os.cpu_count() or 1, len(batches)))
     size = (len(batches) + n - 1) // n
     parts = [batches[i * size:(i + 1) * size] for i in range(n)]
 
-    def run(part: list[tuple[int, list[memoryview], list[Any]]], own_fd: bool) -> None:
+    def run(part: list[tuple[int, list[memoryview] | None, list[Any]]], own_fd: bool) -> None:
         f = fs.open_read(where) if own_fd else fd
+        pending: tuple[Any, np.ndarray] | None = None  # (placed value, its buffer)
         try:
             for batch in part:
-                _read_batch(fs, f, batch, where)
-                for item in batch[2]:
+                start, bufs, items = batch
+                if bufs is None:
+                    placed, buf = _read_pooled(fs, f, start, items[0], where, verify, arrived)
+                    prev, pending = pending, (placed, buf)
+                    if prev is not None:
+                        _release(*prev)
+                    continue
+                _read_batch(fs, f, (start, bufs, items), where)
+                for item in items:
                     if verify:
                         _check_crc(item, where)
                     if arrived is not None:
                         arrived(item)
+            if pending is not None:
+                last, pending = pending, None
+                _release(*last)
         finally:
+            if pending is not None:  # an error: the last transfer still ends before its
+                _release(*pending, quiet=True)  # buffer is reused
             if own_fd:
                 fs.close(f)
 
@@ -259,6 +305,52 @@ def _read_and_verify(fs: FileSystem, fd: int,
         futures = [pool.submit(run, part, i > 0) for i, part in enumerate(parts) if part]
         for f in futures:  # in file order: the first damage is the one raised
             f.result()
+
+
+def _read_pooled(fs: FileSystem, fd: int, start: int, item: tuple[int, dict[str, Any], Any],
+                 where: str, verify: bool,
+                 arrived: Callable[[tuple[int, dict[str, Any], np.ndarray]], Any] | None
+                 ) -> tuple[Any, np.ndarray]:
+    """One transient leaf read into a pool buffer (a leaf above ``POOL_MAX_LEAF``: into
+    memory of its own), checked and handed to ``arrived``: ``(what it returned, buffer)``."""
+    k, e, _ = item
+    n = e["nbytes"]
+    own = n > POOL_MAX_LEAF
+    buf = aligned_empty((n,), np.uint8) if own else RESTORE_POOL.take(n)
+    handed = False
+    try:
+        view = buf[:n]
+        _read_batch(fs, fd, (start, [memoryview(view)], [item]), where)
+        leaf = (k, e, view)
+        if verify:
+            _check_crc(leaf, where)
+        handed = True
+        placed = arrived(leaf) if arrived is not None else None
+    except BaseException:
+        if not own:  # a transfer that failed part-way may still hold it: not reused
+            (RESTORE_POOL.drop if handed else RESTORE_POOL.give)(buf)
+        raise
+    return placed, (buf if not own else _OWN)
+
+
+_OWN = np.empty(0, np.uint8)  # stands for a buffer of its own: dropped, not given back
+
+
+def _release(placed: Any, buf: np.ndarray, quiet: bool = False) -> None:
+    """Wait until ``placed`` (a leaf put on its device from ``buf``) is ready, then give
+    ``buf`` back to the pool. ``quiet``: after an error, whose exception is the one kept."""
+    try:
+        wait = getattr(placed, "block_until_ready", None)
+        if wait is not None:
+            wait()
+    except Exception:
+        if buf is not _OWN:
+            RESTORE_POOL.drop(buf)
+        if quiet:
+            return
+        raise
+    if buf is not _OWN:
+        RESTORE_POOL.give(buf)
 
 
 _READ_THREADS = 4
