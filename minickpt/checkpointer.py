@@ -42,6 +42,7 @@ from .errors import (
 )
 from .format.encode import ItemPlan, ItemWriteResult, plan_item, write_item
 from .format.manifest import Manifest, parse_json, read_manifest
+from .format.manifest import check_data as check_data_file
 from .format.read import read_leaves
 from .format.regions import check_shards
 from .format.spec import (
@@ -416,9 +417,12 @@ class Checkpointer:
         return read_metadata(self.fs, os.fspath(directory), step=step)
 
     def manifest(self, directory: str | os.PathLike[str], item: str,
-                 meta: CheckpointMetadata | None = None) -> Manifest:
+                 meta: CheckpointMetadata | None = None, *,
+                 check_data: bool = True) -> Manifest:
         """An item's validated manifest, checked against what the metadata recorded at commit
-        (the manifest's checksum, the item's data size and number of leaves)."""
+        (the manifest's checksum, the item's data size and number of leaves).
+        ``check_data=False``: the data file's own checks are made by the read that opens it
+        (:func:`minickpt.format.manifest.open_data`), not by a lookup of their own here."""
         directory = os.fspath(directory)
         meta = meta or self.metadata(directory)
         if item not in meta.items:
@@ -437,19 +441,15 @@ class Checkpointer:
                                                      "directory")
         rec = meta.items[item]
         crc = rec.get("manifest_crc32")
-        m = read_manifest(self.fs, item_dir, expected_crc32=crc if isinstance(crc, int) else None)
-        if isinstance(rec.get("data_bytes"), int) and rec["data_bytes"] != m.data_bytes:
-            raise CheckpointCorruptedError(item_dir, f"item holds {m.data_bytes} bytes, the "
-                                                     f"metadata says {rec['data_bytes']}")
-        shard_bytes = m.stored_bytes - m.data_bytes
-        if isinstance(rec.get("shard_bytes"), int) and rec["shard_bytes"] != shard_bytes:
-            raise CheckpointCorruptedError(item_dir, f"item holds {shard_bytes} bytes in shard "
-                                                     "files, the metadata says "
-                                                     f"{rec['shard_bytes']}")
-        if isinstance(rec.get("num_leaves"), int) and rec["num_leaves"] != len(m.entries):
-            raise CheckpointCorruptedError(item_dir, f"item holds {len(m.entries)} leaves, the "
-                                                     f"metadata says {rec['num_leaves']}")
+        m = read_manifest(self.fs, item_dir, expected_crc32=crc if isinstance(crc, int) else None,
+                          check_data=check_data)
+        try:
+            _check_against_metadata(m, rec, item_dir)
+        except CheckpointCorruptedError:
+            check_data_file(self.fs, m)  # the data file's own damage first, as it always was
+            raise
         return m
+
 
     def unlisted_items(self, directory: str | os.PathLike[str],
                        meta: CheckpointMetadata) -> list[str]:
@@ -496,7 +496,7 @@ class Checkpointer:
             raise KeyError(f"checkpoint {directory} has no item(s) {missing} "
                            f"(it has {sorted(meta.items)})")
         def one(name: str) -> Any:
-            m = self.manifest(directory, name, meta)
+            m = self.manifest(directory, name, meta, check_data=False)  # checked as it opens
             t = None if target is None else target[name]
             return restore_item(self.fs, m, t, item=name, partial=partial, verify=verify,
                                 sharding=sharding)
@@ -614,6 +614,21 @@ def _write_items(fs: FileSystem, tmp: str, plans: Mapping[str, ItemPlan], batch:
 
 _ITEMS_IN_THREADS_FROM = 8 << 20  # data bytes of a restore's (or a save's) items together
 _ITEM_THREADS = 4
+
+
+def _check_against_metadata(m: Manifest, rec: Mapping[str, Any], item_dir: str) -> None:
+    """An item's manifest against what the metadata recorded for it at commit."""
+    if isinstance(rec.get("data_bytes"), int) and rec["data_bytes"] != m.data_bytes:
+        raise CheckpointCorruptedError(item_dir, f"item holds {m.data_bytes} bytes, the "
+                                                 f"metadata says {rec['data_bytes']}")
+    shard_bytes = m.stored_bytes - m.data_bytes
+    if isinstance(rec.get("shard_bytes"), int) and rec["shard_bytes"] != shard_bytes:
+        raise CheckpointCorruptedError(item_dir, f"item holds {shard_bytes} bytes in shard "
+                                                 "files, the metadata says "
+                                                 f"{rec['shard_bytes']}")
+    if isinstance(rec.get("num_leaves"), int) and rec["num_leaves"] != len(m.entries):
+        raise CheckpointCorruptedError(item_dir, f"item holds {len(m.entries)} leaves, the "
+                                                 f"metadata says {rec['num_leaves']}")
 
 
 def _item_workers(meta: CheckpointMetadata, names: list[str]) -> int:

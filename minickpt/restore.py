@@ -20,7 +20,7 @@ import numpy as np
 
 from .errors import Mismatch, StructureMismatchError
 from .format.buffers import aligned_empty
-from .format.manifest import Manifest
+from .format.manifest import Manifest, check_data
 from .format.read import read_leaves
 from .format.regions import read_region
 from .format.shards import box_of
@@ -418,6 +418,8 @@ def restore_item(fs: FileSystem, manifest: Manifest, target: Any = None, *, item
         want = expect_of(leaf)
         where = want.sharding if want.sharding is not None else sharding
         if _by_region(manifest.entries[i], want, where, local):
+            if manifest.data_file is not None:
+                check_data(fs, manifest)  # (once) what read_manifest may have left to a read
             outs[names] = restore_by_region(fs, manifest, i, want, where, verify=verify)
         else:
             rest.append((names, i, leaf, want))

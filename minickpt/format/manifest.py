@@ -50,6 +50,9 @@ class Manifest:
     raw: dict[str, Any] = field(repr=False, default_factory=dict)
     # sharded leaves (format 2): leaf index -> its shards, from the per-process manifests
     shards: dict[int, list[ShardRef]] = field(default_factory=dict)
+    # False when the data file's type and size are left to the read that opens it
+    # (read_manifest(check_data=False)): :func:`open_data` checks them on that open's fstat
+    data_checked: bool = True
 
     @property
     def by_path(self) -> dict[Names, int]:
@@ -75,8 +78,14 @@ def _is_int(x: Any) -> bool:
 
 
 def read_manifest(fs: FileSystem, item_dir: str, *, expected_crc32: int | None = None,
-                  manifest_file: str = MANIFEST_FILE) -> Manifest:
-    """Read and validate an item's manifest; any inconsistency is a clear error."""
+                  manifest_file: str = MANIFEST_FILE, check_data: bool = True) -> Manifest:
+    """Read and validate an item's manifest; any inconsistency is a clear error.
+
+    ``check_data=False`` (a restore, which opens the data file next anyway) leaves the data
+    file's checks — there, a regular file, exactly the manifest's size — to that open
+    (:func:`open_data`, on its ``fstat``) instead of a ``lstat`` of its own: the same checks
+    and errors, one path lookup fewer, which is what a tiny restore costs most on a file
+    system whose lookups are slow (9p under gVisor, issue 51)."""
     path = os.path.join(item_dir, manifest_file)
     try:
         raw = fs.read_file(path, MAX_MANIFEST_BYTES)
@@ -89,7 +98,7 @@ def read_manifest(fs: FileSystem, item_dir: str, *, expected_crc32: int | None =
         raise _corrupt(path, f"manifest checksum {crc:#010x} differs from the one recorded at "
                              f"commit ({expected_crc32:#010x}): it was changed or damaged")
     obj = parse_json(raw, path, "manifest")
-    return validate_manifest(obj, path, item_dir, crc, fs=fs)
+    return validate_manifest(obj, path, item_dir, crc, fs=fs, check_data=check_data)
 
 
 def parse_json(raw: bytes, path: str, what: str) -> Any:
@@ -112,7 +121,7 @@ def _leaf_list(entries: Sequence[Mapping[str, Any]]) -> str:
 
 
 def validate_manifest(obj: Any, path: str, item_dir: str, crc: int = 0, *,
-                      fs: FileSystem | None = None) -> Manifest:
+                      fs: FileSystem | None = None, check_data: bool = True) -> Manifest:
     """Check every field of a parsed manifest against the format's rules and the data file."""
     if not isinstance(obj, dict):
         raise _corrupt(path, "manifest is not a JSON object")
@@ -150,9 +159,10 @@ def validate_manifest(obj: Any, path: str, item_dir: str, crc: int = 0, *,
             raise _corrupt(path, f"leaf {path_str(b['path'])} starts at byte {b['offset']}, "
                                  f"inside leaf {path_str(a['path'])}: leaves never overlap",
                            leaf=path_str(b["path"]))
-    if data_file is not None and fs is not None:
+    if data_file is not None and fs is not None and check_data:
         _check_data_file(fs, os.path.join(item_dir, data_file), data_bytes, whole)
-    m = Manifest(item_dir, skel, entries, data_file, data_bytes, crc, obj)
+    m = Manifest(item_dir, skel, entries, data_file, data_bytes, crc, obj,
+                 data_checked=check_data or data_file is None or fs is None)
     sharded = [i for i, e in enumerate(entries) if e.get("sharded")]
     if "shard_files" in obj or sharded:
         if version < SHARDED_FORMAT_VERSION:
@@ -160,6 +170,50 @@ def validate_manifest(obj: Any, path: str, item_dir: str, crc: int = 0, *,
         if fs is not None:
             m.shards = _load_shards(fs, m, path, obj.get("shard_files"), sharded)
     return m
+
+
+def _whole_leaves(m: Manifest) -> list[dict[str, Any]]:
+    return [e for e in m.entries if e["kind"] != "value" and not e.get("sharded")]
+
+
+def check_data(fs: FileSystem, m: Manifest) -> None:
+    """The data file's checks that ``read_manifest(check_data=False)`` left out, for a
+    reader that will not open it (:func:`open_data` does them on its open)."""
+    if not m.data_checked:
+        assert m.data_file is not None
+        _check_data_file(fs, os.path.join(m.item_dir, m.data_file), m.data_bytes,
+                         _whole_leaves(m))
+        m.data_checked = True
+
+
+def open_data(fs: FileSystem, m: Manifest) -> int:
+    """Open the item's data file for reading (no symlink, a regular file), with the checks
+    of :func:`_check_data_file` made on this open's ``fstat`` where the manifest left them
+    out: the same errors, naming the leaves a missing or truncated file costs."""
+    assert m.data_file is not None
+    dpath = os.path.join(m.item_dir, m.data_file)
+    if m.data_checked:
+        return fs.open_read(dpath)
+    arrays = _whole_leaves(m)
+    first = path_str(arrays[0]["path"]) if arrays else None
+    try:
+        fd, st = fs._open_read(dpath)
+    except FileNotFoundError as e:
+        raise _corrupt(dpath, f"data file is missing (it holds {_leaf_list(arrays)})",
+                       leaf=first) from e
+    except UnsafeCheckpointError as e:
+        raise UnsafeCheckpointError(dpath, "is a symbolic link; refusing to follow it",
+                                    leaf=first) from e
+    except CheckpointCorruptedError as e:  # not a regular file
+        raise _corrupt(dpath, f"data file is not a regular file (it should hold "
+                              f"{_leaf_list(arrays)})", leaf=first) from e
+    try:
+        _check_data_stat(st, dpath, m.data_bytes, arrays)
+    except BaseException:
+        fs.close(fd)
+        raise
+    m.data_checked = True
+    return fd
 
 
 def _check_data_file(fs: FileSystem, dpath: str, data_bytes: int,
@@ -172,6 +226,12 @@ def _check_data_file(fs: FileSystem, dpath: str, data_bytes: int,
     except FileNotFoundError as e:
         raise _corrupt(dpath, f"data file is missing (it holds {_leaf_list(arrays)})",
                        leaf=first) from e
+    _check_data_stat(st, dpath, data_bytes, arrays)
+
+
+def _check_data_stat(st: os.stat_result, dpath: str, data_bytes: int,
+                     arrays: Sequence[Mapping[str, Any]]) -> None:
+    first = path_str(arrays[0]["path"]) if arrays else None
     if stat.S_ISLNK(st.st_mode):
         raise UnsafeCheckpointError(dpath, "is a symbolic link; refusing to follow it",
                                     leaf=first)

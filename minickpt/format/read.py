@@ -16,7 +16,7 @@ from ..fs import FileSystem
 from ..tree import HostKey, path_str
 from .buffers import POOL_MAX_LEAF, RESTORE_POOL, _check_fits_in_memory, aligned_empty
 from .encode import decode_value
-from .manifest import Manifest, _corrupt
+from .manifest import Manifest, _corrupt, check_data, open_data
 from .regions import read_region
 from .spec import _CRC_IN_THREAD_BYTES, DTYPES, crc32
 
@@ -63,6 +63,8 @@ def read_leaves(fs: FileSystem, manifest: Manifest, indices: Sequence[int] | Non
             continue
         wanted.append((k, e))
     if not wanted:
+        if manifest.data_file is not None:
+            check_data(fs, manifest)  # none of it read here: checked as the manifest was
         return out
     assert manifest.data_file is not None
     dpath = os.path.join(manifest.item_dir, manifest.data_file)
@@ -95,7 +97,7 @@ def read_leaves(fs: FileSystem, manifest: Manifest, indices: Sequence[int] | Non
         done[k] = True
         return value
 
-    fd = fs.open_read(dpath)
+    fd = open_data(fs, manifest)
     try:
         if big:
             _read_and_verify(fs, fd, arrays, dpath, verify=verify, arrived=arrived)
