@@ -20,10 +20,16 @@ elif [ -d /opt/pypi/simple ]; then
   PIP_CONFIG_FILE=/dev/null python3 -m pip install --isolated -q --only-binary=:all: \
     --index-url file:///opt/pypi/simple --target /tmp/site \
     flax optax orbax-checkpoint matplotlib msgpack
-  # ISA-L's CRC-32 (~7× zlib's), where that index has it; the table says which one ran
-  PIP_CONFIG_FILE=/dev/null python3 -m pip install --isolated -q --only-binary=:all: \
-    --index-url file:///opt/pypi/simple --target /tmp/site isal \
-    || echo "device.sh: no isal in this machine's index: CRC-32 via zlib" >&2
+  # ISA-L's CRC-32 (~7× zlib's): a wheel carried in .whl/ (the index has none; see
+  # docs/performance.md, "On an accelerator"), else the index; the table says which one ran
+  if compgen -G ".whl/isal-*.whl" > /dev/null; then
+    PIP_CONFIG_FILE=/dev/null python3 -m pip install --isolated -q --no-index --no-deps \
+      --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/isal-*.whl
+  else
+    PIP_CONFIG_FILE=/dev/null python3 -m pip install --isolated -q --only-binary=:all: \
+      --index-url file:///opt/pypi/simple --target /tmp/site isal \
+      || echo "device.sh: no isal in this machine's index: CRC-32 via zlib" >&2
+  fi
   export PYTHONPATH="${PYTHONPATH:-}:/tmp/site:$PWD"
 fi
 export PYTHONUNBUFFERED=1
@@ -33,3 +39,7 @@ WORK=$(mktemp -d "$PWD/bench-out-device-XXXXXX")  # the checkpoints: on the repo
 trap 'rm -rf "$WORK"' EXIT
 "$PY" -m benchmarks --only "${FIGURES[@]}" --huge-mb 2000 --no-fio --no-cold \
   --multihost off --out "$OUT" --dir "$WORK"
+# where a tiny restore's time goes there, call by call, beside its floor (issue 51)
+if [[ " ${FIGURES[*]} " == *" tiny "* ]]; then
+  "$PY" -m benchmarks.restore_pieces --dir "$WORK" --reps 150 | tee "$OUT/restore_pieces.txt"
+fi

@@ -34,14 +34,12 @@ _OS_CALLS = ("open", "lstat", "stat", "fstat", "preadv", "read", "close", "listd
 @contextmanager
 def _timed(log: list[tuple[str, int, int]]) -> Iterator[None]:
     import minickpt.checkpointer as ck
-    import minickpt.format.manifest as man
     import minickpt.restore as rs
 
     targets = [(os, n, n) for n in _OS_CALLS]
     targets += [(ck, "read_metadata", "py:read_metadata"), (ck, "read_manifest",
                                                              "py:read_manifest"),
                 (rs, "put_many", "py:put_many")]
-    del man
     saved = []
     for obj, name, kind in targets:
         f = getattr(obj, name)
@@ -110,6 +108,7 @@ def measure(workdir: str, reps: int = 200) -> dict[str, Any]:
                 for k in set(per) | set(_OS_CALLS):
                     rec[k].append(per.get(k, 0.0))
                     rec["n " + k].append(counts.get(k, 0))
+    shutil.rmtree(path)
     return {"reps": reps, "workdir": workdir, "platform": jax.devices()[0].platform,
             "medians": {who: {k: statistics.median(v) for k, v in rec.items()}
                         for who, rec in out.items()}}

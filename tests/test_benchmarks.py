@@ -297,6 +297,25 @@ def test_the_tiny_save_is_split_into_calls_and_pieces_and_the_wrappers_go(tmp_pa
     assert os.listdir(tmp_path) == []
 
 
+@pytest.mark.timeout(120)
+def test_the_tiny_restore_is_split_into_calls_beside_its_floor(tmp_path):
+    """Every file-system call of both sides is counted and timed by name, minickpt's
+    pieces are timed, nothing is left behind, and the wrapped functions are restored."""
+    from benchmarks import restore_pieces
+
+    real_lstat = os.lstat
+    res = restore_pieces.measure(str(tmp_path), reps=4)
+    assert os.lstat is real_lstat
+    m, f = res["medians"]["minickpt"], res["medians"]["floor"]
+    for side in (m, f):
+        assert 0 < side["file-system calls"] < side["total"]
+        assert side["n open"] >= 3  # metadata, manifest, data file
+    assert f["n lstat"] == 0 and m["n lstat"] <= 2  # the data file's lstat is gone (issue 51)
+    assert all(m[k] > 0 for k in ("py:read_metadata", "py:read_manifest", "py:put_many"))
+    assert "ratio" in restore_pieces.report(res)
+    assert os.listdir(tmp_path) == []
+
+
 # ---------------------------------------------------------------------------------------
 # the disk's limit by fio (recorded output; no fio needed)
 # ---------------------------------------------------------------------------------------
