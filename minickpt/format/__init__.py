@@ -21,7 +21,7 @@ The format has one module per concept, and every import names the module where t
 * :mod:`minickpt.format.encode` — planning an item (tree -> entries + bytes) and writing it
 * :mod:`minickpt.format.manifest` — reading and validating a manifest (and its shard manifests)
 * :mod:`minickpt.format.read` — reading the leaves of a validated item, checksums verified
-* :mod:`minickpt.format.buffers` — aligned host buffers, the memory check before a read
+* :mod:`minickpt.format.buffers` — aligned host buffers, the memory check before a read, the restore pool
 * :mod:`minickpt.format.shards` — sharded leaves: index boxes, coverage, writing one process's shards
 * :mod:`minickpt.format.regions` — reading any region of a leaf, whole or sharded (another mesh)
 """
