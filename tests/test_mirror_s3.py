@@ -809,6 +809,15 @@ def test_opening_while_the_store_refuses_connections_resumes_then_catches_up(tmp
         assert m.save(2, _items(2))
         with pytest.raises(TimeoutError, match="has not answered"):
             m.wait_until_mirrored(timeout=0.5)
+        with pytest.raises(MirrorError, match="has not answered since"):
+            m.restore(7)  # a step the mirror alone might hold: not a CheckpointNotFoundError
+        # a manager closed during the outage says what it kept
+        with pytest.warns(UserWarning, match="did not answer"):
+            other = TieredCheckpointManager(
+                tmp_path / "other", _store(f"http://127.0.0.1:{port}", _prefix()), OPTS)
+        other.save(0, _items(0))
+        with pytest.raises(MirrorError, match=r"did not answer.*\[0\] are kept"):
+            other.close()
         p = FaultProxy(s3, port=port)  # the store answers again
         try:
             m.wait_until_mirrored(timeout=WAIT_S)

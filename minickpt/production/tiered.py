@@ -159,7 +159,8 @@ class TieredCheckpointManager:
         try:
             self._connect()
         except MirrorUnavailableError as e:
-            if self.writer is None:
+            if self.writer is None:  # a reader has nothing to catch up: it says so now
+                self.local.close()
                 raise
             msg = (f"minickpt: {e}; resuming from the local steps "
                    f"{self.local.all_steps()} in {self.local.directory}, and copying them "
@@ -510,12 +511,13 @@ class TieredCheckpointManager:
         if self._copies is None:
             return
         t0 = time.monotonic()
-        if not self._connected.wait(timeout):
-            if self._lease_error is not None:
+        while not self._connected.wait(0.05):
+            if self._lease_error is not None:  # another writer took the mirror meanwhile
                 raise self._lease_error
-            raise TimeoutError(f"the mirror {self.store.url} has not answered since this "
-                               f"manager opened ({timeout} s waited): local steps "
-                               f"{self.local.all_steps()} are kept until it does")
+            if timeout is not None and time.monotonic() - t0 > timeout:
+                raise TimeoutError(f"the mirror {self.store.url} has not answered since this "
+                                   f"manager opened ({timeout} s waited): local steps "
+                                   f"{self.local.all_steps()} are kept until it does")
         if timeout is not None:
             timeout = max(0.0, timeout - (time.monotonic() - t0))
         if self._lease_error is not None:
@@ -580,6 +582,13 @@ class TieredCheckpointManager:
                         self.store.release(self.writer)  # the next writer starts at once
             finally:
                 self.local.close()
+        if copies is not None and not self._connected.is_set():
+            msg = (f"close(): the mirror {self.store.url} did not answer since this manager "
+                   f"opened{'' if self._lease_error is None else f' ({self._lease_error})'}, "
+                   f"so nothing was copied; the local checkpoints {self.local.all_steps()} "
+                   "are kept, and the next manager on this local directory copies them")
+            log.error("minickpt: %s", msg)
+            raise MirrorError(msg)
         if not done:
             assert copies is not None
             msg = (f"close(): steps {sorted(copies.pending())} were not copied to the mirror "
@@ -663,12 +672,24 @@ class TieredCheckpointManager:
                        f"from the mirror {self.store.url}")
                 log.error(msg)
                 warnings.warn(msg, stacklevel=3)
-        if step not in self.mirror_steps() or not self._still_committed(step):
+        if not self._connected.is_set() and local_error is None:
+            raise MirrorUnavailableError(
+                f"step {step} is not in {self.local.directory}, and the mirror "
+                f"{self.store.url} has not answered since this manager opened (its steps are "
+                "unknown until it does): restore a local step, or wait_until_mirrored()")
+        try:
+            in_mirror = step in self.mirror_steps() and self._still_committed(step)
+            if in_mirror:
+                self._fetch(step)
+        except Exception as e:
+            if isinstance(e, MiniCkptError) or not unreachable(e):
+                raise
+            raise named(e, self.store.url) from None
+        if not in_mirror:
             if local_error is not None:
                 raise local_error
             raise CheckpointNotFoundError(f"no checkpoint for step {step} in "
                                           f"{self.local.directory} nor in {self.store.url}")
-        self._fetch(step)
         return self.local.restore(step, target, fallback=False, **kw)
 
     def _still_committed(self, step: int) -> bool:
