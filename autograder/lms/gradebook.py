@@ -119,8 +119,10 @@ def fill(path: Path, dest: Path, results: list[dict[str, Any]], lab: str, max_sc
         elif r["lms_id"] not in matched:
             done.apart.append(_apart(r, f"id {r['lms_id']} is not in {path.name}"))
     with open(dest, "w", newline="", encoding="utf-8") as f:
-        w = safe_text.writer(f, lineterminator=newline)
-        w.writerows(rows)
+        # not safe_text.writer: the file goes back to the LMS, which must read every cell of
+        # its own as it wrote it (Moodle's "-" is "not set", not a formula to defuse); the
+        # only cells the grader writes are numbers
+        csv.writer(f, lineterminator=newline).writerows(rows)
     return done
 
 
