@@ -1204,6 +1204,7 @@ def merge_main(argv: list[str]) -> int:
     shards: set[tuple[int, int]] = set()
     seen: dict[tuple[str, str], Path] = {}
     isolation: list[Any] = []
+    intake_rows: dict[tuple[str, ...], dict[str, str]] | None = None
     for folder in map(lambda f: Path(f).resolve(), a.folders):
         if folder == out:
             print(f"grade merge: --out {out} is one of the inputs", file=sys.stderr)
@@ -1225,6 +1226,10 @@ def merge_main(argv: list[str]) -> int:
             labs[name] = info
         if run.get("shard"):
             shards.add(tuple(run["shard"]))
+        if (folder / "intake.csv").exists():  # a file no student owns is in every slice's
+            with open(folder / "intake.csv", newline="", encoding="utf-8") as f:
+                intake_rows = intake_rows or {}
+                intake_rows.update({tuple(row.values()): row for row in csv.DictReader(f)})
         isolation.append(run.get("isolation"))
         for r in rows:
             key = (r["lab"], r["student"])
@@ -1248,7 +1253,8 @@ def merge_main(argv: list[str]) -> int:
     meta = {"shard": None, "merged_from": [str(Path(f).resolve()) for f in a.folders],
             "isolation": isolation[0] if len({json.dumps(i) for i in isolation}) == 1
             else isolation}
-    text = write_outputs(out, results, labs, files, meta)
+    text = write_outputs(out, results, labs, files, meta,
+                         None if intake_rows is None else list(intake_rows.values()))
     print(text)
     print(f"merged {len(results)} submission(s) from {len(a.folders)} folder(s) into {out}")
     return 0

@@ -428,3 +428,22 @@ def test_overrides_name_their_line_when_wrong(tmp_path):
         (tmp_path / "overrides.csv").write_text("student,lab,test,points,comment\n" + body + "\n")
         with pytest.raises(overrides.OverrideError, match=f"line 2: .*{why}"):
             overrides.load(tmp_path / "overrides.csv", cells)
+
+
+def test_the_slices_of_an_lms_download_merge_into_the_single_runs_reports(tmp_path, monkeypatch):
+    """A class sharded and merged (grade.sh --shard, merge) writes the single run's
+    grades.csv, results.json and intake.csv (a file no student owns is in every slice's)."""
+    subs = tmp_path / "moodle"
+    for rel in [*MOODLE, "index.html"]:
+        (subs / rel).parent.mkdir(parents=True, exist_ok=True)
+        shutil.copyfile(BLANK, subs / rel) if rel.endswith(".ipynb") else \
+            (subs / rel).write_text("x")
+    monkeypatch.setattr(runner, "run_pool", _fake_pool([]))
+    args = ["--lab", LAB, "--unsandboxed", "--compile-cache", "off"]
+    for name, extra in (("one", []), ("s1", ["--shard", "1/2"]), ("s2", ["--shard", "2/2"])):
+        assert grade.main([str(subs), *args, *extra, "--out", str(tmp_path / name),
+                           "--work", str(tmp_path / f"w{name}")]) == 0
+    assert grade.main(["merge", str(tmp_path / "s1"), str(tmp_path / "s2"),
+                       "--out", str(tmp_path / "merged")]) == 0
+    for name in ("grades.csv", "intake.csv", "results.json", f"grades-{LAB}.csv"):
+        assert (tmp_path / "merged" / name).read_bytes() == (tmp_path / "one" / name).read_bytes()
