@@ -7,6 +7,16 @@
     grade.sh merge OUT1 OUT2 ... --out ALL    one set of results from the slices' folders
     grade.sh ... --lab lab01_basics       only this lab (repeatable)
     grade.sh ... --out DIR                where results go (default grading-out/)
+    grade.sh DOWNLOAD.zip --lab L         a Canvas or Moodle download as it came (--pattern: any)
+    grade.sh ... --student ID / --update  regrade some students into --out's results, in place
+    grade.sh gradebook EXPORT.csv --out DIR   the LMS's gradebook filled with a lab's points
+
+**From an LMS** (:mod:`autograder.lms`): the input is read by :mod:`autograder.lms.intake`
+(the newest hand-in per student and lab; every file in ``intake.csv``; a refused hand-in is a
+row and a page, any name a key); ``--student``/``--update`` regrade into the class's results
+(:mod:`autograder.lms.regrade`); ``overrides.csv`` in ``--out`` is applied at every write
+(:mod:`autograder.lms.overrides`); ``gradebook`` fills the LMS's own file
+(:mod:`autograder.lms.gradebook`). docs/grading.md, *From your LMS to grades*.
 
 Every submission is graded on its own (:func:`autograder.runner.grade_one`): the lab's cells in
 the lab's order with the tests from the source (``--source``, default solutions/; point it at a
