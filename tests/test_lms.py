@@ -197,7 +197,9 @@ def test_a_regrade_of_one_student_keeps_everyone_else_byte_for_byte(canvas):
     log = _csv(out / "regrades.csv")
     assert [(r["student"], r["before"], r["after"]) for r in log] == \
         [("doejohn_22222", f"{old['doejohn_22222']['total']:g}", "0")]
-    intake_rows = {r["file"] for r in _csv(out / "intake.csv")}
+    files = [r["file"] for r in _csv(out / "intake.csv")]
+    assert len(files) == len(set(files)), "a file once"
+    intake_rows = set(files)
     assert "doejohn_22222_680000_lab01_basics-1.ipynb" in intake_rows
     assert "smithjane_12345_678901_lab01_basics.ipynb" in intake_rows  # the class's, kept
 
@@ -221,6 +223,8 @@ def test_an_override_survives_a_regrade_and_shows_on_the_page(canvas):
     assert "read by hand: copied" in page and "Points set by your instructor" in page
     assert (out / "overrides.csv").exists()
     assert [r["student"] for r in _csv(out / "regrades.csv")] == ["doejohn_22222"] * 2
+    files = [r["file"] for r in _csv(out / "intake.csv")]
+    assert len(files) == len(set(files)) and "notes from the LMS.txt" in files
     grades = {r["student"]: r for r in _csv(out / "grades.csv")}
     assert grades["smithjane_12345"][LAB] == f"{info.max_score - info.cells[test_id]:g}"
 
@@ -406,6 +410,15 @@ def test_any_name_gets_a_key_that_can_be_a_folder():
     odd = intake.student_key("张伟")
     assert grade.STUDENT_RE.match(odd) and odd != intake.student_key("李娜")
     assert grade.STUDENT_RE.match(intake.student_key("../../etc"))
+    assert intake.STUDENT_RE.pattern == grade.STUDENT_RE.pattern
+
+
+def test_one_lms_id_is_one_student_however_a_file_spells_the_name(tmp_path):
+    for name in ("smithjane_12345_1_lab01_basics.ipynb", "smithjanet_12345_2_lab01_basics.ipynb"):
+        (tmp_path / name).write_text("{}")
+    found = intake.collect(tmp_path, {LAB})
+    assert list(found.chosen) == [("smithjane_12345", LAB)]
+    assert [f.status for f in found.files] == ["superseded", "graded"]
 
 
 def test_what_cannot_be_repaired_is_a_reason(tmp_path):

@@ -265,6 +265,7 @@ def collect(folder: Path, labs: set[str], layout: str = "auto",
         layout = detect(entries, labs)
     intake = Intake(layout)
     candidates: list[_Candidate] = []
+    by_id: dict[str, Student] = {}  # one student per LMS id, however a file spells the name
     attributed: dict[tuple[str, str], list[str]] = {}  # (student, lab) -> refusal reasons
     if layout in ("canvas", "moodle", "pattern"):
         regexp = pattern if layout == "pattern" else PATTERNS[layout]
@@ -297,7 +298,7 @@ def collect(folder: Path, labs: set[str], layout: str = "auto",
         groups = got if got is not None else m.groupdict()  # type: ignore[union-attr]
         lms_id = (groups.get("student_id") or "").strip()
         name = (groups.get("name") or lms_id).strip()
-        student = Student(student_key(name, lms_id), name, lms_id)
+        student = by_id.setdefault(lms_id, Student(student_key(name, lms_id), name, lms_id))
         intake.students.setdefault(student.key, student)
         stem, ext, resub = _split_resubmission(groups.get("file_id") or "")
         lab = _lab_of(stem, labs)

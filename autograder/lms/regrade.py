@@ -99,7 +99,8 @@ def combine_intake(previous: Previous, rows: list[dict[str, str]],
                    regraded: set[str]) -> list[dict[str, str]]:
     """The previous intake report without the regraded students' files, and this run's."""
     kept = [r for r in previous.intake if r.get("student") not in regraded]
-    return kept + rows
+    seen = {tuple(r.values()) for r in kept}  # a file no student owns, read again
+    return kept + [r for r in rows if tuple(r.values()) not in seen]
 
 
 def describe(changes: list[tuple[dict[str, Any] | None, dict[str, Any]]],
