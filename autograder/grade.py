@@ -841,82 +841,6 @@ def _parser() -> argparse.ArgumentParser:
     return p
 
 
-def refused_row(student: str, lab: str, reason: str, info: LabInfo,
-                work: Path) -> dict[str, Any]:
-    """The row of a student whose hand-in of ``lab`` was refused at intake (nothing gradable),
-    with a feedback page that says why: a refused file is a row, never only a line on stderr."""
-    from . import feedback
-
-    r = {"student": student, "lab": lab, "status": "refused", "reason": reason,
-         "isolation": "", "ran_all_cells": False, "scores": dict.fromkeys(info.cells, 0.0),
-         "messages": {}, "notes": [], "review": []}
-    page = feedback.feedback_html({**r, "groups": dict.fromkeys(info.groups, 0.0), "total": 0.0,
-                                   "max_score": info.max_score, "points": info.cells,
-                                   "group_of": {g: info.group(g) for g in info.cells}},
-                                  [], info.groups, set())
-    d = work / "subs" / lab / student
-    d.mkdir(parents=True, exist_ok=True)
-    (d / "feedback.html").write_text(page, encoding="utf-8")
-    return r
-
-
-def fill_gradebook(out: Path, book: Path, column: str, lms: str,
-                   labs: list[str] | None) -> str:
-    """The LMS's gradebook ``book`` filled from ``out``'s results: gradebook-<lms>-<lab>.csv
-    and gradebook-apart-<lab>.csv (the students not written: failed, refused, missing, not in
-    the gradebook). Returns what the terminal says."""
-    from .lms import gradebook
-
-    results = json.loads((out / "results.json").read_text())
-    run = json.loads((out / "run.json").read_text())
-    names = labs or sorted(run["labs"])
-    if len(names) != 1:
-        raise SystemExit(f"grade: --gradebook fills one lab's column; name it with --lab "
-                         f"(these results hold {', '.join(names)})")
-    lab = names[0]
-    if lab not in run["labs"]:
-        raise SystemExit(f"grade: {out} holds no results of {lab}")
-    rows = results + [_normalize(r, LabInfo(lab, run["labs"][lab]["cells"]))
-                      for r in missing_results(results, {lab: LabInfo(lab, {})})]
-    top = sum(run["labs"][lab]["cells"].values())
-    try:
-        if not lms:
-            with open(book, newline="", encoding="utf-8-sig") as f:
-                lms = gradebook.detect(next(iter(csv.reader(f)), []))
-        done = gradebook.fill(book, out / f"gradebook-{lms or 'lms'}-{lab}.csv", rows, lab, top,
-                              lms=lms, column=column)
-    except (gradebook.GradebookError, OSError, UnicodeDecodeError) as e:
-        raise SystemExit(f"grade: gradebook {book}: {e}") from None
-    gradebook.write_apart(out / f"gradebook-apart-{lab}.csv", done.apart)
-    return (f"\ngradebook: {done.written} grade(s) of {lab} written into column "
-            f"{done.column!r} of gradebook-{done.lms}-{lab}.csv; {len(done.apart)} student(s) "
-            f"not written, listed with why in gradebook-apart-{lab}.csv\n"
-            + "".join(f"  {n}\n" for n in done.notes))
-
-
-def gradebook_main(argv: list[str]) -> int:
-    p = argparse.ArgumentParser(
-        prog="autograder/grade.sh gradebook",
-        description="Fill the LMS's exported gradebook (Canvas) or grading worksheet (Moodle) "
-                    "with one lab's points from a grade.sh --out folder, for the LMS to import.")
-    p.add_argument("gradebook", help="the CSV the LMS exported")
-    p.add_argument("--out", required=True, help="the grade.sh --out folder (written into)")
-    p.add_argument("--lab", action="append", help="the lab (needed when --out holds several)")
-    p.add_argument("--gradebook-column", default="", metavar="NAME")
-    p.add_argument("--lms", choices=("canvas", "moodle"), default="")
-    a = p.parse_args(argv)
-    out = Path(a.out).resolve()
-    if not (out / "results.json").exists():
-        print(f"grade gradebook: {out} holds no results.json", file=sys.stderr)
-        return 2
-    try:
-        print(fill_gradebook(out, Path(a.gradebook), a.gradebook_column, a.lms, a.lab).strip())
-    except SystemExit as e:
-        print(e, file=sys.stderr)
-        return 2
-    return 0
-
-
 def graded_build_on() -> bool:
     """Sandboxed kernels import the graded build of minickpt (issue 38) unless
     ``MINICKPT_GRADED_BUILD=off`` (an instructor's override: the full library, reference
@@ -958,6 +882,8 @@ def main(argv: list[str] | None = None) -> int:
         if argv[:1] == ["merge"]:
             return merge_main(argv[1:])
         if argv[:1] == ["gradebook"]:
+            from .lms.gradebook import main as gradebook_main
+
             return gradebook_main(argv[1:])
         return grade_main(argv)
 
@@ -1071,6 +997,8 @@ def grade_main(argv: list[str]) -> int:
                   "fork, allocate, flood or write for real; they are graded only in a "
                   f"sandbox): {', '.join(s.student for s in unsafe)}", file=sys.stderr)
             subs = [s for s in subs if not s.student.startswith(ATTACK_PREFIX)]
+            intake.skip({(s.student, s.lab) for s in unsafe}, "an attack example: graded only "
+                        "in a sandbox")
     shard = f"shard {a.shard[0]}/{a.shard[1]}: {len(subs)} of {everyone}; " if a.shard else ""
     print(f"grade: {shard}{len(subs)} submission(s) of {', '.join(labs)}; {a.jobs} at once; "
           f"cells may run {a.timeout} s; kernels: {iso.marker}", flush=True)
@@ -1124,43 +1052,16 @@ def grade_main(argv: list[str]) -> int:
         files[job.lab, job.student] = {"feedback": d / "feedback.html", "log": d / "kernel.log",
                                        "grader": d / "grader.log"}
     for (student, lab), reason in sorted(intake.refused.items()):
-        results.append(refused_row(student, lab, reason, infos[lab], work))
+        results.append(lms_intake.refused_result(student, lab, reason, infos[lab],
+                                                 work / "subs" / lab / student))
         files[lab, student] = {"feedback": work / "subs" / lab / student / "feedback.html"}
-    for r in results:
-        who = intake.students.get(r["student"])
-        r.update(name=who.name if who else r["student"], lms_id=who.lms_id if who else "",
-                 intake=intake.notes.get((r["student"], r["lab"]), []))
+    intake.label(results)
     intake_rows = [f.as_row() for f in intake.files]
     if previous is not None:
-        results, changes = regrade.combine(previous, results)
-        files = {**previous.files(), **files}
-        for lab, d in previous.labs.items():
-            infos.setdefault(lab, LabInfo(lab, d["cells"], d.get("fingerprint", ""),
-                                          d.get("questions", {}), d.get("tasks", {})))
-        infos = dict(sorted(infos.items()))
-        intake_rows = regrade.combine_intake(previous, intake_rows,
-                                             {r["student"] for _, r in changes})
-        log = regrade.describe(changes, graded_files)
-        for row in log:
-            print(f"grade: regraded {row['student']}/{row['lab']}: " + (
-                  f"replaced {row['before']} points ({row['status_before']})" if
-                  row["status_before"] != "new" else "new in these results")
-                  + f" with {row['after']} ({row['status_after']}); see regrades.csv",
-                  flush=True)
-    elif (out / "results.json").exists():
-        try:
-            before = {(r["student"], r["lab"]) for r in
-                      json.loads((out / "results.json").read_text())}
-        except (OSError, ValueError):
-            before = set()
-        dropped = sorted(before - {(r["student"], r["lab"]) for r in results})
-        if dropped:
-            print(f"grade: REPLACING the results in {out}: {len(dropped)} row(s) of its previous "
-                  f"run are not in this one and are dropped ("
-                  + ", ".join(f"{s}/{lab}" for s, lab in dropped[:10])
-                  + (", ..." if len(dropped) > 10 else "")
-                  + "); to regrade some students into a class's results, use --update or "
-                  "--student", file=sys.stderr, flush=True)
+        results, files, infos, intake_rows, log = regrade.into(
+            previous, results, files, infos, intake_rows, graded_files)
+    else:
+        regrade.warn_dropped(out, results)
     meta = {"shard": list(a.shard) if a.shard else None, "timeout": a.timeout, "wall": a.wall,
             "source": str(source), "isolation": sandbox.describe(iso, limits),
             "compile_cache": {lab: {k: v for k, v in c.items() if k != "entries"}
@@ -1171,7 +1072,9 @@ def grade_main(argv: list[str]) -> int:
         regrade.append_log(out, log)
     if a.gradebook:
         try:
-            text += fill_gradebook(out, Path(a.gradebook), a.gradebook_column, a.lms, a.lab)
+            from .lms.gradebook import fill_from_results
+
+            text += fill_from_results(out, Path(a.gradebook), a.gradebook_column, a.lms, a.lab)
         except SystemExit as e:
             print(e, file=sys.stderr)
             return 2

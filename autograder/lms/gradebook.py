@@ -26,9 +26,12 @@ no result for, and a graded student the gradebook does not list.
 
 from __future__ import annotations
 
+import argparse
 import csv
 import io
+import json
 import re
+import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -236,3 +239,60 @@ def write_apart(dest: Path, apart: list[dict[str, str]]) -> None:
         w = safe_text.dict_writer(f, fieldnames=list(APART_COLUMNS))
         w.writeheader()
         w.writerows(sorted(apart, key=lambda a: (a["status"], a["lms_id"], a["student"])))
+
+
+def fill_from_results(out: Path, book: Path, column: str, lms: str,
+                      labs: list[str] | None) -> str:
+    """The LMS's gradebook ``book`` filled from ``out``'s results: gradebook-<lms>-<lab>.csv
+    and gradebook-apart-<lab>.csv (the students not written: failed, refused, missing, not in
+    the gradebook). Returns what the terminal says."""
+    from ..grade import LabInfo, _normalize, missing_results
+
+    results = json.loads((out / "results.json").read_text())
+    run = json.loads((out / "run.json").read_text())
+    names = labs or sorted(run["labs"])
+    if len(names) != 1:
+        raise SystemExit(f"grade: --gradebook fills one lab's column; name it with --lab "
+                         f"(these results hold {', '.join(names)})")
+    lab = names[0]
+    if lab not in run["labs"]:
+        raise SystemExit(f"grade: {out} holds no results of {lab}")
+    rows = results + [_normalize(r, LabInfo(lab, run["labs"][lab]["cells"]))
+                      for r in missing_results(results, {lab: LabInfo(lab, {})})]
+    top = sum(run["labs"][lab]["cells"].values())
+    try:
+        if not lms:
+            with open(book, newline="", encoding="utf-8-sig") as f:
+                lms = detect(next(iter(csv.reader(f)), []))
+        done = fill(book, out / f"gradebook-{lms or 'lms'}-{lab}.csv", rows, lab, top,
+                              lms=lms, column=column)
+    except (GradebookError, OSError, UnicodeDecodeError) as e:
+        raise SystemExit(f"grade: gradebook {book}: {e}") from None
+    write_apart(out / f"gradebook-apart-{lab}.csv", done.apart)
+    return (f"\ngradebook: {done.written} grade(s) of {lab} written into column "
+            f"{done.column!r} of gradebook-{done.lms}-{lab}.csv; {len(done.apart)} student(s) "
+            f"not written, listed with why in gradebook-apart-{lab}.csv\n"
+            + "".join(f"  {n}\n" for n in done.notes))
+
+
+def main(argv: list[str]) -> int:
+    p = argparse.ArgumentParser(
+        prog="autograder/grade.sh gradebook",
+        description="Fill the LMS's exported gradebook (Canvas) or grading worksheet (Moodle) "
+                    "with one lab's points from a grade.sh --out folder, for the LMS to import.")
+    p.add_argument("gradebook", help="the CSV the LMS exported")
+    p.add_argument("--out", required=True, help="the grade.sh --out folder (written into)")
+    p.add_argument("--lab", action="append", help="the lab (needed when --out holds several)")
+    p.add_argument("--gradebook-column", default="", metavar="NAME")
+    p.add_argument("--lms", choices=("canvas", "moodle"), default="")
+    a = p.parse_args(argv)
+    out = Path(a.out).resolve()
+    if not (out / "results.json").exists():
+        print(f"grade gradebook: {out} holds no results.json", file=sys.stderr)
+        return 2
+    try:
+        print(fill_from_results(out, Path(a.gradebook), a.gradebook_column, a.lms, a.lab).strip())
+    except SystemExit as e:
+        print(e, file=sys.stderr)
+        return 2
+    return 0

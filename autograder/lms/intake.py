@@ -109,6 +109,20 @@ class Intake:
     notes: dict[tuple[str, str], list[str]] = field(default_factory=dict)
     """Per (student, lab): what the feedback page says about the hand-in (late, superseded)."""
 
+    def label(self, results: list[dict[str, Any]]) -> None:
+        """Each result gets its student's name as given and LMS id, and the notes about its
+        hand-in (late, superseded files) that its feedback page shows."""
+        for r in results:
+            who = self.students.get(r["student"])
+            r.update(name=who.name if who else r["student"], lms_id=who.lms_id if who else "",
+                     intake=self.notes.get((r["student"], r["lab"]), []))
+
+    def skip(self, pairs: set[tuple[str, str]], why: str) -> None:
+        """These pairs are not graded after all (the attack examples without a sandbox)."""
+        for f in self.files:
+            if (f.student, f.lab) in pairs and f.status == GRADED:
+                f.status, f.reason = REFUSED, why
+
     def keep(self, pairs: set[tuple[str, str]]) -> None:
         """Only these (student, lab) pairs (a tour, a shard, ``--student``): the rest's files
         leave the report, which then lists what this run took from the input."""
@@ -399,3 +413,21 @@ def _choose(intake: Intake, candidates: list[_Candidate],
             text = "; ".join(reasons)
             intake.refused[key, t] = f"{old}; {text}" if old else \
                 f"nothing gradable was handed in: {text}"
+
+
+def refused_result(student: str, lab: str, reason: str, info: Any,
+                   folder: Path) -> dict[str, Any]:
+    """The row of a student whose hand-in of ``lab`` was refused at intake (nothing gradable),
+    with a feedback page that says why: a refused file is a row, never only a line on stderr."""
+    from .. import feedback
+
+    r = {"student": student, "lab": lab, "status": "refused", "reason": reason,
+         "isolation": "", "ran_all_cells": False, "scores": dict.fromkeys(info.cells, 0.0),
+         "messages": {}, "notes": [], "review": []}
+    page = feedback.feedback_html({**r, "groups": dict.fromkeys(info.groups, 0.0), "total": 0.0,
+                                   "max_score": info.max_score, "points": info.cells,
+                                   "group_of": {g: info.group(g) for g in info.cells}},
+                                  [], info.groups, set())
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / "feedback.html").write_text(page, encoding="utf-8")
+    return r

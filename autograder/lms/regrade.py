@@ -17,6 +17,7 @@ from __future__ import annotations
 import csv
 import json
 import shutil
+import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -137,3 +138,45 @@ def save_kept(out: Path) -> dict[str, bytes]:
 def restore_kept(out: Path, kept: dict[str, bytes]) -> None:
     for name, data in kept.items():
         (out / name).write_bytes(data)
+
+
+def into(previous: Previous, results: list[dict[str, Any]],
+         files: dict[tuple[str, str], dict[str, Path]], infos: dict[str, Any],
+         intake_rows: list[dict[str, str]], graded_files: dict[tuple[str, str], str]
+         ) -> tuple[list[dict[str, Any]], dict[tuple[str, str], dict[str, Path]],
+                    dict[str, Any], list[dict[str, str]], list[dict[str, str]]]:
+    """This run's rows, pages and intake report put into the class's previous ones; each
+    replaced row said on the terminal. Returns results, files, labs, intake rows and the lines
+    for regrades.csv (appended once the outputs are written)."""
+    from ..grade import LabInfo
+
+    results, changes = combine(previous, results)
+    files = {**previous.files(), **files}
+    for lab, d in previous.labs.items():
+        infos.setdefault(lab, LabInfo(lab, d["cells"], d.get("fingerprint", ""),
+                                      d.get("questions", {}), d.get("tasks", {})))
+    intake_rows = combine_intake(previous, intake_rows, {r["student"] for _, r in changes})
+    log = describe(changes, graded_files)
+    for row in log:
+        print(f"grade: regraded {row['student']}/{row['lab']}: " + (
+              f"replaced {row['before']} points ({row['status_before']})" if
+              row["status_before"] != "new" else "new in these results")
+              + f" with {row['after']} ({row['status_after']}); see regrades.csv", flush=True)
+    return results, files, dict(sorted(infos.items())), intake_rows, log
+
+
+def warn_dropped(out: Path, results: list[dict[str, Any]]) -> None:
+    """A plain run into a class's ``out`` replaces its results: say which rows it drops."""
+    try:
+        before = {(r["student"], r["lab"]) for r in
+                  json.loads((out / "results.json").read_text())}
+    except (OSError, ValueError):
+        return
+    dropped = sorted(before - {(r["student"], r["lab"]) for r in results})
+    if dropped:
+        print(f"grade: REPLACING the results in {out}: {len(dropped)} row(s) of its previous run "
+              "are not in this one and are dropped ("
+              + ", ".join(f"{s}/{lab}" for s, lab in dropped[:10])
+              + (", ..." if len(dropped) > 10 else "")
+              + "); to regrade some students into a class's results, use --update or "
+              "--student", file=sys.stderr, flush=True)
