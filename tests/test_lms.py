@@ -460,3 +460,17 @@ def test_the_slices_of_an_lms_download_merge_into_the_single_runs_reports(tmp_pa
                        "--out", str(tmp_path / "merged")]) == 0
     for name in ("grades.csv", "intake.csv", "results.json", f"grades-{LAB}.csv"):
         assert (tmp_path / "merged" / name).read_bytes() == (tmp_path / "one" / name).read_bytes()
+
+
+def test_a_resubmission_in_the_course_layout_keeps_the_students_lms_id(tmp_path):
+    from autograder.lms import regrade
+
+    old = [_row("Jane-Smith_12345", "12345", "graded", 13.0, "Jane Smith"),
+           _row("student_12346", "12346", "graded", 26.0, "张伟")]
+    previous = regrade.Previous(tmp_path, old, {})
+    new = [{**_row("Jane-Smith_12345", "", "graded", 20.0), "name": "Jane-Smith_12345"}]
+    rows, changes = regrade.combine(previous, new)
+    assert sorted((r["student"], r["name"], r["lms_id"], r["total"]) for r in rows) == [
+        ("Jane-Smith_12345", "Jane Smith", "12345", 20.0),
+        ("student_12346", "张伟", "12346", 26.0)]
+    assert [(a["total"], b["total"]) for a, b in changes] == [(13.0, 20.0)]

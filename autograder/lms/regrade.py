@@ -92,6 +92,11 @@ def combine(previous: Previous, new: list[dict[str, Any]]
     fresh = {(r["student"], r["lab"]): r for r in new}
     kept = [r for r in previous.results if (r["student"], r["lab"]) not in fresh]
     before = {(r["student"], r["lab"]): r for r in previous.results}
+    known = {r["student"]: r for r in previous.results}
+    for r in new:  # a resubmission handed over as <student>/<lab>/<lab>.ipynb: the class's
+        old = known.get(r["student"])  # name and LMS id stay the student's
+        if old and not r.get("lms_id"):
+            r.update(name=old.get("name", r["student"]), lms_id=old.get("lms_id", ""))
     changes = [(before.get(k), r) for k, r in sorted(fresh.items())]
     return kept + new, changes
 
