@@ -250,10 +250,11 @@ def read_submission(path: Path) -> list[StudentCell]:
     except (UnicodeDecodeError, ValueError, RecursionError):
         raise SubmissionError("the notebook is not a readable .ipynb file (not JSON)") from None
     repairs = []
-    if isinstance(nb, dict) and nb.get("nbformat") == 3 and "cells" not in nb:
-        nb = _upgraded(nb)
-        repairs.append("the notebook was in nbformat 3: upgraded to nbformat 4 by nbformat's "
-                       "converter before grading")
+    old = nb.get("nbformat") if isinstance(nb, dict) else None
+    if old in (1, 2, 3) and "cells" not in nb:
+        nb = _upgraded(nb, old)
+        repairs.append(f"the notebook was in nbformat {old}: upgraded to nbformat 4 by "
+                       "nbformat's converter before grading")
     if size > MAX_CODE_BYTES and isinstance(nb, dict) and isinstance(nb.get("cells"), list):
         for cell in nb["cells"]:
             if isinstance(cell, dict) and "outputs" in cell:
@@ -295,17 +296,16 @@ def read_submission(path: Path) -> list[StudentCell]:
     return out
 
 
-def _upgraded(nb: dict[str, Any]) -> dict[str, Any]:
-    """An nbformat 3 notebook (plain JSON) as nbformat 4, by nbformat's converter; never
-    validated against a schema that junk could fail in another way than "no cells"."""
+def _upgraded(nb: dict[str, Any], version: int) -> dict[str, Any]:
+    """An nbformat 1-3 notebook (plain JSON, read here) as nbformat 4, by nbformat's
+    converter; never validated against a schema that junk could fail in another way."""
     import nbformat
-    from nbformat.v4 import convert
+    from nbformat.converter import convert
 
     try:
-        new = convert.upgrade(nbformat.from_dict(nb), from_version=3,
-                              from_minor=nb.get("nbformat_minor", 0))
-    except Exception as e:  # junk inside an nbformat 3 shell: a reason, not a crash
-        raise SubmissionError(f"the notebook is nbformat 3 and cannot be upgraded "
+        new = convert(nbformat.from_dict(nb), 4)
+    except Exception as e:  # junk inside an old notebook's shell: a reason, not a crash
+        raise SubmissionError(f"the notebook is nbformat {version} and cannot be upgraded "
                               f"({type(e).__name__}: {str(e)[:200]})") from None
     return json.loads(json.dumps(new))
 

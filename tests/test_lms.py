@@ -474,3 +474,15 @@ def test_a_resubmission_in_the_course_layout_keeps_the_students_lms_id(tmp_path)
         ("Jane-Smith_12345", "Jane Smith", "12345", 20.0),
         ("student_12346", "张伟", "12346", 26.0)]
     assert [(a["total"], b["total"]) for a, b in changes] == [(13.0, 20.0)]
+
+
+def test_an_old_notebook_reads_as_the_same_cells_as_its_nbformat_4_self(tmp_path):
+    """nbformat's converter, from JSON read safely: the student's cells, their grade ids and
+    code unchanged, and the first cell says what was repaired (the page shows it)."""
+    _nbformat3(tmp_path / "v3.ipynb")
+    _big_outputs(tmp_path / "big.ipynb", megabytes=25)
+    want = [(c.kind, c.grade_id, c.source) for c in read_submission(PERFECT)]
+    for name, said in (("v3.ipynb", "nbformat 3"), ("big.ipynb", "outputs were cleared")):
+        got = read_submission(tmp_path / name)
+        assert [(c.kind, c.grade_id, c.source) for c in got] == want, name
+        assert said in got[0].note
