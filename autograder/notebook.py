@@ -44,7 +44,10 @@ nor the expected values are ever in the student's process."""
 SOLUTION_BEGIN, SOLUTION_END = "### BEGIN SOLUTION", "### END SOLUTION"
 TEST_RE = re.compile(r"^test_(\d+)_(\d+)_")
 QUIZ_RE = re.compile(r"^test_quiz_")
-MAX_NOTEBOOK_BYTES = 20 << 20
+MAX_NOTEBOOK_BYTES = 128 << 20
+"""The largest hand-in read at all (a notebook with big outputs: they are cleared)."""
+MAX_CODE_BYTES = 20 << 20
+"""The most a notebook may hold once its outputs are cleared: more is not a lab."""
 MAX_CELLS = 2000
 MAX_CELL_CHARS = 1_000_000
 HOST_QUIZ_NAMES = ("check", "same", "close_to", "check_choice", "check_choices",
@@ -229,7 +232,12 @@ def text_only(value: str) -> str:
 
 
 def read_submission(path: Path) -> list[StudentCell]:
-    """The cells of a submitted notebook, read as plain JSON (never executed, never pickled)."""
+    """The cells of a submitted notebook, read as plain JSON (never executed, never pickled).
+
+    What can be repaired is, and said in the first cell's note (the feedback page shows it):
+    a notebook over :data:`MAX_CODE_BYTES` because of its outputs has them cleared (the grader
+    runs every cell again; nbgrader clears outputs too), and an nbformat 3 notebook (its cells
+    in ``worksheets``) is upgraded by nbformat's own converter, from the JSON read here."""
     try:
         size = path.stat().st_size
     except OSError as e:
@@ -239,8 +247,24 @@ def read_submission(path: Path) -> list[StudentCell]:
                               f"{MAX_NOTEBOOK_BYTES >> 20} MiB is not a lab (clear its outputs)")
     try:
         nb = json.loads(path.read_bytes())
-    except (UnicodeDecodeError, ValueError):
+    except (UnicodeDecodeError, ValueError, RecursionError):
         raise SubmissionError("the notebook is not a readable .ipynb file (not JSON)") from None
+    repairs = []
+    old = nb.get("nbformat") if isinstance(nb, dict) else None
+    if old in (1, 2, 3) and "cells" not in nb:
+        nb = _upgraded(nb, old)
+        repairs.append(f"the notebook was in nbformat {old}: upgraded to nbformat 4 by "
+                       "nbformat's converter before grading")
+    if size > MAX_CODE_BYTES and isinstance(nb, dict) and isinstance(nb.get("cells"), list):
+        for cell in nb["cells"]:
+            if isinstance(cell, dict) and "outputs" in cell:
+                cell["outputs"] = []
+        left = len(json.dumps(nb))
+        if left > MAX_CODE_BYTES:
+            raise SubmissionError(f"the notebook is {left >> 20} MiB even without its outputs; "
+                                  f"more than {MAX_CODE_BYTES >> 20} MiB is not a lab")
+        repairs.append(f"the notebook was {size / (1 << 20):.0f} MiB, almost all of it outputs: "
+                       "its outputs were cleared before grading (every cell runs again)")
     cells = nb.get("cells") if isinstance(nb, dict) else None
     if not isinstance(cells, list):
         raise SubmissionError("the notebook is not a readable .ipynb file (no list of cells)")
@@ -267,7 +291,23 @@ def read_submission(path: Path) -> list[StudentCell]:
                     "replaced by U+FFFD")
         out.append(StudentCell(kind, source, text_only(gid) if isinstance(gid, str) else "",
                                text_only(cid) if isinstance(cid, str) else "", note))
+    if repairs and out:
+        out[0].note = "; ".join([*repairs, *([out[0].note] if out[0].note else [])])
     return out
+
+
+def _upgraded(nb: dict[str, Any], version: int) -> dict[str, Any]:
+    """An nbformat 1-3 notebook (plain JSON, read here) as nbformat 4, by nbformat's
+    converter; never validated against a schema that junk could fail in another way."""
+    import nbformat
+    from nbformat.converter import convert
+
+    try:
+        new = convert(nbformat.from_dict(nb), 4)
+    except Exception as e:  # junk inside an old notebook's shell: a reason, not a crash
+        raise SubmissionError(f"the notebook is nbformat {version} and cannot be upgraded "
+                              f"({type(e).__name__}: {str(e)[:200]})") from None
+    return json.loads(json.dumps(new))
 
 
 # ---------------------------------------------------------------------------------------
