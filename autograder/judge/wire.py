@@ -156,8 +156,10 @@ class Endpoint:
         self._chains = itertools.count(1)
         self._exported: dict[int, Any] = {}      # my objects the other side holds: rid -> obj
         self._export_ids: dict[int, int] = {}    # id(obj) -> rid
+        self._sent: dict[int, Any] = {}          # id -> my object sent as a value
         self._imported: dict[int, tuple[int, Any]] = {}  # id(obj) of a value I decoded -> (its id there, obj)
         self._remotes: dict[int, Remote] = {}    # rid there -> Remote (one per object)
+        self._opaque: set[int] = set()           # my objects the other side may only hold
         self._waiting: dict[int, queue.Queue] = {}       # request id -> the waiter's queue
         self._chain_q: dict[str, list[queue.Queue]] = {}  # chain -> waiters in it (innermost last)
         self._local = threading.local()
@@ -171,27 +173,50 @@ class Endpoint:
 
     # ---------- encoding -----------------------------------------------------------------
     def encode(self, obj: Any, memo: dict[int, Any] | None = None) -> Any:
-        memo = {} if memo is None else memo
+        """``obj`` as the wire carries it. Every value sent with an id is remembered (for
+        the life of the wire, one submission): the other side may send it back as itself."""
+        enc = self._encode(obj, {} if memo is None else memo)
+        if isinstance(enc, dict) and "id" in enc and enc.get("$") != "back":
+            with self._lock:
+                self._sent[enc["id"]] = obj
+        return enc
+
+    def _encode(self, obj: Any, memo: dict[int, Any]) -> Any:
         back = self._imported.get(id(obj))
         if back is not None and back[1] is obj:
             ref: dict[str, Any] = {"$": "back", "id": back[0]}
-            if isinstance(obj, np.ndarray):
+            if isinstance(obj, np.ndarray):  # as it is now: this side may have changed it
                 ref["nd"] = _nd_enc(obj)
+            elif type(obj) in (list, dict, set) and id(obj) not in memo:
+                memo[id(obj)] = obj
+                ref["now"] = ({"$": "dict", "k": [self.encode(k, memo) for k in obj],
+                               "v": [self.encode(v, memo) for v in obj.values()]}
+                              if type(obj) is dict else
+                              {"$": type(obj).__name__, "v": [self.encode(x, memo) for x in obj]})
             return ref
-        if obj is None or isinstance(obj, (bool, str, bytes)):
+        if obj is None or type(obj) is bool:
             return obj
-        if isinstance(obj, int) and type(obj) is int:
-            return obj if -(2**63) <= obj < 2**64 else {"$": "bigint", "v": str(obj)}
-        if type(obj) is float:
-            return obj
+        if type(obj) is int and not -(2**63) <= obj < 2**64:
+            return {"$": "bigint", "id": id(obj), "v": str(obj)}
+        if type(obj) in (int, float, str, bytes):  # with its id: a leaf may come back as itself
+            return {"$": "s", "id": id(obj), "v": obj}
+        if type(obj) is complex:
+            return {"$": "complex", "id": id(obj), "v": [obj.real, obj.imag]}
         if isinstance(obj, Remote) and obj._ep is self:
             return {"$": "yours", "rid": obj._rid}
+        if isinstance(obj, np.ndarray) and obj.dtype.hasobject:  # its items, one by one
+            memo[id(obj)] = obj
+            return {"$": "ndobj", "id": id(obj), "shape": list(obj.shape),
+                    "v": [self.encode(x, memo) for x in obj.ravel(order="C").tolist()]}
         if isinstance(obj, np.ndarray):
+            view = self._view_of_received(obj)
+            if view is not None:
+                return view
             return {"$": "nd", "id": id(obj), **_nd_enc(obj)}
         if isinstance(obj, np.generic):
             if obj.dtype.hasobject:
                 return self._handle(obj)
-            return {"$": "npscalar", "dtype": _dtype_name(obj.dtype),
+            return {"$": "npscalar", "id": id(obj), "dtype": _dtype_name(obj.dtype),
                     "data": np.asarray(obj).tobytes()}
         jax_enc = _encode_jax(obj)
         if jax_enc is not None:
@@ -217,7 +242,33 @@ class Endpoint:
             fields = [f.name for f in dataclasses.fields(obj)]
             return {"$": "dc", "cls": class_name(cls), "id": id(obj), "k": fields,
                     "v": [self.encode(getattr(obj, f), memo) for f in fields]}
+        if isinstance(obj, JudgeNode):  # a node the worker built from one of the judge's
+            return {"$": "pynode_new", "template": obj._template, "keys": obj._keys,
+                    "v": [self.encode(x, memo) for x in obj._children]}
+        node = _pytree_node(obj)
+        if node is not None:
+            memo[id(obj)] = obj
+            keys, kids = node
+            return {"$": "pynode", "id": id(obj), "keys": keys,
+                    "v": [self.encode(x, memo) for x in kids]}
         return self._handle(obj)
+
+    def _view_of_received(self, a: np.ndarray) -> dict[str, Any] | None:
+        """``a`` as a view of an array the other side sent (a function that returns a view of
+        its argument, not a copy, returns a view of the caller's array there too)."""
+        base = a.base
+        while isinstance(base, np.ndarray):
+            back = self._imported.get(id(base))
+            if back is not None and back[1] is base and base.flags.c_contiguous:
+                offset = a.__array_interface__["data"][0] - base.__array_interface__["data"][0]
+                if offset < 0 or a.dtype.hasobject:
+                    return None
+                return {"$": "view", "id": id(a), "base": back[0], "offset": offset,
+                        "shape": list(a.shape), "strides": list(a.strides),
+                        "dtype": _dtype_name(a.dtype), "order": a.dtype.byteorder,
+                        "nd": _nd_enc(a)}
+            base = base.base
+        return None
 
     def _exception(self, e: BaseException, memo: dict[int, Any]) -> dict[str, Any]:
         cls = type(e)
@@ -230,6 +281,8 @@ class Endpoint:
                                "args": [self.encode(a, memo) for a in e.args]
                                if all(_plain(a) for a in e.args) else [str(e)],
                                "notes": [str(n) for n in getattr(e, "__notes__", [])]}
+        attrs = {k: v for k, v in vars(e).items() if not k.startswith("__") and _plain(v)}
+        out["attrs"] = {k: self.encode(v, memo) for k, v in attrs.items()}
         if isinstance(e, OSError):
             out.update(errno=e.errno, strerror=e.strerror,
                        filename=e.filename if isinstance(e.filename, str) else None)
@@ -240,21 +293,20 @@ class Endpoint:
 
         bound_builtin = isinstance(obj, types.BuiltinMethodType) and not isinstance(
             getattr(obj, "__self__", None), (types.ModuleType, type(None)))
-        if not bound_builtin and (isinstance(obj, (type, types.ModuleType,
-                                                   types.BuiltinFunctionType, types.CodeType,
-                                                   types.FrameType, types.TracebackType))
-                                  or (_forbidden_type(obj) and not callable(obj))):
-            raise WireError(f"{type(obj).__name__} objects do not cross the wire")
-        if not self.policy.serve(obj):
-            raise WireError(f"{self.name} does not hand out a {type(obj).__name__}")
+        opaque = not bound_builtin and (
+            isinstance(obj, (type, types.ModuleType, types.BuiltinFunctionType, types.CodeType,
+                             types.FrameType, types.TracebackType))
+            or (_forbidden_type(obj) and not callable(obj)) or not self.policy.serve(obj))
         with self._lock:
             rid = self._export_ids.get(id(obj))
             if rid is None or self._exported.get(rid) is not obj:
                 rid = next(self._ids)
                 self._exported[rid] = obj
                 self._export_ids[id(obj)] = rid
+                if opaque:  # it may be passed around and sent back, nothing else
+                    self._opaque.add(rid)
         return {"$": "handle", "rid": rid, "type": type(obj).__name__,
-                "callable": callable(obj)}
+                "callable": callable(obj) and not opaque}
 
     def describe(self, rid: int) -> str:
         return f"object #{rid} of the {'judge' if self.name == 'worker' else 'worker'}"
@@ -267,18 +319,40 @@ class Endpoint:
             return enc
         tag = enc.get("$")
         if tag == "bigint":
-            return int(enc["v"])
+            return self._keep(enc, int(enc["v"]))
+        if tag == "s":
+            v = enc["v"]
+            if type(v) not in (int, float, str, bytes):
+                raise WireError("malformed scalar")
+            return self._keep(enc, v)
+        if tag == "complex":
+            return self._keep(enc, complex(float(enc["v"][0]), float(enc["v"][1])))
+        if tag == "pynode":
+            kids = [self.decode(x) for x in enc["v"]]
+            return self._keep(enc, JudgeNode(enc["id"], list(enc["keys"]), kids))
+        if tag == "pynode_new":
+            template = self._sent.get(enc["template"])
+            if template is None:
+                raise WireError("a tree node built from one that was never sent")
+            return _rebuild(template, [self.decode(x) for x in enc["v"]])
         if tag == "yours":  # one of my objects, back
             obj = self._exported.get(enc["rid"])
             if obj is None:
                 raise WireError("a handle to an object that was never handed out")
             return obj
         if tag == "back":  # one of mine that the other side received as a value
-            obj = self._sent.get(enc["id"]) if hasattr(self, "_sent") else None
+            obj = self._sent.get(enc["id"])
             if obj is None:
                 raise WireError("an object that was never sent")
             if "nd" in enc and isinstance(obj, np.ndarray):
                 _write_back(obj, _nd_from(enc["nd"]))
+            elif "now" in enc and type(obj) in (list, dict, set):
+                now = self.decode(enc["now"])
+                if type(obj) is list and type(now) is list:
+                    obj[:] = now
+                elif type(obj) is type(now):
+                    obj.clear()
+                    obj.update(now)
             return obj
         if tag == "handle":
             rid = enc["rid"]
@@ -289,8 +363,26 @@ class Endpoint:
             return r
         if tag == "nd":
             return self._keep(enc, _nd_from(enc))
+        if tag == "view":
+            base = self._sent.get(enc["base"])
+            if isinstance(base, np.ndarray) and base.flags.c_contiguous:
+                dt = _dtype(enc["dtype"])
+                if enc.get("order") == ">":
+                    dt = dt.newbyteorder(">")
+                try:
+                    v = np.ndarray(tuple(enc["shape"]), dt, buffer=base,
+                                   offset=int(enc["offset"]), strides=tuple(enc["strides"]))
+                    return self._keep(enc, v)
+                except (TypeError, ValueError):
+                    pass
+            return self._keep(enc, _nd_from(enc["nd"]))  # the same values, as a copy
+        if tag == "ndobj":
+            items = [self.decode(x) for x in enc["v"]]
+            a = np.empty(len(items), dtype=object)
+            a[:] = items
+            return self._keep(enc, a.reshape(enc["shape"]))
         if tag == "npscalar":
-            return np.frombuffer(enc["data"], dtype=_dtype(enc["dtype"]))[0]
+            return self._keep(enc, np.frombuffer(enc["data"], dtype=_dtype(enc["dtype"]))[0])
         if tag in ("jax", "jaxkey"):
             return self._keep(enc, _decode_jax(enc))
         if tag in ("list", "tuple", "set", "frozenset"):
@@ -333,13 +425,18 @@ class Endpoint:
         if own:  # a class of the other side's own code: a subclass of its nearest known base
             cls = type(own, (cls,), {"__module__": "__judge_test__"})
         args = [self.decode(a) for a in enc.get("args", [])]
-        try:
-            e = cls(*args)
-        except Exception:
-            e = cls(*(str(a) for a in args[:1]))
-        if isinstance(e, OSError) and enc.get("errno") is not None:
+        if issubclass(cls, OSError) and enc.get("errno") is not None:
             e = cls(enc["errno"], enc.get("strerror") or "", *(
                 [enc["filename"]] if enc.get("filename") else []))
+        else:  # as it was, without running a constructor whose signature is its own
+            e = cls.__new__(cls, *args)
+            e.args = tuple(args)
+        for k, v in (enc.get("attrs") or {}).items():
+            if isinstance(k, str) and not k.startswith("__"):
+                try:
+                    setattr(e, k, self.decode(v))
+                except (AttributeError, TypeError):
+                    pass
         for n in enc.get("notes", []):
             e.add_note(n)
         return e
@@ -356,7 +453,6 @@ class Endpoint:
             chain = f"{self.name}-{next(self._chains)}"
         qid = next(self._ids)
         q: queue.Queue = queue.Queue()
-        self._remember_sent(args, kwargs)
         msg = {"op": op, "q": qid, "rid": rid, "name": name, "chain": chain,
                "args": [self.encode(a) for a in args],
                "kw": {k: self.encode(v) for k, v in kwargs.items()}}
@@ -390,37 +486,9 @@ class Endpoint:
                 if not stack:
                     self._chain_q.pop(chain, None)
 
-    def _remember_sent(self, *values: Any) -> None:
-        """Every container and array sent as a value, by its id: what the other side may
-        send back as ``back``. Kept for the life of the wire (one submission)."""
-        if not hasattr(self, "_sent"):
-            self._sent: dict[int, Any] = {}
-
-        def walk(v: Any, depth: int = 0) -> None:
-            if depth > 64 or v is None or isinstance(v, (bool, int, float, str, bytes, Remote)):
-                return
-            self._sent[id(v)] = v
-            if type(v) in (list, tuple, set, frozenset) or (isinstance(v, tuple)
-                                                             and hasattr(v, "_fields")):
-                for x in v:
-                    walk(x, depth + 1)
-            elif type(v) is dict:
-                for k, x in v.items():
-                    walk(k, depth + 1)
-                    walk(x, depth + 1)
-            elif dataclasses.is_dataclass(v) and not isinstance(v, type):
-                for f in dataclasses.fields(v):
-                    walk(getattr(v, f.name, None), depth + 1)
-            elif isinstance(v, BaseException):
-                for a in v.args:
-                    walk(a, depth + 1)
-        with self._lock:
-            for v in values:
-                walk(v)
-
     def _result(self, item: dict[str, Any]) -> Any:
         for rec in item.get("wb", []):  # arrays the callee changed in place
-            obj = getattr(self, "_sent", {}).get(rec["id"])
+            obj = self._sent.get(rec["id"])
             if isinstance(obj, np.ndarray):
                 _write_back(obj, _nd_from(rec["nd"]))
         if "err" in item:
@@ -431,6 +499,9 @@ class Endpoint:
         data = msgpack.packb(msg, use_bin_type=True)
         with self._send_lock:
             self.conn.send_bytes(data)
+
+    def _peer_of_me(self) -> str:
+        return "judge" if self.name == "judge" else "worker"
 
     def _peer(self) -> str:
         return "worker" if self.name == "judge" else "judge"
@@ -486,11 +557,9 @@ class Endpoint:
             kwargs = {str(k): self.decode(v) for k, v in (msg.get("kw") or {}).items()}
             before = _array_args(args, kwargs)
             result = self._do(str(msg.get("op")), msg.get("rid"), msg.get("name"), args, kwargs)
-            self._remember_sent(result)
             reply["ok"] = self.encode(result)
         except BaseException as e:
             try:
-                self._remember_sent(e)
                 reply["err"] = self.encode(e)
             except Exception as bad:
                 reply["err"] = self.encode(WireError(f"{type(e).__name__}: {e} ({bad})"))
@@ -512,6 +581,9 @@ class Endpoint:
         obj = self._exported.get(rid) if isinstance(rid, int) else None
         if obj is None:
             raise WireError(f"no object #{rid} here")
+        if rid in self._opaque:
+            raise TypeError(f"a {type(obj).__name__} of the {self._peer_of_me()} can only be "
+                            "passed along, not used")
         if name is not None:
             name = str(name)
             if name.startswith("__") and name not in ("__enter__", "__exit__"):
@@ -549,6 +621,86 @@ def _servable_attr(obj: Any, value: Any) -> bool:
                                                                    types.BuiltinMethodType))
 
 
+# ------------------------------------------------------------------------------------------
+# pytree nodes of classes the other side cannot import (a test's own)
+# ------------------------------------------------------------------------------------------
+class JudgeNode:
+    """In the worker: a pytree node of a class of the judge's test (a namedtuple, a
+    registered class), with the same children under the same keys, so that JAX flattens it
+    to the same key paths. Sent back, it is the judge's own node again, or a new one of its
+    class built by the judge from the children."""
+
+    def __init__(self, template: int, keys: list, children: list) -> None:
+        self._template, self._keys, self._children = template, keys, list(children)
+        _register_judge_node()
+
+    def __repr__(self) -> str:
+        return f"JudgeNode({self._children!r})"
+
+
+_REGISTERED: list[bool] = []
+
+
+def _register_judge_node() -> None:
+    if _REGISTERED:
+        return
+    import jax
+
+    def flatten(n: JudgeNode) -> tuple:
+        return tuple(zip([_key(k) for k in n._keys], n._children, strict=True)), \
+            (n._template, tuple(map(tuple, n._keys)))
+
+    jax.tree_util.register_pytree_with_keys(
+        JudgeNode, flatten, lambda aux, kids: JudgeNode(aux[0], [list(k) for k in aux[1]],
+                                                        list(kids)))
+    _REGISTERED.append(True)
+
+
+def _key(k: list) -> Any:
+    import jax.tree_util as tu
+
+    kind, v = k[0], k[1]
+    return {"dict": tu.DictKey, "attr": tu.GetAttrKey, "seq": tu.SequenceKey,
+            "flat": tu.FlattenedIndexKey}[kind](v)
+
+
+def _pytree_node(obj: Any) -> tuple[list, list] | None:
+    """(keys, children) of ``obj`` when JAX knows it as a pytree node, else None."""
+    import sys
+
+    jax = sys.modules.get("jax")
+    if jax is None:
+        return None
+    tu = jax.tree_util
+    try:
+        pairs, treedef = tu.tree_flatten_with_path(obj, is_leaf=lambda x: x is not obj)
+    except Exception:
+        return None
+    if tu.treedef_is_leaf(treedef):
+        return None
+    keys = []
+    for path, _ in pairs:
+        k = path[0] if len(path) == 1 else None
+        if isinstance(k, tu.DictKey) and (k.key is None or isinstance(k.key, (int, float, str))):
+            keys.append(["dict", k.key])
+        elif isinstance(k, tu.GetAttrKey):
+            keys.append(["attr", k.name])
+        elif isinstance(k, tu.SequenceKey):
+            keys.append(["seq", k.idx])
+        elif isinstance(k, tu.FlattenedIndexKey):
+            keys.append(["flat", k.key])
+        else:
+            return None
+    return keys, [x for _, x in pairs]
+
+
+def _rebuild(template: Any, children: list) -> Any:
+    import jax
+
+    treedef = jax.tree_util.tree_structure(template, is_leaf=lambda x: x is not template)
+    return jax.tree_util.tree_unflatten(treedef, children)
+
+
 def _plain(v: Any) -> bool:
     return v is None or isinstance(v, (bool, int, float, str, bytes, np.ndarray, np.generic,
                                        tuple, list, dict))
@@ -580,14 +732,21 @@ def _write_back(dest: np.ndarray, src: np.ndarray) -> None:
 def _nd_enc(a: np.ndarray) -> dict[str, Any]:
     if a.dtype.hasobject:
         raise WireError("an object array cannot cross the wire")
-    c = np.ascontiguousarray(a)
+    c = a if a.flags.c_contiguous else a.copy(order="C")
     little = c.dtype.newbyteorder("<") if c.dtype.byteorder == ">" else c.dtype
     return {"dtype": _dtype_name(c.dtype), "order": c.dtype.byteorder, "shape": list(c.shape),
             "data": c.astype(little, copy=False).tobytes(), "ro": not a.flags.writeable}
 
 
 def _dtype_name(dt: np.dtype) -> str:
-    return dt.newbyteorder("=").name if dt.byteorder in "<>" else dt.name
+    """A name the other side's numpy gives the same dtype back for (ml_dtypes' by name)."""
+    plain = dt.newbyteorder("<") if dt.byteorder == ">" else dt
+    try:
+        if np.dtype(plain.str) == plain:
+            return plain.str
+    except TypeError:
+        pass
+    return plain.name
 
 
 def _dtype(name: str) -> np.dtype:

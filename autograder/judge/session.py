@@ -1,0 +1,219 @@
+"""The judge's side of one submission: start the student's worker (in the sandbox when there
+is one), bind proxies to its task functions, run the lab's tests here, end the worker.
+
+Who decides a point: :func:`judge_lab` returns the verdict of every test cell, and only the
+code of the test, running in this process, can make one pass. What the worker returns is data
+the test checks; what it prints goes nowhere; if it dies, every later call fails.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import socket
+import subprocess
+import sys
+import tempfile
+import threading
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from multiprocessing.connection import Connection
+from pathlib import Path
+from typing import Any
+
+import msgpack
+
+from . import cells as cells_mod
+from . import wire, worker
+
+JUDGED_LABS = ("lab01_basics", "lab02_save_policy", "lab05_async")
+"""The labs whose every test point the judge decides. In the others the kernel's receipts
+still count for the tests the judge does not run yet (their process tests): see
+docs/grading.md, "Its limits"."""
+
+CALL_TIMEOUT = 60.0
+"""How long one call into the worker may take before the test that made it fails."""
+
+
+class Refused(PermissionError):
+    """The worker asked the judge for something outside the test's folder."""
+
+
+def confined_policy(roots: Sequence[str]) -> wire.Policy:
+    """What the worker may do with the judge's objects: call their methods and set their
+    attributes (a writer's thread, as the contract of lab 5 says), never reach a class, a
+    module or a function through them, and never name a path outside ``roots`` (the folder
+    the test works in) to one of minickpt's objects: the judge's file systems, batches and
+    managers act only there."""
+    real = [os.path.realpath(r) for r in roots]
+
+    def check(obj: Any, name: str, args: tuple, kwargs: dict) -> None:
+        import types
+
+        if isinstance(obj, (types.FunctionType, types.MethodType)) or \
+                not type(obj).__module__.startswith("minickpt"):
+            return  # a test's own callback: its arguments are the test's business
+        for a in [*args, *kwargs.values()]:
+            if isinstance(a, (str, os.PathLike)) and os.sep in os.fspath(a):
+                p = os.path.realpath(os.fspath(a))
+                if not any(p == r or p.startswith(r + os.sep) for r in real):
+                    raise Refused(f"{type(obj).__name__}.{name}: {os.fspath(a)!r} is outside "
+                                  "the folder this test works in")
+
+    return wire.Policy(private=True, setattr=True, check=check)
+
+
+class StudentWorker:
+    """The student's worker process and the wire to it."""
+
+    def __init__(self, lab: str, student_cells: Sequence[str], folder: str, *,
+                 wrap: Callable[[list[str], dict[str, str]], list[str]] | None = None,
+                 timeout: float = CALL_TIMEOUT) -> None:
+        self.lab, self.folder, self.wrap, self.timeout = lab, folder, wrap, timeout
+        self.cells = worker.student_code(list(student_cells))
+        self.proc: subprocess.Popen[bytes] | None = None
+        self.ep: wire.Endpoint | None = None
+        self.functions: dict[str, Any] = {}
+        self.problems: list[str] = []
+        self.stderr: list[bytes] = []
+
+    def start(self, setup: str, names: Sequence[str]) -> dict[str, Any]:
+        ours, theirs = socket.socketpair()
+        argv = [sys.executable, "-c", worker.BOOT, str(theirs.fileno())]
+        env = {"JAX_PLATFORMS": "cpu", "PYTHONDONTWRITEBYTECODE": "1",
+               "XLA_FLAGS": "--xla_force_host_platform_device_count=4",
+               "PATH": os.environ.get("PATH", "/usr/bin:/bin")}
+        if self.wrap is not None:
+            argv = self.wrap(argv, env)
+        self.proc = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
+                                     stderr=subprocess.PIPE, env=env,
+                                     pass_fds=(theirs.fileno(),), cwd=self.folder)
+        theirs.close()
+        threading.Thread(target=self._drain, daemon=True).start()
+        conn = Connection(ours.detach())
+        program = worker_program()
+        conn.send_bytes(program.encode())
+        conn.send_bytes(msgpack.packb({"setup": setup, "cells": self.cells,
+                                       "names": list(names)}, use_bin_type=True))
+        if not conn.poll(self.timeout * 2):
+            self.close()
+            raise wire.WireError("your code did not finish loading in the worker in "
+                                 f"{self.timeout * 2:.0f} s")
+        hello = msgpack.unpackb(conn.recv_bytes(1 << 20), raw=False)
+        self.problems = [str(p) for p in hello.get("problems", [])]
+        self.ep = wire.Endpoint(conn, "judge", confined_policy([self.folder]),
+                                timeout=self.timeout)
+        found = dict(hello.get("functions", {}))
+        control = self.ep.decode(found.pop("__control__"))
+        self.functions = {name: _named(self.ep.decode(enc), name)
+                          for name, enc in found.items() if name in names}
+        self.ep.start()
+        control.set_sinks(_log_sink, _warn_sink)
+        return self.functions
+
+    def _drain(self) -> None:
+        """The worker's stderr, read as it comes (a full pipe would stop it), kept short."""
+        assert self.proc is not None and self.proc.stderr is not None
+        kept = 0
+        for line in self.proc.stderr:
+            if kept < 64 << 10:
+                self.stderr.append(line)
+                kept += len(line)
+
+    def close(self) -> None:
+        if self.ep is not None:
+            self.ep.close()
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.kill()
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                self.proc.wait(5)
+
+
+def worker_program() -> str:
+    """The worker's program: :mod:`.wire` and :mod:`.worker` as one module, then its start."""
+    future = "from __future__ import annotations\n"
+    texts = [Path(m.__file__).read_text(encoding="utf-8").replace(future, "")
+             for m in (wire, worker)]
+    return future + "\n\n".join(texts) + "\n\nmain(conn)\n"
+
+
+def _log_sink(name: str, level: int, message: str) -> None:
+    """A log record of the worker's, logged here under the same logger (what a test reads)."""
+    import logging
+
+    if isinstance(name, str) and name.split(".")[0] == "minickpt" and isinstance(level, int):
+        logging.getLogger(name).log(level, "%s", str(message))
+
+
+def _warn_sink(message: str, category: str) -> None:
+    """A warning of the worker's, warned here with its category where the judge knows it."""
+    import warnings
+
+    cls = wire.load_class(str(category))
+    if cls is None or not issubclass(cls, Warning):
+        cls = UserWarning
+    warnings.warn(str(message), cls, stacklevel=2)
+
+
+def _named(remote: Any, name: str) -> Callable[..., Any]:
+    """A plain function standing for the student's ``name`` in the judge: minickpt and the
+    tests call it like theirs (the plug points need a ``__name__``)."""
+    def proxy(*args: Any, **kwargs: Any) -> Any:
+        return remote(*args, **kwargs)
+
+    proxy.__name__ = proxy.__qualname__ = name
+    proxy._judge_proxy = True  # type: ignore[attr-defined]
+    return proxy
+
+
+@contextlib.contextmanager
+def as_uid(uid: int | None) -> Iterator[None]:
+    """Run the tests as the worker's uid (when the judge is root and the sandbox has one): the
+    folders a test makes are then the worker's to write, and a file-system call the judge
+    makes for the worker has no more rights than the worker."""
+    if not uid or os.geteuid() != 0:
+        yield
+        return
+    os.setegid(uid)
+    os.seteuid(uid)
+    try:
+        yield
+    finally:
+        os.seteuid(0)
+        os.setegid(0)
+
+
+def judge_lab(lab: str, student_cells: Sequence[str], folder: str, *,
+              wrap: Callable[[list[str], dict[str, str]], list[str]] | None = None,
+              uid: int | None = None, tools: Mapping[str, Callable[..., Any]] | None = None,
+              source: Path | None = None, timeout: float = CALL_TIMEOUT,
+              end_workers: Callable[[], None] | None = None
+              ) -> tuple[list[cells_mod.Verdict], list[str]]:
+    """Every test of ``lab`` judged here against the student's functions, which run in a
+    worker started in ``folder`` (by ``wrap``: the sandbox). Returns (verdicts, what went
+    wrong loading the student's code)."""
+    setup, _ = cells_mod.lab_cells(lab, source)
+    names = cells_mod.lab_task_names(lab)
+    w = StudentWorker(lab, student_cells, folder, wrap=wrap, timeout=timeout)
+    old_tmp = tempfile.tempdir
+    tests_dir = os.path.join(folder, "tests")
+    os.makedirs(tests_dir, exist_ok=True)
+    if uid and os.geteuid() == 0:
+        os.chown(tests_dir, uid, uid)
+    try:
+        try:
+            functions = w.start(setup, list(names))
+        except (wire.WireError, OSError) as e:
+            functions = {}
+            w.close()
+            tail = b"".join(w.stderr).decode(errors="replace").strip().splitlines()[-3:]
+            w.problems.append(f"your code could not be loaded in the worker ({e})"
+                              + (": " + " | ".join(tail) if tail else ""))
+        tempfile.tempdir = tests_dir
+        with as_uid(uid):
+            verdicts = cells_mod.run_tests(lab, functions, tools=tools, source=source)
+    finally:
+        tempfile.tempdir = old_tmp
+        w.close()
+        if end_workers is not None:
+            end_workers()
+    return verdicts, w.problems
