@@ -144,6 +144,10 @@ class Lab:
         return {c.grade_id: c.points for c in self.cells if c.role in ("test", "quiz")}
 
     @property
+    def quiz_cells(self) -> dict[str, float]:
+        return {c.grade_id: c.points for c in self.cells if c.role == "quiz"}
+
+    @property
     def max_score(self) -> float:
         return sum(self.grade_cells.values())
 
@@ -350,9 +354,12 @@ def seal_text(key: bytes, nonce: str, grade_id: str, text: str) -> str:
 
 def assemble(lab: Lab, student: list[StudentCell], *, referee_path: str, key_file: str,
              key: bytes | None = None, nonce: str | None = None,
-             refereed: bool = True, hoist: bool = False) -> Assembled:
+             refereed: bool = True, hoist: bool = False, judged: bool = False) -> Assembled:
     """The notebook to run for one submission (see the module doc). ``refereed=False`` runs
-    the tests as plain cells, the way nbgrader does: only to show what the referee stops."""
+    the tests as plain cells, the way nbgrader does: only to show what the referee stops.
+    ``judged``: the judge decides every test of this lab (:mod:`autograder.judge`) and runs
+    it in its own process, so the kernel runs no test at all (the judge's output of each
+    test is shown in its place): no test text, hidden or not, enters the sandbox."""
     key = key if key is not None else secrets.token_bytes(32)
     nonce = nonce if nonce is not None else secrets.token_hex(8)
     notes: list[str] = sorted({c.note for c in student if c.note})
@@ -415,6 +422,9 @@ def assemble(lab: Lab, student: list[StudentCell], *, referee_path: str, key_fil
             cells.append(RunCell("markdown", "", lc.source, "text"))
         elif lc.role in ("setup", "locked"):
             cells.append(RunCell("code", lc.source, lc.source, lc.role, lc.grade_id))
+        elif lc.role == "test" and judged:
+            cells.append(RunCell("code", "", split_hidden(lc.source)[0], lc.role, lc.grade_id,
+                                 full=lc.source))
         elif lc.role in ("test", "quiz") and not refereed:
             cells.append(RunCell("code", lc.source, split_hidden(lc.source)[0], lc.role,
                                  lc.grade_id, full=lc.source))

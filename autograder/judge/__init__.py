@@ -15,3 +15,33 @@ What runs where:
 
 A test passes when its code ran to its end in the judge. The kernel run is feedback only.
 """
+
+from __future__ import annotations
+
+from typing import Any
+
+from .cells import cells_of, ensure_devices, run_tests
+
+JUDGED_LABS = ("lab01_basics", "lab02_save_policy", "lab05_async")
+"""The labs whose every test the judge decides. In the others the kernel's receipts still
+count (their process tests run worker processes the judge does not start yet): see
+docs/grading.md, "Its limits"."""
+
+
+def judges(lab: str) -> bool:
+    """Whether the judge decides the tests of ``lab`` (``MINICKPT_JUDGE=off``: none, the
+    instructor's override, for comparing with the kernel's verdicts)."""
+    import os
+
+    if os.environ.get("MINICKPT_JUDGE", "").lower() in ("off", "0", "no"):
+        return False
+    return lab in JUDGED_LABS
+
+
+def judge_lab(*args: Any, **kwargs: Any) -> Any:
+    from .session import judge_lab as run
+
+    return run(*args, **kwargs)
+
+
+__all__ = ["JUDGED_LABS", "cells_of", "ensure_devices", "judge_lab", "judges", "run_tests"]

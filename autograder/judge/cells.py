@@ -38,6 +38,11 @@ class Verdict:
     passed: bool
     message: str = ""
     seconds: float = 0.0
+    output: str = ""
+    """What the test printed (its "Task X.Y: ..." line), for the student's feedback."""
+
+
+OUTPUT_CHARS = 8000
 
 
 @dataclass
@@ -51,9 +56,15 @@ class TestCell:
 def lab_cells(lab: str, source: Path | None = None) -> tuple[str, list[TestCell]]:
     """(the setup cell's source, the test cells in notebook order) of ``lab``'s source
     notebook (``solutions/<lab>/<lab>.ipynb``, or ``source/<lab>/<lab>.ipynb``)."""
-    from ..notebook import load_lab, task_of
+    from ..notebook import load_lab
 
-    nb = load_lab(Path(source or SOURCE) / lab / f"{lab}.ipynb")
+    return cells_of(load_lab(Path(source or SOURCE) / lab / f"{lab}.ipynb"))
+
+
+def cells_of(nb: Any) -> tuple[str, list[TestCell]]:
+    """(setup, tests) of a loaded :class:`autograder.notebook.Lab`."""
+    from ..notebook import task_of
+
     setup = "\n\n".join(c.source for c in nb.cells if c.role == "setup")
     tests = [TestCell(c.grade_id, task_of(c.grade_id), c.points, c.source)
              for c in nb.cells if c.role == "test"]
@@ -79,7 +90,9 @@ GRADED_SHIM = "minickpt._graded"
 
 
 @contextlib.contextmanager
-def plugged(lab: str, functions: Mapping[str, Callable[..., Any]]) -> Iterator[types.ModuleType]:
+def plugged(lab: str, functions: Mapping[str, Callable[..., Any]],
+            mirror: Callable[[str], Callable[[], None]] | None = None
+            ) -> Iterator[types.ModuleType]:
     """minickpt with every task function of ``lab`` replaced by a plug point calling
     ``functions[name]``, and the ``minickpt._graded`` module the graded build would have;
     everything put back when the block ends."""
@@ -107,6 +120,8 @@ def plugged(lab: str, functions: Mapping[str, Callable[..., Any]]) -> Iterator[t
         return fn
 
     shim.plugged = plugged_fn
+    if mirror is not None:  # a test's set-up made in the student's worker too (labkit.mirrored)
+        shim.mirror = mirror
     plugs: dict[str, Callable[..., Any]] = {}
     for name, (tid, ref) in refs.items():
         def plug(*args: Any, _t: str = tid, _n: str = name, **kwargs: Any) -> Any:
@@ -150,7 +165,9 @@ def run_tests(lab: str, functions: Mapping[str, Callable[..., Any]],
               grade_ids: Sequence[str] | None = None, *,
               tools: Mapping[str, Callable[..., Any]] | None = None,
               source: Path | None = None, timeout: float | None = None,
-              on_verdict: Callable[[Verdict], None] | None = None) -> list[Verdict]:
+              on_verdict: Callable[[Verdict], None] | None = None,
+              cells: tuple[str, list[TestCell]] | None = None,
+              mirror: Callable[[str], Callable[[], None]] | None = None) -> list[Verdict]:
     """Run ``lab``'s test cells (``grade_ids``, default all) in this process, in notebook
     order and in one namespace (as a notebook would), with ``functions`` as the student's
     task functions. A test passes when its code ran to its end; the message of one that did
@@ -159,7 +176,7 @@ def run_tests(lab: str, functions: Mapping[str, Callable[..., Any]],
     calls into the functions; see :mod:`.session` for calls that hang)."""
     import builtins
 
-    setup, tests = lab_cells(lab, source)
+    setup, tests = cells if cells is not None else lab_cells(lab, source)
     wanted = set(grade_ids) if grade_ids is not None else None
     ensure_devices()
     main = types.ModuleType("__main__")
@@ -167,7 +184,7 @@ def run_tests(lab: str, functions: Mapping[str, Callable[..., Any]],
     ns.update(__builtins__=builtins, __name__="__main__")
     old_main = sys.modules.get("__main__")
     verdicts: list[Verdict] = []
-    with _cwd_scratch(), plugged(lab, functions):
+    with _cwd_scratch(), plugged(lab, functions, mirror):
         sys.modules["__main__"] = main
         try:
             exec(compile(setup, "<setup>", "exec"), ns)
@@ -190,14 +207,20 @@ def _run_one(cell: TestCell, ns: dict[str, Any], functions: Mapping[str, Callabl
              tools: Mapping[str, Callable[..., Any]] | None) -> Verdict:
     ns.update(functions)  # a test (or a hidden check) may have rebound a name
     ns.update(tools or {})
+    import io
+
     t0 = time.monotonic()
+    out = io.StringIO()
     try:
-        exec(compile(cell.source, f"<{cell.grade_id}>", "exec"), ns)
+        with contextlib.redirect_stdout(out):
+            exec(compile(cell.source, f"<{cell.grade_id}>", "exec"), ns)
     except BaseException as e:  # whatever the student's code raised, it is this test's failure
         if isinstance(e, (KeyboardInterrupt, SystemExit)) and not _from_student(e):
             raise
-        return Verdict(cell.grade_id, cell.task, False, _message(e), time.monotonic() - t0)
-    return Verdict(cell.grade_id, cell.task, True, "", time.monotonic() - t0)
+        return Verdict(cell.grade_id, cell.task, False, _message(e), time.monotonic() - t0,
+                       out.getvalue()[:OUTPUT_CHARS])
+    return Verdict(cell.grade_id, cell.task, True, "", time.monotonic() - t0,
+                   out.getvalue()[:OUTPUT_CHARS])
 
 
 def _from_student(e: BaseException) -> bool:

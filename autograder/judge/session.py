@@ -25,11 +25,6 @@ import msgpack
 from . import cells as cells_mod
 from . import wire, worker
 
-JUDGED_LABS = ("lab01_basics", "lab02_save_policy", "lab05_async")
-"""The labs whose every test point the judge decides. In the others the kernel's receipts
-still count for the tests the judge does not run yet (their process tests): see
-docs/grading.md, "Its limits"."""
-
 CALL_TIMEOUT = 60.0
 """How long one call into the worker may take before the test that made it fails."""
 
@@ -73,6 +68,7 @@ class StudentWorker:
         self.proc: subprocess.Popen[bytes] | None = None
         self.ep: wire.Endpoint | None = None
         self.functions: dict[str, Any] = {}
+        self.control: Any = None
         self.problems: list[str] = []
         self.stderr: list[bytes] = []
 
@@ -84,6 +80,8 @@ class StudentWorker:
                "PATH": os.environ.get("PATH", "/usr/bin:/bin")}
         if self.wrap is not None:
             argv = self.wrap(argv, env)
+        elif os.environ.get("PYTHONPATH"):  # no sandbox: the same minickpt as this process
+            env["PYTHONPATH"] = os.environ["PYTHONPATH"]
         self.proc = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
                                      stderr=subprocess.PIPE, env=env,
                                      pass_fds=(theirs.fileno(),), cwd=self.folder)
@@ -103,12 +101,19 @@ class StudentWorker:
         self.ep = wire.Endpoint(conn, "judge", confined_policy([self.folder]),
                                 timeout=self.timeout)
         found = dict(hello.get("functions", {}))
-        control = self.ep.decode(found.pop("__control__"))
+        control = self.control = self.ep.decode(found.pop("__control__"))
         self.functions = {name: _named(self.ep.decode(enc), name)
                           for name, enc in found.items() if name in names}
         self.ep.start()
         control.set_sinks(_log_sink, _warn_sink)
         return self.functions
+
+    def mirror(self, name: str) -> Callable[[], None]:
+        """The test's set-up ``name`` made in the worker too; returns how to undo it."""
+        if self.control is None:
+            return lambda: None
+        key = self.control.enter(name)
+        return lambda: self.control.leave(key)
 
     def _drain(self) -> None:
         """The worker's stderr, read as it comes (a full pipe would stop it), kept short."""
@@ -166,39 +171,49 @@ def _named(remote: Any, name: str) -> Callable[..., Any]:
 
 
 @contextlib.contextmanager
-def as_uid(uid: int | None) -> Iterator[None]:
-    """Run the tests as the worker's uid (when the judge is root and the sandbox has one): the
-    folders a test makes are then the worker's to write, and a file-system call the judge
-    makes for the worker has no more rights than the worker."""
-    if not uid or os.geteuid() != 0:
+def shared_with_worker(active: bool) -> Iterator[None]:
+    """While the tests run (as root, for a sandbox whose worker has its own uid): what they
+    create is the worker's to read and write, as in one process. Folders from
+    ``tempfile.mkdtemp`` (``lab.tempdir()``) are opened to all, and nothing is masked from
+    new files: everything lies in the drill's scratch folder, which only this job reaches."""
+    if not active:
         yield
         return
-    os.setegid(uid)
-    os.seteuid(uid)
+    real_mkdtemp = tempfile.mkdtemp
+
+    def mkdtemp(*args: Any, **kwargs: Any) -> str:
+        d = real_mkdtemp(*args, **kwargs)
+        os.chmod(d, 0o777)
+        return d
+
+    old = os.umask(0)
+    tempfile.mkdtemp = mkdtemp  # type: ignore[assignment]
     try:
         yield
     finally:
-        os.seteuid(0)
-        os.setegid(0)
+        tempfile.mkdtemp = real_mkdtemp  # type: ignore[assignment]
+        os.umask(old)
 
 
 def judge_lab(lab: str, student_cells: Sequence[str], folder: str, *,
               wrap: Callable[[list[str], dict[str, str]], list[str]] | None = None,
               uid: int | None = None, tools: Mapping[str, Callable[..., Any]] | None = None,
               source: Path | None = None, timeout: float = CALL_TIMEOUT,
-              end_workers: Callable[[], None] | None = None
+              end_workers: Callable[[], None] | None = None,
+              cells: tuple[str, list[cells_mod.TestCell]] | None = None
               ) -> tuple[list[cells_mod.Verdict], list[str]]:
     """Every test of ``lab`` judged here against the student's functions, which run in a
     worker started in ``folder`` (by ``wrap``: the sandbox). Returns (verdicts, what went
     wrong loading the student's code)."""
-    setup, _ = cells_mod.lab_cells(lab, source)
+    cells = cells if cells is not None else cells_mod.lab_cells(lab, source)
+    setup = cells[0]
     names = cells_mod.lab_task_names(lab)
     w = StudentWorker(lab, student_cells, folder, wrap=wrap, timeout=timeout)
     old_tmp = tempfile.tempdir
     tests_dir = os.path.join(folder, "tests")
     os.makedirs(tests_dir, exist_ok=True)
     if uid and os.geteuid() == 0:
-        os.chown(tests_dir, uid, uid)
+        os.chmod(tests_dir, 0o777)
     try:
         try:
             functions = w.start(setup, list(names))
@@ -209,8 +224,9 @@ def judge_lab(lab: str, student_cells: Sequence[str], folder: str, *,
             w.problems.append(f"your code could not be loaded in the worker ({e})"
                               + (": " + " | ".join(tail) if tail else ""))
         tempfile.tempdir = tests_dir
-        with as_uid(uid):
-            verdicts = cells_mod.run_tests(lab, functions, tools=tools, source=source)
+        with shared_with_worker(bool(uid) and os.geteuid() == 0):
+            verdicts = cells_mod.run_tests(lab, functions, tools=tools, cells=cells,
+                                           mirror=w.mirror)
     finally:
         tempfile.tempdir = old_tmp
         w.close()

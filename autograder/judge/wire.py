@@ -160,6 +160,7 @@ class Endpoint:
         self._imported: dict[int, tuple[int, Any]] = {}  # id(obj) of a value I decoded -> (its id there, obj)
         self._remotes: dict[int, Remote] = {}    # rid there -> Remote (one per object)
         self._opaque: set[int] = set()           # my objects the other side may only hold
+        self._buffers: list[tuple[int, int, int]] = []  # received arrays' bytes: start, end, id
         self._waiting: dict[int, queue.Queue] = {}       # request id -> the waiter's queue
         self._chain_q: dict[str, list[queue.Queue]] = {}  # chain -> waiters in it (innermost last)
         self._local = threading.local()
@@ -187,6 +188,8 @@ class Endpoint:
             ref: dict[str, Any] = {"$": "back", "id": back[0]}
             if isinstance(obj, np.ndarray):  # as it is now: this side may have changed it
                 ref["nd"] = _nd_enc(obj)
+            elif isinstance(obj, BaseException):
+                ref["notes"] = [str(n) for n in getattr(obj, "__notes__", [])]
             elif type(obj) in (list, dict, set) and id(obj) not in memo:
                 memo[id(obj)] = obj
                 ref["now"] = ({"$": "dict", "k": [self.encode(k, memo) for k in obj],
@@ -254,21 +257,31 @@ class Endpoint:
         return self._handle(obj)
 
     def _view_of_received(self, a: np.ndarray) -> dict[str, Any] | None:
-        """``a`` as a view of an array the other side sent (a function that returns a view of
-        its argument, not a copy, returns a view of the caller's array there too)."""
-        base = a.base
-        while isinstance(base, np.ndarray):
-            back = self._imported.get(id(base))
-            if back is not None and back[1] is base and base.flags.c_contiguous:
-                offset = a.__array_interface__["data"][0] - base.__array_interface__["data"][0]
-                if offset < 0 or a.dtype.hasobject:
-                    return None
-                return {"$": "view", "id": id(a), "base": back[0], "offset": offset,
-                        "shape": list(a.shape), "strides": list(a.strides),
-                        "dtype": _dtype_name(a.dtype), "order": a.dtype.byteorder,
-                        "nd": _nd_enc(a)}
-            base = base.base
-        return None
+        """``a`` as a view into an array the other side sent (a numpy array, or the buffer of
+        a JAX array on the CPU): a function that returns a view of its argument, not a copy,
+        returns a view of the caller's own array there too."""
+        if not self._buffers or a.dtype.hasobject or a.size == 0:
+            return None
+        ptr = a.__array_interface__["data"][0]
+        with self._lock:
+            found = next(((start, rid) for start, end, rid in reversed(self._buffers)
+                          if start <= ptr < end), None)
+        if found is None:
+            return None
+        return {"$": "view", "id": id(a), "base": found[1], "offset": ptr - found[0],
+                "shape": list(a.shape), "strides": list(a.strides),
+                "dtype": _dtype_name(a.dtype), "order": a.dtype.byteorder, "nd": _nd_enc(a)}
+
+    def _note_buffer(self, enc: dict[str, Any], obj: Any) -> None:
+        """Where a received array's bytes are (numpy, or a CPU JAX array's own buffer)."""
+        try:
+            a = obj if isinstance(obj, np.ndarray) else np.asarray(obj)
+            if a.flags.c_contiguous and a.size and not a.dtype.hasobject:
+                start = a.__array_interface__["data"][0]
+                with self._lock:
+                    self._buffers.append((start, start + a.nbytes, enc["id"]))
+        except Exception:
+            pass
 
     def _exception(self, e: BaseException, memo: dict[int, Any]) -> dict[str, Any]:
         cls = type(e)
@@ -346,6 +359,10 @@ class Endpoint:
                 raise WireError("an object that was never sent")
             if "nd" in enc and isinstance(obj, np.ndarray):
                 _write_back(obj, _nd_from(enc["nd"]))
+            elif "notes" in enc and isinstance(obj, BaseException):
+                notes = [str(n) for n in enc["notes"]]
+                if notes or hasattr(obj, "__notes__"):
+                    obj.__notes__ = notes
             elif "now" in enc and type(obj) in (list, dict, set):
                 now = self.decode(enc["now"])
                 if type(obj) is list and type(now) is list:
@@ -362,9 +379,16 @@ class Endpoint:
                     r = self._remotes[rid] = Remote(self, rid)
             return r
         if tag == "nd":
-            return self._keep(enc, _nd_from(enc))
+            a = self._keep(enc, _nd_from(enc))
+            self._note_buffer(enc, a)
+            return a
         if tag == "view":
             base = self._sent.get(enc["base"])
+            if base is not None and not isinstance(base, np.ndarray):
+                try:  # a JAX array on the CPU: a view of its own buffer (it pins it)
+                    base = np.asarray(base)
+                except Exception:
+                    base = None
             if isinstance(base, np.ndarray) and base.flags.c_contiguous:
                 dt = _dtype(enc["dtype"])
                 if enc.get("order") == ">":
@@ -384,7 +408,10 @@ class Endpoint:
         if tag == "npscalar":
             return self._keep(enc, np.frombuffer(enc["data"], dtype=_dtype(enc["dtype"]))[0])
         if tag in ("jax", "jaxkey"):
-            return self._keep(enc, _decode_jax(enc))
+            x = self._keep(enc, _decode_jax(enc))
+            if tag == "jax":
+                self._note_buffer(enc, x)
+            return x
         if tag in ("list", "tuple", "set", "frozenset"):
             items = [self.decode(x) for x in enc["v"]]
             return self._keep(enc, {"list": list, "tuple": tuple, "set": set,
