@@ -106,7 +106,7 @@ def plugged(lab: str, functions: Mapping[str, Callable[..., Any]],
     shim.__spec__ = importlib.machinery.ModuleSpec(GRADED_SHIM, loader=None)
     exec(compile(GRADED_MODULE.format(lab=lab_number(lab)), "<graded shim>", "exec"),
          shim.__dict__)
-    given = dict(functions)
+    given = functions  # looked up at each call: a judge that restarts a worker rebinds them
 
     def plugged_fn(task: str, name: str) -> Callable[..., Any]:
         for ns in reversed(shim.NAMESPACES):
@@ -167,7 +167,8 @@ def run_tests(lab: str, functions: Mapping[str, Callable[..., Any]],
               source: Path | None = None, timeout: float | None = None,
               on_verdict: Callable[[Verdict], None] | None = None,
               cells: tuple[str, list[TestCell]] | None = None,
-              mirror: Callable[[str], Callable[[], None]] | None = None) -> list[Verdict]:
+              mirror: Callable[[str], Callable[[], None]] | None = None,
+              before_test: Callable[[], None] | None = None) -> list[Verdict]:
     """Run ``lab``'s test cells (``grade_ids``, default all) in this process, in notebook
     order and in one namespace (as a notebook would), with ``functions`` as the student's
     task functions. A test passes when its code ran to its end; the message of one that did
@@ -193,6 +194,8 @@ def run_tests(lab: str, functions: Mapping[str, Callable[..., Any]],
             for cell in tests:
                 if wanted is not None and cell.grade_id not in wanted:
                     continue
+                if before_test is not None:
+                    before_test()
                 v = _run_one(cell, ns, functions, tools)
                 verdicts.append(v)
                 if on_verdict is not None:

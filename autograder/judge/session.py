@@ -108,6 +108,11 @@ class StudentWorker:
         control.set_sinks(_log_sink, _warn_sink)
         return self.functions
 
+    def alive(self) -> bool:
+        """Whether the worker still answers: its process runs and its wire is open."""
+        return self.proc is not None and self.proc.poll() is None and self.ep is not None \
+            and self.ep._closed is None
+
     def mirror(self, name: str) -> Callable[[], None]:
         """The test's set-up ``name`` made in the worker too; returns how to undo it."""
         if self.control is None:
@@ -208,28 +213,49 @@ def judge_lab(lab: str, student_cells: Sequence[str], folder: str, *,
     cells = cells if cells is not None else cells_mod.lab_cells(lab, source)
     setup = cells[0]
     names = cells_mod.lab_task_names(lab)
-    w = StudentWorker(lab, student_cells, folder, wrap=wrap, timeout=timeout)
     old_tmp = tempfile.tempdir
     tests_dir = os.path.join(folder, "tests")
     os.makedirs(tests_dir, exist_ok=True)
     if uid and os.geteuid() == 0:
         os.chmod(tests_dir, 0o777)
-    try:
+    functions: dict[str, Any] = {}
+    problems: list[str] = []
+    current: list[StudentWorker] = []
+
+    def start() -> None:
+        """A worker with the student's functions; a new one when the last one died (what
+        it was running fails; the tests after it start afresh, as each would alone)."""
+        if current:
+            if current[-1].alive() or not current[-1].functions:
+                return  # alive, or it never loaded: a new one would fail the same way
+            current[-1].close()
+            problems.append("your code ended its worker process; the next test got a new one")
+            if end_workers is not None:
+                end_workers()
+        w = StudentWorker(lab, student_cells, folder, wrap=wrap, timeout=timeout)
+        current.append(w)
+        functions.clear()
         try:
-            functions = w.start(setup, list(names))
+            functions.update(w.start(setup, list(names)))
         except (wire.WireError, OSError) as e:
-            functions = {}
             w.close()
             tail = b"".join(w.stderr).decode(errors="replace").strip().splitlines()[-3:]
-            w.problems.append(f"your code could not be loaded in the worker ({e})"
-                              + (": " + " | ".join(tail) if tail else ""))
+            problems.append(f"your code could not be loaded in the worker ({e})"
+                            + (": " + " | ".join(tail) if tail else ""))
+        problems.extend(p for p in w.problems if p not in problems)
+
+    def mirror(name: str) -> Callable[[], None]:
+        return current[-1].mirror(name) if current else (lambda: None)
+
+    try:
         tempfile.tempdir = tests_dir
         with shared_with_worker(bool(uid) and os.geteuid() == 0):
             verdicts = cells_mod.run_tests(lab, functions, tools=tools, cells=cells,
-                                           mirror=w.mirror)
+                                           mirror=mirror, before_test=start)
     finally:
         tempfile.tempdir = old_tmp
-        w.close()
+        for w in current:
+            w.close()
         if end_workers is not None:
             end_workers()
-    return verdicts, w.problems
+    return verdicts, problems[:20]
