@@ -18,6 +18,7 @@ from __future__ import annotations
 import contextlib
 import importlib.machinery
 import os
+import random
 import sys
 import time
 import types
@@ -120,6 +121,7 @@ def plugged(lab: str, functions: Mapping[str, Callable[..., Any]],
         return fn
 
     shim.plugged = plugged_fn
+    shim.SALT = random.SystemRandom().randrange(1, 2**31)  # the inputs tests draw (labkit.drawn)
     if mirror is not None:  # a test's set-up made in the student's worker too (labkit.mirrored)
         shim.mirror = mirror
     plugs: dict[str, Callable[..., Any]] = {}
