@@ -409,7 +409,7 @@ class Endpoint:
             return self._keep(enc, np.frombuffer(enc["data"], dtype=_dtype(enc["dtype"]))[0])
         if tag in ("jax", "jaxkey"):
             x = self._keep(enc, _decode_jax(enc))
-            if tag == "jax":
+            if tag == "jax" and not enc.get("deleted"):
                 self._note_buffer(enc, x)
             return x
         if tag in ("list", "tuple", "set", "frozenset"):
@@ -801,6 +801,9 @@ def _encode_jax(obj: Any) -> dict[str, Any] | None:
     jax = sys.modules.get("jax")
     if jax is None or not isinstance(obj, jax.Array):
         return None
+    if obj.is_deleted():  # deleted (or donated): it crosses as one, with nothing in it
+        return {"$": "jax", "deleted": True, "dtype": _dtype_name(np.dtype(obj.dtype)),
+                "shape": list(obj.shape)}
     if jax.dtypes.issubdtype(obj.dtype, jax.dtypes.prng_key):
         data = np.asarray(jax.random.key_data(obj))
         return {"$": "jaxkey", "impl": str(jax.random.key_impl(obj)),
@@ -813,6 +816,10 @@ def _decode_jax(enc: dict[str, Any]) -> Any:
     import jax
     import jax.numpy as jnp
 
+    if enc.get("deleted"):
+        x = jnp.zeros(tuple(enc["shape"]), _dtype(enc["dtype"]))
+        x.delete()
+        return x
     data = _nd_from(enc["data"])
     if enc["$"] == "jaxkey":
         return jax.random.wrap_key_data(data, impl=enc["impl"])
