@@ -29,16 +29,19 @@ or a helper beside a task function comes along); no bare call, loop or ``with`` 
 test of their own)."""
 
 
-def student_code(cells: list[str]) -> list[str]:
+def student_code(cells: list[str], problems: list[str] | None = None) -> list[str]:
     """Per student cell, the code the worker runs (IPython's magics and shell lines made
     Python first, as IPython runs them); a cell that still does not parse contributes
-    nothing."""
+    nothing, and says so in ``problems``."""
     out = []
-    for source in cells:
+    for k, source in enumerate(cells):
         text = ipython_python(source)
         try:
             tree = ast.parse(text)
-        except (SyntaxError, ValueError):
+        except (SyntaxError, ValueError) as e:
+            if problems is not None:
+                problems.append(f"your cell {k} does not parse ({type(e).__name__}: {e}): "
+                                "nothing of it was run")
             continue
         lines = text.splitlines(keepends=True)
         parts = []
