@@ -147,6 +147,10 @@ class Lab:
         return {c.grade_id: c.points for c in self.cells if c.role in ("test", "quiz")}
 
     @property
+    def quiz_cells(self) -> dict[str, float]:
+        return {c.grade_id: c.points for c in self.cells if c.role == "quiz"}
+
+    @property
     def max_score(self) -> float:
         return sum(self.grade_cells.values())
 
@@ -390,9 +394,12 @@ def seal_text(key: bytes, nonce: str, grade_id: str, text: str) -> str:
 
 def assemble(lab: Lab, student: list[StudentCell], *, referee_path: str, key_file: str,
              key: bytes | None = None, nonce: str | None = None,
-             refereed: bool = True, hoist: bool = False) -> Assembled:
+             refereed: bool = True, hoist: bool = False, judged: bool = False) -> Assembled:
     """The notebook to run for one submission (see the module doc). ``refereed=False`` runs
-    the tests as plain cells, the way nbgrader does: only to show what the referee stops."""
+    the tests as plain cells, the way nbgrader does: only to show what the referee stops.
+    ``judged``: the judge decides every test of this lab (:mod:`autograder.judge`) and runs
+    it in its own process, so the kernel runs no test at all (the judge's output of each
+    test is shown in its place): no test text, hidden or not, enters the sandbox."""
     key = key if key is not None else secrets.token_bytes(32)
     nonce = nonce if nonce is not None else secrets.token_hex(8)
     notes: list[str] = sorted({c.note for c in student if c.note})
@@ -455,6 +462,9 @@ def assemble(lab: Lab, student: list[StudentCell], *, referee_path: str, key_fil
             cells.append(RunCell("markdown", "", lc.source, "text"))
         elif lc.role in ("setup", "locked"):
             cells.append(RunCell("code", lc.source, lc.source, lc.role, lc.grade_id))
+        elif lc.role == "test" and judged:
+            cells.append(RunCell("code", "", split_hidden(lc.source)[0], lc.role, lc.grade_id,
+                                 full=lc.source))
         elif lc.role in ("test", "quiz") and not refereed:
             cells.append(RunCell("code", lc.source, split_hidden(lc.source)[0], lc.role,
                                  lc.grade_id, full=lc.source))
@@ -549,7 +559,16 @@ SUSPICIOUS_ATTRS = {"_getframe", "currentframe", "stack", "f_back", "f_globals",
                     "cache_clear", "attrgetter", "_sign", "_hmac", "history_manager",
                     "addaudithook"}
 SUSPICIOUS_MODULES = {"gc", "ctypes", "builtins", "IPython", "ipykernel", "importlib",
-                      "jupyter_client", "zmq", "inspect", "pty", "resource", "socket", "_ctypes"}
+                      "jupyter_client", "zmq", "inspect", "pty", "resource", "socket", "_ctypes",
+                      "runpy", "marshal", "pickle", "code", "codeop"}
+RUNS_CODE_ATTRS = {"run_path", "run_module", "exec_module", "spec_from_file_location",
+                   "module_from_spec", "load_module", "source_to_code", "run_cell",
+                   "run_code", "ex", "ev"}
+"""Calls that run code a program built or wrote at run time (a solution kept in a string and
+run from a file): flagged with their cell, whatever module they are reached through."""
+PLAIN_DUNDERS = {"__name__", "__doc__", "__len__", "__iter__", "__class__", "__module__",
+                 "__qualname__", "__dict__"}
+"""Dunder names whose ``getattr`` is ordinary introspection, not a way into the referee."""
 ONLY_ON = {"kill": {"os"}, "killpg": {"os"}, "_exit": {"os"}, "stack": {"inspect"},
            "events": {"get_ipython", "shell", "ip"}, "cache_clear": {"lab", "labkit"},
            "modules": {"sys"}}
@@ -585,11 +604,31 @@ def scan(cells: list[tuple[str, str]]) -> list[str]:
     read, never a failure of the grading."""
     found: set[str] = set()
     for where, source in cells:
+        python = as_ipython_runs(source)
         try:
-            found.update(scan_cells([(where, source)]))
+            ast.parse(python)
+        except SyntaxError:
+            found.add(f"does not parse as Python, even as IPython runs it: read {where} yourself")
+            continue
+        except (RecursionError, MemoryError, ValueError) as e:
+            found.add(f"cannot be scanned ({type(e).__name__}): read {where} yourself")
+            continue
+        try:
+            flags = scan_cells([(where, python)])
+            if "get_ipython" not in source:  # what IPython wrote for a magic line
+                flags = [f for f in flags if f != f"get_ipython in {where}"]
+            found.update(flags)
         except (RecursionError, MemoryError, ValueError) as e:
             found.add(f"cannot be scanned ({type(e).__name__}): read {where} yourself")
     return sorted(found)
+
+
+def as_ipython_runs(source: str) -> str:
+    """A cell's code as IPython runs it: ``%magic`` and ``!shell`` lines become the Python
+    IPython executes for them, so a magic line cannot hide the rest of a cell from a scan."""
+    from .judge.worker import ipython_python
+
+    return ipython_python(source)
 
 
 def scan_cells(cells: list[tuple[str, str]]) -> list[str]:
@@ -641,8 +680,17 @@ def scan_cells(cells: list[tuple[str, str]]) -> list[str]:
                 found.add(f"{node.func.id}({_dotted(node.args[0])}, ...) in {where}")
             if isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and \
                     node.func.id in ("getattr", "setattr", "delattr", "hasattr") and \
-                    len(node.args) >= 2 and _literal_text(node.args[1]) is None:
-                found.add(f"{node.func.id} with a computed name in {where}")
+                    len(node.args) >= 2:
+                name = _literal_text(node.args[1])
+                if name is None:
+                    found.add(f"{node.func.id} with a computed name in {where}")
+                elif name.startswith("_") and not (name.startswith("__") and name.endswith("__")
+                                                    and name in PLAIN_DUNDERS):
+                    found.add(f"{node.func.id}({_dotted(node.args[0])}, {name!r}) reaches a "
+                              f"private name in {where}")
+            if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and \
+                    node.func.attr in RUNS_CODE_ATTRS:
+                found.add(f"{_dotted(node.func)} runs code built at run time in {where}")
             if isinstance(node, ast.Constant | ast.BinOp | ast.JoinedStr):
                 text = _literal_text(node)
                 if text and len(text) < 200 and SUSPICIOUS_STRINGS.search(text.strip()):
@@ -933,7 +981,7 @@ def reference_use(cells: list[tuple[str, str]], lab: Lab) -> list[str]:
     parsed: list[tuple[str, ast.AST]] = []
     for where, source in cells:
         try:
-            parsed.append((where, ast.parse(source)))
+            parsed.append((where, ast.parse(as_ipython_runs(source))))
         except (SyntaxError, ValueError, RecursionError, MemoryError):
             continue  # unparsable: scan() flags it ("cannot be scanned"), the kernel says why
     bases = set().union(*(_minickpt_names(ast.parse(c.source)) for c in lab.cells
@@ -941,9 +989,9 @@ def reference_use(cells: list[tuple[str, str]], lab: Lab) -> list[str]:
                         *(_minickpt_names(t) for _, t in parsed))
     found: set[str] = set()
 
-    def note(name: str, where: str, detail: str) -> None:
+    def note(name: str, where: str, detail: str, *, bound: bool = False) -> None:
         m = TASK_CELL_RE.match(where)
-        if m and f"{m.group(1)}.{m.group(2)}" != tasks[name]:
+        if m and f"{m.group(1)}.{m.group(2)}" != tasks[name] and not bound:
             return  # another task's cell calling the library
         found.add(f"minickpt's reference {name} (task {tasks[name]}) in {where}: {detail}")
 
@@ -953,9 +1001,10 @@ def reference_use(cells: list[tuple[str, str]], lab: Lab) -> list[str]:
             if isinstance(node, ast.ImportFrom) and \
                     (node.module or "").split(".")[0] == "minickpt":
                 for a in node.names:
-                    if a.name in tasks:
+                    if a.name in tasks:  # binding a task's own name: flagged in any cell
                         note(a.name, where, f"from {node.module} import {a.name}"
-                             + (f" as {a.asname}" if a.asname else ""))
+                             + (f" as {a.asname}" if a.asname else ""),
+                             bound=(a.asname or a.name) in tasks)
             elif isinstance(node, ast.Attribute) and node.attr in tasks and \
                     _base_name(node.value) in bases and isinstance(node.ctx, ast.Load):
                 if own_cell or _is_bound(tree, node):

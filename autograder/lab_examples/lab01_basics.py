@@ -23,7 +23,7 @@ from .common import (
     swap,
     wrong_examples,
 )
-from .hostile import attack_spinners, cheat_patch_stdlib, cheat_read_history, odd_source
+from .hostile import JUDGED, attack_spinners, cheat_patch_stdlib, cheat_read_history, odd_source
 
 # ---------------------------------------------------------------------------------------
 # lab 1's examples
@@ -804,6 +804,7 @@ WRONG: list[Wrong] = [
 
 
 EXAMPLES: dict[str, Edit] = {
+    **JUDGED,  # issue 47: the kernel liar
     "perfect": perfect, "partial": partial, "blank": blank, "syntax_error": syntax_error,
     "edited_test": edited_test, "deleted_cell": deleted_cell,
     "never_finishes": never_finishes,
