@@ -87,7 +87,7 @@ def run_task(task: str, timeout: float, setup_timeout: float, fresh: bool) -> No
                                     "seconds": timeout if timed_out else None}) + "\n")
             continue
         if proc.returncode == 3:
-            base = next((r for r in recs if "baseline" in r), {})
+            base = next((r for r in reversed(recs) if "baseline" in r), {})
             raise SystemExit(f"{task}: the reference fails its own tests: {base}")
         done = {r["id"] for r in _records(out) if "id" in r}
         if proc.returncode != 0 and len(done) == n_before:

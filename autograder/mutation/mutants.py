@@ -15,6 +15,7 @@ import inspect
 import json
 import linecache
 import textwrap
+import warnings
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -77,13 +78,13 @@ def task_functions(task: str) -> tuple[Callable[..., Any], ...]:
     return reference_functions().get(task, ())
 
 
-def lab_functions(lab: str) -> dict[str, Callable[..., Any]]:
+def lab_functions(lab: str, recompile: bool = True) -> dict[str, Callable[..., Any]]:
     """Every task function of the lab, by name, recompiled (:func:`stand_in`): what
-    ``run_tests`` plugs in beside the one mutant."""
+    ``run_tests`` plugs in beside the one mutant (``recompile=False``: the references)."""
     from minickpt.labkit.plugging import reference_functions
 
     n = str(int(lab[3:5]))
-    return {f.__name__: stand_in(f) for tid, fns in reference_functions().items()
+    return {f.__name__: stand_in(f) if recompile else f for tid, fns in reference_functions().items()
             if tid.split(".")[0] == n for f in fns}
 
 
@@ -123,7 +124,9 @@ def mutants_of(task: str, fn: Callable[..., Any]) -> Iterator[Mutant]:
             if mutated == source:
                 continue
             try:
-                compile(mutated, "<mutant>", "exec")
+                with warnings.catch_warnings():
+                    warnings.simplefilter("ignore", SyntaxWarning)  # `x is "s"`: a mutant's own
+                    compile(mutated, "<mutant>", "exec")
             except SyntaxError:
                 continue  # the operator made code Python refuses: not a program, not a mutant
             i, before, after = _changed(source, mutated)
@@ -147,7 +150,10 @@ def _define(source: str, name: str, filename: str, reference: Callable[..., Any]
     local: dict[str, Any] = {}
     # inspect.getsource must find it: labs 3, 4 and 6 run a task's source in worker processes
     linecache.cache[filename] = (len(source), None, source.splitlines(True), filename)
-    exec(compile(source, filename, "exec"), reference.__globals__, local)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", SyntaxWarning)  # `x is "s"`: the mutant's own doing
+        code = compile(source, filename, "exec")
+    exec(code, reference.__globals__, local)
     fn = local[name]
     fn.__module__ = reference.__module__
     fn.__qualname__ = reference.__qualname__
@@ -159,6 +165,11 @@ def compile_mutant(m: Mutant, reference: Callable[..., Any]) -> Callable[..., An
     file name of its own: nothing in the module is changed, and nothing that watches the
     reference's code objects mistakes the mutant for it."""
     return _define(m.source, m.function, f"<mutant {m.id}>", reference)
+
+
+def source_of(fn: Callable[..., Any]) -> str:
+    """A function's own source, dedented: what a drill's worker runs as the student's cell."""
+    return textwrap.dedent(inspect.getsource(fn))
 
 
 def stand_in(reference: Callable[..., Any]) -> Callable[..., Any]:

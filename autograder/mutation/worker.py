@@ -19,6 +19,7 @@ from __future__ import annotations
 import json
 import os
 import sys
+import tempfile
 import time
 import traceback
 from pathlib import Path
@@ -29,6 +30,17 @@ def _write(out: Any, record: dict[str, Any]) -> None:
     out.write(json.dumps(record) + "\n")
     out.flush()
     os.fsync(out.fileno())
+
+
+def _tools(sources: dict[str, str], root: Path) -> dict[str, Any]:
+    """``grader_drill`` as the grader lends it to a grader check, over ``sources`` (the
+    lab's task functions as code, one of them the mutant): the drill's workers run that code
+    as they would a student's cells. Plain processes here (no sandbox): the code is ours."""
+    from autograder import drills, sandbox
+
+    box = drills.Box(sandbox.unsandboxed("the mutation harness runs reference code only"), 0,
+                     sandbox.Limits(), {}, root)
+    return {"grader_drill": drills.tool(list(sources.values()), box)}
 
 
 def main(argv: list[str]) -> int:
@@ -44,9 +56,11 @@ def main(argv: list[str]) -> int:
     refs = M.lab_functions(lab)
     originals = {f.__name__: f for f in M.task_functions(task)}
     grade_ids = M.test_cells(task)
+    sources = {name: M.source_of(fn) for name, fn in M.lab_functions(lab, recompile=False).items()}
+    scratch = Path(tempfile.mkdtemp(prefix="mutation-drills-"))
     with out_path.open("a", encoding="utf-8") as out:
         t0 = time.monotonic()
-        base = run_tests(lab, refs, grade_ids)
+        base = run_tests(lab, refs, grade_ids, tools=_tools(sources, scratch))
         failed = [v for v in base if not v.passed]
         _write(out, {"baseline": [[v.grade_id, v.passed, round(v.seconds, 2), v.message[:300]]
                                   for v in base], "seconds": round(time.monotonic() - t0, 1), "digest": M.task_digest(task)})
@@ -70,7 +84,8 @@ def main(argv: list[str]) -> int:
             status, by, message = "survived", None, ""
             for gid in order:
                 try:
-                    (v,) = run_tests(lab, functions, [gid])
+                    (v,) = run_tests(lab, functions, [gid],
+                                     tools=_tools({**sources, m.function: m.source}, scratch))
                     ok, msg = v.passed, v.message
                 except BaseException as e:
                     if isinstance(e, KeyboardInterrupt):
