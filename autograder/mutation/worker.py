@@ -9,9 +9,9 @@ its bound (a time-out is a kill: the tests noticed). Many mutants of one task sh
 so JAX, the setup cell and the training steps' compilations are paid once.
 
 A mutant is run through the task's test cells one at a time, the cheapest (measured on the
-unmutated reference) first, and stops at the first that fails: killed. A cell that the
-unmutated reference fails in this process (a drill needing the grader's own tools) is left
-out and named in the baseline record; the report lists it.
+unmutated reference) first, and stops at the first that fails: killed. The unmutated
+reference must pass every one of the task's cells first (drills included: ``grader_drill`` is
+lent as the grader lends it), or the task is not measured.
 """
 
 from __future__ import annotations
@@ -64,11 +64,9 @@ def main(argv: list[str]) -> int:
         failed = [v for v in base if not v.passed]
         _write(out, {"baseline": [[v.grade_id, v.passed, round(v.seconds, 2), v.message[:300]]
                                   for v in base], "seconds": round(time.monotonic() - t0, 1), "digest": M.task_digest(task)})
-        if len(failed) == len(base):
-            return 3  # the reference fails every test: nothing about mutants can be said
-        # a cell the reference itself fails here (a drill that needs the grader's own tools)
-        # measures nothing: it is left out, and the report names it
-        order = [v.grade_id for v in sorted(base, key=lambda v: v.seconds) if v.passed]
+        if failed:
+            return 3  # the reference fails its own tests: nothing about mutants can be said
+        order = [v.grade_id for v in sorted(base, key=lambda v: v.seconds)]
         for m in M.task_mutants(task):
             if m.id in done:
                 continue
