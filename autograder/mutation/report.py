@@ -137,7 +137,11 @@ def markdown(rep: dict[str, Any]) -> str:
              "A mutant is *killed* when one of those tests fails or it runs past its time bound.",
              "*Equivalent* mutants are listed in `autograder/mutation/equivalent.toml` with why no",
              "user could tell them apart. A task is *covered* when every mutant has a result",
-             "measured on its current code and tests; `not run` counts the rest.", "",
+             "measured on its current code and tests; `not run` counts the rest.",
+             "*Before* is each task's first run, before the tests written for its survivors",
+             "(issue 48: labs 1, 2 and 5 were first run through a stand-in of the judge's",
+             "runner with the same cells and plugging, before the judge landed; labs 4 and 6",
+             "have no new tests yet, so their before is their now).", "",
              "## Per lab", "",
              "| lab | mutants | killed | equivalent | survivors | not run | before (killed/equivalent/survivors) |",
              "|---|---|---|---|---|---|---|"]
