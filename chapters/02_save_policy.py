@@ -597,7 +597,7 @@ for k, (name, policy) in enumerate(today.items()):
 try:
     import flax
     from flax.training import checkpoints as flax_checkpoints
-except ImportError:  # deprecated: a future Flax may not have it
+except ImportError:  # announced as soon deprecated: a future Flax may not have it
     flax_checkpoints = None
     print("this Flax has no flax.training.checkpoints; mc.save_checkpoint keeps its semantics")
 
@@ -1422,8 +1422,9 @@ claim(sorted(m.removed_temporaries) == ["step_10.minickpt-del-5e6f7a8b",
 
 # %% [markdown]
 # Orbax's `CheckpointManager` can clean up too, but by default it does not:
-# `cleanup_tmp_directories` is `False`. Below, a crashed Orbax save of step 20 left
-# `20.orbax-checkpoint-tmp`; a manager opened with the default, then one with
+# `cleanup_tmp_directories` is `False`. Below, a crashed Orbax save of step 20 left its
+# temporary directory, named as the installed Orbax names it (0.12: `20.orbax-checkpoint-tmp`;
+# 0.11 adds a number); a manager opened with the default, then one with
 # `cleanup_tmp_directories=True`, each saves one step. (The cleanup runs in the background from
 # the moment the manager opens; its first save waits for it.)
 
@@ -1432,9 +1433,13 @@ oroot = WORK / "orbax-stale"
 with ocp.CheckpointManager(oroot, options=ocp.CheckpointManagerOptions(
         enable_async_checkpointing=False)) as om:
     om.save(10, args=ocp.args.StandardSave({"x": np.zeros(2, np.float32)}))
+from etils import epath  # the path type Orbax uses
+
+tmp_class = ocp.path.atomicity_defaults.get_default_temporary_path_class(epath.Path(oroot))
+crashed = Path(str(tmp_class.from_final(epath.Path(oroot) / "20").get())).name  # Orbax's own name
 left = {}
 for cleanup, step in ((False, 30), (True, 40)):
-    (oroot / "20.orbax-checkpoint-tmp" / "default").mkdir(parents=True, exist_ok=True)  # crashed
+    (oroot / crashed / "default").mkdir(parents=True, exist_ok=True)  # a crashed save of step 20
     with ocp.CheckpointManager(oroot, options=ocp.CheckpointManagerOptions(
             enable_async_checkpointing=False, cleanup_tmp_directories=cleanup)) as om:
         om.save(step, args=ocp.args.StandardSave({"x": np.zeros(2, np.float32)}))
@@ -1442,8 +1447,7 @@ for cleanup, step in ((False, 30), (True, 40)):
     print(f"cleanup_tmp_directories={cleanup!s:5s} (saved step {step}): on disk {left[cleanup]}")
 print("Orbax's default:", ocp.CheckpointManagerOptions().cleanup_tmp_directories)
 orbax_claim(not ocp.CheckpointManagerOptions().cleanup_tmp_directories
-            and "20.orbax-checkpoint-tmp" in left[False]
-            and "20.orbax-checkpoint-tmp" not in left[True],
+            and crashed in left[False] and crashed not in left[True],
             "by default Orbax leaves a crashed save's temporary directory; "
             "cleanup_tmp_directories=True removes it", seen=left)
 
