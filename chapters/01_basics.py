@@ -1032,8 +1032,9 @@ for a, b in zip(left + [""] * (len(right) - len(left)), right + [""] * (len(left
 #   `gcs_utils.is_gcs_path`): it writes *directly under the final name*, and only the
 #   `commit_success.txt` written last marks the checkpoint as complete. Every other path —
 #   `s3://` included — gets the rename. On S3 a "rename" is a copy of every object followed by
-#   a delete: not atomic, so a crash in the middle leaves part of a checkpoint under its final
-#   name. On S3, ask for the commit file yourself (Orbax 0.12: `atomicity_options` of
+#   a delete (Orbax's paths are `etils.epath` paths, which send `s3://` to fsspec, whose `mv`
+#   is `copy` then `rm`: `fsspec/spec.py`): not atomic, so a crash in the middle leaves part of
+#   a checkpoint under its final name. On S3, ask for the commit file yourself (Orbax 0.12: `atomicity_options` of
 #   `CheckpointManagerOptions`, with `AtomicityMode.COMMIT_FILE`). TensorStore fsyncs the
 #   array files it writes; Orbax 0.12.8 itself fsyncs neither `commit_success.txt`,
 #   `_CHECKPOINT_METADATA` and `_METADATA` (plain `Path.write_text`) nor the rename's directory.
