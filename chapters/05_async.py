@@ -790,15 +790,19 @@ def orbax_then_donate(path, **handler_options):
     donated = sum(v.is_deleted() for v in state.values())  # how many of the 4 arrays it took
     try:
         ck.wait_until_finished()
-        with warnings.catch_warnings():  # "Sharding info not provided": the saved one is right here
-            warnings.simplefilter("ignore", UserWarning)
-            back = ck.restore(path)
-        held = ("the values before the step" if all(np.array_equal(np.asarray(back[k]), before[k]) for k in before)
-                else "the values after the step" if all(np.array_equal(np.asarray(back[k]), np.asarray(after[k])) for k in before)
-                else "other values")
-    except Exception as e:  # an error in the background write, raised here
-        held = f"an error: {type(e).__name__}: {str(e)[:60]}"
-    ck.close()
+    except Exception as e:  # the background write's error, raised here
+        return blocked, donated, (f"save failed: wait_until_finished() raised "
+                                  f"{type(e).__name__}: {str(e)[:50]}")
+    finally:
+        ck.close()
+    with warnings.catch_warnings():  # "Sharding info not provided": the saved one is right here
+        warnings.simplefilter("ignore", UserWarning)
+        back = ocp.PyTreeCheckpointer().restore(path)
+    same = [np.array_equal(np.asarray(back[k]), before[k]) for k in before]
+    later = [np.array_equal(np.asarray(back[k]), np.asarray(after[k])) for k in before]
+    held = ("the checkpoint holds the values before the step" if all(same)
+            else "the checkpoint holds the values after the step" if all(later)
+            else "the checkpoint holds other values")
     return blocked, donated, held
 
 
@@ -835,10 +839,10 @@ for arm, options, setup in (("default", {}, None), ("1 MB cap", CAP, None),
     print(f"{arm:29s}: save() blocked {np.median([b for b, _, _ in donation[arm]]) * 1e3:6.1f} ms "
           f"(median); arrays donated (of 4) per trial: {[d for _, d, _ in donation[arm]]}")
     for i, (_, _, held) in enumerate(donation[arm]):
-        print(f"{'':31s}trial {i}: the checkpoint holds {held}")
+        print(f"{'':31s}trial {i}: {held}")
 logging.getLogger("absl").setLevel(logging.ERROR)
 synchronous = [held for arm in ("default", "1 MB cap") for _, _, held in donation.get(arm, [])]
-verdict(all(held == "the values before the step" for held in synchronous),
+verdict(all(held == "the checkpoint holds the values before the step" for held in synchronous),
         "with every transfer done before save() returns (default, or the cap alone), each "
         "checkpoint holds the values from before the donating step",
         otherwise="a donation right after save() reached the checkpoint although save() had "
@@ -846,7 +850,7 @@ verdict(all(held == "the values before the step" for held in synchronous),
         seen=f"{len(synchronous)} trials on {DEVICE.platform}")
 if "1 MB cap, transfers deferred" in donation:
     late = [(d, held) for _, d, held in donation["1 MB cap, transfers deferred"]]
-    verdict(all(held.startswith("an error") and "deleted" in held for _, held in late),
+    verdict(all(held.startswith("save failed") and "deleted" in held for _, held in late),
             "with the transfers deferred, every save failed at wait_until_finished() with an "
             "error naming a deleted array: the donating step took arrays Orbax had not yet "
             "copied, and the checkpoint was lost", seen=late,
