@@ -848,6 +848,20 @@ with TieredCheckpointManager(WORK / "vm-b", shared, opts) as second:  # the firs
 # first run's steps in the mirror are untouched. Once the first writer closes (or its process
 # dies), its lease is free and the next writer takes it.
 #
+# **Orbax's own two tiers.** `orbax.checkpoint.experimental.emergency.checkpoint_manager.CheckpointManager`
+# is experimental (its module docstring asks for specific approval before use). It pairs frequent
+# *local* checkpoints (`LocalCheckpointOptions`: a RAM disk or local SSD on each host) with rarer
+# *persistent* ones (`PersistentCheckpointOptions`: a bucket), and is built for at least two
+# data-parallel replicas along the mesh's `replica_axis_index`: the first replica writes the
+# persistent checkpoints, the others the local ones. A restore takes the newest step that some
+# replica still holds complete on its local disks and broadcasts it; otherwise it reads the
+# persistent copy. With one replica it is a plain `CheckpointManager` of the persistent directory
+# (chapter 4 §5b runs it). minickpt's tiered storage differs in three ways: every checkpoint is
+# first committed durably on the fast disk; the remote tier is a background *mirror* of those
+# same checkpoints, not a second, separately scheduled save, and a local checkpoint is deleted
+# only once it is in the mirror; a restore reads the local copy, verified, and falls back to the
+# mirror's, so it does not depend on another replica still holding the step.
+#
 # ## 8. Versioning: which code, which metrics — and the best checkpoint without loading it
 #
 # Every checkpoint's metadata records who wrote it (`writer`, including the git commit of the
