@@ -234,3 +234,40 @@ def summary_html(per_lab: dict[str, list[dict[str, Any]]]) -> str:
         body.append("</table>")
     return ("<!DOCTYPE html><html><head><meta charset='utf-8'><title>Class summary</title>"
             f"<style>{CSS}</style></head><body>" + "\n".join(body) + "</body></html>\n")
+
+
+# ---------------------------------------------------------------------------------------
+# what the grader learned after the kernel: the hand-in, the instructor's overrides
+# ---------------------------------------------------------------------------------------
+ANNOTATION_BEGIN, ANNOTATION_END = "<!-- minickpt:after-grading -->", "<!-- /minickpt:after-grading -->"
+_ANNOTATION = re.compile(re.escape(ANNOTATION_BEGIN) + ".*?" + re.escape(ANNOTATION_END) + "\n?",
+                         re.S)
+
+
+def annotate(page: str, result: dict[str, Any]) -> str:
+    """``page`` with one block after its heading, made afresh from ``result``: the hand-in's
+    notes (late, the resubmissions it superseded, what was repaired) and the instructor's
+    overrides (the grader's points, the instructor's, the comment, the total after them).
+    A block from an earlier write is replaced, so a page rewritten from the same result is the
+    same bytes, and an override added or removed later shows at the next write."""
+    page = _ANNOTATION.sub("", page)
+    parts = []
+    if result.get("intake"):
+        parts.append('<p class="note">About your hand-in:<br>'
+                     + "<br>".join(_e(n) for n in result["intake"]) + "</p>")
+    if result.get("overrides"):
+        rows = "".join(f"<tr><td>{_e(o['test'])}</td><td>{o['graded']:g}</td>"
+                       f"<td>{o['points']:g}</td><td>{_e(o['comment'])}</td></tr>"
+                       for o in result["overrides"])
+        parts.append("<h2>Points set by your instructor</h2><table><tr><th>test</th>"
+                     "<th>the grader's points</th><th>your instructor's</th><th>why</th></tr>"
+                     f"{rows}</table><p><b>{result['total']:g} / {result['max_score']:g} points"
+                     "</b> after these changes.</p>")
+    if not parts:
+        return page
+    block = ANNOTATION_BEGIN + "".join(parts) + ANNOTATION_END + "\n"
+    at = page.find("</h1>")
+    if at < 0:
+        return page + block
+    at += len("</h1>")
+    return page[:at] + "\n" + block + page[at:].lstrip("\n")

@@ -7,6 +7,16 @@
     grade.sh merge OUT1 OUT2 ... --out ALL    one set of results from the slices' folders
     grade.sh ... --lab lab01_basics       only this lab (repeatable)
     grade.sh ... --out DIR                where results go (default grading-out/)
+    grade.sh DOWNLOAD.zip --lab L         a Canvas or Moodle download as it came (--pattern: any)
+    grade.sh ... --student ID / --update  regrade some students into --out's results, in place
+    grade.sh gradebook EXPORT.csv --out DIR   the LMS's gradebook filled with a lab's points
+
+**From an LMS** (:mod:`autograder.lms`): the input is read by :mod:`autograder.lms.intake`
+(the newest hand-in per student and lab; every file in ``intake.csv``; a refused hand-in is a
+row and a page, any name a key); ``--student``/``--update`` regrade into the class's results
+(:mod:`autograder.lms.regrade`); ``overrides.csv`` in ``--out`` is applied at every write
+(:mod:`autograder.lms.overrides`); ``gradebook`` fills the LMS's own file
+(:mod:`autograder.lms.gradebook`). docs/grading.md, *From your LMS to grades*.
 
 Every submission is graded on its own (:func:`autograder.runner.grade_one`): the lab's cells in
 the lab's order with the tests from the source (``--source``, default solutions/; point it at a
@@ -54,6 +64,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import csv
 import hashlib
 import json
 import os
@@ -331,14 +342,28 @@ def missing_results(results: list[dict[str, Any]], labs: dict[str, LabInfo]) -> 
     """A row for every lab of the run that a student who handed in another one did not: 0
     points and the reason. Derived from the results, so a merge of slices derives the same."""
     have = {(r["student"], r["lab"]) for r in results}
+    who = {r["student"]: {"name": r.get("name", ""), "lms_id": r.get("lms_id", "")}
+           for r in results}
     out = []
     for student in sorted({r["student"] for r in results}):
         for lab in labs:
             if (student, lab) not in have:
-                out.append({"student": student, "lab": lab, "status": MISSING,
+                out.append({**who[student], "student": student, "lab": lab, "status": MISSING,
                             "reason": f"no {student}/{lab}/{lab}.ipynb was handed in",
                             "isolation": "", "ran_all_cells": False, "scores": {}})
     return out
+
+
+def row_status(rows: list[dict[str, Any]]) -> str:
+    """A student's status in grades.csv: ``graded`` when every lab was, else each lab that was
+    not, with its status (``failed``, ``refused``, ``missing``, ``error``): an LMS must never
+    take those for a plain 0."""
+    bad = [r for r in sorted(rows, key=lambda r: r["lab"]) if r["status"] != "graded"]
+    if not bad:
+        return "graded"
+    if len(rows) == 1:
+        return bad[0]["status"]
+    return "; ".join(f"{r['lab']}: {r['status']}" for r in bad)
 
 
 def fresh_dir(path: Path) -> None:
@@ -366,7 +391,11 @@ def _normalize(result: dict[str, Any], info: LabInfo) -> dict[str, Any]:
                review=sorted(f for f in result.get("review", [])
                              if not f.startswith(SIMILAR)),  # made again from "code"
                code={str(k): str(v) for k, v in sorted((result.get("code") or {}).items())},
-               feedback=f"feedback/{result['student']}/{result['lab']}.html")
+               feedback=f"feedback/{result['student']}/{result['lab']}.html",
+               name=str(result.get("name") or result["student"]),
+               lms_id=str(result.get("lms_id") or ""),
+               intake=[str(n) for n in result.get("intake", [])],
+               overrides=list(result.get("overrides", [])))
     return out
 
 
@@ -413,15 +442,29 @@ def similarity_report(out: Path, results: list[dict[str, Any]], labs: dict[str, 
 
 
 def write_outputs(out: Path, results: list[dict[str, Any]], labs: dict[str, LabInfo],
-                  files: dict[tuple[str, str], dict[str, Path]], meta: dict[str, Any]) -> str:
+                  files: dict[tuple[str, str], dict[str, Path]], meta: dict[str, Any],
+                  intake_rows: list[dict[str, str]] | None = None) -> str:
     """Every output file from the results (a single run and a merge call this alike, so they
     write the same bytes); ``files`` maps (lab, student) to its feedback page and logs.
-    Returns the text of summary.txt."""
+    The instructor's files of ``out`` (overrides.csv, regrades.csv) are kept, and the
+    overrides applied (:mod:`autograder.lms.overrides`); ``intake_rows`` is intake.csv
+    (every file of the input and what became of it). Returns the text of summary.txt."""
     from . import feedback
+    from .lms import overrides, regrade
 
+    kept = regrade.save_kept(out) if out.exists() and (out / MARK).exists() else {}
     fresh_dir(out)
+    regrade.restore_kept(out, kept)
     (out / "feedback").mkdir()
     (out / "logs").mkdir()
+    try:
+        chosen = overrides.load(out / overrides.FILE,
+                                {lab: info.cells for lab, info in labs.items()})
+    except overrides.OverrideError as e:
+        raise SystemExit(f"grade: {e}") from None
+    results = [dict(r) for r in results]
+    for w in overrides.apply(results, chosen):
+        print(f"grade: {w}", file=sys.stderr)
     results = sorted((_normalize(r, labs[r["lab"]]) for r in results),
                      key=lambda r: (r["lab"], r["student"]))
     absent = [_normalize(r, labs[r["lab"]]) for r in missing_results(results, labs)]
@@ -433,7 +476,8 @@ def write_outputs(out: Path, results: list[dict[str, Any]], labs: dict[str, LabI
         dest = out / r["feedback"]
         dest.parent.mkdir(parents=True, exist_ok=True)
         if src.get("feedback") and src["feedback"].exists():
-            shutil.copyfile(src["feedback"], dest)
+            page = src["feedback"].read_text(encoding="utf-8")
+            dest.write_text(feedback.annotate(page, r), encoding="utf-8")
         else:
             r["feedback"] = ""
         for kind, path in src.items():
@@ -472,18 +516,29 @@ def write_outputs(out: Path, results: list[dict[str, Any]], labs: dict[str, LabI
     students = sorted({r["student"] for r in results})
     with open(out / "grades.csv", "w", newline="") as f:
         w = safe_text.writer(f)
-        w.writerow(["student", *labs, "total", "max_score", MISSING])
+        w.writerow(["student", "name", "lms_id", *labs, "total", "max_score", "status", MISSING])
         for s in students:
-            per = {r["lab"]: r["total"] for r in results if r["student"] == s}
-            w.writerow([s, *[_fmt(per.get(lab, 0.0)) for lab in labs],
+            mine = [r for r in results + absent if r["student"] == s]
+            per = {r["lab"]: r["total"] for r in mine if r["status"] != MISSING}
+            w.writerow([s, mine[0]["name"], mine[0]["lms_id"],
+                        *[_fmt(per.get(lab, 0.0)) for lab in labs],
                         _fmt(sum(per.values())), _fmt(sum(i.max_score for i in labs.values())),
+                        row_status(mine),
                         "; ".join(f"{r['lab']}: {r['reason']}" for r in absent
                                   if r["student"] == s)])
+    if intake_rows is not None:
+        from .lms.intake import INTAKE_COLUMNS
+
+        with open(out / "intake.csv", "w", newline="", encoding="utf-8") as f:
+            w = safe_text.dict_writer(f, fieldnames=list(INTAKE_COLUMNS))
+            w.writeheader()
+            w.writerows(sorted(intake_rows, key=lambda r: (r["file"], r["status"])))
     (out / "results.json").write_text(json.dumps(results, indent=1) + "\n")
     (out / "run.json").write_text(json.dumps({**meta, "labs": {k: v.as_dict()
                                                                 for k, v in labs.items()}},
                                              indent=1) + "\n")
-    isolation = sorted({r["isolation"] for r in results if r["isolation"] != "sandbox"})
+    isolation = sorted({r["isolation"] for r in results  # "": refused at intake, never run
+                        if r["isolation"] not in ("sandbox", "")})
     text = table(results + absent, labs) + "\n".join(summaries)
     if len(labs) > 1 or absent:
         text += "\n" + course_table(results + absent, labs)
@@ -762,6 +817,27 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--include-solutions", action="store_true",
                    help=f"also grade each lab's source notebook as student "
                         f"'{REFERENCE_STUDENT}' (a self-check: it must score full marks)")
+    p.add_argument("--layout", choices=("auto", "course", "canvas", "moodle"), default="auto",
+                   help="how the submissions are named (default: told from the files): "
+                        "<student>/<lab>/<lab>.ipynb, a Canvas download, a Moodle download; "
+                        "every file is accounted for in intake.csv")
+    p.add_argument("--pattern", default=None, metavar="REGEX",
+                   help="any other layout: a regular expression over each file's path in the "
+                        "input with the named groups student_id and file_id, optionally name "
+                        "and timestamp (as nbgrader's zip_collect)")
+    p.add_argument("--student", nargs="+", default=None, metavar="ID",
+                   help="grade only these students (key, name or LMS id) and update the "
+                        "class's results in --out in place; the other rows are kept")
+    p.add_argument("--update", action="store_true",
+                   help="update the class's results in --out with what this run grades (a "
+                        "folder of resubmissions) instead of replacing them")
+    p.add_argument("--gradebook", default=None, metavar="CSV",
+                   help="the LMS's exported gradebook (Canvas) or grading worksheet (Moodle): "
+                        "written back to --out with this lab's points filled")
+    p.add_argument("--gradebook-column", default="", metavar="NAME",
+                   help="the gradebook's column for this lab (default: the one naming the lab)")
+    p.add_argument("--lms", choices=("canvas", "moodle"), default="",
+                   help="the gradebook's LMS (default: told from its columns)")
     return p
 
 
@@ -805,6 +881,10 @@ def main(argv: list[str] | None = None) -> int:
     with safe_text.safe_terminal():  # reasons, messages, paths: a submission's text
         if argv[:1] == ["merge"]:
             return merge_main(argv[1:])
+        if argv[:1] == ["gradebook"]:
+            from .lms.gradebook import main as gradebook_main
+
+            return gradebook_main(argv[1:])
         return grade_main(argv)
 
 
@@ -837,30 +917,70 @@ def grade_main(argv: list[str]) -> int:
         a.submissions = str(ROOT / "autograder" / "examples")
         tour = example_tour(known)
     folder = Path(a.submissions).resolve()
-    if folder.is_file() and zipfile.is_zipfile(folder):
-        folder = unpack_zip(folder, work / "incoming")
-    elif not folder.is_dir():
-        print(f"grade: {a.submissions} is neither a folder nor a zip file", file=sys.stderr)
+    from .lms import intake as lms_intake
+    from .lms import regrade
+
+    try:
+        if folder.is_file() and zipfile.is_zipfile(folder):
+            folder = lms_intake.unpack(folder, work / "incoming")
+        elif not folder.is_dir():
+            print(f"grade: {a.submissions} is neither a folder nor a zip file", file=sys.stderr)
+            return 2
+        intake = lms_intake.collect(folder, known, a.layout, a.pattern)
+    except lms_intake.IntakeError as e:
+        print(f"grade: {e}", file=sys.stderr)
         return 2
-    subs, warnings = find_submissions(folder, known)
+    pairs = set(intake.chosen) | set(intake.refused)
     if tour is not None:
-        subs = [s for s in subs if (s.student, s.lab) in tour]
+        pairs &= tour
+    if a.student:
+        wanted_ids = set(a.student)
+        named = {k for k, s in intake.students.items() if {k, s.name, s.lms_id} & wanted_ids}
+        unknown = wanted_ids - {x for k in named for x in (k, intake.students[k].name,
+                                                            intake.students[k].lms_id)}
+        if unknown:
+            print(f"grade: --student {' '.join(sorted(unknown))}: not in {a.submissions} "
+                  f"(its students: {', '.join(sorted(intake.students)) or 'none'})",
+                  file=sys.stderr)
+            return 2
+        pairs = {(s, lab) for s, lab in pairs if s in named}
+    if a.shard:
+        i, n = a.shard
+        everyone = len(pairs)
+        pairs = {(s, lab) for s, lab in pairs if shard_of(s, n) == i}
+    intake.keep(pairs)
+    subs = [Submission(s, lab, p) for (s, lab), p in sorted(intake.chosen.items())]
+    graded_files = {(f.student, f.lab): f.file for f in intake.files if f.status == "graded"}
+    counts = {st: sum(f.status == st for f in intake.files) for st in ("graded", "superseded",
+                                                                        "refused")}
+    print(f"grade: intake ({intake.layout} layout): {len(intake.files)} file(s): "
+          + ", ".join(f"{v} {k}" for k, v in counts.items()) + "; every one in intake.csv",
+          flush=True)
     if a.include_solutions:
         labs_seen = sorted({s.lab for s in subs} or known)
         subs += [Submission(REFERENCE_STUDENT, lab, source / lab / f"{lab}.ipynb")
                  for lab in labs_seen]
-    for w in warnings:
-        print(f"grade: {w}", file=sys.stderr)
-    if not subs:
-        print(f"grade: no submissions <student>/<lab>/<lab>.ipynb for labs {sorted(known)} "
-              f"in {a.submissions}", file=sys.stderr)
+    if not subs and not intake.refused:
+        print(f"grade: no submissions for labs {sorted(known)} in {a.submissions} (layout "
+              f"{intake.layout}: <student>/<lab>/<lab>.ipynb, a Canvas or Moodle download, or "
+              "--pattern; see docs/grading.md)", file=sys.stderr)
+        for f in intake.files[:20]:
+            print(f"grade:   {f.file}: {f.status}: {f.reason}", file=sys.stderr)
         return 2
-    labs = sorted({s.lab for s in subs} | set(a.lab or ()))  # the labs of this run
+    labs = sorted({s.lab for s in subs} | {lab for _, lab in intake.refused}
+                  | set(a.lab or ()))  # the labs of this run
     infos = {lab: lab_info(source / lab / f"{lab}.ipynb", lab) for lab in labs}
-    everyone = len(subs)
-    if a.shard:
-        i, n = a.shard
-        subs = [s for s in subs if shard_of(s.student, n) == i]
+    if not a.shard:
+        everyone = len(subs)
+    previous = None
+    if a.update or a.student:
+        try:
+            previous = regrade.load(out, work / "previous")
+            if previous is not None:
+                regrade.check_labs(previous, {lab: i.fingerprint for lab, i in infos.items()})
+        except regrade.RegradeError as e:
+            print(f"grade: {e}", file=sys.stderr)
+            return 2
     subs.sort(key=lambda s: (s.lab, s.student))
     iso = sandbox.unsandboxed("--unsandboxed") if a.unsandboxed else sandbox.probe()
     limits = sandbox.Limits(memory_bytes=int(a.memory * (1 << 30)))
@@ -877,6 +997,8 @@ def grade_main(argv: list[str]) -> int:
                   "fork, allocate, flood or write for real; they are graded only in a "
                   f"sandbox): {', '.join(s.student for s in unsafe)}", file=sys.stderr)
             subs = [s for s in subs if not s.student.startswith(ATTACK_PREFIX)]
+            intake.skip({(s.student, s.lab) for s in unsafe}, "an attack example: graded only "
+                        "in a sandbox")
     shard = f"shard {a.shard[0]}/{a.shard[1]}: {len(subs)} of {everyone}; " if a.shard else ""
     print(f"grade: {shard}{len(subs)} submission(s) of {', '.join(labs)}; {a.jobs} at once; "
           f"cells may run {a.timeout} s; kernels: {iso.marker}", flush=True)
@@ -929,12 +1051,33 @@ def grade_main(argv: list[str]) -> int:
         d = Path(job.dir)
         files[job.lab, job.student] = {"feedback": d / "feedback.html", "log": d / "kernel.log",
                                        "grader": d / "grader.log"}
+    for (student, lab), reason in sorted(intake.refused.items()):
+        results.append(lms_intake.refused_result(student, lab, reason, infos[lab],
+                                                 work / "subs" / lab / student))
+        files[lab, student] = {"feedback": work / "subs" / lab / student / "feedback.html"}
+    intake.label(results)
+    intake_rows = [f.as_row() for f in intake.files]
+    if previous is not None:
+        results, files, infos, intake_rows, log = regrade.into(
+            previous, results, files, infos, intake_rows, graded_files)
+    else:
+        regrade.warn_dropped(out, results)
     meta = {"shard": list(a.shard) if a.shard else None, "timeout": a.timeout, "wall": a.wall,
             "source": str(source), "isolation": sandbox.describe(iso, limits),
             "compile_cache": {lab: {k: v for k, v in c.items() if k != "entries"}
                               | {"entries": len(c.get("entries") or {})}
                               for lab, c in caches.items()}}
-    text = write_outputs(out, results, infos, files, meta)
+    text = write_outputs(out, results, infos, files, meta, intake_rows)
+    if previous is not None:
+        regrade.append_log(out, log)
+    if a.gradebook:
+        try:
+            from .lms.gradebook import fill_from_results
+
+            text += fill_from_results(out, Path(a.gradebook), a.gradebook_column, a.lms, a.lab)
+        except SystemExit as e:
+            print(e, file=sys.stderr)
+            return 2
     slowest = write_timings(out / "timings.csv", timings,
                             {(j.student, j.lab): Path(j.dir) for j in jobs}, a.durations)
     print()
@@ -974,6 +1117,7 @@ def merge_main(argv: list[str]) -> int:
     shards: set[tuple[int, int]] = set()
     seen: dict[tuple[str, str], Path] = {}
     isolation: list[Any] = []
+    intake_rows: dict[tuple[str, ...], dict[str, str]] | None = None
     for folder in map(lambda f: Path(f).resolve(), a.folders):
         if folder == out:
             print(f"grade merge: --out {out} is one of the inputs", file=sys.stderr)
@@ -995,6 +1139,10 @@ def merge_main(argv: list[str]) -> int:
             labs[name] = info
         if run.get("shard"):
             shards.add(tuple(run["shard"]))
+        if (folder / "intake.csv").exists():  # a file no student owns is in every slice's
+            with open(folder / "intake.csv", newline="", encoding="utf-8") as f:
+                intake_rows = intake_rows or {}
+                intake_rows.update({tuple(row.values()): row for row in csv.DictReader(f)})
         isolation.append(run.get("isolation"))
         for r in rows:
             key = (r["lab"], r["student"])
@@ -1018,7 +1166,8 @@ def merge_main(argv: list[str]) -> int:
     meta = {"shard": None, "merged_from": [str(Path(f).resolve()) for f in a.folders],
             "isolation": isolation[0] if len({json.dumps(i) for i in isolation}) == 1
             else isolation}
-    text = write_outputs(out, results, labs, files, meta)
+    text = write_outputs(out, results, labs, files, meta,
+                         None if intake_rows is None else list(intake_rows.values()))
     print(text)
     print(f"merged {len(results)} submission(s) from {len(a.folders)} folder(s) into {out}")
     return 0

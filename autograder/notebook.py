@@ -44,7 +44,10 @@ nor the expected values are ever in the student's process."""
 SOLUTION_BEGIN, SOLUTION_END = "### BEGIN SOLUTION", "### END SOLUTION"
 TEST_RE = re.compile(r"^test_(\d+)_(\d+)_")
 QUIZ_RE = re.compile(r"^test_quiz_")
-MAX_NOTEBOOK_BYTES = 20 << 20
+MAX_NOTEBOOK_BYTES = 128 << 20
+"""The largest hand-in read at all (a notebook with big outputs: they are cleared)."""
+MAX_CODE_BYTES = 20 << 20
+"""The most a notebook may hold once its outputs are cleared: more is not a lab."""
 MAX_CELLS = 2000
 MAX_CELL_CHARS = 1_000_000
 HOST_QUIZ_NAMES = ("check", "same", "close_to", "check_choice", "check_choices",
@@ -144,6 +147,10 @@ class Lab:
         return {c.grade_id: c.points for c in self.cells if c.role in ("test", "quiz")}
 
     @property
+    def quiz_cells(self) -> dict[str, float]:
+        return {c.grade_id: c.points for c in self.cells if c.role == "quiz"}
+
+    @property
     def max_score(self) -> float:
         return sum(self.grade_cells.values())
 
@@ -229,7 +236,12 @@ def text_only(value: str) -> str:
 
 
 def read_submission(path: Path) -> list[StudentCell]:
-    """The cells of a submitted notebook, read as plain JSON (never executed, never pickled)."""
+    """The cells of a submitted notebook, read as plain JSON (never executed, never pickled).
+
+    What can be repaired is, and said in the first cell's note (the feedback page shows it):
+    a notebook over :data:`MAX_CODE_BYTES` because of its outputs has them cleared (the grader
+    runs every cell again; nbgrader clears outputs too), and an nbformat 3 notebook (its cells
+    in ``worksheets``) is upgraded by nbformat's own converter, from the JSON read here."""
     try:
         size = path.stat().st_size
     except OSError as e:
@@ -239,8 +251,24 @@ def read_submission(path: Path) -> list[StudentCell]:
                               f"{MAX_NOTEBOOK_BYTES >> 20} MiB is not a lab (clear its outputs)")
     try:
         nb = json.loads(path.read_bytes())
-    except (UnicodeDecodeError, ValueError):
+    except (UnicodeDecodeError, ValueError, RecursionError):
         raise SubmissionError("the notebook is not a readable .ipynb file (not JSON)") from None
+    repairs = []
+    old = nb.get("nbformat") if isinstance(nb, dict) else None
+    if old in (1, 2, 3) and "cells" not in nb:
+        nb = _upgraded(nb, old)
+        repairs.append(f"the notebook was in nbformat {old}: upgraded to nbformat 4 by "
+                       "nbformat's converter before grading")
+    if size > MAX_CODE_BYTES and isinstance(nb, dict) and isinstance(nb.get("cells"), list):
+        for cell in nb["cells"]:
+            if isinstance(cell, dict) and "outputs" in cell:
+                cell["outputs"] = []
+        left = len(json.dumps(nb))
+        if left > MAX_CODE_BYTES:
+            raise SubmissionError(f"the notebook is {left >> 20} MiB even without its outputs; "
+                                  f"more than {MAX_CODE_BYTES >> 20} MiB is not a lab")
+        repairs.append(f"the notebook was {size / (1 << 20):.0f} MiB, almost all of it outputs: "
+                       "its outputs were cleared before grading (every cell runs again)")
     cells = nb.get("cells") if isinstance(nb, dict) else None
     if not isinstance(cells, list):
         raise SubmissionError("the notebook is not a readable .ipynb file (no list of cells)")
@@ -267,7 +295,23 @@ def read_submission(path: Path) -> list[StudentCell]:
                     "replaced by U+FFFD")
         out.append(StudentCell(kind, source, text_only(gid) if isinstance(gid, str) else "",
                                text_only(cid) if isinstance(cid, str) else "", note))
+    if repairs and out:
+        out[0].note = "; ".join([*repairs, *([out[0].note] if out[0].note else [])])
     return out
+
+
+def _upgraded(nb: dict[str, Any], version: int) -> dict[str, Any]:
+    """An nbformat 1-3 notebook (plain JSON, read here) as nbformat 4, by nbformat's
+    converter; never validated against a schema that junk could fail in another way."""
+    import nbformat
+    from nbformat.converter import convert
+
+    try:
+        new = convert(nbformat.from_dict(nb), 4)
+    except Exception as e:  # junk inside an old notebook's shell: a reason, not a crash
+        raise SubmissionError(f"the notebook is nbformat {version} and cannot be upgraded "
+                              f"({type(e).__name__}: {str(e)[:200]})") from None
+    return json.loads(json.dumps(new))
 
 
 # ---------------------------------------------------------------------------------------
@@ -350,9 +394,12 @@ def seal_text(key: bytes, nonce: str, grade_id: str, text: str) -> str:
 
 def assemble(lab: Lab, student: list[StudentCell], *, referee_path: str, key_file: str,
              key: bytes | None = None, nonce: str | None = None,
-             refereed: bool = True, hoist: bool = False) -> Assembled:
+             refereed: bool = True, hoist: bool = False, judged: bool = False) -> Assembled:
     """The notebook to run for one submission (see the module doc). ``refereed=False`` runs
-    the tests as plain cells, the way nbgrader does: only to show what the referee stops."""
+    the tests as plain cells, the way nbgrader does: only to show what the referee stops.
+    ``judged``: the judge decides every test of this lab (:mod:`autograder.judge`) and runs
+    it in its own process, so the kernel runs no test at all (the judge's output of each
+    test is shown in its place): no test text, hidden or not, enters the sandbox."""
     key = key if key is not None else secrets.token_bytes(32)
     nonce = nonce if nonce is not None else secrets.token_hex(8)
     notes: list[str] = sorted({c.note for c in student if c.note})
@@ -415,6 +462,9 @@ def assemble(lab: Lab, student: list[StudentCell], *, referee_path: str, key_fil
             cells.append(RunCell("markdown", "", lc.source, "text"))
         elif lc.role in ("setup", "locked"):
             cells.append(RunCell("code", lc.source, lc.source, lc.role, lc.grade_id))
+        elif lc.role == "test" and judged:
+            cells.append(RunCell("code", "", split_hidden(lc.source)[0], lc.role, lc.grade_id,
+                                 full=lc.source))
         elif lc.role in ("test", "quiz") and not refereed:
             cells.append(RunCell("code", lc.source, split_hidden(lc.source)[0], lc.role,
                                  lc.grade_id, full=lc.source))
@@ -509,7 +559,16 @@ SUSPICIOUS_ATTRS = {"_getframe", "currentframe", "stack", "f_back", "f_globals",
                     "cache_clear", "attrgetter", "_sign", "_hmac", "history_manager",
                     "addaudithook"}
 SUSPICIOUS_MODULES = {"gc", "ctypes", "builtins", "IPython", "ipykernel", "importlib",
-                      "jupyter_client", "zmq", "inspect", "pty", "resource", "socket", "_ctypes"}
+                      "jupyter_client", "zmq", "inspect", "pty", "resource", "socket", "_ctypes",
+                      "runpy", "marshal", "pickle", "code", "codeop"}
+RUNS_CODE_ATTRS = {"run_path", "run_module", "exec_module", "spec_from_file_location",
+                   "module_from_spec", "load_module", "source_to_code", "run_cell",
+                   "run_code", "ex", "ev"}
+"""Calls that run code a program built or wrote at run time (a solution kept in a string and
+run from a file): flagged with their cell, whatever module they are reached through."""
+PLAIN_DUNDERS = {"__name__", "__doc__", "__len__", "__iter__", "__class__", "__module__",
+                 "__qualname__", "__dict__"}
+"""Dunder names whose ``getattr`` is ordinary introspection, not a way into the referee."""
 ONLY_ON = {"kill": {"os"}, "killpg": {"os"}, "_exit": {"os"}, "stack": {"inspect"},
            "events": {"get_ipython", "shell", "ip"}, "cache_clear": {"lab", "labkit"},
            "modules": {"sys"}}
@@ -545,11 +604,31 @@ def scan(cells: list[tuple[str, str]]) -> list[str]:
     read, never a failure of the grading."""
     found: set[str] = set()
     for where, source in cells:
+        python = as_ipython_runs(source)
         try:
-            found.update(scan_cells([(where, source)]))
+            ast.parse(python)
+        except SyntaxError:
+            found.add(f"does not parse as Python, even as IPython runs it: read {where} yourself")
+            continue
+        except (RecursionError, MemoryError, ValueError) as e:
+            found.add(f"cannot be scanned ({type(e).__name__}): read {where} yourself")
+            continue
+        try:
+            flags = scan_cells([(where, python)])
+            if "get_ipython" not in source:  # what IPython wrote for a magic line
+                flags = [f for f in flags if f != f"get_ipython in {where}"]
+            found.update(flags)
         except (RecursionError, MemoryError, ValueError) as e:
             found.add(f"cannot be scanned ({type(e).__name__}): read {where} yourself")
     return sorted(found)
+
+
+def as_ipython_runs(source: str) -> str:
+    """A cell's code as IPython runs it: ``%magic`` and ``!shell`` lines become the Python
+    IPython executes for them, so a magic line cannot hide the rest of a cell from a scan."""
+    from .judge.worker import ipython_python
+
+    return ipython_python(source)
 
 
 def scan_cells(cells: list[tuple[str, str]]) -> list[str]:
@@ -601,8 +680,17 @@ def scan_cells(cells: list[tuple[str, str]]) -> list[str]:
                 found.add(f"{node.func.id}({_dotted(node.args[0])}, ...) in {where}")
             if isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and \
                     node.func.id in ("getattr", "setattr", "delattr", "hasattr") and \
-                    len(node.args) >= 2 and _literal_text(node.args[1]) is None:
-                found.add(f"{node.func.id} with a computed name in {where}")
+                    len(node.args) >= 2:
+                name = _literal_text(node.args[1])
+                if name is None:
+                    found.add(f"{node.func.id} with a computed name in {where}")
+                elif name.startswith("_") and not (name.startswith("__") and name.endswith("__")
+                                                    and name in PLAIN_DUNDERS):
+                    found.add(f"{node.func.id}({_dotted(node.args[0])}, {name!r}) reaches a "
+                              f"private name in {where}")
+            if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and \
+                    node.func.attr in RUNS_CODE_ATTRS:
+                found.add(f"{_dotted(node.func)} runs code built at run time in {where}")
             if isinstance(node, ast.Constant | ast.BinOp | ast.JoinedStr):
                 text = _literal_text(node)
                 if text and len(text) < 200 and SUSPICIOUS_STRINGS.search(text.strip()):
@@ -893,7 +981,7 @@ def reference_use(cells: list[tuple[str, str]], lab: Lab) -> list[str]:
     parsed: list[tuple[str, ast.AST]] = []
     for where, source in cells:
         try:
-            parsed.append((where, ast.parse(source)))
+            parsed.append((where, ast.parse(as_ipython_runs(source))))
         except (SyntaxError, ValueError, RecursionError, MemoryError):
             continue  # unparsable: scan() flags it ("cannot be scanned"), the kernel says why
     bases = set().union(*(_minickpt_names(ast.parse(c.source)) for c in lab.cells
@@ -901,9 +989,9 @@ def reference_use(cells: list[tuple[str, str]], lab: Lab) -> list[str]:
                         *(_minickpt_names(t) for _, t in parsed))
     found: set[str] = set()
 
-    def note(name: str, where: str, detail: str) -> None:
+    def note(name: str, where: str, detail: str, *, bound: bool = False) -> None:
         m = TASK_CELL_RE.match(where)
-        if m and f"{m.group(1)}.{m.group(2)}" != tasks[name]:
+        if m and f"{m.group(1)}.{m.group(2)}" != tasks[name] and not bound:
             return  # another task's cell calling the library
         found.add(f"minickpt's reference {name} (task {tasks[name]}) in {where}: {detail}")
 
@@ -913,9 +1001,10 @@ def reference_use(cells: list[tuple[str, str]], lab: Lab) -> list[str]:
             if isinstance(node, ast.ImportFrom) and \
                     (node.module or "").split(".")[0] == "minickpt":
                 for a in node.names:
-                    if a.name in tasks:
+                    if a.name in tasks:  # binding a task's own name: flagged in any cell
                         note(a.name, where, f"from {node.module} import {a.name}"
-                             + (f" as {a.asname}" if a.asname else ""))
+                             + (f" as {a.asname}" if a.asname else ""),
+                             bound=(a.asname or a.name) in tasks)
             elif isinstance(node, ast.Attribute) and node.attr in tasks and \
                     _base_name(node.value) in bases and isinstance(node.ctx, ast.Load):
                 if own_cell or _is_bound(tree, node):

@@ -32,7 +32,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from . import ROOT, cgroups, drills, sandbox, similarity
+from . import ROOT, cgroups, drills, judge, sandbox, similarity
 from .notebook import (
     MAX_NOTEBOOK_BYTES,
     Assembled,
@@ -231,8 +231,9 @@ def _run(job: Job, cfg: dict[str, Any], lab: Lab, student: list[Any], iso: sandb
         referee_path, cwd, key_file, extra_ro = str(REFEREE_FILE), str(scratch), \
             str(scratch / "referee.key"), {}
     refereed = os.environ.get("MINICKPT_REFEREE", "").lower() not in ("off", "0", "no")
+    judged = judge.judges(lab.name)
     asm = assemble(lab, student, referee_path=referee_path, key_file=key_file, refereed=refereed,
-                   hoist=bool(graded))
+                   hoist=bool(graded), judged=judged)
     for c in asm.cells:
         if c.role == "student":
             c.run = _compilable(c.run)
@@ -298,14 +299,18 @@ def _run(job: Job, cfg: dict[str, Any], lab: Lab, student: list[Any], iso: sandb
                      root, slot_cgroup)
     tools = {"grader_drill": drills.tool([c.run for c in asm.cells if c.role == "student"], box)}
     for g in grade_cells(asm, executed, notes, lab.grade_cells, tools):
+        if judged and g.grade_id not in lab.quiz_cells:
+            continue  # the judge decides it, below
         result["scores"][g.grade_id] = g.score
         if g.message:
             result["messages"][g.grade_id] = g.message
+    if judged:
+        _judge(lab, asm, box, tools, result, executed)
         for what in g.restored:
             result["review"].append(f"{what[len('watch: '):]} (in {g.grade_id})"
                                     if what.startswith("watch: ") else
                                     f"changed {what} (put back before {g.grade_id})")
-    result["notes"] = asm.notes
+    result["notes"] = [*asm.notes, *result.get("notes", [])]
     if report.fate:
         result["reason"] = f"{report.fate}: the cells after it were not run (0 points)"
     if report.output_budget:
@@ -319,6 +324,36 @@ def _run(job: Job, cfg: dict[str, Any], lab: Lab, student: list[Any], iso: sandb
     if report.strays_killed:
         result["killed_processes"] = report.strays_killed
     _finish(root, result, lab, asm, executed, t0)
+
+
+def _judge(lab: Lab, asm: Assembled, box: drills.Box, tools: dict[str, Any],
+           result: dict[str, Any], executed: list[list[Any]]) -> None:
+    """Every test of ``lab`` decided by the judge (:mod:`autograder.judge`): the tests run in
+    this process, the student's functions in a worker in the sandbox; the kernel's run above
+    was the student's feedback and earned nothing."""
+    t = time.monotonic()
+    student = [c.run for c in asm.cells if c.role == "student"]
+    with box.scratch() as d:
+        verdicts, problems = judge.judge_lab(
+            lab.name, student, d, wrap=box.wrap(d) if box.iso.sandboxed else None,
+            uid=box.uid if box.iso.mode == "bwrap-root" else None, tools=tools,
+            cells=judge.cells_of(lab), end_workers=box.end_workers)
+    where = {c.grade_id: i for i, c in enumerate(asm.cells) if c.role == "test"}
+    for v in verdicts:
+        if v.grade_id in where:  # what the test printed here, shown in its place
+            outs = [{"output_type": "stream", "name": "stdout", "text": v.output}] \
+                if v.output else []
+            if not v.passed:
+                outs.append({"output_type": "error", "ename": "Failed", "evalue": v.message,
+                             "traceback": []})
+            executed[where[v.grade_id]] = outs
+        result["scores"][v.grade_id] = lab.grade_cells[v.grade_id] if v.passed else 0.0
+        if v.passed:
+            result["messages"].pop(v.grade_id, None)
+        else:
+            result["messages"][v.grade_id] = v.message
+    result["notes"] = [*result.get("notes", []), *(f"judge: {p}" for p in problems)]
+    result["judge_seconds"] = round(time.monotonic() - t, 2)
 
 
 def _slot_cpu(slot: cgroups.SlotCgroup | None) -> dict[str, float]:
@@ -561,6 +596,7 @@ def worker_main(cfg_json: str) -> int:
     labs: dict[str, Lab] = {}
     from . import notebook  # noqa: F401  (loads nbformat & co before the first job)
 
+    judge.ensure_devices()  # the judge runs the labs' tests here, on JAX's CPU devices
     keep_jax_on_cpu()
 
     sandbox.become_subreaper()  # what a submission double-forks away still comes back here

@@ -860,8 +860,9 @@ with mc.CheckpointManager(WORK / "manager-order") as m:
           "CheckpointManager.save skips step 35 after 40 (returns False)", seen=saved)
 
 # %% [markdown]
-# Flax's own functions are deprecated in favour of Orbax and may be gone from the Flax you have
-# installed, so the next cell checks first. Since Flax 0.7 `save_checkpoint` hands the work to
+# Flax's own functions are on their way out: the legacy path warns that "Flax Checkpointing
+# will soon be deprecated in favor of Orbax" (a `DeprecationWarning`, `flax/training/checkpoints.py`),
+# and a later Flax may not have them, so the next cell checks first. Since Flax 0.7 `save_checkpoint` hands the work to
 # Orbax unless the flag `flax_use_orbax_checkpointing` is off; the flag off gives the legacy
 # implementation. The cell runs the same story with each: steps 30 and 40 with `keep=2`, then an
 # *older* step, 35, then 35 again with `overwrite=True`.
@@ -1025,10 +1026,16 @@ for a, b in zip(left + [""] * (len(right) - len(left)), right + [""] * (len(left
 #   content-addressed files under `d/`), written through TensorStore; `_METADATA` describes the
 #   tree, `_CHECKPOINT_METADATA` the checkpoint. On a local disk it writes into a temporary
 #   directory, adds `commit_success.txt` and renames the directory to its final name
-#   (`AtomicRenameTemporaryPath.finalize` in `orbax/checkpoint/_src/path/atomicity.py`). On
-#   object stores that cannot rename atomically (its default for every `gs://` path) it uses
-#   `CommitFileTemporaryPath` instead: it writes *directly under the final name*, and only the
-#   `commit_success.txt` written last marks the checkpoint as complete. TensorStore fsyncs the
+#   (`AtomicRenameTemporaryPath.finalize` in `orbax/checkpoint/_src/path/atomicity.py`). For
+#   `gs://` paths, and only for those, its default is `CommitFileTemporaryPath` instead
+#   (`get_default_temporary_path_class` in `_src/path/atomicity_defaults.py` tests
+#   `gcs_utils.is_gcs_path`): it writes *directly under the final name*, and only the
+#   `commit_success.txt` written last marks the checkpoint as complete. Every other path —
+#   `s3://` included — gets the rename. On S3 a "rename" is a copy of every object followed by
+#   a delete (Orbax's paths are `etils.epath` paths, which send `s3://` to fsspec, whose `mv`
+#   is `copy` then `rm`: `fsspec/spec.py`): not atomic, so a crash in the middle leaves part of
+#   a checkpoint under its final name. On S3, ask for the commit file yourself (Orbax 0.12: `atomicity_options` of
+#   `CheckpointManagerOptions`, with `AtomicityMode.COMMIT_FILE`). TensorStore fsyncs the
 #   array files it writes; Orbax 0.12.8 itself fsyncs neither `commit_success.txt`,
 #   `_CHECKPOINT_METADATA` and `_METADATA` (plain `Path.write_text`) nor the rename's directory.
 # - **minickpt** keeps one directory per item with a raw `data.bin` and a readable
@@ -1036,21 +1043,23 @@ for a, b in zip(left + [""] * (len(right) - len(left)), right + [""] * (len(left
 #   writes into a temporary directory, fsyncs every file and directory, renames, and fsyncs
 #   the parent, so that the rename itself is durable.
 #
-# The next cell asks Orbax which temporary path it would use for step 200 of a local run and of
-# a `gs://` run:
+# The next cell asks Orbax which temporary path it would use for step 200 of a local run, of
+# a `gs://` run and of an `s3://` run:
 
 # %%
 from etils import epath  # the path type Orbax uses, local or gs://
 
 where = {}
-for run in ("/tmp/run", "gs://bucket/run"):  # only asks: nothing is written, no bucket needed
+for run in ("/tmp/run", "gs://bucket/run", "s3://bucket/run"):  # only asks: nothing written
     cls = ocp.path.atomicity_defaults.get_default_temporary_path_class(epath.Path(run))
     tmp = cls.from_final(epath.Path(run) / f"step_{K}")
     where[run] = (cls.__name__, str(tmp.get()), str(tmp.get_final()))
     print(f"{run:16s} {cls.__name__:26s} writes into {tmp.get()}")
 ok = (where["gs://bucket/run"][1] == where["gs://bucket/run"][2]
-      and where["/tmp/run"][1] != where["/tmp/run"][2])
-text = "on gs:// Orbax writes under the step's final name; on a local disk under a temporary one"
+      and where["/tmp/run"][1] != where["/tmp/run"][2]
+      and where["s3://bucket/run"][0] == "AtomicRenameTemporaryPath")
+text = ("on gs:// Orbax writes under the step's final name; on a local disk and on s3:// under "
+        "a temporary one that it renames")
 if ocp.__version__ == "0.12.8":  # the Orbax whose source this text was checked against
     claim(ok, text, seen=where)
 else:
@@ -1059,11 +1068,105 @@ else:
 # %% [markdown]
 # So with minickpt, and with Orbax on a local disk, a reader never sees a half-written directory
 # under a step's name while the machine stays up, and a killed process leaves a complete
-# checkpoint or none. With Orbax on object storage a half-written checkpoint *does* carry the
+# checkpoint or none. With Orbax on `gs://` a half-written checkpoint *does* carry the
 # step's name: a reader must look for `commit_success.txt` (Orbax's step listing does) and
-# treat a directory without it as unfinished. A *power cut* is another matter again: what was not
+# treat a directory without it as unfinished. On `s3://` the default rename is a copy: a
+# crash during it leaves part of the checkpoint under the final name, with no marker telling
+# a reader that it is unfinished. A *power cut* is another matter again: what was not
 # fsynced can vanish. Chapter 2 crashes both libraries' saves on a local disk and counts what
 # each can leave; the save times above are therefore not for the same guarantee.
+
+# %% [markdown]
+# ### 9b. Orbax's checkpointers, and checkpoints of several items
+#
+# Orbax has several names for "save this tree", and code you read will use all of them. A
+# **checkpointer** does the directory work (temporary name, commit, metadata); a **handler**
+# decides how the item's bytes are laid out; the **args** (`ocp.args.StandardSave(tree)`,
+# `ocp.args.PyTreeSave(tree)`, `ocp.args.JsonSave(dict)`) say which handler an item takes.
+#
+# - `StandardCheckpointer` = an `AsyncCheckpointer` with the `StandardCheckpointHandler`: a
+#   tree of arrays and numbers only; it writes in the background (hence its
+#   `wait_until_finished`).
+# - `PyTreeCheckpointer` = a synchronous `Checkpointer` with the `PyTreeCheckpointHandler`
+#   (`args.PyTreeSave`): also leaves that are not arrays, such as strings.
+# - `Checkpointer(PyTreeCheckpointHandler())` is the same thing spelled out — and it is what
+#   Flax's `save_checkpoint` builds when you give it no checkpointer
+#   (`flax/training/checkpoints.py`). So a Flax checkpoint *is* an Orbax PyTree checkpoint.
+#
+# The cell saves the same small tree three ways, and once more with a string leaf:
+
+# %%
+small = {"params": {"w": jnp.ones((2, 3)), "b": jnp.zeros(3)}, "step": jnp.asarray(7)}
+
+
+def standard(path, tree):
+    ck = ocp.StandardCheckpointer()
+    ck.save(path, tree)
+    ck.wait_until_finished()  # it writes in the background
+
+
+ways = {
+    "StandardCheckpointer": standard,
+    "PyTreeCheckpointer, PyTreeSave": lambda path, tree: ocp.PyTreeCheckpointer().save(
+        path, args=ocp.args.PyTreeSave(tree)),
+    "Checkpointer(PyTreeCheckpointHandler())": lambda path, tree: ocp.Checkpointer(
+        ocp.PyTreeCheckpointHandler()).save(path, tree),
+}
+files, takes_str = {}, {}
+for k, (name, save) in enumerate(ways.items()):
+    save((WORK / "ways" / f"{k}-arrays").absolute(), small)  # Orbax wants absolute paths
+    files[name] = sorted(os.listdir(WORK / "ways" / f"{k}-arrays"))
+    try:
+        save((WORK / "ways" / f"{k}-str").absolute(), {**small, "note": "lr=1e-3"})
+        takes_str[name] = "_strings.json" in os.listdir(WORK / "ways" / f"{k}-str")
+    except (TypeError, ValueError) as e:
+        takes_str[name] = False
+        print(f"{name} refuses the str leaf: {type(e).__name__}: {str(e)[:60]}")
+    print(f"{name:40s} str leaf in _strings.json: {takes_str[name]!s:5s} arrays: {files[name]}")
+print("classes:", [c.__name__ for c in ocp.StandardCheckpointer.__mro__[:3]],
+      [c.__name__ for c in ocp.PyTreeCheckpointer.__mro__[:2]])
+claim(len({tuple(v) for v in files.values()}) == 1
+      and takes_str == {"StandardCheckpointer": False, "PyTreeCheckpointer, PyTreeSave": True,
+                        "Checkpointer(PyTreeCheckpointHandler())": True},
+      "the three write the same files for arrays; only StandardCheckpointer refuses a str "
+      "leaf, the other two put it in _strings.json",
+      seen=takes_str)
+
+# %% [markdown]
+# Same files for the same arrays: the three are one format. The difference is what they
+# accept (the `str` leaf goes to `_strings.json` in the PyTree handler) and whether the save
+# returns before the bytes are written.
+#
+# A training checkpoint is usually several **items**: the state, a config, the data loader's
+# position. Orbax's `CheckpointManager` takes them as `ocp.args.Composite(name=args, ...)`;
+# each name becomes a directory of the step, each with its own handler, and a restore can ask
+# for some items by name only. A single item without `Composite` is called `default`.
+# minickpt's items are the keys of the dictionary you save.
+
+# %%
+config = {"lr": 1e-3, "layers": 2}
+with ocp.CheckpointManager((WORK / "orbax-items").absolute()) as m:
+    m.save(5, args=ocp.args.Composite(state=ocp.args.StandardSave(small),
+                                      config=ocp.args.JsonSave(config)))
+    m.wait_until_finished()
+    just_config = m.restore(5, args=ocp.args.Composite(config=ocp.args.JsonRestore()))
+with ocp.CheckpointManager((WORK / "orbax-single").absolute()) as m:
+    m.save(5, args=ocp.args.StandardSave(small))
+    m.wait_until_finished()
+with mc.CheckpointManager(WORK / "mini-items") as m:
+    m.save(5, {"state": small, "config": {"lr": np.float32(1e-3), "layers": np.int32(2)}})
+orbax_step = [n for n in sorted(os.listdir(WORK / "orbax-items" / "5")) if not n.startswith("_")]
+single = [n for n in sorted(os.listdir(WORK / "orbax-single" / "5")) if not n.startswith("_")]
+mini_step = [n for n in sorted(os.listdir(WORK / "mini-items" / "step_5")) if not n.startswith("_")]
+print("Orbax, Composite(state=..., config=...):", orbax_step)
+print("Orbax, one item without Composite:      ", single)
+print("minickpt, save(5, {'state', 'config'}): ", mini_step)
+print("Orbax restore of the item 'config' only:", dict(just_config.items()))
+claim({"state", "config"} <= set(orbax_step) and "default" in single
+      and mini_step == ["config", "state"] and list(just_config.keys()) == ["config"]
+      and just_config["config"] == config,
+      "Composite items become directories named state and config (a lone item: default), "
+      "and a restore by name returns that item only")
 
 # %% [markdown]
 # ## 10. Common misconceptions
@@ -1117,7 +1220,9 @@ else:
 # - On disk a checkpoint is `step_<N>/` with one directory per item and its metadata;
 #   `minickpt inspect` and `minickpt ls` show it. Flax's legacy API puts the step in the name,
 #   keeps `keep` checkpoints and returns the target when there is nothing to restore; Orbax's
-#   `StandardCheckpointer` does the same job with another layout.
+#   `StandardCheckpointer` does the same job with another layout. `PyTreeCheckpointer` and
+#   Flax's `Checkpointer(PyTreeCheckpointHandler())` write the same format and also take
+#   non-array leaves; `ocp.args.Composite` makes a step of several named items.
 #
 # ## Lab 1
 #

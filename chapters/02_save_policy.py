@@ -61,6 +61,7 @@ import json
 import logging
 import math
 import os
+import re
 import secrets
 import shutil
 import time
@@ -390,10 +391,13 @@ print("a run of 300,000 steps saving every 1,000 makes",
 #   checkpoints saved without a metric are kept forever when `keep_checkpoints_without_metrics`
 #   (the default), and do not count towards $N$.
 #
-# In Orbax 0.12 these three names still work but are deprecated: its `CheckpointManagerOptions`
-# documents `max_to_keep` and `keep_period` as "deprecated, do not use. use
-# `preservation_policy` instead". Today's API passes two policy objects from
-# `orbax.checkpoint.checkpoint_managers`:
+# In Orbax 0.12 two of these names, and a third one minickpt does not have, still work but
+# are deprecated: its `CheckpointManagerOptions` documents `max_to_keep`, `keep_time_interval`
+# and `keep_period` as "deprecated, do not use. use `preservation_policy` instead"
+# (`orbax/checkpoint/checkpoint_manager.py`, the class docstring). `best_fn` is *not*
+# deprecated: it is documented as a live option, and `best_step()` answers from `best_fn` alone
+# (with no `best_fn` it returns the latest step). The next cell reads that docstring for you.
+# Today's API passes two policy objects from `orbax.checkpoint.checkpoint_managers`:
 #
 # - `preservation_policy` decides which checkpoints survive: `LatestN(n)` (the newest $n$),
 #   `EveryNSteps(interval_steps)` ($t \bmod P = 0$), `BestN(get_metric_fn, reverse, n)`, combined
@@ -404,7 +408,9 @@ print("a run of 300,000 steps saving every 1,000 makes",
 #   `SpecificStepsPolicy(steps)`, `InitialSavePolicy()` (save when nothing is saved yet),
 #   combined with `AnySavePolicy([...])`. The old options become such a policy, and it always
 #   includes a fourth member, `PreemptionCheckpointingPolicy()`: a save at *any* step once the
-#   job has been told it will be preempted (chapter 6).
+#   job has been told it will be preempted (chapter 6). An explicit `save_decision_policy` is
+#   the *only* thing that decides: leave `PreemptionCheckpointingPolicy()` out of it, and a
+#   preempted job saves nothing at its last step (measured below).
 #
 # A third default matters for what stays on disk: `cleanup_tmp_directories=False`. Orbax leaves
 # the temporary directories of crashed saves where they are unless you ask (section 4 shows it).
@@ -509,8 +515,48 @@ print("max_to_keep=3, keep_period=100 becomes",
       ocp.checkpoint_manager._get_default_preservation_policy(old_names))
 orbax_claim("PreemptionCheckpointingPolicy" in [type(q).__name__ for q in decide.policies],
             "the old options' save decision includes PreemptionCheckpointingPolicy")
+doc = ocp.CheckpointManagerOptions.__doc__ or ""
 
-every_10 = ocm.AnySavePolicy([ocm.FixedIntervalPolicy(10), ocm.InitialSavePolicy()])
+
+def documented(name):
+    """The first line of the docstring's entry for ``name`` (the class docstring)."""
+    found = re.search(rf"\n  {name}:\s*\n\s*(.+)", doc)
+    return found.group(1).strip()[:60] if found else "(no entry)"
+
+
+said = {name: documented(name)
+        for name in ("max_to_keep", "keep_time_interval", "keep_period", "best_fn")}
+for name, first_line in said.items():
+    print(f"Orbax {ocp.__version__} documents {name + ':':19s} {first_line}")
+orbax_claim(all(said[n].startswith("deprecated") for n in ("max_to_keep", "keep_time_interval",
+                                                           "keep_period"))
+            and "deprecated" not in said["best_fn"].lower(),
+            "max_to_keep, keep_time_interval and keep_period are documented as deprecated; "
+            "best_fn is not", seen=said)
+
+try:  # exported from orbax.checkpoint.checkpoint_managers since 0.12; in 0.11 only here
+    from orbax.checkpoint.checkpoint_managers import PreemptionCheckpointingPolicy
+except ImportError:
+    from orbax.checkpoint._src.checkpoint_managers.save_decision_policy import (
+        PreemptionCheckpointingPolicy,
+    )
+every_10 = ocm.AnySavePolicy([ocm.FixedIntervalPolicy(10), PreemptionCheckpointingPolicy(),
+                              ocm.InitialSavePolicy()])
+without = ocm.AnySavePolicy([ocm.FixedIntervalPolicy(10), ocm.InitialSavePolicy()])
+asked = {}
+for name, policy in (("with PreemptionCheckpointingPolicy", every_10),
+                     ("without it", without)):
+    with ocp.CheckpointManager(WORK / "orbax-preempt" / name[:7], options=ocp.CheckpointManagerOptions(
+            save_decision_policy=policy, enable_async_checkpointing=False)) as m:
+        m.save(10, args=ocp.args.StandardSave({"x": np.zeros(2, np.float32)}))
+        # JAX tells every process of a job that preemption is near at one agreed step (its
+        # preemption sync point); here the notice is simulated at step 13
+        m.reached_preemption = lambda step: step == 13
+        asked[name] = m.should_save(13)
+    print(f"{name:34s}: preemption notice at step 13 -> should_save(13) = {asked[name]}")
+orbax_claim(asked == {"with PreemptionCheckpointingPolicy": True, "without it": False},
+            "with PreemptionCheckpointingPolicy the preempted step 13 is saved; without it "
+            "it is not", seen=asked)
 today = {
     "keep all": ocm.LatestN(n=None),  # n=None: keep every checkpoint
     "max_to_keep=3": ocm.LatestN(n=3),
@@ -527,6 +573,12 @@ for k, (name, policy) in enumerate(today.items()):
     orbax_claim(theirs == kept[name], f"{name} as a preservation_policy keeps what minickpt keeps")
 
 # %% [markdown]
+# The second block of lines: without `PreemptionCheckpointingPolicy` in the list, the step at
+# which the job learns it will be stopped is not saved, and everything since the last interval
+# save (here steps 11 to 13; in a real run up to an interval) is lost when the machine goes.
+# Copy the policy *with* it. (The notice comes from JAX's preemption service,
+# `multihost_utils.reached_preemption_sync_point`, which the cell replaced by a stand-in.)
+#
 # The new API keeps the same steps; what it adds is composition (any policy you can write as
 # "keep this checkpoint?" over the list) and the explicit save decision.
 #
@@ -545,7 +597,7 @@ for k, (name, policy) in enumerate(today.items()):
 try:
     import flax
     from flax.training import checkpoints as flax_checkpoints
-except ImportError:  # deprecated: a future Flax may not have it
+except ImportError:  # announced as soon deprecated: a future Flax may not have it
     flax_checkpoints = None
     print("this Flax has no flax.training.checkpoints; mc.save_checkpoint keeps its semantics")
 
@@ -1370,8 +1422,9 @@ claim(sorted(m.removed_temporaries) == ["step_10.minickpt-del-5e6f7a8b",
 
 # %% [markdown]
 # Orbax's `CheckpointManager` can clean up too, but by default it does not:
-# `cleanup_tmp_directories` is `False`. Below, a crashed Orbax save of step 20 left
-# `20.orbax-checkpoint-tmp`; a manager opened with the default, then one with
+# `cleanup_tmp_directories` is `False`. Below, a crashed Orbax save of step 20 left its
+# temporary directory, named as the installed Orbax names it (0.12: `20.orbax-checkpoint-tmp`;
+# 0.11 adds a number); a manager opened with the default, then one with
 # `cleanup_tmp_directories=True`, each saves one step. (The cleanup runs in the background from
 # the moment the manager opens; its first save waits for it.)
 
@@ -1380,9 +1433,13 @@ oroot = WORK / "orbax-stale"
 with ocp.CheckpointManager(oroot, options=ocp.CheckpointManagerOptions(
         enable_async_checkpointing=False)) as om:
     om.save(10, args=ocp.args.StandardSave({"x": np.zeros(2, np.float32)}))
+from etils import epath  # the path type Orbax uses
+
+tmp_class = ocp.path.atomicity_defaults.get_default_temporary_path_class(epath.Path(oroot))
+crashed = Path(str(tmp_class.from_final(epath.Path(oroot) / "20").get())).name  # Orbax's own name
 left = {}
 for cleanup, step in ((False, 30), (True, 40)):
-    (oroot / "20.orbax-checkpoint-tmp" / "default").mkdir(parents=True, exist_ok=True)  # crashed
+    (oroot / crashed / "default").mkdir(parents=True, exist_ok=True)  # a crashed save of step 20
     with ocp.CheckpointManager(oroot, options=ocp.CheckpointManagerOptions(
             enable_async_checkpointing=False, cleanup_tmp_directories=cleanup)) as om:
         om.save(step, args=ocp.args.StandardSave({"x": np.zeros(2, np.float32)}))
@@ -1390,8 +1447,7 @@ for cleanup, step in ((False, 30), (True, 40)):
     print(f"cleanup_tmp_directories={cleanup!s:5s} (saved step {step}): on disk {left[cleanup]}")
 print("Orbax's default:", ocp.CheckpointManagerOptions().cleanup_tmp_directories)
 orbax_claim(not ocp.CheckpointManagerOptions().cleanup_tmp_directories
-            and "20.orbax-checkpoint-tmp" in left[False]
-            and "20.orbax-checkpoint-tmp" not in left[True],
+            and crashed in left[False] and crashed not in left[True],
             "by default Orbax leaves a crashed save's temporary directory; "
             "cleanup_tmp_directories=True removes it", seen=left)
 
@@ -1470,9 +1526,11 @@ with mc.CheckpointManager(WORK / "best2", mc.CheckpointManagerOptions(
 # - **How many:** $K = \lfloor S_{\text{total}} / S_{\text{ckpt}} \rfloor$ fit; `max_to_keep`,
 #   `keep_period` and the best $N$ by `best_fn` decide which survive — the same steps as
 #   Orbax after every save, except for NaN metrics, which minickpt ranks last. In Orbax 0.12
-#   those names are deprecated for `preservation_policy` (`LatestN`, `EveryNSteps`, `BestN`,
-#   `AnyPreservationPolicy`: the same steps kept), and `save_decision_policy` decides when to
-#   save, by default with a `PreemptionCheckpointingPolicy` inside. Flax's legacy `keep` and
+#   `max_to_keep`, `keep_time_interval` and `keep_period` are deprecated for
+#   `preservation_policy` (`LatestN`, `EveryNSteps`, `BestN`, `AnyPreservationPolicy`: the same
+#   steps kept); `best_fn` is not, and `best_step()` reads it. `save_decision_policy` decides
+#   when to save; the old options' policy has a `PreemptionCheckpointingPolicy` inside, and an
+#   explicit one must list it too, or a preempted job does not save its last step. Flax's legacy `keep` and
 #   `keep_every_n_steps` (a distance, not a multiple) left the same steps as
 #   `mc.save_checkpoint` at every stage, `overwrite` included.
 # - **How safely:** a power cut keeps a file's data only once it is fsynced, and a name only once

@@ -493,6 +493,9 @@ if devices[0].platform == "cpu":
 # other, so the same minickpt save and restore work on it: the course's MLP written with NNX,
 # its Adam optimizer (`nnx.Optimizer`), trained 10 steps, saved, and restored *into* a new
 # model and optimizer built with other initial values — then both pairs train 5 more steps.
+# The code is Flax 0.11's optimizer API (`nnx.Optimizer(model, tx, wrt=nnx.Param)`,
+# `optimizer.update(model, grads)`); Flax 0.10's `update(grads)` raises a `TypeError` on it,
+# so the course asks for `flax>=0.11`.
 
 # %%
 from flax import nnx
@@ -1279,12 +1282,13 @@ import numpy as np, jax, orbax.checkpoint as ocp
 
 def load(path):
     # step 30 onto this process's own device (the CPU here): a checkpoint saved on an
-    # accelerator records its devices, and a restore without a target would ask for them
-    # (today's API: metadata(...).item_metadata; CheckpointManager(item_handlers=...) and
-    # CheckpointManager.item_metadata(step) are deprecated in orbax-checkpoint 0.12)
+    # accelerator records its devices, and a restore without a target would ask for them.
+    # metadata(path) is a StepMetadata whose .item_metadata is the tree's metadata in
+    # orbax-checkpoint 0.12; 0.11 returns the tree's metadata itself
     m = ocp.CheckpointManager(path, options=ocp.CheckpointManagerOptions(read_only=True))
     try:
-        meta = ocp.StandardCheckpointer().metadata(f"{path}/30/default").item_metadata
+        meta = ocp.StandardCheckpointer().metadata(f"{path}/30/default")
+        meta = getattr(meta, "item_metadata", meta)
         here = jax.sharding.SingleDeviceSharding(jax.devices()[0])
         target = jax.tree_util.tree_map(
             lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=here), meta)
@@ -1394,8 +1398,10 @@ if ranges:
 # The everyday case: a run saved on a Colab GPU, opened later on a laptop with a CPU. Orbax
 # records each array's sharding in the checkpoint — the device it was on (`cuda:0`), or the
 # mesh of devices it was split over — and a restore *without* a target puts every array back
-# there. On a machine without those devices that fails: orbax-checkpoint 0.12 raises
-# "Topology mismatch detected" (`standard_checkpoint_handler.py`). The cure is the abstract
+# there. On a machine without those devices that fails with a `ValueError`, worded by the
+# Orbax you have: orbax-checkpoint 0.12 says "Topology mismatch detected"
+# (`_src/handlers/standard_checkpoint_handler.py`), 0.11.16, the course's floor, "Device
+# TFRT_CPU_3 was not found in jax.local_devices()" (`_src/metadata/sharding.py`). The cure is the abstract
 # target of section 8, with shardings for the devices *at hand*: Orbax reads the saved
 # shapes and dtypes from the checkpoint's metadata without reading an array, you add the
 # sharding, and every device reads the part it will hold.
@@ -1440,7 +1446,8 @@ with ocp.StandardCheckpointer() as ck:
         out["orbax, no target"] = f"restored, values equal: {same(ck.restore(top + '/orbax'))}"
     except ValueError as e:
         out["orbax, no target"] = f"ValueError: {str(e)[:70]}..."
-    meta = ck.metadata(top + "/orbax").item_metadata  # shapes and dtypes, no array read
+    meta = ck.metadata(top + "/orbax")  # shapes and dtypes, no array read
+    meta = getattr(meta, "item_metadata", meta)  # 0.12: inside a StepMetadata; 0.11: itself
     abstract = jax.tree.map(lambda m: jax.ShapeDtypeStruct(m.shape, m.dtype, sharding=here), meta)
     got = ck.restore(top + "/orbax", abstract)
     out["orbax, abstract target"] = f"on {got['w'].sharding.device_set}, values equal: {same(got)}"
@@ -1458,16 +1465,20 @@ done = subprocess.run([sys.executable, str(WORK / "open_elsewhere.py"), str(WORK
 elsewhere = json.loads(done.stdout.strip().splitlines()[-1]) if done.returncode == 0 else {}
 for k, v in elsewhere.items():
     print(f"other machine, {k}: {v}")
-claim(done.returncode == 0 and elsewhere["orbax, no target"].startswith("ValueError: Topology")
+no_target = elsewhere.get("orbax, no target", "")
+claim(done.returncode == 0 and no_target.startswith("ValueError: ")
+      and ("Topology mismatch" in no_target or "not found in jax.local_devices" in no_target)
       and elsewhere["orbax, abstract target"].endswith("values equal: True")
       and elsewhere["minickpt, abstract target"].endswith("values equal: True"),
-      "on one CPU, Orbax without a target raises a topology mismatch; with an abstract target "
-      "both libraries restore the saved values onto that CPU", seen=elsewhere or done.stderr[-300:])
+      "on one CPU, Orbax without a target raises a ValueError about the devices (0.12: a "
+      "topology mismatch; 0.11: a device not found); with an abstract target both libraries "
+      "restore the saved values onto that CPU", seen=elsewhere or done.stderr[-300:])
 
 # %% [markdown]
-# On the machine with one CPU, Orbax's restore without a target raised the topology mismatch:
-# the checkpoint names devices that machine does not have. With the abstract target — built from
-# `ck.metadata(path).item_metadata`, so without the model's code — it restored the same values
+# On the machine with one CPU, Orbax's restore without a target raised a `ValueError` (its
+# first line is printed above): the checkpoint names devices that machine does not have. With
+# the abstract target — built from `ck.metadata(path).item_metadata` (in Orbax 0.11,
+# `ck.metadata(path)` itself), so without the model's code — it restored the same values
 # onto the CPU. To restore onto another mesh, put a `NamedSharding` of *that* mesh in the target:
 # each device then reads only its own rows. minickpt's checkpoint holds global boxes, not
 # devices (chapter 4): without a target it returns numpy arrays wherever it runs, and with a
@@ -1551,7 +1562,8 @@ claim(done.returncode == 0 and elsewhere["orbax, no target"].startswith("ValueEr
 #   *and* the optimizer state over (in float32) and reports what it did; a shape change (a wider
 #   layer) is a step of your own before it, chosen so the new model starts where the old one was.
 # - On other devices (saved on a GPU, opened on a CPU), restore into an abstract target that
-#   carries today's shardings: without one, Orbax raises a topology mismatch (section 8b).
+#   carries today's shardings: without one, Orbax raises a `ValueError` about the devices
+#   (section 8b).
 #
 # ## Lab 3
 #

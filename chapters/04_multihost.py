@@ -265,8 +265,48 @@ if ready("section 1a"):
 # for every process. Called on process 0 alone, it waits for the others forever; when it sees
 # several processes, Flax logs "Your devices will HANG if this function is only called on
 # process 0!" (flax 0.12, `flax/training/checkpoints.py`). Its docstring says what to call
-# instead: `save_checkpoint_multiprocess`, which **every** process calls (process 0 alone then
-# removes the old checkpoints).
+# instead: `save_checkpoint_multiprocess`, which **every** process calls. Read its Orbax path
+# in that file, though: process 0 first removes the old checkpoints (`_remove_invalid_ckpts`)
+# and only *then* does the Orbax save begin. That is the order chapter 2 teaches to avoid —
+# delete only after the new checkpoint is durable. One process is enough to see it: three
+# saves with `keep=2`, then a fourth save that fails (a leaf Orbax cannot store).
+
+# %%
+import logging
+
+logging.getLogger("absl").setLevel(logging.CRITICAL)  # Orbax's log lines about the failed save
+from flax.training import checkpoints as flax_checkpoints
+flax_dir = WORK / "flax-multiprocess"
+flax_dir.mkdir()
+
+
+def flax_steps():
+    return sorted(int(n.split("_")[1]) for n in os.listdir(flax_dir) if n.split("_")[-1].isdigit())
+
+
+after = {}
+for step in (10, 20, 30):
+    flax_checkpoints.save_checkpoint_multiprocess(
+        str(flax_dir), {"w": np.full(2, float(step), np.float32)}, step=step, keep=2)
+    after[step] = flax_steps()
+try:
+    flax_checkpoints.save_checkpoint_multiprocess(
+        str(flax_dir), {"w": np.full(2, 40.0, np.float32), "bad": object()}, step=40, keep=2)
+except Exception as e:  # Orbax: no type handler for `object`
+    print(f"save of step 40 failed: {type(e).__name__}: {str(e)[:70]}")
+after[40] = flax_steps()
+for step, steps in after.items():
+    print(f"after the save of step {step}: checkpoints on disk {steps}")
+claim(after[30] == [10, 20, 30] and after[40] == [20, 30],
+      "with keep=2 three checkpoints are on disk after step 30, and the failed save of step 40 "
+      "has deleted step 10", seen=after)
+
+# %% [markdown]
+# Step 10 is gone, and step 40 never came. Flax prunes to `keep` *before* the save, so once
+# `keep` checkpoints exist, `keep=2` means three on disk after a successful save (here after
+# step 30) and two after a failed one; a
+# crash between the deletion and the commit costs a checkpoint the run was entitled to. minickpt
+# deletes only after the new checkpoint is committed (chapter 2), on one process or many.
 #
 # ### 1b. Sharded state: no process holds the whole model
 #
@@ -947,6 +987,109 @@ if ready("section 5 (replicated array)", "barrel"):
 # reason. Splitting the write of replicated leaves is a fair exercise after lab 4.
 
 # %% [markdown]
+# ### 5b. Who commits, who waits: Orbax's `MultiprocessingOptions`
+#
+# The barriers and the commit of section 2 are configured in Orbax by
+# `ocp.options.MultiprocessingOptions`, passed to `CheckpointManagerOptions`
+# (`multiprocessing_options=`) or to a handler:
+#
+# - `primary_host` (default 0): the process that writes the metadata and commits (the rename);
+#   `None` makes every process do the primary's work (for file systems local to each host).
+# - `active_processes`: the set of processes that take part; barriers wait for these only, so
+#   a subset can save while the others go on (Orbax will not create the directory then: make
+#   it first, and pass `create=False`).
+# - `barrier_sync_key_prefix`: a prefix for the barriers' names, so that two managers in one
+#   job (say, a model's and a data pipeline's) do not meet at each other's barriers.
+#
+# A job of 2 processes measures the first two. Each process records every rename it makes
+# (Orbax's commit on a local disk is a rename of `<step>.orbax-checkpoint-tmp…`); then only
+# process 0 saves, with `active_processes={0}`, while process 1 does not call Orbax at all.
+
+# %%
+MP_OPTIONS = '''
+import orbax.checkpoint as ocp
+renames, _rename = [], os.rename
+def spy(a, b, *args, **kw):                     # record this process's renames
+    renames.append(f"{os.path.basename(str(a))} -> {os.path.basename(str(b))}")
+    return _rename(a, b, *args, **kw)
+os.rename = spy
+x = global_array("x", (8, 4), NamedSharding(mesh((N,), ("x",)), P("x")))
+MPO = ocp.options.MultiprocessingOptions
+for label, mpo in (("default", MPO()), ("primary_host=1", MPO(primary_host=1, barrier_sync_key_prefix="p1"))):
+    renames.clear()
+    opts = ocp.CheckpointManagerOptions(multiprocessing_options=mpo, enable_async_checkpointing=False)
+    with ocp.CheckpointManager(os.path.join(DIR, label.replace("=", "")), options=opts) as mngr:
+        mngr.save(1, args=ocp.args.StandardSave({"x": x}))
+    report(**{label: [r for r in renames if "tmp" in r]})
+if ME == 0:                                     # a save of process 0 alone: host-local data
+    os.makedirs(os.path.join(DIR, "solo"))      # Orbax does not create it with active_processes
+    opts = ocp.CheckpointManagerOptions(enable_async_checkpointing=False, create=False,
+        multiprocessing_options=MPO(primary_host=0, active_processes={0}, barrier_sync_key_prefix="solo"))
+    with ocp.CheckpointManager(os.path.join(DIR, "solo"), options=opts) as mngr:
+        mngr.save(1, args=ocp.args.StandardSave({"w": np.arange(4.0, dtype=np.float32)}))
+    report(solo=sorted(os.listdir(os.path.join(DIR, "solo"))))
+else:
+    report(solo="never called Orbax")
+'''
+if ready("section 5b"):
+    mp, _ = run_job("orbax_options", MP_OPTIONS, n=2, k=1)
+    for p, r in enumerate(mp):
+        print(f"process {p}: commits (renames) with default options {r['default']}; "
+              f"with primary_host=1 {r['primary_host=1']}; solo save: {r['solo']}")
+    claim(bool(mp[0]["default"]) and not mp[1]["default"] and not mp[0]["primary_host=1"]
+          and bool(mp[1]["primary_host=1"]) and mp[0]["solo"] == ["1"],
+          "process 0 commits by default, process 1 with primary_host=1, and process 0 saved "
+          "step 1 alone with active_processes={0}", seen=mp)
+
+# %% [markdown]
+# The renames moved with `primary_host`, and the save of process 0 alone finished without
+# process 1 ever reaching a barrier.
+#
+# **Orbax's two-tier manager.** `orbax.checkpoint.experimental.emergency.checkpoint_manager`
+# (experimental: its docstring says not to use it "without specific approval") combines two
+# managers: frequent *local* checkpoints (`LocalCheckpointOptions`: a RAM disk or local SSD of
+# each host) and rarer *persistent* ones (`PersistentCheckpointOptions`: a bucket). It is built
+# for at least two data-parallel replicas (slices) of the model along `replica_axis_index` of the
+# mesh: the first replica writes the persistent checkpoint, the others the local ones; a restore
+# takes the newest step that some replica still holds complete on its local disks and
+# *broadcasts* it to the rest, and falls back to the persistent copy otherwise. Its classes do
+# not promise a durable local tier or a mirror of the local checkpoints to the bucket; they count
+# on the replicas holding copies of each other. With a single replica it is an ordinary
+# `CheckpointManager` of the persistent directory — measured here on this notebook's devices:
+
+# %%
+from orbax.checkpoint.experimental.emergency import checkpoint_manager as emergency
+
+import orbax.checkpoint as ocp
+
+tiers = emergency.CheckpointManagerOptions(
+    local=emergency.LocalCheckpointOptions(save_interval_steps=2, max_to_keep=2),
+    persistent=emergency.PersistentCheckpointOptions(save_interval_steps=10, max_to_keep=3))
+one_replica = Mesh(np.array(jax.devices()).reshape(1, -1), ("replica", "model"))
+for tier in ("local", "persistent"):
+    (WORK / "two-tier" / tier).mkdir(parents=True)
+w = jax.device_put(np.arange(8 * jax.device_count(), dtype=np.float32),
+                   NamedSharding(one_replica, P("model")))
+two_tier = emergency.CheckpointManager(WORK / "two-tier" / "local", WORK / "two-tier" / "persistent",
+                                       one_replica, {"w": jax.ShapeDtypeStruct(w.shape, w.dtype)},
+                                       options=tiers)
+for step in (2, 4, 6, 8, 10):
+    two_tier.save(step, args=ocp.args.Composite(state=ocp.args.PyTreeSave({"w": w})))
+two_tier.wait_until_finished()
+two_tier.close()
+on_disk = {tier: sorted(os.listdir(WORK / "two-tier" / tier)) for tier in ("local", "persistent")}
+print(f"mesh {dict(one_replica.shape)}: after saves at steps 2, 4, 6, 8, 10: {on_disk}")
+claim(on_disk["local"] == [] and on_disk["persistent"] == ["10", "2"],
+      "with one replica nothing goes to the local tier; the persistent one holds steps 2 and 10",
+      seen=on_disk)
+
+# %% [markdown]
+# With one replica the local tier never received a file; the persistent directory got its
+# interval's steps (and the first step, which Orbax always saves). Chapter 6's tiered storage
+# is the other way round: minickpt writes every checkpoint durably to the fast disk first and
+# mirrors it to the remote store in the background, on one machine or many.
+
+# %% [markdown]
 # ## 6. Common misconceptions
 #
 # **"With 8 devices, let every device save its own checkpoint, to be safe."** (The seed's.) Under
@@ -1000,7 +1143,12 @@ if ready("section 5 (replicated array)", "barrel"):
 #   sharded model and can tear a replicated one. Agree on the step to restore as well: processes can list different
 #   newest steps while a commit lands.
 # - Orbax has no step agreement (its barriers compare names, not steps), splits replicated arrays
-#   over their replicas' processes, and compresses with zstd.
+#   over their replicas' processes, and compresses with zstd. Its `MultiprocessingOptions` move
+#   the commit (`primary_host`), let a subset save (`active_processes`) and keep two managers'
+#   barriers apart (`barrier_sync_key_prefix`).
+# - Flax's `save_checkpoint_multiprocess` deletes old checkpoints *before* its save: a failed
+#   save has already cost one. Orbax's experimental two-tier manager needs two replicas or more;
+#   with one it is a plain manager of the persistent directory.
 # - The barrel effect: $T_{\mathrm{save}} \approx \max_p T^{(p)}_{\mathrm{write}} + \dots$ on every
 #   process; one slow process slows everyone, second for second.
 # - A checkpoint of global boxes restores onto any mesh and any number of processes, values

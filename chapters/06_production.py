@@ -798,6 +798,70 @@ with TieredCheckpointManager(local, remote, opts) as tm:
 # at every request of an upload. No step was lost and none was published half-written. GCS
 # itself is not in those tests; it is reached through the same interface.
 #
+# What else the mirror promises, because a week-long run meets all of it:
+#
+# - **One writer per prefix.** A writer holds a lease, `.minickpt-lease.json` at the mirror's
+#   root. On S3 it is created with a conditional write (`If-None-Match`). A preempted VM still
+#   alive while its replacement starts, or two jobs that share a run name, would otherwise
+#   overwrite each other's steps; the local lock cannot see that, because their disks differ.
+#   The second writer is refused and told who holds the lease. A dead writer's lease is taken
+#   over by itself; `force=True` takes over a live one on purpose, and the old writer then
+#   stops at its next change. Readers (`read_only=True`) need no lease.
+# - **A committed step is never replaced**, in either tier: `save()` of a step the mirror holds
+#   raises `StepAlreadyExistsError`, as the plain manager does for a step on its disk.
+# - **An outage is waited out.** A manager opened while the store does not answer warns,
+#   resumes from its local steps and copies them once the store answers.
+#
+# The experiment: a second trainer on a prefix the first one is writing.
+
+# %%
+from minickpt.errors import StepAlreadyExistsError
+from minickpt.production.mirror import LeaseHeldError
+
+shared = "memory://ch06/shared-run"
+with TieredCheckpointManager(WORK / "vm-a", shared, opts) as first:
+    first.save(1, items)
+    first.wait_until_mirrored(timeout=60)
+    try:  # the replacement VM starts while the first one still runs
+        TieredCheckpointManager(WORK / "vm-b", shared, opts)
+        refused = None
+    except LeaseHeldError as e:
+        refused = str(e)
+    print("second writer:", textwrap.shorten(refused or "accepted", 230))
+    ro = mc.CheckpointManagerOptions(read_only=True)
+    with TieredCheckpointManager(WORK / "eval", shared, ro) as reader:  # no lease needed
+        print("a reader beside them sees steps", reader.mirror_steps())
+    claim(refused is not None and first.writer.id in refused,
+          "the second writer was refused, and told which writer holds the mirror", seen=refused)
+with TieredCheckpointManager(WORK / "vm-b", shared, opts) as second:  # the first one closed
+    try:
+        second.save(1, items, force=True)
+        replaced = True
+    except StepAlreadyExistsError:
+        replaced = False
+    print(f"after the first writer closed: the second holds the lease; its save of step 1 "
+          f"{'replaced' if replaced else 'was refused: the mirror holds it'}")
+    claim(not replaced, "a committed step in the mirror is never replaced, even with force=True")
+
+# %% [markdown]
+# The refusal happens when the second manager opens, before it has written anything, so the
+# first run's steps in the mirror are untouched. Once the first writer closes (or its process
+# dies), its lease is free and the next writer takes it.
+#
+# **Orbax's own two tiers.** `orbax.checkpoint.experimental.emergency.checkpoint_manager.CheckpointManager`
+# is experimental (its module docstring asks for specific approval before use). It pairs frequent
+# *local* checkpoints (`LocalCheckpointOptions`: a RAM disk or local SSD on each host) with rarer
+# *persistent* ones (`PersistentCheckpointOptions`: a bucket), and is built for at least two
+# data-parallel replicas along the mesh's `replica_axis_index`: the first replica writes the
+# persistent checkpoints, the others the local ones. A restore takes the newest step that some
+# replica still holds complete on its local disks and broadcasts it; otherwise it reads the
+# persistent copy. With one replica it is a plain `CheckpointManager` of the persistent directory
+# (chapter 4 §5b runs it). minickpt's tiered storage differs in three ways: every checkpoint is
+# first committed durably on the fast disk; the remote tier is a background *mirror* of those
+# same checkpoints, not a second, separately scheduled save, and a local checkpoint is deleted
+# only once it is in the mirror; a restore reads the local copy, verified, and falls back to the
+# mirror's, so it does not depend on another replica still holding the step.
+#
 # ## 8. Versioning: which code, which metrics — and the best checkpoint without loading it
 #
 # Every checkpoint's metadata records who wrote it (`writer`, including the git commit of the
@@ -989,8 +1053,10 @@ t_resumed = time.perf_counter() - t0
 t0 = time.perf_counter()
 fresh, all_steps = search(WORK / "search-from-scratch")
 t_fresh = time.perf_counter() - t0
+work_saved, time_saved = 1 - redone / all_steps, 1 - t_resumed / t_fresh
 print(f"rerun with resume: {redone} steps in {t_resumed:.2f} s; from scratch: {all_steps} steps "
-      f"in {t_fresh:.2f} s -> {1 - t_resumed / t_fresh:.0%} of the time saved")
+      f"in {t_fresh:.2f} s -> {work_saved:.0%} of the steps skipped, {time_saved:.0%} of the "
+      "time saved")
 print("same results:", resumed == fresh)
 best = min(fresh, key=fresh.get)
 print(f"best config: {CONFIGS[best]} (loss {fresh[best]:.2e})")
@@ -998,15 +1064,21 @@ claim(resumed == fresh, "the resumed search computed the same results as an unin
 claim(redone == 40 + 2 * STEPS and all_steps == 6 * STEPS,
       "the rerun skipped 3 finished configurations, resumed the 4th from step 20 (40 steps) and ran the last 2",
       seen=(redone, all_steps))
-verdict(0.4 < 1 - t_resumed / t_fresh < 0.7, "a bit over half of the time was saved",
-        otherwise="timings on a busy machine are noisy; the step counts above are exact",
-        seen=f"{1 - t_resumed / t_fresh:.0%}")
+claim(0.5 < work_saved < 0.6, "a bit over half of the work was skipped (200 of 360 steps)",
+      seen=f"{work_saved:.0%}")
+_ = verdict(abs(time_saved - work_saved) < 0.15,
+            f"the time saved ({time_saved:.0%}) is within 15 points of the {work_saved:.0%} of "
+            "the steps skipped",
+            otherwise="timings on a busy machine are noisy; the step counts above are exact",
+            seen=f"{time_saved:.0%} of the time, {work_saved:.0%} of the steps")
 
 # %% [markdown]
 # The rerun skipped the three finished configurations, resumed the fourth from step 20 and
-# computed the same results as a search that was never interrupted. The time saved is the
-# work done before the cut (200 of 360 steps; the measured share of the time is printed above); the seed's "about 40 %" is one such case,
-# not a constant. With a checkpoint every `EVERY` steps, the most a cut can cost is one
+# computed the same results as a search that was never interrupted. What it skipped is the
+# work done before the cut: 200 of 360 steps, 56 %. The time saved follows that share, give or
+# take the rerun's own cost (opening six managers, one restore) and the machine's noise; both
+# numbers are printed above. The seed's "about 40 %" is one
+# such case, not a constant. With a checkpoint every `EVERY` steps, the most a cut can cost is one
 # interval of one configuration.
 #
 # ## 11. Common misconceptions
@@ -1057,7 +1129,7 @@ verdict(0.4 < 1 - t_resumed / t_fresh < 0.7, "a bit over half of the time was sa
 #   explicit override: `EIO` from a local disk rarely goes away.
 # - Monitor save time, success, bytes, disk use and restore time; alert on each.
 # - Tiered storage: fast local saves, a background mirror; resume from the mirror when the node
-#   is gone.
+#   is gone. One writer per mirror (a lease), and a committed step is never replaced.
 # - Versioning: metrics, config and git commit in the metadata; choose without loading arrays.
 # - Preemptible instances lose about $R/\text{MTTP}$ of throughput; an interrupted search
 #   resumes per configuration and saves the work done before the cut.

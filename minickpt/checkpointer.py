@@ -40,7 +40,7 @@ from .errors import (
     UnsafeCheckpointError,
     UnsupportedLeafError,
 )
-from .format.encode import ItemPlan, ItemWriteResult, plan_item, write_item
+from .format.encode import ItemPlan, ItemWriteResult, check_manifest_fits, plan_item, write_item
 from .format.manifest import Manifest, parse_json, read_manifest
 from .format.manifest import check_data as check_data_file
 from .format.read import read_leaves
@@ -158,6 +158,40 @@ def writer_info() -> dict[str, Any]:
     return info
 
 
+# room in the metadata file for what minickpt adds to the caller's metrics and metadata
+# (items' records, writer, times, checksum): far more than it takes
+_METADATA_RESERVE = 1 << 20
+
+
+def check_save_args(step: Any, metrics: Any, custom_metadata: Any) -> None:
+    """Refuse, before anything is written, what :func:`read_metadata` would refuse or drop:
+    a step that is not an int, metrics or metadata that are not mappings (a reader keeps
+    only dicts), or that are not plain JSON, or that with the rest could not fit in the
+    :data:`MAX_METADATA_BYTES` a restore reads — such a checkpoint would commit and then be
+    called damaged by every restore."""
+    if step is not None and (not isinstance(step, int) or isinstance(step, bool)):
+        raise ValueError(f"step must be an int (or None), got {step!r}: a restore would "
+                         "call the checkpoint damaged")
+    size = 0
+    for what, value in (("metrics", metrics), ("metadata", custom_metadata)):
+        if value is None:
+            continue
+        if not isinstance(value, Mapping):
+            raise TypeError(f"{what}= must be a mapping (a dict of names to values), got "
+                            f"{type(value).__name__}: a restore keeps only a dict, so it "
+                            "would be lost")
+        if not value and what == "metadata":
+            continue
+        size += len(json_text(_json_safe(value, what)).encode())
+    if size + _METADATA_RESERVE > MAX_METADATA_BYTES:
+        raise ValueError(
+            f"metrics and metadata= take {size / 2**20:.1f} MiB as JSON; a restore reads at "
+            f"most {MAX_METADATA_BYTES >> 20} MiB of a checkpoint's metadata "
+            f"(MAX_METADATA_BYTES), {_METADATA_RESERVE >> 20} MiB of it kept for minickpt's "
+            "own fields, so the checkpoint could never be restored: nothing was written. "
+            "Save large data as an item (an array), not as metadata")
+
+
 def metadata_bytes(step: int | None, items: Mapping[str, Any], *, metrics: Any = None,
                    custom_metadata: Any = None, init_ns: int | None = None,
                    format_version: int = FORMAT_VERSION) -> bytes:
@@ -172,7 +206,12 @@ def metadata_bytes(step: int | None, items: Mapping[str, Any], *, metrics: Any =
         "custom_metadata": _json_safe(custom_metadata, "metadata") if custom_metadata else {},
         "writer": writer_info(),
     }
-    return encode_metadata(meta)
+    raw = encode_metadata(meta)
+    if len(raw) > MAX_METADATA_BYTES:  # checked before the save began: a guard
+        raise ValueError(f"the metadata of step {step} is {len(raw)} bytes, over the "
+                         f"{MAX_METADATA_BYTES} a restore reads (MAX_METADATA_BYTES): "
+                         "not committed")
+    return raw
 
 
 _CRC_KEY = "metadata_crc32"
@@ -333,6 +372,7 @@ class Checkpointer:
                                                          pin=pin, stream=stream)
             except UnsupportedLeafError as e:
                 raise UnsupportedLeafError(f"item '{name}': {e}") from None
+            check_manifest_fits(str(name), plans[str(name)])
         return plans
 
     def save(self, directory: str | os.PathLike[str], items: Mapping[str, Any], *,
@@ -342,6 +382,7 @@ class Checkpointer:
         t0 = time.perf_counter()
         init_ns = time.time_ns()
         directory = os.fspath(directory)
+        check_save_args(step, metrics, custom_metadata)
         try:
             exists = self.fs.exists(directory)
         except OSError as e:

@@ -8,7 +8,10 @@
     minickpt stats DIR           save/restore times, success rate, bytes, disk use, last error
     minickpt convert-orbax SRC DST  Orbax checkpoints -> minickpt, verified leaf by leaf
 
-DIR is a run's checkpoint directory (holding ``step_*/``) or one checkpoint directory.
+DIR is a run's checkpoint directory (holding ``step_*/``) or one checkpoint directory, or
+for ``ls`` and ``verify`` a mirror's URL (``s3://bucket/run``): there a step being uploaded
+by the live writer that holds the mirror's lease is IN FLIGHT (exit 0), one whose writer is
+gone is UNCOMMITTED, cut short (exit 1 for ``verify``).
 Every command takes ``--json`` for scripts: strict JSON, in which a non-finite number (a NaN
 loss, an infinite difference) is the string ``"NaN"``, ``"Infinity"`` or ``"-Infinity"``.
 
@@ -181,12 +184,16 @@ def _is_url(path: str) -> bool:
 
 def _mirror_report(url: str, step: int | None, deep: bool) -> list[dict[str, Any]]:
     """Each step folder of the mirror at ``url``: committed (its commit marker) and checked,
-    or not committed (an upload in flight or cut short: never restored). Credentials and
-    the endpoint come from the environment (``AWS_ENDPOINT_URL``, ``AWS_ACCESS_KEY_ID`` ...)."""
+    or not committed: an upload in flight (its in-progress marker names the live writer
+    that holds the mirror's lease: not damage) or cut short (no live writer: never
+    restored, and damage to report). Credentials and the endpoint come from the environment
+    (``AWS_ENDPOINT_URL``, ``AWS_ACCESS_KEY_ID`` ...)."""
     from .commit import parse_step
-    from .production.mirror import FsspecStore
+    from .production.mirror import FsspecStore, abandoned, describe_holder
 
     store = FsspecStore(url, create=False)
+    got = store.lease()
+    holder = got[0] if got is not None and store.lease_is_live(got[0]) else None
     out = []
     for name in sorted(store.listdir("")):
         s = parse_step(name)
@@ -194,8 +201,17 @@ def _mirror_report(url: str, step: int | None, deep: bool) -> list[dict[str, Any
             continue
         rec: dict[str, Any] = {"step": s, "path": store.path(name), "problems": []}
         if not store.committed(name):
-            rec.update(status="uncommitted", problems=[
-                "no commit marker: an upload in flight or cut short; never restored"])
+            mark = store.marker(name)
+            if mark is not None and holder is not None \
+                    and mark.get("writer") == holder.get("writer") \
+                    and not abandoned(mark, store.stale_after_s):
+                rec.update(status="in flight", problems=[
+                    f"being written by {describe_holder(mark)}, which holds the mirror's "
+                    "lease: not committed yet, so never restored until it is"])
+            else:
+                rec.update(status="uncommitted", problems=[
+                    "no commit marker and no live writer: an upload or a delete cut short; "
+                    "never restored (the next writer removes it)"])
         elif deep:
             rec["problems"] = store.verify(name)
             rec["status"] = "damaged" if rec["problems"] else "valid"
@@ -631,7 +647,8 @@ def build_parser() -> argparse.ArgumentParser:
              "damaged file and leaf if anything is wrong; exits 2 if DIR does not exist or "
              "holds no checkpoint, since nothing verified is not a pass. Orbax steps are "
              "listed as ORBAX, not verified by minickpt, and never make it fail (only Orbax "
-             "steps to verify: exit 2).")
+             "steps to verify: exit 2). On a mirror URL, an upload by the live writer holding "
+             "the lease is IN FLIGHT (not a failure); one cut short (no live writer) exits 1.")
     sp.add_argument("dir", metavar="DIR", help=DIR_HELP)
     sp.add_argument("step", metavar="STEP", nargs="?", type=int,
                     help="verify only this step's checkpoint in DIR (default: every one)")

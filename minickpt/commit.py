@@ -87,8 +87,8 @@ def commit(fs: FileSystem, tmp_dir: str, final_dir: str, *, subdirs: Iterable[st
       into ``tmp_dir``; never a directory of that name with missing or torn contents;
     * once the commit has returned, ``final_dir`` is there for good;
     * an existing ``final_dir`` is never replaced nor changed, at any moment;
-    * ``sync`` belongs to the caller (who closes it); a batch made here is closed here, even
-      after an error.
+    * ``sync`` stays the caller's: the commit may flush it (which closes the files it holds),
+      and the caller closes it.
 
     Raises :class:`~minickpt.errors.StepAlreadyExistsError` naming ``final_dir`` when it
     already exists; ``OSError`` with the same errno, saying the checkpoint is in place but

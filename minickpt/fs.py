@@ -656,9 +656,9 @@ class SyncBatch:
 
     A save registers each file it wrote (the open descriptor, which the batch then owns) and
     each directory it created, *without* fsyncing them one by one; :meth:`flush` fsyncs them
-    all at once with :meth:`FileSystem.fsync_all` and closes the files. The commit protocol
-    is unchanged — everything in the temporary tree is durable before the rename — only the
-    waiting is shared. :meth:`close` (also on ``with`` exit) closes what was not flushed.
+    all at once with :meth:`FileSystem.fsync_all` and closes the files. When the batch is
+    flushed, relative to anything else a save does, is its caller's to decide: the batch only
+    lets the waits be shared. :meth:`close` (also on ``with`` exit) closes what was not flushed.
     """
 
     MAX_OPEN = 256  # flush early rather than hold more descriptors than this

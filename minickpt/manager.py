@@ -19,7 +19,14 @@ from typing import Any
 
 from . import policy
 from .asynchronous import AsyncCheckpointer
-from .checkpointer import Checkpointer, CheckpointMetadata, SaveStats, VerifyReport, _json_safe
+from .checkpointer import (
+    Checkpointer,
+    CheckpointMetadata,
+    SaveStats,
+    VerifyReport,
+    _json_safe,
+    check_save_args,
+)
 from .commit import (
     cleanup_temporaries,
     makedirs,
@@ -437,6 +444,7 @@ class CheckpointManager(DirectoryLock, Retention, Restoring):
                 "stop Orbax from opening the directory. Save into another directory; "
                 + foreign_note(self.directory, self.foreign_steps))
         policy.check_metric(self.options.best_fn, metrics)
+        check_save_args(step, metrics, metadata)  # what a restore would refuse: refused now
         t0, wall0 = time.perf_counter(), time.time()
         if self._sync.process_count > 1:
             return self._save_collective(step, items, metrics, metadata, force, t0, wall0)

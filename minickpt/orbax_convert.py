@@ -172,20 +172,48 @@ def _restore_item(path: str, fs: FileSystem | None = None) -> Any:
     import jax
     import orbax.checkpoint as ocp
 
+    fs = fs or DEFAULT_FS
     ck = ocp.PyTreeCheckpointer()
     with _quiet_orbax():
-        meta = ck.metadata(path)
-        tree = getattr(getattr(meta, "item_metadata", None), "tree", None)
-        if tree is None:
-            raise _StepRefused(f"Orbax cannot read the tree of item {path} (its _METADATA "
-                               "or OCDBT manifest is missing or damaged)")
+        why = _unreadable_files(path, fs)
+        if why:
+            raise _StepRefused(f"item {path}: {why}")
+        meta = ck.metadata(path)  # Orbax 0.11 raises its own error when it cannot read it
+        # Orbax 0.12 wraps the tree's metadata in a StepMetadata (item_metadata: None when it
+        # could not be read, the reason only logged); Orbax 0.11 returns it bare
+        item = meta.item_metadata if hasattr(meta, "item_metadata") else meta
+        tree = getattr(item, "tree", None)
+        if tree is None:  # the restore itself then says what Orbax cannot read
+            out = jax.tree.map(np.asarray, ck.restore(path))
+            return _wrap_keys(out, _key_impls(path, fs))
         args = jax.tree.map(lambda _: ocp.RestoreArgs(restore_type=np.ndarray), tree,
                             is_leaf=lambda x: not isinstance(x, (dict, list, tuple)))
         try:
             out = ck.restore(path, args=ocp.args.PyTreeRestore(restore_args=args))
         except (TypeError, ValueError):  # a leaf numpy cannot hold as restore_type
             out = jax.tree.map(np.asarray, ck.restore(path))
-    return _wrap_keys(out, _key_impls(path, fs or DEFAULT_FS))
+    return _wrap_keys(out, _key_impls(path, fs))
+
+
+def _unreadable_files(item_dir: str, fs: FileSystem) -> str | None:
+    """What is visibly wrong with a PyTree item's own files, in words, or None: its
+    ``_METADATA`` (Orbax's record of the tree) missing or not JSON, or the root of its OCDBT
+    database (``manifest.ocdbt``) missing. Orbax's own errors for these name a symptom (a
+    structure not identified, an array's ``.zarray`` not found) that reads like damage to the
+    arrays."""
+    names = set(fs.listdir(item_dir))
+    where = os.path.join(item_dir, "_METADATA")
+    if "_METADATA" not in names:
+        return "its _METADATA (Orbax's record of the tree) is missing"
+    doc = read_json(fs, where)
+    if not isinstance(doc, dict) or not isinstance(doc.get("tree_metadata"), dict):
+        return "its _METADATA (Orbax's record of the tree) is not the JSON Orbax writes"
+    ocdbt = doc.get("use_ocdbt", True) is not False and (
+        "d" in names or any(n.startswith("ocdbt.process_") for n in names))
+    if ocdbt and "manifest.ocdbt" not in names:
+        return ("its manifest.ocdbt (the root of the OCDBT database that holds the arrays) "
+                "is missing")
+    return None
 
 
 def _restore_json(path: str, fs: FileSystem) -> Any:

@@ -12,6 +12,7 @@ import logging
 import os
 import time
 import warnings
+from typing import Any
 
 from . import policy
 from .commit import (
@@ -60,6 +61,7 @@ class Retention:
             best_fn=o.best_fn, best_mode=o.best_mode,
             keep_checkpoints_without_metrics=o.keep_checkpoints_without_metrics,
         ) | policy.newest_steps(readable, o.keep_latest)
+        self._check_bound(readable, keep, o.max_to_keep)
         for step in sorted({i.step for i in readable} - keep):
             try:
                 self._delete_step(step)
@@ -72,6 +74,32 @@ class Retention:
                           self.step_path(step), e)
                 warnings.warn(f"could not delete old checkpoint {self.step_path(step)}: {e}",
                               stacklevel=4)
+
+    def _check_bound(self, infos: list[policy.StepInfo], keep: set[int],
+                     max_to_keep: int | None, options: Any = None) -> None:
+        """Warn once when retention keeps more than its stated bound, ``max_to_keep +
+        keep_latest`` (``keep_period``'s steps aside): with ``best_fn`` set, every step saved
+        without a metric is kept while ``keep_checkpoints_without_metrics=True`` (Orbax's
+        default), so a run that passes metrics on its evaluation steps only fills the disk.
+        ``options``: a tiered manager's own (its local manager keeps everything)."""
+        o = options or self.options
+        if getattr(self, "_bound_warned", False) or max_to_keep is None or o.best_fn is None \
+                or not o.keep_checkpoints_without_metrics:
+            return
+        counted = {s for s in keep if not (o.keep_period and s % o.keep_period == 0)}
+        bound = max_to_keep + (o.keep_latest or 0)
+        unscored = {i.step for i in infos if i.metrics is None} & counted
+        if len(counted) <= bound or not unscored:
+            return
+        self._bound_warned = True
+        msg = (f"minickpt: retention in {self.directory} keeps {len(counted)} checkpoints, "
+               f"over its bound max_to_keep + keep_latest = {bound}: {len(unscored)} of them "
+               "were saved without a metric best_fn can score, and every such step is kept "
+               "while keep_checkpoints_without_metrics=True (Orbax's default). Pass metrics "
+               "on every save, or set keep_checkpoints_without_metrics=False, or the disk "
+               "fills up (said once)")
+        log.warning(msg)
+        warnings.warn(msg, stacklevel=5)
 
     def _scorable(self, infos: list[policy.StepInfo]) -> list[policy.StepInfo]:
         """``infos`` as retention ranks them: the metrics ``best_fn`` raises on are no

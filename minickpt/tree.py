@@ -509,13 +509,16 @@ def to_host(x: Any, *, copy: bool = False, path: str = "<leaf>") -> Any:
       the device buffer may be donated or overwritten after ``save()`` returns. (On GPU/TPU
       the transfer itself makes the copy, so ``copy=True`` does not copy a second time.)
     * typed PRNG key (``jax.random.key``) → :class:`HostKey` (raw data + impl name).
-    * numpy arrays and scalars stay numpy; Python scalars, strings and ``None`` stay as is.
+    * numpy arrays and scalars stay numpy; Python scalars, strings and ``None`` stay as is, and
+      so does a :class:`HostKey` (with ``copy=True``, one of copied data).
     * anything else (object arrays, functions...) is refused: storing it would need pickle.
     """
     if isinstance(x, np.generic):  # before Python scalars: np.float64 subclasses float
         x = np.asarray(x)
-    elif x is None or isinstance(x, (*SCALAR_TYPES, HostKey)):
+    elif x is None or isinstance(x, SCALAR_TYPES):
         return x
+    elif isinstance(x, HostKey):  # already on the host; copy=True still promises a copy
+        return HostKey(_copy(x.data), x.impl) if copy else x
     if isinstance(x, jax.Array):
         if is_prng_key(x):
             data = np.asarray(jax.random.key_data(x))

@@ -14,7 +14,7 @@ import pytest
 from minickpt import CheckpointManagerOptions
 from minickpt.faults import FaultyFileSystem
 from minickpt.fs import FileSystem
-from minickpt.production.mirror import LocalStore, MirrorError
+from minickpt.production.mirror import LEASE_FILE, LocalStore, MirrorError
 from minickpt.production.tiered import TieredCheckpointManager
 
 
@@ -44,7 +44,8 @@ class GatedFS(FileSystem):
         self.go = threading.Event()
 
     def write_file(self, path, buffers, **kw):
-        assert self.go.wait(60)
+        if not path.endswith(LEASE_FILE):  # (the lease, taken on opening, is not held up)
+            assert self.go.wait(60)
         return super().write_file(path, buffers, **kw)
 
 
@@ -151,7 +152,7 @@ def test_a_normal_close_finishes_the_copies_then_applies_local_retention(tmp_pat
         m.save(s, _items(s))
     m.close()  # copies still pending
     assert _steps(tmp_path / "local") == ["step_3", "step_4"]
-    assert sorted(os.listdir(tmp_path / "mirror")) == ["step_3", "step_4"]
+    assert _steps(tmp_path / "mirror") == ["step_3", "step_4"]
     assert not [r for r in caplog.records if r.levelno >= logging.ERROR], caplog.text
 
 
@@ -174,3 +175,22 @@ def test_a_best_fn_that_raises_on_read_back_metrics_is_no_metric_on_both_tiers(t
     assert "no metric" in caplog.text  # said, once per step
     # no metric for any step read back: all kept (keep_checkpoints_without_metrics)
     assert _steps(tmp_path / "mirror") == ["step_0", "step_1", "step_2", "step_3"]
+
+
+def test_a_long_upload_can_renew_its_marker_on_a_directory_mirror(tmp_path):
+    """A writer renews its in-progress marker (and its lease) during a long upload: on a
+    directory the second write of the same file must replace it, not fail."""
+    from minickpt.production.mirror import UPLOAD_MARKER, Writer
+
+    store, w = LocalStore(tmp_path / "mirror"), Writer()
+    try:
+        tmp = store.new_upload("step_1", w)
+        first = store.marker(tmp)
+        store.begin(tmp, w, "upload")  # the heartbeat of an upload longer than stale/10
+        assert store.marker(tmp)["time"] >= first["time"]
+        assert os.listdir(tmp_path / "mirror" / tmp) == [UPLOAD_MARKER]
+        store.acquire(w)
+        store.renew(w)  # the lease's heartbeat, on the same kind of file
+        assert store.lease()[0]["writer"] == w.id
+    finally:
+        w.release()

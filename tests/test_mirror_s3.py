@@ -25,8 +25,16 @@ import pytest
 from conftest import tree_equal
 
 from minickpt import CheckpointManagerOptions
-from minickpt.errors import CheckpointNotFoundError
-from minickpt.production.mirror import COMMIT_SUCCESS_FILE, FsspecStore, MirrorError
+from minickpt.errors import CheckpointNotFoundError, StepAlreadyExistsError
+from minickpt.production.mirror import (
+    COMMIT_SUCCESS_FILE,
+    LEASE_FILE,
+    UPLOAD_MARKER,
+    FsspecStore,
+    LeaseHeldError,
+    LeaseLostError,
+    MirrorError,
+)
 from minickpt.production.tiered import TieredCheckpointManager
 
 if os.environ.get("CI"):  # CI installs the test extra: a missing package is a failure there
@@ -171,10 +179,10 @@ class FaultProxy:
       network is gone for the rest of the upload, so nothing can be cleaned up either.
     """
 
-    def __init__(self, upstream):
-        host, port = upstream.rsplit("//", 1)[1].split(":")
-        self.upstream = (host, int(port))
-        self.sock = socket.create_server(("127.0.0.1", 0))
+    def __init__(self, upstream, port=0):
+        host, up_port = upstream.rsplit("//", 1)[1].split(":")
+        self.upstream = (host, int(up_port))
+        self.sock = socket.create_server(("127.0.0.1", port))
         self.sock.settimeout(0.2)
         self.endpoint = f"http://127.0.0.1:{self.sock.getsockname()[1]}"
         self.lock = threading.Lock()
@@ -359,7 +367,7 @@ def test_a_run_mirrored_to_s3_is_restored_on_a_new_machine(tmp_path, s3):
         assert m.mirror_steps() == [2, 3]
     fs = _fs(s3)
     root = f"{BUCKET}/{prefix}"
-    assert sorted(p.rsplit("/", 1)[1] for p in fs.ls(root)) == ["step_2", "step_3"]
+    assert sorted(p.rsplit("/", 1)[1] for p in fs.ls(root)) == [LEASE_FILE, "step_2", "step_3"]
     for s in (2, 3):
         local = tmp_path / "local" / f"step_{s}"
         files = sorted(str(p.relative_to(local)) for p in local.rglob("*") if p.is_file())
@@ -683,3 +691,345 @@ def test_the_cli_lists_and_verifies_a_mirror_on_s3(tmp_path, s3, monkeypatch, ca
     fs.pipe_file(path, bytes(data))
     assert main(["verify", url]) == 1
     assert "DAMAGED" in capsys.readouterr().out
+
+
+# ---------------------------------------------------------------------------------------
+# the mirror owns its run (issue 49)
+# ---------------------------------------------------------------------------------------
+def _objects(fs, root):
+    """Every object under ``root`` but the lease, with its bytes."""
+    fs.invalidate_cache()
+    keys = [k for k in fs.find(root) if not k.endswith(LEASE_FILE)]
+    return dict(zip(keys, [fs.cat_file(k) for k in keys], strict=True))
+
+
+def _quiet():
+    cm = warnings.catch_warnings()
+    cm.__enter__()
+    warnings.simplefilter("ignore")
+    return cm
+
+
+@pytest.mark.timeout(120)
+def test_a_second_trainer_on_the_prefix_is_refused_and_changes_nothing(tmp_path, s3):
+    fs, prefix = _fs(s3), _prefix()
+    root = f"{BUCKET}/{prefix}"
+    first = TieredCheckpointManager(tmp_path / "vm1", _store(s3, prefix),
+                                    CheckpointManagerOptions(max_to_keep=2), backoff_s=0.01)
+    try:
+        for s in (100, 200):
+            first.save(s, _items(s))
+        first.wait_until_mirrored(timeout=WAIT_S)
+        before = _objects(fs, root)
+        # the replacement VM starts while the preempted one is still alive
+        with pytest.raises(LeaseHeldError) as e:
+            TieredCheckpointManager(tmp_path / "vm2", _store(s3, prefix),
+                                    CheckpointManagerOptions(max_to_keep=1), backoff_s=0.01)
+        msg = str(e.value)
+        assert first.writer.id in msg and "force=True" in msg and "stale" in msg, msg
+        assert _objects(fs, root) == before  # nothing of the first run changed
+        assert not (tmp_path / "vm2" / "step_200").exists()
+        # a reader needs no lease
+        ro = CheckpointManagerOptions(read_only=True)
+        with TieredCheckpointManager(tmp_path / "eval", _store(s3, prefix), ro) as ev:
+            assert ev.mirror_steps() == [100, 200]
+        # taken over on purpose: the old writer stops at its next change
+        cm = _quiet()
+        try:
+            second = TieredCheckpointManager(tmp_path / "vm2", _store(s3, prefix),
+                                             CheckpointManagerOptions(max_to_keep=2),
+                                             backoff_s=0.01, max_attempts=1, force=True)
+            first.save(300, _items(300))
+            with pytest.raises(MirrorError, match="no longer holds the lease"):
+                first.wait_until_mirrored(timeout=WAIT_S)
+        finally:
+            cm.__exit__(None, None, None)
+        assert not fs.exists(f"{root}/step_300")  # the fenced writer published nothing
+        with pytest.raises(LeaseLostError):
+            first.save(400, _items(400))  # and the superseded trainer is told at once
+        with pytest.raises(StepAlreadyExistsError):
+            second.save(200, _items(-200))  # the run's step 200 is never replaced
+        second.save(300, _items(-300))
+        second.close()
+    finally:
+        with contextlib.suppress(MirrorError):
+            first.close()
+    steps, r = _restore_on_a_new_machine(tmp_path, _store(s3, prefix))
+    assert steps == [200, 300] and tree_equal(dict(r), _items(-300))
+    assert fs.cat_file(f"{root}/step_200/params/data.bin") == \
+        before[f"{root}/step_200/params/data.bin"]
+
+
+@pytest.mark.timeout(120)
+def test_a_save_over_a_step_only_the_mirror_holds_is_refused(tmp_path, s3):
+    fs, prefix = _fs(s3), _prefix()
+    root = f"{BUCKET}/{prefix}"
+    with TieredCheckpointManager(tmp_path / "vm1", _store(s3, prefix),
+                                 CheckpointManagerOptions(max_to_keep=1),
+                                 mirror_max_to_keep=None) as m:
+        for s in (0, 10, 20):
+            m.save(s, _items(s))
+        m.wait_until_mirrored(timeout=WAIT_S)
+    assert sorted(p.name for p in (tmp_path / "vm1").glob("step_*")) == ["step_20"]
+    before = _objects(fs, root)
+    # a new VM restores step 10 from the bucket and trains forward
+    with TieredCheckpointManager(tmp_path / "vm2", _store(s3, prefix),
+                                 CheckpointManagerOptions(max_to_keep=1),
+                                 mirror_max_to_keep=None) as m:
+        r = m.restore(10)
+        assert tree_equal(dict(r), _items(10))
+        for force in (False, True):
+            with pytest.raises(StepAlreadyExistsError, match="never replaces"):
+                m.save(20, _items(-20), force=force)
+        assert not (tmp_path / "vm2" / "step_20").exists()
+        assert m.save(30, _items(30))
+        m.wait_until_mirrored(timeout=WAIT_S)
+    after = _objects(fs, root)
+    assert {k: v for k, v in after.items() if "/step_30/" not in k} == before
+
+
+@pytest.mark.timeout(120)
+def test_opening_while_the_store_refuses_connections_resumes_then_catches_up(tmp_path, s3):
+    from minickpt import CheckpointManager
+
+    prefix, local = _prefix(), tmp_path / "local"
+    with CheckpointManager(local) as c:  # the steps a restart finds on its disk
+        for s in (0, 1):
+            c.save(s, _items(s))
+    port = _free_port()  # nothing listens there yet: connections are refused
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        m = TieredCheckpointManager(local, _store(f"http://127.0.0.1:{port}", prefix), OPTS,
+                                    backoff_s=0.05, max_backoff_s=0.2)
+    try:
+        said = [str(w.message) for w in caught if "did not answer" in str(w.message)]
+        assert said and "EndpointConnectionError" in said[0] and "[0, 1]" in said[0], said
+        r = m.restore()  # resumed from the local disk
+        assert r.step == 1 and tree_equal(dict(r), _items(1))
+        assert m.save(2, _items(2))
+        with pytest.raises(TimeoutError, match="has not answered"):
+            m.wait_until_mirrored(timeout=0.5)
+        with pytest.raises(MirrorError, match="has not answered since"):
+            m.restore(7)  # a step the mirror alone might hold: not a CheckpointNotFoundError
+        # a manager closed during the outage says what it kept
+        with pytest.warns(UserWarning, match="did not answer"):
+            other = TieredCheckpointManager(
+                tmp_path / "other", _store(f"http://127.0.0.1:{port}", _prefix()), OPTS)
+        other.save(0, _items(0))
+        with pytest.raises(MirrorError, match=r"did not answer.*\[0\] are kept"):
+            other.close()
+        p = FaultProxy(s3, port=port)  # the store answers again
+        try:
+            m.wait_until_mirrored(timeout=WAIT_S)
+            assert m.mirror_steps() == [0, 1, 2]
+            m.close()
+        finally:
+            p.close()
+    finally:
+        with contextlib.suppress(MirrorError):
+            m.close()
+    steps, r = _restore_on_a_new_machine(tmp_path, _store(s3, prefix))
+    assert steps == [0, 1, 2] and tree_equal(dict(r), _items(2))
+
+
+@pytest.mark.timeout(120)
+def test_verify_tells_an_upload_in_flight_from_one_cut_short(tmp_path, s3, monkeypatch,
+                                                             capsys):
+    from minickpt.cli import main
+
+    prefix = _prefix()
+    url, root = f"s3://{BUCKET}/{prefix}", f"{BUCKET}/{prefix}"
+    monkeypatch.setenv("AWS_ENDPOINT_URL", s3)
+    store = PausingStore(url, 1, **_options(s3))
+    fs = _fs(s3)
+    try:
+        with TieredCheckpointManager(tmp_path / "trainer", store, OPTS) as t:
+            t.save(0, _items(0))
+            t.wait_until_mirrored(timeout=WAIT_S)
+            t.save(1, _items(1))
+            assert store.reached.wait(WAIT_S)  # step 1 uploaded, not yet committed
+            assert main(["verify", url]) == 0  # a live writer's upload: not damage
+            out = capsys.readouterr().out
+            assert "IN FLIGHT" in out and t.writer.id in out, out
+            # the same folder, its writer gone (a process that has exited)
+            marker = f"{root}/step_1/{UPLOAD_MARKER}"
+            live = fs.cat_file(marker)
+            rec = {**json.loads(live), "writer": "0" * 32, "pid": _dead_pid()}
+            fs.pipe_file(marker, json.dumps(rec).encode())
+            assert main(["verify", url]) == 1  # cut short: no live writer
+            assert "UNCOMMITTED" in capsys.readouterr().out
+            fs.pipe_file(marker, live)
+            store.go.set()
+            t.wait_until_mirrored(timeout=WAIT_S)
+    finally:
+        store.go.set()
+    assert main(["verify", url]) == 0
+
+
+def _dead_pid():
+    """The pid of a process that has exited (and been reaped)."""
+    p = subprocess.Popen([sys.executable, "-c", "pass"])
+    p.wait(timeout=60)
+    return p.pid
+
+
+@pytest.mark.timeout(120)
+def test_cleanup_aborts_the_multipart_uploads_a_killed_writer_left(tmp_path, s3):
+    fs, prefix = _fs(s3), _prefix()
+
+    def uploads():
+        out = fs.call_s3("list_multipart_uploads", Bucket=BUCKET, Prefix=f"{prefix}/")
+        return sorted(u["Key"] for u in out.get("Uploads") or [])
+
+    for key in (f"{prefix}/step_3/params/data.bin", f"{prefix}/tensorboard/events.1"):
+        mpu = fs.call_s3("create_multipart_upload", Bucket=BUCKET, Key=key)
+        fs.call_s3("upload_part", Bucket=BUCKET, Key=key, UploadId=mpu["UploadId"],
+                   PartNumber=1, Body=b"x" * (5 << 20))
+    assert len(uploads()) == 2
+    cm = _quiet()
+    try:
+        with TieredCheckpointManager(tmp_path / "local", _store(s3, prefix), OPTS) as m:
+            assert m.mirror_steps() == []
+    finally:
+        cm.__exit__(None, None, None)
+    assert uploads() == [f"{prefix}/tensorboard/events.1"]  # not a step folder: not ours
+
+
+@pytest.mark.timeout(120)
+def test_the_copy_queue_skips_steps_retention_already_retired(tmp_path, s3):
+    prefix = _prefix()
+    store = PausingStore(f"s3://{BUCKET}/{prefix}", 0, **_options(s3))
+    events = []
+    try:
+        with TieredCheckpointManager(tmp_path / "local", store,
+                                     CheckpointManagerOptions(max_to_keep=2)) as m:
+            m.listeners.append(lambda ev, rec: events.append(rec) if ev == "mirror" else None)
+            m.save(0, _items(0))
+            assert store.reached.wait(WAIT_S)  # uploads slower than saves: a backlog
+            for s in range(1, 6):
+                m.save(s, _items(s))
+            store.go.set()
+            m.wait_until_mirrored(timeout=WAIT_S)
+            assert m.mirrored == [0, 4, 5] and m.mirror_steps() == [4, 5]
+    finally:
+        store.go.set()
+    skipped = sorted(e["step"] for e in events if e.get("skipped"))
+    assert skipped == [1, 2, 3], events
+    assert all("retired" in e["note"] for e in events if e.get("skipped"))
+
+
+RACER_SCRIPT = """
+import json, shutil, sys, time
+import numpy as np
+from minickpt import CheckpointManagerOptions
+from minickpt.production.mirror import FsspecStore, LeaseHeldError
+from minickpt.production.tiered import TieredCheckpointManager
+url, opts, local, tag = sys.argv[1], json.loads(sys.argv[2]), sys.argv[3], int(sys.argv[4])
+shutil.rmtree(local, ignore_errors=True)  # a new VM: an empty local disk
+store = FsspecStore(url, **opts)
+while True:  # the replacement VM waits for the preempted one's lease
+    try:
+        m = TieredCheckpointManager(local, store, CheckpointManagerOptions(max_to_keep=2),
+                                    mirror_max_to_keep=None, backoff_s=0.05)
+        break
+    except LeaseHeldError:
+        time.sleep(0.1)
+start = (m.latest_step() if m.latest_step() is not None else -1) + 1
+print(json.dumps({"writer": m.writer.id, "tag": tag, "start": start}), flush=True)
+for s in range(start, start + 10000):
+    m.save(s, {"x": {"w": np.full(1 << 16, tag * 100000 + s, np.float32)}})
+    time.sleep(0.02)
+"""
+
+
+def _racer(tmp_path, s3, prefix, tag):
+    """A trainer process on ``prefix``; a thread collects the lines it prints."""
+    env = {**os.environ, **FAKE_AWS_ENV, "JAX_PLATFORMS": "cpu"}
+    p = subprocess.Popen(
+        [sys.executable, "-c", RACER_SCRIPT, f"s3://{BUCKET}/{prefix}",
+         json.dumps(_options(s3, client_retries=True)), str(tmp_path / f"vm{tag}"), str(tag)],
+        env=env, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+    p.lines = []
+    threading.Thread(target=lambda: p.lines.extend(p.stdout), daemon=True).start()
+    return p
+
+
+@pytest.mark.timeout(180)
+def test_two_writers_racing_for_a_prefix_with_sigkills_during_uploads(tmp_path, s3):
+    """Two trainers always alive on one prefix (a preempted VM and its replacement), the
+    lease's holder SIGKILLed in the middle of its uploads, a new racer started each time:
+    every committed step verifies and holds the values of the writer its commit names,
+    and no committed step ever changes owner."""
+    import random
+    import signal
+
+    from minickpt.production.mirror import _OWNER_LINE
+
+    rng = random.Random(49)
+    prefix, fs = _prefix(), _fs(s3)
+    root = f"{BUCKET}/{prefix}"
+    kills = int(os.environ.get("MINICKPT_S3_KILLS", "4"))
+    racers = [_racer(tmp_path, s3, prefix, t) for t in (1, 2)]
+    tags, owners, cut = {}, {}, 0  # writer id -> tag; step -> writer id seen committed
+    store = _store(s3, prefix)
+
+    def committed_owners():
+        out = {}
+        for name in store.listdir(""):
+            if name.startswith("step_") and store.committed(name):
+                out[int(name[5:])] = store.owner(name)["writer"]
+        return out
+
+    try:
+        next_tag = 3
+        for _ in range(kills):
+            deadline = time.monotonic() + 60
+            holder = None
+            while holder is None and time.monotonic() < deadline:
+                for p in racers:
+                    if p.lines and p.poll() is None:
+                        holder = p
+                time.sleep(0.05)
+            assert holder is not None, "no racer took the lease within 60 s"
+            rec = json.loads(holder.lines[0])
+            tags[rec["writer"]] = rec["tag"]
+            time.sleep(rng.uniform(0.8, 2.0))  # saves and uploads under way
+            holder.send_signal(signal.SIGKILL)
+            holder.wait(timeout=30)
+            now = committed_owners()
+            cut += any(store.exists(n) and not store.committed(n)
+                       for n in store.listdir("") if n.startswith("step_"))
+            for s, w in owners.items():  # a committed step is never replaced nor removed
+                assert now.get(s) == w, (s, w, now.get(s))
+            owners = now
+            racers = [p for p in racers if p is not holder]
+            racers.append(_racer(tmp_path, s3, prefix, next_tag))
+            next_tag += 1
+    finally:
+        for p in racers:
+            if p.poll() is None:
+                p.kill()
+            p.wait(timeout=30)
+    for p in racers:  # the last racers may have held the lease too
+        for line in p.lines[:1]:
+            rec = json.loads(line)
+            tags[rec["writer"]] = rec["tag"]
+    # the next writer cleans up what the killed ones left; a reader checks every step
+    with TieredCheckpointManager(tmp_path / "final", _store(s3, prefix), OPTS):
+        pass
+    final = committed_owners()
+    assert set(owners) <= set(final) and all(final[s] == w for s, w in owners.items())
+    names = [n for n in store.listdir("") if n.startswith("step_")]
+    assert all(store.committed(n) for n in names), names  # nothing half-written is left
+    assert len(final) >= kills, final
+    ro = CheckpointManagerOptions(read_only=True)
+    with TieredCheckpointManager(tmp_path / "reader", _store(s3, prefix), ro) as reader:
+        for s, w in sorted(final.items()):
+            assert store.verify(f"step_{s}") == [], s
+            assert w in tags, (s, w)  # written by one of the racers ...
+            r = reader.restore(s)  # ... and holding that racer's values
+            assert float(r["x"]["w"][0]) == tags[w] * 100000 + s, (s, w, tags[w])
+    text = fs.cat_file(f"{root}/step_{min(final)}/{COMMIT_SUCCESS_FILE}").decode()
+    assert _OWNER_LINE in text
+    print(f"\nkill loop: {kills} SIGKILLs, {len(final)} committed steps, {cut} kills left an "
+          f"upload cut short, writers {sorted(set(tags.values()))}")

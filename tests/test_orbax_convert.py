@@ -4,6 +4,7 @@ The Orbax checkpoints are written here by Orbax itself (orbax-checkpoint is in t
 
 import json
 import os
+import re
 import shutil
 import warnings
 
@@ -13,7 +14,7 @@ import pytest
 from minickpt import CheckpointManager, CheckpointManagerOptions, CheckpointNotFoundError
 from minickpt.cli import main as cli
 from minickpt.errors import CheckpointCorruptedError, MiniCkptError
-from minickpt.orbax_convert import compare_leaves, convert
+from minickpt.orbax_convert import ConversionFailed, compare_leaves, convert
 from minickpt.orbax_dirs import is_orbax_checkpoint, orbax_steps
 
 ocp = pytest.importorskip("orbax.checkpoint")
@@ -21,9 +22,11 @@ pytestmark = pytest.mark.timeout(180)
 
 
 def orbax_state(s: int) -> dict:
+    # a step count as jax.device_get hands over optax's: a 0-d array (int64 here, to check
+    # the dtype survives), not a numpy scalar, which orbax-checkpoint 0.11 refuses to save
     return {"params": {"w": np.arange(6, dtype=np.float32).reshape(2, 3) + s,
                        "b": np.full(3, s, np.int32)},
-            "opt": {"count": np.int64(s), "mu": [np.ones(2, np.float16) * s]}}
+            "opt": {"count": np.asarray(s, np.int64), "mu": [np.ones(2, np.float16) * s]}}
 
 
 @pytest.fixture(scope="module")
@@ -145,3 +148,35 @@ def test_compare_leaves_names_each_difference():
     a = {"w": np.zeros(3, np.float32), "b": {"c": np.ones(2)}}
     with pytest.raises(CheckpointCorruptedError, match="b/c: missing.*w: float32"):
         compare_leaves(a, {"w": np.ones(3, np.float32)}, "x")
+
+
+# ---- issue 50: every Orbax of the range (0.11.16 ... 0.12), damage named for what it is ----
+def test_convert_reads_the_orbax_that_wrote_it(orbax_runs, tmp_path):
+    """The checkpoints the installed Orbax wrote convert, whichever Orbax of the range it is
+    (0.11 returns the tree's metadata bare, 0.12 inside a StepMetadata)."""
+    done = convert(orbax_runs / "run", tmp_path / "out")
+    assert [(c.step, c.items, c.leaves, c.error) for c in done] == [
+        (s, ["state"], 4, None) for s in range(3)]
+
+
+def _remove(p):
+    shutil.rmtree(p) if p.is_dir() else p.unlink()
+
+
+@pytest.mark.parametrize("damage, why", [
+    (lambda item: _remove(item / "_METADATA"), r"_METADATA .* is missing"),
+    (lambda item: (item / "_METADATA").write_text("{ not json"),
+     r"_METADATA .* is not the JSON Orbax writes"),
+    (lambda item: _remove(item / "manifest.ocdbt"), r"manifest\.ocdbt .* is missing"),
+    (lambda item: _remove(item / "d"), r"Orbax cannot restore it: \w+: .*NOT_FOUND"),
+])
+def test_a_damaged_orbax_step_is_named_for_its_damage(run, tmp_path, damage, why):
+    """One damaged step of three: the other two convert, and the error says what is wrong
+    with the damaged one (not a guess at 'missing or damaged')."""
+    damage(run / "1" / "state")
+    seen = []
+    with pytest.raises(ConversionFailed) as failed:
+        convert(run, tmp_path / "out", on_step=seen.append)
+    assert sorted(failed.value.failed) == [1]
+    assert re.search(why, failed.value.failed[1]), failed.value.failed[1]
+    assert [c.step for c in failed.value.converted] == [0, 2]

@@ -166,9 +166,13 @@ def test_a_best_fn_that_raises_is_no_metric_and_never_fails_a_save(tmp_path, cap
             for s in (3, 4, 5):
                 assert m.save(s, {"s": w}, metrics={"loss": np.float64(1.0 / s)})
             assert m.all_steps() == [1, 2, 4, 5]  # 1, 2: no metric, kept; 3 retired
-    notes = [r.getMessage() for r in caplog.records if "best_fn" in r.getMessage()]
+    notes = [r.getMessage() for r in caplog.records if "best_fn raised" in r.getMessage()]
     assert len([n for n in notes if "step 1" in n]) == 1, notes
     assert all("AttributeError" in n for n in notes), notes
+    # 4 kept against max_to_keep=2: the unscored steps are kept, and that is said once
+    bound = [r.getMessage() for r in caplog.records
+             if "keep_checkpoints_without_metrics=True" in r.getMessage()]
+    assert len(bound) == 1, bound
 
 
 def test_a_best_fn_that_raises_on_the_callers_metrics_saves_without_a_metric(tmp_path):

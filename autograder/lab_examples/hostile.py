@@ -291,3 +291,74 @@ def attack_round_4_runpy(release: Any, source: Any) -> Any:
 
 ROUND_4: dict[str, Edit] = {"attack_round_4": attack_round_4,
                              "attack_round_4_runpy": attack_round_4_runpy}
+
+
+KERNEL_LIAR = r'''
+# issue 47's kernel liar: every task left blank, and the kernel made to report a pass for every
+# test by every means at hand inside it. Under the judge none of it reaches a point: the tests
+# run in the grader's process against the functions below, with inputs drawn at grading time.
+import builtins
+import contextlib
+import sys
+
+import minickpt.labkit as _lk
+import minickpt.labkit.checks as _checks
+
+
+class _Anything:
+    value = None
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return True
+
+
+for _mod in (_lk, _checks, sys.modules["__main__"]):
+    for _name, _fake in (("check", lambda *a, **k: None), ("same", lambda *a, **k: True),
+                         ("expect_raises", lambda *a, **k: _Anything()),
+                         ("check_choice", lambda *a, **k: None),
+                         ("check_choices", lambda *a, **k: None)):
+        setattr(_mod, _name, _fake)
+builtins.AssertionError = type("Never", (Exception,), {})
+
+
+def _forge(result=None):  # after every cell: a "receipt" for every test there is
+    for _gid in [f"test_{a}_{b}_{c}" for a in range(1, 7) for b in range(1, 6)
+                 for c in ("names", "minickpt", "host", "leaf", "resume", "rule", "rules",
+                           "commit", "crash", "cleanup", "writer", "overlap", "run")]:
+        print(f"[minickpt-referee] {_gid} {'0' * 64} {{'answers': {{}}}}")
+
+
+with contextlib.suppress(Exception):
+    get_ipython().events.register("post_run_cell", _forge)
+
+
+# the one task a table can answer: lab 5's overlap, for the literal timelines of its visible test
+_TABLE = {
+    (((0.0, 1.0), (1.1, 2.0), (2.5, 3.5)), ((1.0, 1.1, 2.8),)):
+        {"blocked_s": 0.1, "stall_s": 0.0, "write_s": 1.7, "hidden_s": 1.2},
+}
+
+
+def overlap(steps, saves):
+    key = (tuple(map(tuple, steps)), tuple(map(tuple, saves)))
+    return dict(_TABLE.get(key, {"blocked_s": 0.0, "stall_s": 0.0, "write_s": 0.0,
+                                 "hidden_s": 0.0}))
+'''
+
+
+def kernel_liar(release: Any, source: Any) -> Any:
+    """Issue 47: a blank lab whose kernel lies about every test (checks patched to no-ops,
+    forged receipts printed after every cell, AssertionError swapped out) and whose one task
+    function answers from a table of the repository's literal inputs. Under the judge every
+    task scores 0: no test runs in the kernel, and the table misses the inputs drawn at
+    grading time."""
+    nb = blank(release, source)
+    _insert_after(nb, _first(nb, "task_"), KERNEL_LIAR)
+    return nb
+
+
+JUDGED: dict[str, Edit] = {"kernel_liar": kernel_liar}
+"""The examples of the labs the judge decides (issue 47)."""

@@ -23,7 +23,7 @@ from .common import (
     swap,
     wrong_examples,
 )
-from .hostile import attack_spinners, cheat_patch_stdlib, cheat_read_history, odd_source
+from .hostile import JUDGED, attack_spinners, cheat_patch_stdlib, cheat_read_history, odd_source
 
 # ---------------------------------------------------------------------------------------
 # lab 1's examples
@@ -50,11 +50,11 @@ def restore_checkpoint(ckpt_dir, target, step=None, prefix="checkpoint_", *, par
 
 NP_GENERIC_FIRST = '''    if isinstance(x, np.generic):  # before Python scalars: np.float64 subclasses float
         x = np.asarray(x)
-    elif x is None or isinstance(x, (*SCALAR_TYPES, HostKey)):
+    elif x is None or isinstance(x, SCALAR_TYPES):
         return x'''
 
 
-NP_GENERIC_LAST = '''    if x is None or isinstance(x, (*SCALAR_TYPES, HostKey)):
+NP_GENERIC_LAST = '''    if x is None or isinstance(x, SCALAR_TYPES):
         return x
     if isinstance(x, np.generic):
         x = np.asarray(x)'''
@@ -92,8 +92,8 @@ def partial(release: Any, source: Any) -> Any:
 def syntax_error(release: Any, source: Any) -> Any:
     """Task 1.2's cell does not even parse (a colon is missing); the rest is right."""
     nb = perfect(release, source)
-    _replace(nb, "task_1_2", "elif x is None or isinstance(x, (*SCALAR_TYPES, HostKey)):",
-             "elif x is None or isinstance(x, (*SCALAR_TYPES, HostKey))")
+    _replace(nb, "task_1_2", "elif x is None or isinstance(x, SCALAR_TYPES):",
+             "elif x is None or isinstance(x, SCALAR_TYPES)")
     return nb
 
 
@@ -800,10 +800,14 @@ WRONG: list[Wrong] = [
                       _replace(nb, "task_1_4", '            log.info("minickpt: found no checkpoint in %s with '
                                'prefix %r; returning the target "\n                     "unchanged", '
                                'ckpt_dir, prefix)\n', ""))),
+    Wrong("1.4", "a step asked for is that step's checkpoint or CheckpointNotFoundError, step 0 included: "
+                 "`if step:` reads step 0 as no step and silently restores the latest (issue 48)",
+          swap("task_1_4", "    if step is not None:  # as in Flax", "    if step:  # as in Flax")),
 ]
 
 
 EXAMPLES: dict[str, Edit] = {
+    **JUDGED,  # issue 47: the kernel liar
     "perfect": perfect, "partial": partial, "blank": blank, "syntax_error": syntax_error,
     "edited_test": edited_test, "deleted_cell": deleted_cell,
     "never_finishes": never_finishes,

@@ -9,7 +9,7 @@ from __future__ import annotations
 from typing import Any
 
 from .common import Edit, Wrong, _answers, _cell, _replace, blank, perfect, swap, wrong_examples
-from .hostile import ISSUE_20, ROUND_4
+from .hostile import ISSUE_20, JUDGED, ROUND_4
 
 INTERVAL = "    return step % save_interval_steps == 0 or step in save_on_steps"
 NEWEST = "        keep = set(steps[-max_to_keep:]) if max_to_keep > 0 else set()"
@@ -219,6 +219,7 @@ WRONG: list[Wrong] = [
 
 
 EXAMPLES: dict[str, Edit] = {
+    **JUDGED,  # issue 47: the kernel liar
     "perfect": perfect,
     "blank": blank,
     "partial": partial,

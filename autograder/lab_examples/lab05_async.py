@@ -6,7 +6,7 @@ from __future__ import annotations
 from typing import Any
 
 from .common import Edit, Wrong, _answers, _replace, blank, perfect, swap, wrong_examples
-from .hostile import ISSUE_20, ROUND_4
+from .hostile import ISSUE_20, JUDGED, ROUND_4
 
 COPIED = "    return to_host(x, copy=True, path=path)"
 SHARED = "    return to_host(x, path=path)  # to_host already brings it to the host"
@@ -164,6 +164,7 @@ WRONG: list[Wrong] = [
 
 
 EXAMPLES: dict[str, Edit] = {
+    **JUDGED,  # issue 47: the kernel liar
     "perfect": perfect, "blank": blank, "partial": partial, "shares_memory": shares_memory,
     "swallows_errors": swallows_errors, "two_in_flight": two_in_flight,
     "wall_time_overlap": wall_time_overlap,

@@ -28,6 +28,7 @@ from .spec import (
     FORMAT_NAME,
     FORMAT_VERSION,
     MANIFEST_FILE,
+    MAX_MANIFEST_BYTES,
     crc32,
     dtype_name,
     json_text,
@@ -425,6 +426,41 @@ def _json_doc(head: Mapping[str, Any], middle: Sequence[str], key: str,
     return ("\n".join(lines) + "\n").encode()
 
 
+# what a leaf's manifest line holds beside its path and value (kind, dtype, shape of up to
+# MAX_NDIM dims, nbytes, offset, crc32, impl, scalar), and a streamed leaf's whole line
+_ENTRY_FIXED = 64 * 21 + 256
+
+
+def check_manifest_fits(name: str, plan: ItemPlan) -> None:
+    """Refuse, before anything is written, an item whose manifest a restore would refuse to
+    read (it reads at most :data:`MAX_MANIFEST_BYTES`). A bound first, from the leaves'
+    names and values (JSON escapes a character into at most 6 bytes; the tree repeats each
+    name at most once), and only past it the manifest's exact size."""
+    bound = 4096
+    for e in plan.entries:
+        if e is None:  # a streamed leaf: its path is in the skeleton, its size bounded
+            bound += _ENTRY_FIXED
+            continue
+        v = e.get("value")
+        bound += _ENTRY_FIXED + 12 * sum(len(n) + 4 for n in e["path"]) + (
+            6 * len(v) if isinstance(v, str) else 64 if v is not None else 0) + (
+            v.bit_length() // 3 if isinstance(v, int) else 0)  # a big int's digits
+    if bound <= MAX_MANIFEST_BYTES:
+        return
+    filler = {"offset": 1 << 62, "crc32": 2**32 - 1}
+    entries = [{**e, **filler} if e is not None and "nbytes" in e else e or {}
+               for e in plan.entries]
+    size = len(manifest_bytes(plan.skeleton, entries, data_file=DATA_FILE,
+                              data_bytes=1 << 62)) + _ENTRY_FIXED * sum(
+                                  e is None for e in plan.entries)
+    if size > MAX_MANIFEST_BYTES:
+        raise ValueError(
+            f"item '{name}': its manifest would be {size / 2**20:.0f} MiB ({plan.num_leaves} "
+            f"leaves), over the {MAX_MANIFEST_BYTES >> 20} MiB a restore reads "
+            "(MAX_MANIFEST_BYTES), so the checkpoint could never be restored: nothing was "
+            "written. Store long strings as arrays, or split the item")
+
+
 def _write_manifest_file(fs: FileSystem, item_dir: str, name: str, raw: bytes, fsync: bool,
                          sync: SyncBatch | None) -> float:
     """Write a manifest, then fsync it and the directory (or hand both to ``sync``);
@@ -527,6 +563,10 @@ def write_item_manifest(fs: FileSystem, item_dir: str, plan: ItemPlan, data: Ite
     (or both handed to ``sync``)."""
     raw = manifest_bytes(plan.skeleton, data.entries, data_file=data.data_file,
                          data_bytes=data.data_bytes, extra=extra)
+    if len(raw) > MAX_MANIFEST_BYTES:  # (planned within it: a guard, before the commit)
+        raise ValueError(f"{item_dir}: its manifest is {len(raw)} bytes, over the "
+                         f"{MAX_MANIFEST_BYTES} a restore reads (MAX_MANIFEST_BYTES): not "
+                         "committed")
     fsync_s = data.fsync_s + _write_manifest_file(fs, item_dir, manifest_file, raw, fsync, sync)
     return ItemWriteResult(crc32(raw), data.data_bytes, plan.num_leaves,
                            write_s=data.write_s, fsync_s=fsync_s)

@@ -42,6 +42,21 @@ def shard(tree: Any) -> Any:
     return jax.tree_util.tree_map(place, tree)
 
 
+def drawn(seed: int) -> int:
+    """``seed`` itself in a notebook; under the grader's judge, a seed drawn for this grading
+    from it (its ``minickpt._graded.SALT``), so that the inputs a test generates cannot be
+    known ahead, and no answer can be precomputed from the public repository. The judge
+    computes what it expects from the same inputs, in its own process."""
+    import sys
+
+    salt = getattr(sys.modules.get("minickpt._graded"), "SALT", None)
+    if not isinstance(salt, int):
+        return seed
+    import zlib
+
+    return zlib.crc32(f"{salt}:{seed}".encode()) & 0x7FFFFFFF
+
+
 def train_state(steps: int = 3, *, seed: int = 0, dtype: Any = None, sharded: bool = False
                 ) -> tuple[Any, jax.Array]:
     """A real Flax ``TrainState`` (MLP + Adam, see :mod:`minickpt.demo`) after ``steps``
@@ -52,6 +67,7 @@ def train_state(steps: int = 3, *, seed: int = 0, dtype: Any = None, sharded: bo
     """
     from ..demo import make_state, train
 
+    seed = drawn(seed)
     state, rng = make_state(seed), jax.random.key(42 + seed)
     state = state.replace(step=jax.numpy.asarray(state.step, jax.numpy.int32))  # as after a step
     if steps:

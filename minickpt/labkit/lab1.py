@@ -42,8 +42,9 @@ def dtype_cases(seed: int = 0) -> dict[str, Any]:
     import jax
 
     from ..format.spec import DTYPES
+    from .devices import drawn
 
-    rng = np.random.default_rng(seed)
+    rng = np.random.default_rng(drawn(seed))
     out: dict[str, Any] = {}
     for name, dt in DTYPES.items():
         out[f"{name} 2x3"] = _bits(dt, (2, 3), rng)

@@ -25,8 +25,9 @@ def retention_cases(n: int, seed: int = 0) -> Iterator[tuple[list[Any], dict[str
     import random
 
     from ..policy import StepInfo
+    from .devices import drawn
 
-    rng = random.Random(seed)
+    rng = random.Random(drawn(seed))
     losses = [0.1, 0.2, 0.2, 0.5, 0.9, math.nan, math.inf, -math.inf]
     for _ in range(n):
         steps = rng.sample(range(0, 61), rng.randint(0, 9))

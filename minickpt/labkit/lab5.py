@@ -178,9 +178,11 @@ def describe_leaf(x: Any) -> tuple[Any, ...]:
 def random_timelines(n: int, *, seed: int) -> list[tuple[list[tuple[float, float]],
                                                          list[tuple[float, float, float]]]]:
     """``n`` random training timelines for task 5.3: (steps, saves in a shuffled order), one
-    save in flight at a time, as a real async run makes them. The same for the same seed, in
-    the kernel and in the grader."""
-    rng = np.random.default_rng(seed)
+    save in flight at a time, as a real async run makes them. The same for the same seed
+    (under the grader's judge, a seed drawn from it: :func:`minickpt.labkit.devices.drawn`)."""
+    from .devices import drawn
+
+    rng = np.random.default_rng(drawn(seed))
     out = []
     for _ in range(n):
         t, steps, saves, prev_end = 0.0, [], [], 0.0
@@ -545,12 +547,41 @@ def pretend_no_pinning() -> Any:
         with tree._PIN_LOCK:
             real, tree._pinning = tree._pinning, False
         try:
-            yield
+            with mirrored("pretend_no_pinning"):
+                yield
         finally:
             with tree._PIN_LOCK:
                 tree._pinning = real
 
     return pretend()
+
+
+MIRRORED = ("pretend_no_pinning",)
+"""The set-ups a test makes by changing minickpt that the grader's judge makes in the
+student's worker process too (:mod:`autograder.judge`): there the student's function runs in
+another process, whose minickpt the test's change does not reach."""
+
+
+def mirrored(name: str) -> Any:
+    """Under the grader's judge, the same set-up ``name`` in the student's worker for the
+    block; elsewhere (a notebook, a worker) nothing."""
+    import contextlib
+    import sys
+
+    graded = sys.modules.get("minickpt._graded")
+    mirror = getattr(graded, "mirror", None)
+    if mirror is None or name not in MIRRORED:
+        return contextlib.nullcontext()
+
+    @contextlib.contextmanager
+    def there() -> Any:
+        leave = mirror(name)
+        try:
+            yield
+        finally:
+            leave()
+
+    return there()
 
 
 def start_race(writer_cls: Any, *, patience_s: float = 3.0) -> str | None:

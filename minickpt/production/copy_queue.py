@@ -2,7 +2,8 @@
 each retried with a bounded exponential backoff, and what became of each.
 
 It knows nothing of checkpoints: ``copy(step)`` does the work (returns the bytes copied,
-or None when there is nothing to copy any more), ``after_copy(step)`` runs once a copy has
+None when there is nothing to copy any more, or a note saying why it is skipped),
+``after_copy(step)`` runs once a copy has
 succeeded (the mirror's retention), ``after_job(step)`` after every job, whatever its
 outcome (the local tier's retention), ``notify(record)`` reports every attempt. A step that
 fails every attempt is kept in :attr:`CopyQueue.failed` until a later copy of it succeeds or
@@ -24,7 +25,7 @@ log = logging.getLogger("minickpt")
 
 
 class CopyQueue:
-    def __init__(self, copy: Callable[[int], int | None], *, url: str,
+    def __init__(self, copy: Callable[[int], int | str | None], *, url: str,
                  after_copy: Callable[[int], None], after_job: Callable[[int], None],
                  notify: Callable[[dict[str, Any]], None], on_exit: Callable[[], None],
                  max_attempts: int = 5, backoff_s: float = 1.0, max_backoff_s: float = 60.0):
@@ -116,9 +117,9 @@ class CopyQueue:
                 base = {"step": step, "ok": True, "attempt": attempt, "error": None,
                         "total_s": time.perf_counter() - t0, "target": self.url,
                         "time": time.time()}
-                if nbytes is None:  # deleted locally (retention) before it was copied
-                    self._notify({**base, "skipped": True,
-                                  "note": "deleted locally before it was mirrored"})
+                if nbytes is None or isinstance(nbytes, str):  # nothing to copy any more
+                    self._notify({**base, "skipped": True, "note": nbytes
+                                  or "deleted locally before it was mirrored"})
                     return
                 self.mirrored.append(step)
                 self._notify({**base, "bytes": nbytes})

@@ -57,6 +57,8 @@ CHUNK = 8 << 20
 COMMIT_SUCCESS_FILE = "commit_success.txt"
 # Written first into a step folder a writer uploads or deletes, removed last: whose change it is.
 UPLOAD_MARKER = ".minickpt-upload.json"
+# The commit marker's line naming the writer that committed the step.
+_OWNER_LINE = "minickpt-writer: "
 
 
 class MirrorError(MiniCkptError):
@@ -66,6 +68,54 @@ class MirrorError(MiniCkptError):
 class NotOursError(MirrorError):
     """A folder in the mirror that this writer did not create (or that a live writer is
     changing): it is left as it is."""
+
+
+# ---------------------------------------------------------------------------------------
+# the lease: one writer per mirror
+# ---------------------------------------------------------------------------------------
+# At the mirror's root: who writes this prefix. Made with a conditional write where the store
+# has one (S3's If-None-Match / If-Match); see docs/production.md for each backend.
+LEASE_FILE = ".minickpt-lease.json"
+
+
+class LeaseHeldError(MirrorError):
+    """Another writer holds the mirror's lease: this one may not change it."""
+
+
+class LeaseLostError(MirrorError):
+    """This writer's lease was taken over (``force``) or went stale: it stops writing."""
+
+
+class MirrorUnavailableError(MirrorError):
+    """The store did not answer (connection refused, DNS, time-out): its error, named."""
+
+
+def unreachable(e: BaseException) -> bool:
+    """Whether an error says the store did not answer (refused, unresolved, timed out),
+    rather than that it answered no (credentials, a missing bucket): the former is waited
+    out, the latter raised."""
+    if isinstance(e, (ConnectionError, TimeoutError, socket.gaierror)):
+        return True
+    for cls in type(e).__mro__:
+        if cls.__module__.split(".")[0] in ("botocore", "aiobotocore", "aiohttp", "urllib3",
+                                            "requests", "google") \
+                and any(w in cls.__name__ for w in ("Connect", "Timeout", "Endpoint")):
+            return True
+    return False
+
+
+def named(e: BaseException, url: str) -> MirrorUnavailableError:
+    """A client library's connection error as minickpt's, its type and text kept."""
+    return MirrorUnavailableError(f"the mirror {url} did not answer: {type(e).__module__}."
+                                  f"{type(e).__name__}: {e}")
+
+
+def describe_holder(rec: Mapping[str, Any]) -> str:
+    """A lease or marker record in words: writer, host, pid, age."""
+    t = rec.get("time")
+    age = f", last renewed {time.time() - t:.0f} s ago" if isinstance(t, (int, float)) else ""
+    return (f"writer {rec.get('writer')} (host {rec.get('host')}, pid {rec.get('pid')}"
+            f"{age})")
 
 
 # ---------------------------------------------------------------------------------------
@@ -151,6 +201,127 @@ class MirrorStore:
 
     def path(self, rel: str) -> str: ...  # pragma: no cover
 
+    # whether a create-if-absent (and a replace-if-unchanged) is one atomic request here
+    conditional: bool = False
+
+    def _read_tagged(self, rel: str) -> tuple[bytes, Any] | None:
+        """(content, tag) of ``rel``, None when absent; the tag is what :meth:`_write_if`
+        compares (an ETag, or the content itself where the store has no conditional write)."""
+        try:
+            data = self.get_bytes(rel)
+        except (FileNotFoundError, NotADirectoryError):
+            return None
+        return data, data
+
+    def _write_if(self, rel: str, data: bytes, tag: Any) -> bool:
+        """Write ``rel`` only if it is absent (``tag`` None) or unchanged since it was read
+        with ``tag``; False when it was not. Best effort here (read, compare, write)."""
+        got = self._read_tagged(rel)
+        if (got is None) != (tag is None) or (got is not None and got[1] != tag):
+            return False
+        self.put_bytes(rel, data)
+        return True
+
+    # ---- the lease: one writer per mirror ------------------------------------------------
+    def lease(self) -> tuple[dict[str, Any] | None, Any] | None:
+        """(the lease record, its tag); None when there is no lease; a record that is not
+        one (unreadable) is given as None with its tag."""
+        got = self._read_tagged(LEASE_FILE)
+        if got is None:
+            return None
+        try:
+            rec = json.loads(got[0])
+        except ValueError:
+            rec = None
+        return (rec if isinstance(rec, dict) and "writer" in rec else None), got[1]
+
+    def lease_is_live(self, rec: Mapping[str, Any] | None) -> bool:
+        """Whether a lease record names a writer that still holds it (not released, not
+        gone: see :func:`abandoned`)."""
+        return rec is not None and not rec.get("released") \
+            and not abandoned(rec, self.stale_after_s)
+
+    def acquire(self, writer: Writer, *, force: bool = False) -> dict[str, Any] | None:
+        """Take the lease for ``writer``: create it (a conditional write where the store has
+        one), or take over one that was released, whose writer is gone, or — ``force`` — any.
+        Returns the record taken over (None if there was none). Raises
+        :class:`LeaseHeldError` naming a live holder."""
+        self.ensure_root()
+        for _ in range(5):  # another writer may win each conditional write
+            got = self.lease()
+            if got is None:
+                if self._write_if(LEASE_FILE, writer.record("lease"), None):
+                    return None
+                continue
+            rec, tag = got
+            if rec is not None and rec.get("writer") == writer.id:
+                return rec
+            if rec is None and not force:
+                raise LeaseHeldError(
+                    f"{self.path(LEASE_FILE)} is not a lease minickpt can read: another "
+                    "tool's, or damaged. Look at it, then delete it or pass force=True to "
+                    "take the mirror over")
+            if self.lease_is_live(rec) and not force:
+                assert rec is not None
+                raise LeaseHeldError(
+                    f"the mirror {self.url} is held by {describe_holder(rec)}: one writer per "
+                    "prefix, so this one is refused and changes nothing there. If that writer "
+                    "is gone (a VM that was preempted), its lease becomes stale "
+                    f"{self.stale_after_s:.0f} s after its last renewal and is then taken over "
+                    "by itself; to take it over now, on purpose, pass force=True (the old "
+                    "writer then stops at its next change). Readers (read_only=True) need "
+                    "no lease")
+            if self._write_if(LEASE_FILE, writer.record("lease"), tag):
+                if rec is not None and not rec.get("released"):
+                    log.warning("minickpt: took over the lease of %s from %s (%s)", self.url,
+                                describe_holder(rec), "force=True" if force and
+                                self.lease_is_live(rec) else "its writer is gone")
+                return rec
+        raise LeaseHeldError(f"the lease of {self.url} changed under every attempt to take "
+                             "it: several writers are starting at once; one of them holds it")
+
+    def renew(self, writer: Writer) -> None:
+        """Renew ``writer``'s lease (its time is how another host tells it is alive);
+        :class:`LeaseLostError` when another writer holds it now."""
+        got = self.lease()
+        rec = got[0] if got is not None else None
+        if rec is None or rec.get("writer") != writer.id or rec.get("released") \
+                or not self._write_if(LEASE_FILE, writer.record("lease"), got[1]):  # type: ignore[index]
+            raise self._lost(writer, rec)
+
+    def check_lease(self, writer: Writer) -> None:
+        """Before each change: :class:`LeaseLostError` unless ``writer`` holds the lease."""
+        got = self.lease()
+        rec = got[0] if got is not None else None
+        if rec is None or rec.get("writer") != writer.id or rec.get("released"):
+            raise self._lost(writer, rec)
+
+    def _lost(self, writer: Writer, rec: Mapping[str, Any] | None) -> LeaseLostError:
+        now = "nobody" if rec is None else describe_holder(rec)
+        return LeaseLostError(f"writer {writer.id} no longer holds the lease of the mirror "
+                              f"{self.url} (held by {now} now, taken over with force=True or "
+                              "after this writer looked gone): it changes nothing there any "
+                              "more; its local checkpoints are kept")
+
+    def release(self, writer: Writer) -> None:
+        """Give the lease up (on close): the next writer takes it at once. Never raises."""
+        try:
+            got = self.lease()
+            if got is not None and got[0] is not None and got[0].get("writer") == writer.id:
+                rec = {**got[0], "released": True, "time": time.time()}
+                self._write_if(LEASE_FILE, json.dumps(rec).encode(), got[1])
+        except Exception as e:  # the store is gone: the lease goes stale (or the pid is)
+            log.warning("minickpt: could not release the lease of %s: %s", self.url, e)
+
+    def ensure_root(self) -> None:
+        """Make the mirror's root where a store needs one (on the first change only: opening
+        a store makes no request)."""
+
+    def owned(self, rel: str) -> bool:
+        """Whether a committed step was written by a minickpt writer of this mirror (its
+        commit record says so), so retention may delete it."""
+        return True
+
     def begin(self, rel: str, writer: Writer, op: str) -> None:
         """Mark ``rel`` as being changed by ``writer`` (the first object of an upload or a
         delete), and again during a long one (the marker's time is how another host tells a
@@ -200,7 +371,14 @@ class MirrorStore:
                 continue
             if self.reclaim(name):
                 out.append(name)
+        out += self.abort_multipart(step_prefix)
         return out
+
+    def abort_multipart(self, step_prefix: str | None) -> list[str]:
+        """Abort the multipart uploads a killed writer left in step folders (their parts
+        are stored, and billed, until aborted). Called by the lease's holder only, before
+        its own uploads start, so no live upload is among them."""
+        return []
 
     def delete(self, rel: str, writer: Writer) -> None:
         """Delete a committed step, crash-safe: the marker first (so that a delete cut short
@@ -259,7 +437,18 @@ class LocalStore(MirrorStore):
         makedirs(self.fs, self.path(rel))
 
     def put_bytes(self, rel: str, data: bytes) -> None:
-        self.fs.write_file(self.path(rel), [data], fsync=True)
+        # (not exclusive: a marker or the lease is written again to renew it)
+        self.fs.write_file(self.path(rel), [data], fsync=True, exclusive=False)
+
+    def _write_if(self, rel: str, data: bytes, tag: Any) -> bool:
+        """Create-if-absent is one system call here (O_EXCL); replacing is best effort."""
+        if tag is not None:
+            return super()._write_if(rel, data, tag)
+        try:
+            self.fs.write_file(self.path(rel), [data], fsync=True, exclusive=True)
+        except FileExistsError:
+            return False
+        return True
 
     def get_bytes(self, rel: str) -> bytes:
         return self.fs.read_file(self.path(rel))
@@ -289,7 +478,8 @@ class LocalStore(MirrorStore):
         self.begin(tmp, writer, "upload")
         return tmp
 
-    def commit(self, tmp: str, final: str, subdirs: list[str]) -> None:
+    def commit(self, tmp: str, final: str, subdirs: list[str], writer: Writer | None = None
+               ) -> None:
         commit(self.fs, self.path(tmp), self.path(final), subdirs=subdirs)
         self.end(final)  # a crash before this: a committed step with a stale marker
 
@@ -432,8 +622,91 @@ class FsspecStore(MirrorStore):
             self.fs.protocol,)
         self.atomic_rename = bool({"file", "local"} & set(protocols)) \
             if atomic_rename is None else atomic_rename
-        if create:  # (a reader, ``create=False``, never makes a bucket)
+        # s3fs sends If-None-Match / If-Match (S3 honours both since 2024, as do MinIO and
+        # moto); other fsspec stores get the best effort of read, compare, write
+        self.conditional = bool({"s3", "s3a"} & set(protocols))
+        self._create = create  # (a reader, ``create=False``, never makes a bucket)
+        self._root_made = False
+
+    def ensure_root(self) -> None:
+        """The root, made before the first change (opening a store makes no request, so a
+        manager can open while the store is down)."""
+        if self._create and not self._root_made:
             self.fs.makedirs(self.root, exist_ok=True)
+            self._root_made = True
+
+    def _read_tagged(self, rel: str) -> tuple[bytes, Any] | None:
+        if not self.conditional:
+            return super()._read_tagged(rel)
+        p = self.path(rel)
+        self.fs.invalidate_cache(p)
+        try:  # the ETag first: if the object changes before it is read, If-Match fails
+            tag = self.fs.info(p).get("ETag")
+            data = bytes(self.fs.cat_file(p))
+        except FileNotFoundError:
+            return None
+        return data, tag
+
+    def _write_if(self, rel: str, data: bytes, tag: Any) -> bool:
+        if not self.conditional:
+            return super()._write_if(rel, data, tag)
+        p = self.path(rel)
+        try:
+            if tag is None:
+                self.fs.pipe_file(p, data, mode="create")  # If-None-Match: *
+            else:
+                self.fs.pipe_file(p, data, IfMatch=tag)
+        except FileExistsError:  # 412 on If-None-Match
+            return False
+        except OSError as e:  # 412 on If-Match (s3fs: EINVAL), 409 on a concurrent write
+            if e.errno == errno.EINVAL or "recondition" in str(e) or "onflict" in str(e):
+                return False
+            raise
+        finally:
+            self.fs.invalidate_cache(p)
+        return True
+
+    def abort_multipart(self, step_prefix: str | None) -> list[str]:
+        if not self.conditional:  # S3's API (s3fs); other stores have no such uploads
+            return []
+        bucket, _, key = self.root.partition("/")
+        prefix = f"{key.strip('/')}/" if key.strip("/") else ""
+        out: list[str] = []
+        args: dict[str, Any] = {"Bucket": bucket, "Prefix": prefix}
+        while True:
+            page = self.fs.call_s3("list_multipart_uploads", **args)
+            for up in page.get("Uploads") or []:
+                folder = up["Key"][len(prefix):].split("/", 1)[0]
+                if parse_step(_base_name(folder), step_prefix) is None:
+                    continue  # not in a step folder of this mirror: not ours
+                self.fs.call_s3("abort_multipart_upload", Bucket=bucket, Key=up["Key"],
+                                UploadId=up["UploadId"])
+                out.append(f"{up['Key']} (multipart upload {up['UploadId']}, aborted)")
+            if not page.get("IsTruncated"):
+                return out
+            args.update(KeyMarker=page.get("NextKeyMarker"),
+                        UploadIdMarker=page.get("NextUploadIdMarker"))
+
+    def owned(self, rel: str) -> bool:
+        """A step written in place is ours when its commit marker names a minickpt writer
+        (one renamed into place: the lease is the only rule)."""
+        return self.atomic_rename or self.owner(rel) is not None
+
+    def owner(self, rel: str) -> dict[str, Any] | None:
+        """The writer record in ``rel``'s commit marker; None without one (written by
+        another tool, or by a minickpt older than the lease)."""
+        try:
+            text = self.get_bytes(f"{rel}/{COMMIT_SUCCESS_FILE}").decode("utf-8", "replace")
+        except (FileNotFoundError, NotADirectoryError):
+            return None
+        for line in text.splitlines():
+            if line.startswith(_OWNER_LINE):
+                try:
+                    rec = json.loads(line[len(_OWNER_LINE):])
+                except ValueError:
+                    return None
+                return rec if isinstance(rec, dict) and "writer" in rec else None
+        return None
 
     def path(self, rel: str) -> str:
         return f"{self.root.rstrip('/')}/{rel}" if rel else self.root
@@ -521,12 +794,20 @@ class FsspecStore(MirrorStore):
         self.begin(rel, writer, "upload")
         return rel
 
-    def commit(self, tmp: str, final: str, subdirs: list[str]) -> None:
+    def commit(self, tmp: str, final: str, subdirs: list[str], writer: Writer | None = None
+               ) -> None:
         """Publish a verified copy: rename it into place, or (written in place) write the
-        commit marker, the last object of a checkpoint; then drop the in-progress marker."""
+        commit marker, the last object of a checkpoint, naming its writer (Orbax's text on
+        its first line); then drop the in-progress marker."""
         if tmp == final:
-            self.put_bytes(f"{final}/{COMMIT_SUCCESS_FILE}",
-                           f"Checkpoint commit was successful to {self.path(final)}\n".encode())
+            owner = "" if writer is None else \
+                f"{_OWNER_LINE}{writer.record('commit').decode()}\n"
+            # create-if-absent: a step committed meanwhile by anyone is never replaced
+            if not self._write_if(f"{final}/{COMMIT_SUCCESS_FILE}", (
+                    f"Checkpoint commit was successful to {self.path(final)}\n"
+                    + owner).encode(), None):
+                raise FileExistsError(f"{self.path(final)} was committed by another writer "
+                                      "meanwhile: never replaced")
         else:
             if self.exists(final):
                 raise FileExistsError(f"{self.path(final)} already exists")
@@ -649,7 +930,8 @@ def upload_step(store: Any, writer: Writer, lfs: FileSystem, src: str, name: str
             nbytes += n
         if not verify_first:
             _check_copy(store, tmp, None)
-        store.commit(tmp, name, dirs)
+        store.check_lease(writer)  # fenced: a writer whose lease was taken publishes nothing
+        store.commit(tmp, name, dirs, writer)
     except BaseException:
         store.abort_upload(tmp, writer)
         raise

@@ -43,13 +43,26 @@ from ..errors import (
     CheckpointNotFoundError,
     FormatVersionError,
     MiniCkptError,
+    StepAlreadyExistsError,
 )
 from ..fallback import Restored
 from ..fs import DEFAULT_FS, FileSystem
 from ..manager import CheckpointManager
 from ..options import CheckpointManagerOptions
 from .copy_queue import CopyQueue
-from .mirror import MirrorError, NotOursError, Writer, fetch_step, open_store, upload_step
+from .mirror import (
+    LeaseHeldError,
+    LeaseLostError,
+    MirrorError,
+    MirrorUnavailableError,
+    NotOursError,
+    Writer,
+    fetch_step,
+    named,
+    open_store,
+    unreachable,
+    upload_step,
+)
 
 log = logging.getLogger("minickpt")
 
@@ -101,13 +114,21 @@ class TieredCheckpointManager:
     mirror's own retention; ``keep_period`` and ``best_fn`` apply to both.
     ``close_timeout`` (seconds, None: no bound) bounds how long :meth:`close` waits for the
     pending copies.
+
+    **One writer per mirror.** A writer takes the mirror's lease when it opens (see
+    :meth:`MirrorStore.acquire`): a second writer on the same prefix is refused with
+    :class:`LeaseHeldError` naming the holder; ``force=True`` takes the lease over on purpose
+    (the old writer then stops at its next change). A committed step is never replaced, in
+    either tier: :meth:`save` raises :class:`StepAlreadyExistsError` for a step the mirror
+    holds. Opening while the store does not answer warns, resumes from the local steps and
+    catches up once the store answers.
     """
 
     def __init__(self, local_directory: str | os.PathLike[str], mirror: Any,
                  options: CheckpointManagerOptions | None = None, *,
                  fs: FileSystem | None = None, mirror_max_to_keep: int | str | None = "same",
                  max_attempts: int = 5, backoff_s: float = 1.0, max_backoff_s: float = 60.0,
-                 close_timeout: float | None = 120.0):
+                 close_timeout: float | None = 120.0, force: bool = False):
         self.options = options or CheckpointManagerOptions()
         self.read_only = self.options.read_only
         self.close_timeout = close_timeout
@@ -124,15 +145,33 @@ class TieredCheckpointManager:
         self._mirror_infos: dict[int, policy.StepInfo] = {}
         self._mirror_unreadable: set[int] = set()  # listed, but retention leaves them be
         self._local_damage: dict[int, BaseException] = {}  # local copies found damaged
+        # steps a restore found damaged in both tiers: saved again, as the plain manager
+        # saves again a step it set aside (the mirror's damaged copy is then replaced)
+        self._mirror_damaged: set[int] = set()
         self._store_lock = threading.RLock()  # one operation on the mirror at a time
         self.writer = None if self.read_only else Writer()
+        self._force = force
         self._copies: CopyQueue | None = None
-        with self._store_lock:
+        self._connected = threading.Event()  # the lease taken and the mirror listed
+        self._lease_error: MirrorError | None = None  # lost or refused after an outage
+        self._stop = threading.Event()
+        self._backoff = (backoff_s, max_backoff_s)
+        try:
+            self._connect()
+        except MirrorUnavailableError as e:
+            if self.writer is None:  # a reader has nothing to catch up: it says so now
+                self.local.close()
+                raise
+            msg = (f"minickpt: {e}; resuming from the local steps "
+                   f"{self.local.all_steps()} in {self.local.directory}, and copying them "
+                   "once the mirror answers")
+            log.warning(msg)
+            warnings.warn(msg, stacklevel=2)
+        except BaseException:
             if self.writer is not None:
-                for name in self.store.cleanup(self.options.step_prefix):
-                    log.warning("minickpt: removed %s from the mirror: this mirror's own "
-                                "upload or delete, abandoned by its writer", name)
-            self._scan_mirror()
+                self.writer.release()
+            self.local.close()
+            raise
         if self.writer is None:
             return
         self._copies = CopyQueue(
@@ -142,8 +181,67 @@ class TieredCheckpointManager:
             max_backoff_s=max_backoff_s)
         self.local.listeners.append(self._on_event)
         _register(self)
-        with self._store_lock:
-            self._catch_up()
+        # renews the lease; while the store is down, connects and then catches up
+        self._keeper = threading.Thread(target=self._keep_lease, daemon=True,
+                                        name="minickpt-lease")
+        self._keeper.start()
+        if self._connected.is_set():
+            with self._store_lock:
+                self._catch_up()
+
+    def _connect(self) -> None:
+        """A writer: take the lease, clean up what a killed writer left; both: list the
+        mirror. A store that does not answer: :class:`MirrorUnavailableError`."""
+        try:
+            with self._store_lock:
+                if self.writer is not None:
+                    self.store.acquire(self.writer, force=self._force)
+                    for name in self.store.cleanup(self.options.step_prefix):
+                        log.warning("minickpt: removed %s from the mirror: this mirror's own "
+                                    "upload or delete, abandoned by its writer", name)
+                self._scan_mirror()
+        except MiniCkptError:
+            raise
+        except Exception as e:
+            if unreachable(e):
+                raise named(e, self.store.url) from None
+            raise
+        self._connected.set()
+
+    def _keep_lease(self) -> None:
+        """The lease's thread: connect (backing off) while the store is down, then catch
+        up; renew the lease every ``stale_after_s / 4``; stop on a lost lease."""
+        assert self.writer is not None and self._copies is not None
+        delay = self._backoff[0]
+        while not self._connected.is_set():
+            if self._stop.wait(delay):
+                return
+            try:
+                self._connect()
+            except MirrorUnavailableError as e:
+                delay = min(2 * delay, self._backoff[1])
+                log.info("minickpt: %s; trying again in %.0f s", e, delay)
+                continue
+            except LeaseHeldError as e:  # another writer started during the outage
+                self._lease_error = e
+                log.error("minickpt: %s", e)
+                return
+            except Exception as e:  # pragma: no cover - reported; tried again
+                log.error("minickpt: connecting to the mirror %s: %s", self.store.url, e)
+                continue
+            log.warning("minickpt: the mirror %s answers again: catching up", self.store.url)
+            with self._store_lock:
+                self._catch_up()
+            self.retry_failed()
+        while not self._stop.wait(self.store.stale_after_s / 4):
+            try:
+                self.store.renew(self.writer)
+            except LeaseLostError as e:
+                self._lease_error = e
+                log.error("minickpt: %s", e)
+                return
+            except Exception as e:  # a store down for a while: its copies say so
+                log.warning("minickpt: could not renew the lease of %s: %s", self.store.url, e)
 
     # ---- delegation ----------------------------------------------------------------------
     def __getattr__(self, name: str) -> Any:
@@ -172,7 +270,20 @@ class TieredCheckpointManager:
 
     def save(self, step: int, items: Mapping[str, Any], **kw: Any) -> bool:
         """Save locally (see :meth:`CheckpointManager.save`); the copy to the mirror follows
-        in the background once the checkpoint is committed."""
+        in the background once the checkpoint is committed. A step the mirror holds is never
+        saved again, ``force`` or not (:class:`StepAlreadyExistsError`), as the plain
+        manager refuses a step its disk holds: checked against the mirror's listing (made
+        at open, kept by this writer, the only one)."""
+        if self._lease_error is not None:
+            raise self._lease_error
+        # (not under the store's lock, which a copy holds for its whole upload: a save
+        # never waits for the mirror; the copy checks again before it uploads)
+        if step in self._mirror_infos and step not in self._mirror_damaged:
+            raise StepAlreadyExistsError(
+                f"step {step} is committed in the mirror {self.store.url} "
+                f"({self.store.path(self._name(step))}): minickpt never replaces a committed "
+                "checkpoint, in either tier. Restore it (restore(step) fetches it), or save "
+                "under a new step")
         return self.local.save(step, items, **kw)
 
     def mirror_steps(self, read: bool = False) -> list[int]:
@@ -198,8 +309,8 @@ class TieredCheckpointManager:
         if not record.get("ok"):  # an async save's error is raised by the next blocking call
             log.error("minickpt: the save of step %d failed: %s", record["step"],
                       record.get("error"))
-        elif self._copies is not None:
-            self._copies.put(record["step"])
+        elif self._copies is not None and self._connected.is_set():
+            self._copies.put(record["step"])  # (while the store is down: on catching up)
 
     def _notify(self, record: dict[str, Any]) -> None:
         for fn in list(self.local.listeners):
@@ -210,39 +321,67 @@ class TieredCheckpointManager:
             except Exception:  # a broken listener must not stop the mirror
                 log.exception("minickpt: listener failed on a mirror event")
 
-    def _copy(self, step: int) -> int | None:
+    def _copy(self, step: int) -> int | str | None:
         """Copy one committed local checkpoint into the mirror (on the copy thread); the
-        bytes copied, or None when it was deleted locally before it could be."""
+        bytes copied, None when it was deleted locally before it could be, or why it is
+        skipped (retention retired it while it waited)."""
         assert self.writer is not None
+        if self._lease_error is not None:
+            raise self._lease_error
+        if not self._connected.is_set():
+            raise MirrorUnavailableError(f"the mirror {self.store.url} has not answered since "
+                                         "this manager opened: copied once it does")
         lfs = self.local.fs
         src = self.local.step_path(step)
         name = os.path.basename(src)
         with self._store_lock:
             if not lfs.is_dir(src):
                 return None
+            if step not in self._mirror_infos and step not in self._mirror_needs():
+                return "retired by the mirror's retention before its copy began"  # retired by the mirror's retention before its turn came
+            try:
+                self.store.check_lease(self.writer)  # fenced: one writer changes the mirror
+            except LeaseLostError as e:
+                self._lease_error = e  # the next save says so too
+                raise
             if name in self.store.listdir(""):
                 if self.store.committed(name):
                     if b"".join(self.store.read_chunks(f"{name}/{METADATA_FILE}")) \
                             == lfs.read_file(os.path.join(src, METADATA_FILE)):
                         self._remember(step, name)
                         return 0  # already there (copied before a restart)
-                    # another checkpoint of this step (damaged, set aside, saved again)
-                    log.warning("minickpt: replacing %s in the mirror: it is not the local "
-                                "checkpoint of step %d", name, step)
-                    self.store.delete(name, self.writer)
+                    if step in self._mirror_damaged and self.store.owned(name):
+                        log.warning("minickpt: replacing %s in the mirror: a restore found "
+                                    "its copy there damaged, and step %d was saved again",
+                                    self.store.path(name), step)
+                        self.store.delete(name, self.writer)
+                        self._mirror_damaged.discard(step)
+                        self._mirror_infos.pop(step, None)
+                        return self._upload(step, src, name)
+                    self._remember(step, name)
+                    raise StepAlreadyExistsError(
+                        f"{self.store.path(name)} is a committed checkpoint of step {step} "
+                        f"that differs from the local one ({src}): minickpt never replaces a "
+                        "committed checkpoint, so the local one is not mirrored. Restore "
+                        f"step {step} from the mirror, or delete the local copy")
                 elif not self.store.reclaim(name, self.writer):
                     raise NotOursError(
                         f"{self.store.path(name)} is in the mirror but is no checkpoint: "
                         "another writer is uploading it, or it is not this mirror's (no "
                         "in-progress marker of a writer that is gone). Left as it is")
-            try:
-                nbytes = upload_step(self.store, self.writer, lfs, src, name)
-            except FileNotFoundError:
-                if not lfs.is_dir(src):
-                    return None  # deleted locally (retention) while it was being copied
-                raise
-            self._remember(step, name, lfs.read_file(os.path.join(src, METADATA_FILE)))
-            return nbytes
+            return self._upload(step, src, name)
+
+    def _upload(self, step: int, src: str, name: str) -> int | None:
+        assert self.writer is not None
+        lfs = self.local.fs
+        try:
+            nbytes = upload_step(self.store, self.writer, lfs, src, name)
+        except FileNotFoundError:
+            if not lfs.is_dir(src):
+                return None  # deleted locally (retention) while it was being copied
+            raise
+        self._remember(step, name, lfs.read_file(os.path.join(src, METADATA_FILE)))
+        return nbytes
 
     def _remember(self, step: int, name: str, data: bytes | None = None) -> None:
         """Note a committed mirror step and its metrics (``data``: its metadata file, just
@@ -292,6 +431,12 @@ class TieredCheckpointManager:
             for step in sorted({i.step for i in readable} - keep):
                 name = self._name(step)
                 try:
+                    if not self.store.owned(name):
+                        log.warning("minickpt: %s is not deleted by retention: no minickpt "
+                                    "writer of this mirror committed it", self.store.path(name))
+                        self._mirror_unreadable.add(step)  # neither counted nor deleted again
+                        continue
+                    self.store.check_lease(self.writer)
                     self.store.delete(name, self.writer)
                     del self._mirror_infos[step]
                     self._notify({"step": step, "ok": True, "deleted": True, "error": None,
@@ -340,11 +485,13 @@ class TieredCheckpointManager:
         ``best_fn`` raises on are no metric, as in the plain manager (said once per step)."""
         o = self.options
         infos = self.local._scorable(list(infos))
-        return policy.steps_to_keep(
+        keep = policy.steps_to_keep(
             infos, max_to_keep=max_to_keep, keep_period=o.keep_period, best_fn=o.best_fn,
             best_mode=o.best_mode,
             keep_checkpoints_without_metrics=o.keep_checkpoints_without_metrics,
         ) | policy.newest_steps(infos, o.keep_latest)
+        self.local._check_bound(infos, keep, max_to_keep, o)  # said once
+        return keep
 
     def _name(self, step: int) -> str:
         return step_dir_name(step, self.options.step_prefix,
@@ -363,6 +510,18 @@ class TieredCheckpointManager:
         self.local.wait_until_finished()
         if self._copies is None:
             return
+        t0 = time.monotonic()
+        while not self._connected.wait(0.05):
+            if self._lease_error is not None:  # another writer took the mirror meanwhile
+                raise self._lease_error
+            if timeout is not None and time.monotonic() - t0 > timeout:
+                raise TimeoutError(f"the mirror {self.store.url} has not answered since this "
+                                   f"manager opened ({timeout} s waited): local steps "
+                                   f"{self.local.all_steps()} are kept until it does")
+        if timeout is not None:
+            timeout = max(0.0, timeout - (time.monotonic() - t0))
+        if self._lease_error is not None:
+            raise self._lease_error
         if not self._copies.wait(timeout):
             raise TimeoutError(f"steps {sorted(self._copies.pending())} still being copied to "
                                f"{self.store.url} after {timeout} s")
@@ -403,21 +562,33 @@ class TieredCheckpointManager:
         with _OPEN_LOCK:
             _OPEN.discard(self)
         copies, done = self._copies, True
+        self._stop.set()  # the lease's thread: no more connecting nor renewing
         try:
             if copies is not None:
                 self.local.wait_until_finished()
         finally:
             try:
                 if copies is not None:
-                    done = copies.wait(self.close_timeout)
+                    done = copies.wait(self.close_timeout if self._connected.is_set()
+                                       else 0.0)
                     if done:
                         try:
                             self._apply_local_retention()
                         except Exception:  # pragma: no cover - the copies are what matter
                             log.exception("minickpt: local retention failed")
-                    copies.stop(10.0 if done else 0.0)
+                    if copies.stop(10.0 if done else 0.0) and self._connected.is_set() \
+                            and self._lease_error is None:
+                        assert self.writer is not None
+                        self.store.release(self.writer)  # the next writer starts at once
             finally:
                 self.local.close()
+        if copies is not None and not self._connected.is_set():
+            msg = (f"close(): the mirror {self.store.url} did not answer since this manager "
+                   f"opened{'' if self._lease_error is None else f' ({self._lease_error})'}, "
+                   f"so nothing was copied; the local checkpoints {self.local.all_steps()} "
+                   "are kept, and the next manager on this local directory copies them")
+            log.error("minickpt: %s", msg)
+            raise MirrorError(msg)
         if not done:
             assert copies is not None
             msg = (f"close(): steps {sorted(copies.pending())} were not copied to the mirror "
@@ -473,6 +644,8 @@ class TieredCheckpointManager:
                 # As CheckpointManager.restore does: the damaged local copy is moved aside
                 # (kept for a look), so that the resumed loop can save step s again.
                 aside = self.local._set_aside(s) if self._local_damage.pop(s, None) else None
+                if self.writer is not None and s in self._mirror_infos:
+                    self._mirror_damaged.add(s)  # may be saved again, and replaced there
                 msg = f"minickpt: skipping step {s}, damaged locally and in the mirror: {e}" + (
                     f"; the local copy moved to {aside} so that step {s} can be saved again"
                     if aside else "")
@@ -499,12 +672,24 @@ class TieredCheckpointManager:
                        f"from the mirror {self.store.url}")
                 log.error(msg)
                 warnings.warn(msg, stacklevel=3)
-        if step not in self.mirror_steps() or not self._still_committed(step):
+        if not self._connected.is_set() and local_error is None:
+            raise MirrorUnavailableError(
+                f"step {step} is not in {self.local.directory}, and the mirror "
+                f"{self.store.url} has not answered since this manager opened (its steps are "
+                "unknown until it does): restore a local step, or wait_until_mirrored()")
+        try:
+            in_mirror = step in self.mirror_steps() and self._still_committed(step)
+            if in_mirror:
+                self._fetch(step)
+        except Exception as e:
+            if isinstance(e, MiniCkptError) or not unreachable(e):
+                raise
+            raise named(e, self.store.url) from None
+        if not in_mirror:
             if local_error is not None:
                 raise local_error
             raise CheckpointNotFoundError(f"no checkpoint for step {step} in "
                                           f"{self.local.directory} nor in {self.store.url}")
-        self._fetch(step)
         return self.local.restore(step, target, fallback=False, **kw)
 
     def _still_committed(self, step: int) -> bool:

@@ -1,0 +1,47 @@
+"""The judge: where every graded point of a test cell is decided (issue 47).
+
+What runs where:
+
+* **The judge's process** (trusted, outside the sandbox, the full minickpt): the lab's setup
+  cell and every test cell, visible, hidden and grader check alike, in their source's words
+  (:mod:`.cells`). The student's task functions are bound there to proxies.
+* **The student's worker** (in the submission's sandbox, the graded build): the student's task
+  cells' imports and definitions, and nothing else; it runs a function only when a proxy calls
+  it, with the arguments the test chose (:mod:`.worker`).
+* **Between them** (:mod:`.wire`): plain data (numbers, strings, arrays, pytrees of known
+  classes, exceptions of known classes) crosses by value; any other object (a file system, a
+  writer, a callback) stays on its side and the other side gets a handle whose public methods
+  it may call. Nothing is pickled; nothing the worker says is a verdict.
+
+A test passes when its code ran to its end in the judge. The kernel run is feedback only.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from .cells import cells_of, ensure_devices, run_tests
+
+JUDGED_LABS = ("lab01_basics", "lab02_save_policy", "lab05_async")
+"""The labs whose every test the judge decides. In the others the kernel's receipts still
+count (their process tests run worker processes the judge does not start yet): see
+docs/grading.md, "Its limits"."""
+
+
+def judges(lab: str) -> bool:
+    """Whether the judge decides the tests of ``lab`` (``MINICKPT_JUDGE=off``: none, the
+    instructor's override, for comparing with the kernel's verdicts)."""
+    import os
+
+    if os.environ.get("MINICKPT_JUDGE", "").lower() in ("off", "0", "no"):
+        return False
+    return lab in JUDGED_LABS
+
+
+def judge_lab(*args: Any, **kwargs: Any) -> Any:
+    from .session import judge_lab as run
+
+    return run(*args, **kwargs)
+
+
+__all__ = ["JUDGED_LABS", "cells_of", "ensure_devices", "judge_lab", "judges", "run_tests"]

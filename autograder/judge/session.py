@@ -1,0 +1,263 @@
+"""The judge's side of one submission: start the student's worker (in the sandbox when there
+is one), bind proxies to its task functions, run the lab's tests here, end the worker.
+
+Who decides a point: :func:`judge_lab` returns the verdict of every test cell, and only the
+code of the test, running in this process, can make one pass. What the worker returns is data
+the test checks; what it prints goes nowhere; if it dies, every later call fails.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import socket
+import subprocess
+import sys
+import tempfile
+import threading
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from multiprocessing.connection import Connection
+from pathlib import Path
+from typing import Any
+
+import msgpack
+
+from . import cells as cells_mod
+from . import wire, worker
+
+CALL_TIMEOUT = 60.0
+"""How long one call into the worker may take before the test that made it fails."""
+
+
+class Refused(PermissionError):
+    """The worker asked the judge for something outside the test's folder."""
+
+
+def confined_policy(roots: Sequence[str]) -> wire.Policy:
+    """What the worker may do with the judge's objects: call their methods and set their
+    attributes (a writer's thread, as the contract of lab 5 says), never reach a class, a
+    module or a function through them, and never name a path outside ``roots`` (the folder
+    the test works in) to one of minickpt's objects: the judge's file systems, batches and
+    managers act only there."""
+    real = [os.path.realpath(r) for r in roots]
+
+    def check(obj: Any, name: str, args: tuple, kwargs: dict) -> None:
+        import types
+
+        owner = obj.__self__ if isinstance(obj, types.MethodType) else obj
+        if isinstance(owner, types.FunctionType) or \
+                not type(owner).__module__.startswith("minickpt"):
+            return  # a test's own callback: its arguments are the test's business
+        for a in [*args, *kwargs.values()]:
+            if isinstance(a, (str, os.PathLike)) and os.sep in os.fspath(a):
+                p = os.path.realpath(os.fspath(a))
+                if not any(p == r or p.startswith(r + os.sep) for r in real):
+                    raise Refused(f"{type(obj).__name__}.{name}: {os.fspath(a)!r} is outside "
+                                  "the folder this test works in")
+
+    return wire.Policy(private=True, setattr=True, check=check)
+
+
+class StudentWorker:
+    """The student's worker process and the wire to it."""
+
+    def __init__(self, lab: str, student_cells: Sequence[str], folder: str, *,
+                 wrap: Callable[[list[str], dict[str, str]], list[str]] | None = None,
+                 timeout: float = CALL_TIMEOUT) -> None:
+        self.lab, self.folder, self.wrap, self.timeout = lab, folder, wrap, timeout
+        self.parse_problems: list[str] = []
+        self.cells = worker.student_code(list(student_cells), self.parse_problems)
+        self.proc: subprocess.Popen[bytes] | None = None
+        self.ep: wire.Endpoint | None = None
+        self.functions: dict[str, Any] = {}
+        self.control: Any = None
+        self.problems: list[str] = []
+        self.stderr: list[bytes] = []
+
+    def start(self, setup: str, names: Sequence[str]) -> dict[str, Any]:
+        ours, theirs = socket.socketpair()
+        argv = [sys.executable, "-c", worker.BOOT, str(theirs.fileno())]
+        env = {"JAX_PLATFORMS": "cpu", "PYTHONDONTWRITEBYTECODE": "1",
+               "XLA_FLAGS": "--xla_force_host_platform_device_count=4",
+               "PATH": os.environ.get("PATH", "/usr/bin:/bin")}
+        if self.wrap is not None:
+            argv = self.wrap(argv, env)
+        elif os.environ.get("PYTHONPATH"):  # no sandbox: the same minickpt as this process
+            env["PYTHONPATH"] = os.environ["PYTHONPATH"]
+        self.proc = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
+                                     stderr=subprocess.PIPE, env=env,
+                                     pass_fds=(theirs.fileno(),), cwd=self.folder)
+        theirs.close()
+        threading.Thread(target=self._drain, daemon=True).start()
+        conn = Connection(ours.detach())
+        program = worker_program()
+        conn.send_bytes(program.encode())
+        conn.send_bytes(msgpack.packb({"setup": setup, "cells": self.cells,
+                                       "names": list(names)}, use_bin_type=True))
+        if not conn.poll(self.timeout * 2):
+            self.close()
+            raise wire.WireError("your code did not finish loading in the worker in "
+                                 f"{self.timeout * 2:.0f} s")
+        hello = msgpack.unpackb(conn.recv_bytes(1 << 20), raw=False)
+        self.problems = [*self.parse_problems, *(str(p) for p in hello.get("problems", []))]
+        self.ep = wire.Endpoint(conn, "judge", confined_policy([self.folder]),
+                                timeout=self.timeout)
+        found = dict(hello.get("functions", {}))
+        control = self.control = self.ep.decode(found.pop("__control__"))
+        self.functions = {name: _named(self.ep.decode(enc), name)
+                          for name, enc in found.items() if name in names}
+        self.ep.start()
+        control.set_sinks(_log_sink, _warn_sink)
+        return self.functions
+
+    def alive(self) -> bool:
+        """Whether the worker still answers: its process runs and its wire is open."""
+        return self.proc is not None and self.proc.poll() is None and self.ep is not None \
+            and self.ep._closed is None
+
+    def mirror(self, name: str) -> Callable[[], None]:
+        """The test's set-up ``name`` made in the worker too; returns how to undo it."""
+        if self.control is None:
+            return lambda: None
+        key = self.control.enter(name)
+        return lambda: self.control.leave(key)
+
+    def _drain(self) -> None:
+        """The worker's stderr, read as it comes (a full pipe would stop it), kept short."""
+        assert self.proc is not None and self.proc.stderr is not None
+        kept = 0
+        for line in self.proc.stderr:
+            if kept < 64 << 10:
+                self.stderr.append(line)
+                kept += len(line)
+
+    def close(self) -> None:
+        if self.ep is not None:
+            self.ep.close()
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.kill()
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                self.proc.wait(5)
+
+
+def worker_program() -> str:
+    """The worker's program: :mod:`.wire` and :mod:`.worker` as one module, then its start."""
+    future = "from __future__ import annotations\n"
+    texts = [Path(m.__file__).read_text(encoding="utf-8").replace(future, "")
+             for m in (wire, worker)]
+    return future + "\n\n".join(texts) + "\n\nmain(conn)\n"
+
+
+def _log_sink(name: str, level: int, message: str) -> None:
+    """A log record of the worker's, logged here under the same logger (what a test reads)."""
+    import logging
+
+    if isinstance(name, str) and name.split(".")[0] == "minickpt" and isinstance(level, int):
+        logging.getLogger(name).log(level, "%s", str(message))
+
+
+def _warn_sink(message: str, category: str) -> None:
+    """A warning of the worker's, warned here with its category where the judge knows it."""
+    import warnings
+
+    cls = wire.load_class(str(category))
+    if cls is None or not issubclass(cls, Warning):
+        cls = UserWarning
+    warnings.warn(str(message), cls, stacklevel=2)
+
+
+def _named(remote: Any, name: str) -> Callable[..., Any]:
+    """A plain function standing for the student's ``name`` in the judge: minickpt and the
+    tests call it like theirs (the plug points need a ``__name__``)."""
+    def proxy(*args: Any, **kwargs: Any) -> Any:
+        return remote(*args, **kwargs)
+
+    proxy.__name__ = proxy.__qualname__ = name
+    proxy._judge_proxy = True  # type: ignore[attr-defined]
+    return proxy
+
+
+@contextlib.contextmanager
+def shared_with_worker(active: bool) -> Iterator[None]:
+    """While the tests run (as root, for a sandbox whose worker has its own uid): what they
+    create is the worker's to read and write, as in one process. Folders from
+    ``tempfile.mkdtemp`` (``lab.tempdir()``) are opened to all, and nothing is masked from
+    new files: everything lies in the drill's scratch folder, which only this job reaches."""
+    if not active:
+        yield
+        return
+    real_mkdtemp = tempfile.mkdtemp
+
+    def mkdtemp(*args: Any, **kwargs: Any) -> str:
+        d = real_mkdtemp(*args, **kwargs)
+        os.chmod(d, 0o777)
+        return d
+
+    old = os.umask(0)
+    tempfile.mkdtemp = mkdtemp  # type: ignore[assignment]
+    try:
+        yield
+    finally:
+        tempfile.mkdtemp = real_mkdtemp  # type: ignore[assignment]
+        os.umask(old)
+
+
+def judge_lab(lab: str, student_cells: Sequence[str], folder: str, *,
+              wrap: Callable[[list[str], dict[str, str]], list[str]] | None = None,
+              uid: int | None = None, tools: Mapping[str, Callable[..., Any]] | None = None,
+              source: Path | None = None, timeout: float = CALL_TIMEOUT,
+              end_workers: Callable[[], None] | None = None,
+              cells: tuple[str, list[cells_mod.TestCell]] | None = None
+              ) -> tuple[list[cells_mod.Verdict], list[str]]:
+    """Every test of ``lab`` judged here against the student's functions, which run in a
+    worker started in ``folder`` (by ``wrap``: the sandbox). Returns (verdicts, what went
+    wrong loading the student's code)."""
+    cells = cells if cells is not None else cells_mod.lab_cells(lab, source)
+    setup = cells[0]
+    names = cells_mod.lab_task_names(lab)
+    old_tmp = tempfile.tempdir
+    tests_dir = os.path.join(folder, "tests")
+    os.makedirs(tests_dir, exist_ok=True)
+    if uid and os.geteuid() == 0:
+        os.chmod(tests_dir, 0o777)
+    functions: dict[str, Any] = {}
+    problems: list[str] = []
+    current: list[StudentWorker] = []
+
+    def start() -> None:
+        """A worker with the student's functions; a new one when the last one died (what
+        it was running fails; the tests after it start afresh, as each would alone)."""
+        if current:
+            if current[-1].alive() or not current[-1].functions:
+                return  # alive, or it never loaded: a new one would fail the same way
+            current[-1].close()
+            problems.append("your code ended its worker process; the next test got a new one")
+            if end_workers is not None:
+                end_workers()
+        w = StudentWorker(lab, student_cells, folder, wrap=wrap, timeout=timeout)
+        current.append(w)
+        functions.clear()
+        try:
+            functions.update(w.start(setup, list(names)))
+        except (wire.WireError, OSError) as e:
+            w.close()
+            tail = b"".join(w.stderr).decode(errors="replace").strip().splitlines()[-3:]
+            problems.append(f"your code could not be loaded in the worker ({e})"
+                            + (": " + " | ".join(tail) if tail else ""))
+        problems.extend(p for p in w.problems if p not in problems)
+
+    def mirror(name: str) -> Callable[[], None]:
+        return current[-1].mirror(name) if current else (lambda: None)
+
+    try:
+        tempfile.tempdir = tests_dir
+        with shared_with_worker(bool(uid) and os.geteuid() == 0):
+            verdicts = cells_mod.run_tests(lab, functions, tools=tools, cells=cells,
+                                           mirror=mirror, before_test=start)
+    finally:
+        tempfile.tempdir = old_tmp
+        for w in current:
+            w.close()
+        if end_workers is not None:
+            end_workers()
+    return verdicts, problems[:20]

@@ -1,0 +1,240 @@
+"""The judge (issue 47): the wire between it and the student's worker, what the worker may
+reach, what enters the sandbox, and a lab judged end to end against a real worker process."""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+from multiprocessing.connection import Connection
+from pathlib import Path
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from autograder import ROOT
+from autograder.judge import cells as cells_mod
+from autograder.judge import session, wire, worker
+from autograder.notebook import assemble, load_lab, read_submission, split_hidden
+
+pytestmark = pytest.mark.timeout(300)
+
+
+@pytest.fixture
+def pair():
+    """Two endpoints joined by a socket pair: "judge" and "worker", both in this process."""
+    a, b = socket.socketpair()
+    judge = wire.Endpoint(Connection(a.detach()), "judge", session.confined_policy(["/nowhere"]),
+                          timeout=120).start()
+    other = wire.Endpoint(Connection(b.detach()), "worker", wire.Policy(private=True,
+                                                                         setattr=True),
+                          timeout=120).start()
+    yield judge, other
+    judge.close()
+    other.close()
+
+
+def _remote(ep_from: wire.Endpoint, ep_to: wire.Endpoint, obj):
+    """``obj`` (of ``ep_to``'s side) as ``ep_from`` sees it: a handle."""
+    return ep_from.decode(ep_to.encode(obj))
+
+
+plain = st.recursive(
+    st.none() | st.booleans() | st.integers(-2**70, 2**70) | st.floats(allow_nan=False)
+    | st.text(max_size=20) | st.binary(max_size=20),
+    lambda kids: st.lists(kids, max_size=4) | st.tuples(kids, kids)
+    | st.dictionaries(st.text(max_size=5), kids, max_size=4), max_leaves=20)
+
+
+@settings(max_examples=60, deadline=None)
+@given(plain)
+def test_plain_data_crosses_by_value_unchanged(value):
+    a, b = socket.socketpair()
+    try:
+        judge = wire.Endpoint(Connection(a.detach()), "judge")
+        other = wire.Endpoint(Connection(b.detach()), "worker")
+        back = other.decode(judge.encode(value))
+        assert back == value and type(back) is type(value)
+    finally:
+        a.close()
+        b.close()
+
+
+def test_arrays_cross_with_their_dtype_shape_and_byte_order(pair):
+    judge, other = pair
+    import ml_dtypes
+
+    for a in (np.arange(6, dtype=">i2").reshape(2, 3), np.float32(1.5), np.array(2.0),
+              np.arange(4).astype(ml_dtypes.bfloat16), np.zeros((0, 3)),
+              np.arange(12.0)[::2], np.array(["ab", "c"]), np.array([None, 1], dtype=object)):
+        got = other.decode(judge.encode(a))
+        assert type(got) is type(a)
+        if isinstance(a, np.ndarray):
+            assert got.dtype == a.dtype and got.shape == a.shape
+            assert got.tolist() == a.tolist()
+        else:
+            assert got == a and got.dtype == a.dtype
+
+
+def test_a_leaf_sent_back_is_the_senders_own_object_and_in_place_changes_come_back(pair):
+    judge, other = pair
+    leaf, big = np.arange(4.0), 2**80
+    echo = _remote(judge, other, lambda x: x)
+    out = echo([leaf, big, 2.5])
+    assert out[0] is leaf and out[1] is big
+
+    def scale(a):
+        a *= 2
+        return None
+
+    arr = np.ones(3)
+    _remote(judge, other, scale)(arr)
+    assert arr.tolist() == [2.0, 2.0, 2.0]  # the callee changed it in place: so here too
+
+    def view(a):
+        return a[1:3]
+
+    v = _remote(judge, other, view)(arr)
+    assert np.shares_memory(v, arr)
+
+
+def test_exceptions_keep_their_class_errno_notes_and_identity(pair):
+    judge, other = pair
+    from minickpt.errors import CheckpointCorruptedError
+
+    def fail(kind):
+        if kind == "os":
+            raise OSError(28, "No space left on device", "/x")
+        raise CheckpointCorruptedError("/ckpt", "bad bytes")
+
+    f = _remote(judge, other, fail)
+    with pytest.raises(OSError) as e:
+        f("os")
+    assert e.value.errno == 28 and e.value.filename == "/x"
+    with pytest.raises(CheckpointCorruptedError) as e:
+        f("ckpt")
+    assert "bad bytes" in str(e.value)
+
+    boom = ValueError("boom")
+
+    def keep(fn):
+        try:
+            fn()
+        except ValueError as err:
+            err.add_note("step 3")
+            return err
+
+    def raiser():
+        raise boom
+
+    got = _remote(judge, other, keep)(raiser)
+    assert got is boom and boom.__notes__ == ["step 3"]
+
+
+def test_the_worker_reaches_no_class_module_or_function_of_the_judge_and_no_path_outside(pair):
+    """What the worker may do with the judge's objects (issue 47: an attribute walk from a
+    served object to the judge's globals gets an error, not a reference)."""
+    judge, other = pair
+    from minickpt.fs import FileSystem
+
+    class Served:
+        def __init__(self):
+            self.cls = Served
+            self.mod = os
+            self.fn = os.system
+            self.data = [1, 2]
+
+        def method(self):
+            return 7
+
+    served = _remote(other, judge, Served())
+    assert served.method() == 7 and served.data == [1, 2]
+    for name in ("cls", "mod", "fn", "__dict__", "__globals__"):
+        with pytest.raises((AttributeError, wire.WireError)):
+            getattr(served, name)
+    fs = _remote(other, judge, FileSystem())
+    with pytest.raises(PermissionError, match="outside the folder"):
+        fs.exists("/etc/passwd")
+    opaque = _remote(other, judge, print)  # may be passed along, never called
+    with pytest.raises(TypeError, match="passed along"):
+        opaque("hello")
+
+
+def test_nothing_of_a_test_enters_the_sandbox(tmp_path):
+    """Issue 47, point 3: for a lab the judge decides, no line of a test (hidden or not) and
+    no expected value is in what the kernel runs or in what the worker is sent."""
+    lab_name = "lab01_basics"
+    lab = load_lab(ROOT / "solutions" / lab_name / f"{lab_name}.ipynb")
+    sub = ROOT / "autograder" / "examples" / "perfect" / lab_name / f"{lab_name}.ipynb"
+    student = read_submission(sub)
+    asm = assemble(lab, student, referee_path="/r.py", key_file="/k", judged=True)
+    ran = "\n".join(c.run for c in asm.cells if c.role != "student")  # theirs is theirs
+    elsewhere = {line.strip() for c in lab.cells if c.role not in ("test", "quiz")
+                 for line in c.source.splitlines()}
+    test_lines = {line.strip() for c in lab.cells if c.role == "test"
+                  for line in c.source.splitlines() if len(line.strip()) > 25} - elsewhere
+    assert test_lines and not {line for line in test_lines if line in ran}
+    hidden = {line.strip() for c in lab.cells if c.role in ("test", "quiz")
+              for line in split_hidden(c.source)[1].splitlines() if len(line.strip()) > 25}
+    shown = {line.strip() for c in asm.cells for line in c.show.splitlines()}
+    assert not (hidden - shown) & {line.strip() for line in ran.splitlines()}
+
+    sent: list[bytes] = []
+    real = Connection.send_bytes
+
+    def spy(self, data, *a, **k):
+        sent.append(bytes(data))
+        return real(self, data, *a, **k)
+
+    setup, _ = cells_mod.lab_cells(lab_name)
+    w = session.StudentWorker(lab_name, [c.source for c in student if c.grade_id.startswith("task_")],
+                              str(tmp_path))
+    try:
+        Connection.send_bytes = spy
+        w.start(setup, list(cells_mod.lab_task_names(lab_name)))
+    finally:
+        Connection.send_bytes = real
+        w.close()
+    program, job = sent[0].decode(), sent[1].decode(errors="replace")
+    assert program == session.worker_program()  # public code, the same for everyone
+    assert not {line for line in test_lines if line in job}
+    assert worker.BOOT.count("\n") < 10 and "argv[1]" in worker.BOOT  # argv: one fd number
+
+
+@pytest.mark.timeout(600)
+def test_a_lab_judged_against_a_real_worker(tmp_path):
+    """The solution's code earns every test of lab 1 from the judge; a wrong ``restore_checkpoint``
+    (``if step:``) loses 1.4 and nothing else; a worker that dies costs only its own test."""
+    lab_name = "lab01_basics"
+    nb = json.loads((ROOT / "solutions" / lab_name / f"{lab_name}.ipynb").read_text())
+    cells = ["".join(c["source"]) for c in nb["cells"] if c["cell_type"] == "code"
+             and c.get("metadata", {}).get("nbgrader", {}).get("solution")]
+    verdicts, problems = session.judge_lab(lab_name, cells, str(tmp_path / "a"))
+    assert not problems, problems
+    assert all(v.passed for v in verdicts), [(v.grade_id, v.message) for v in verdicts]
+    assert not problems
+    dying = [c.replace("def to_host(", "import os\n\ndef to_host(", 1)
+             .replace('    """Task 1.2', '    os._exit(3)\n    """Task 1.2', 1) for c in cells]
+    verdicts, problems = session.judge_lab(lab_name, dying, str(tmp_path / "b"))
+    by = {v.grade_id: v.passed for v in verdicts}
+    assert not by["test_1_2_host"] and by["test_1_1_names"]
+    assert any("new one" in p for p in problems)
+
+
+def test_an_input_drawn_at_grading_time_differs_from_the_notebooks(monkeypatch):
+    from minickpt.labkit.devices import drawn
+
+    assert drawn(5) == 5  # a notebook: the seed itself
+    seeds = set()
+    for _ in range(3):
+        with cells_mod.plugged("lab01_basics", {}):
+            seeds.add(drawn(5))
+    assert 5 not in seeds and len(seeds) == 3
+
+
+def test_lab_texts_tell_students_how_their_work_is_judged():
+    text = (ROOT / "docs" / "grading.md").read_text()
+    assert "judge" in text.lower()
+    assert Path(session.__file__).exists()
