@@ -26,12 +26,9 @@ import json
 import logging
 import os
 import secrets
-import socket
 import stat
-import threading
 import time
-import uuid
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
 from ..checkpointer import Checkpointer, CheckpointMetadata
@@ -45,8 +42,21 @@ from ..commit import (
     makedirs,
     parse_step,
 )
-from ..errors import CheckpointCorruptedError, MiniCkptError
 from ..fs import DEFAULT_FS, FileSystem
+from .lease import (  # noqa: F401 - the lease and the errors, re-exported: one owner per prefix
+    LEASE_FILE,
+    LeaseHeldError,
+    LeaseLostError,
+    MirrorError,
+    MirrorUnavailableError,
+    NotOursError,
+    Writer,
+    _base_name,
+    abandoned,
+    describe_holder,
+    named,
+    unreachable,
+)
 
 log = logging.getLogger("minickpt")
 CHUNK = 8 << 20
@@ -61,119 +71,6 @@ UPLOAD_MARKER = ".minickpt-upload.json"
 _OWNER_LINE = "minickpt-writer: "
 
 
-class MirrorError(MiniCkptError):
-    """Checkpoints that could not be copied to the mirror, after every retry."""
-
-
-class NotOursError(MirrorError):
-    """A folder in the mirror that this writer did not create (or that a live writer is
-    changing): it is left as it is."""
-
-
-# ---------------------------------------------------------------------------------------
-# the lease: one writer per mirror
-# ---------------------------------------------------------------------------------------
-# At the mirror's root: who writes this prefix. Made with a conditional write where the store
-# has one (S3's If-None-Match / If-Match); see docs/production.md for each backend.
-LEASE_FILE = ".minickpt-lease.json"
-
-
-class LeaseHeldError(MirrorError):
-    """Another writer holds the mirror's lease: this one may not change it."""
-
-
-class LeaseLostError(MirrorError):
-    """This writer's lease was taken over (``force``) or went stale: it stops writing."""
-
-
-class MirrorUnavailableError(MirrorError):
-    """The store did not answer (connection refused, DNS, time-out): its error, named."""
-
-
-def unreachable(e: BaseException) -> bool:
-    """Whether an error says the store did not answer (refused, unresolved, timed out),
-    rather than that it answered no (credentials, a missing bucket): the former is waited
-    out, the latter raised."""
-    if isinstance(e, (ConnectionError, TimeoutError, socket.gaierror)):
-        return True
-    for cls in type(e).__mro__:
-        if cls.__module__.split(".")[0] in ("botocore", "aiobotocore", "aiohttp", "urllib3",
-                                            "requests", "google") \
-                and any(w in cls.__name__ for w in ("Connect", "Timeout", "Endpoint")):
-            return True
-    return False
-
-
-def named(e: BaseException, url: str) -> MirrorUnavailableError:
-    """A client library's connection error as minickpt's, its type and text kept."""
-    return MirrorUnavailableError(f"the mirror {url} did not answer: {type(e).__module__}."
-                                  f"{type(e).__name__}: {e}")
-
-
-def describe_holder(rec: Mapping[str, Any]) -> str:
-    """A lease or marker record in words: writer, host, pid, age."""
-    t = rec.get("time")
-    age = f", last renewed {time.time() - t:.0f} s ago" if isinstance(t, (int, float)) else ""
-    return (f"writer {rec.get('writer')} (host {rec.get('host')}, pid {rec.get('pid')}"
-            f"{age})")
-
-
-# ---------------------------------------------------------------------------------------
-# the writer's identity, and when a marker's writer is gone
-# ---------------------------------------------------------------------------------------
-_HOST = socket.gethostname()
-_LIVE: set[str] = set()  # writers of this process that have not finished
-_LIVE_LOCK = threading.Lock()
-
-
-class Writer:
-    """Who changes the mirror: a random id, this host and pid. Live (in this process) from
-    its creation until :meth:`release` — which its manager calls once nothing of it can
-    still write (its copy thread has ended)."""
-
-    def __init__(self) -> None:
-        self.id = uuid.uuid4().hex
-        with _LIVE_LOCK:
-            _LIVE.add(self.id)
-
-    def record(self, op: str) -> bytes:
-        return json.dumps({"writer": self.id, "host": _HOST, "pid": os.getpid(), "op": op,
-                           "time": time.time()}).encode()
-
-    def release(self) -> None:
-        with _LIVE_LOCK:
-            _LIVE.discard(self.id)
-
-
-def _pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except OSError:  # EPERM: it exists, another user's
-        return True
-    return True
-
-
-def abandoned(record: Mapping[str, Any], stale_after_s: float) -> bool:
-    """Whether the writer a marker names is gone: on this host, its process has exited (or,
-    in this process, it was released); on another host (no pid to ask), its marker is older
-    than ``stale_after_s`` (a writer refreshes its marker during a long upload)."""
-    if record.get("host") == _HOST:
-        if record.get("pid") == os.getpid():
-            with _LIVE_LOCK:
-                return record.get("writer") not in _LIVE
-        pid = record.get("pid")
-        return isinstance(pid, int) and not _pid_alive(pid)
-    t = record.get("time")
-    return isinstance(t, (int, float)) and time.time() - t > stale_after_s
-
-
-def _base_name(name: str) -> str:
-    """A step folder's name without a temporary or deletion suffix."""
-    for mark in (TMP_MARK, DELETE_MARK):
-        name = name.split(mark, 1)[0]
-    return name
 
 
 # ---------------------------------------------------------------------------------------
@@ -865,100 +762,3 @@ def read_chunks(fs: FileSystem, path: str) -> Iterator[bytes]:
             yield bytes(buf)
     finally:
         fs.close(fd)
-
-
-def walk(listdir: Callable[[str], list[str]], is_dir: Callable[[str], bool], rel: str
-         ) -> tuple[list[str], list[str]]:
-    """(directories, files) under ``rel``, relative to it, parents before children."""
-    dirs, files = [], []
-    for name in sorted(listdir(rel)):
-        sub = f"{rel}/{name}" if rel else name
-        if is_dir(sub):
-            d2, f2 = walk(listdir, is_dir, sub)
-            dirs += [name] + [f"{name}/{d}" for d in d2]
-            files += [f"{name}/{f}" for f in f2]
-        else:
-            files.append(name)
-    return dirs, files
-
-
-def _check_copy(store: Any, rel: str, metadata: bytes | None) -> None:
-    """Re-read the mirror's copy and verify every checksum (CheckpointCorruptedError)."""
-    problems = store.verify(rel) if metadata is None else store.verify(rel, metadata=metadata)
-    if problems:
-        raise CheckpointCorruptedError(store.path(rel), "the mirror copy does not verify: "
-                                       + "; ".join(problems))
-
-
-def upload_step(store: Any, writer: Writer, lfs: FileSystem, src: str, name: str) -> int:
-    """Copy the committed local checkpoint ``src`` to ``name`` in the mirror with the
-    mirror's own atomic commit; returns the bytes copied. The caller has checked that
-    ``name`` is free (or removed what was its own there)."""
-    dirs, files = walk(lambda r: lfs.listdir(os.path.join(src, r)),
-                       lambda r: lfs.is_dir(os.path.join(src, r)), "")
-    files.sort(key=lambda f: f == METADATA_FILE)
-    if METADATA_FILE not in files:
-        raise CheckpointCorruptedError(src, "has no metadata: not a committed checkpoint")
-    sizes = {f: lfs.lstat(os.path.join(src, f)).st_size for f in files}
-    meta = lfs.read_file(os.path.join(src, METADATA_FILE))
-    # Without a rename the commit marker is the publication: every other file is uploaded
-    # and verified (the metadata served from memory) before the metadata, then the marker.
-    verify_first = not store.atomic_rename
-    tmp = store.new_upload(name, writer)  # the in-progress marker: the first object
-    nbytes, beat = 0, time.monotonic()
-    try:
-        for d in dirs:
-            store.makedirs(f"{tmp}/{d}")
-        for f in files:  # the metadata, which makes a checkpoint valid, goes last
-            if time.monotonic() - beat > store.stale_after_s / 10:
-                store.begin(tmp, writer, "upload")  # still alive, for readers elsewhere
-                beat = time.monotonic()
-            if f == METADATA_FILE and verify_first:
-                # every file there, whole (one listing), and every leaf's checksum
-                there = store.sizes(tmp)
-                wrong = [f"{g}: {there.get(g, 'missing')} bytes of {sizes[g]}"
-                         for g in files if g != f and there.get(g) != sizes[g]]
-                if wrong:
-                    raise OSError(f"{store.path(tmp)}: " + "; ".join(wrong))
-                _check_copy(store, tmp, meta)
-            n = store.write_file(f"{tmp}/{f}", read_chunks(lfs, os.path.join(src, f)))
-            # (the files before the metadata were sized above, from one listing)
-            got = store.size(f"{tmp}/{f}") if not verify_first or f == METADATA_FILE else n
-            if n != sizes[f] or got != sizes[f]:
-                raise OSError(f"{store.path(f'{tmp}/{f}')}: wrote {n} bytes of "
-                              f"{sizes[f]}, {got} there")
-            nbytes += n
-        if not verify_first:
-            _check_copy(store, tmp, None)
-        store.check_lease(writer)  # fenced: a writer whose lease was taken publishes nothing
-        store.commit(tmp, name, dirs, writer)
-    except BaseException:
-        store.abort_upload(tmp, writer)
-        raise
-    return nbytes
-
-
-def fetch_step(store: Any, lfs: FileSystem, root: str, name: str,
-               replace: Callable[[], None]) -> None:
-    """Copy the mirror's ``name`` back into the local ``root``: into a temporary directory,
-    verify every checksum, ``replace()`` a damaged local copy, commit."""
-    final = os.path.join(root, name)
-    tmp = make_temporary(lfs, root, name)
-    try:
-        dirs, files = walk(store.listdir, store.is_dir, name)
-        for d in dirs:
-            lfs.mkdir(os.path.join(tmp, d))
-        for f in files:
-            if f in (COMMIT_SUCCESS_FILE, UPLOAD_MARKER):  # the mirror's own files
-                continue
-            lfs.write_file(os.path.join(tmp, f), store.read_chunks(f"{name}/{f}"))
-        rep = Checkpointer(lfs).verify(tmp, deep=True)
-        if not rep.ok:
-            raise CheckpointCorruptedError(store.path(name), "the mirror's copy is damaged "
-                                           "too: " + "; ".join(rep.problems))
-        if lfs.exists(final):
-            replace()
-        commit(lfs, tmp, final, subdirs=dirs)
-    except BaseException:
-        abort(lfs, tmp)
-        raise

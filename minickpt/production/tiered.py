@@ -57,12 +57,11 @@ from .mirror import (
     MirrorUnavailableError,
     NotOursError,
     Writer,
-    fetch_step,
     named,
     open_store,
     unreachable,
-    upload_step,
 )
+from .transfer import fetch_step, upload_step
 
 log = logging.getLogger("minickpt")
 
