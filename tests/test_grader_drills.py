@@ -97,3 +97,27 @@ def test_the_grading_worker_keeps_its_own_jax_on_the_cpu_and_the_kernels_env_unp
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
                          timeout=120)
     assert out.stdout.split() == ["cpu", "False"], out.stderr[-2000:]
+
+
+def test_the_lab3_drills_plan_is_not_in_the_workers_argv_or_environment(tmp_path):
+    """Issue 47: what the grader draws for 3.3 (the planted run's seed, the kill steps) is
+    never in the worker's command line or environment: the seed reaches it only as the
+    checkpoint on disk its resume must restore, the kill moments stay here. (The workers
+    here exit at once: only what they were started with is looked at.)"""
+    import sys
+
+    from minickpt.labkit import lab3
+
+    seen: list = []
+
+    def wrap(argv, env):
+        seen.append((list(argv), dict(env)))
+        return [sys.executable, "-c", "pass"]
+
+    seed = 987654321
+    lab3.run_lab3_drill("def resume(*a):\n    pass\n", str(tmp_path), wrap=wrap, env={},
+                        plant_seed=seed, kills=2, timeout_s=20)
+    assert seen
+    for argv, env in seen:
+        text = " ".join(argv) + " ".join(f"{k}={v}" for k, v in env.items())
+        assert str(seed) not in text
