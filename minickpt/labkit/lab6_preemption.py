@@ -28,6 +28,9 @@ from typing import Any
 
 import numpy as np
 
+# channel is imported here, not in the functions: the referee's private copy of the kit
+# (autograder/referee.py) has no package to import from once it is loaded
+from . import channel
 from .checks import LabCheckError
 from .watch import Reports
 
@@ -181,7 +184,6 @@ def run_loop_worker(source: str, directory: str, *, name: str = "train_until_pre
     import time
 
     from ..launch import helper_env  # the loop runs on the CPU: see helper_env
-    from . import channel
 
     code_name = f"{name}.py"
     with open(os.path.join(directory, code_name), "w", encoding="utf-8") as f:
@@ -248,8 +250,6 @@ def _converse(conn: Any, proc: Any, setup: Mapping[str, Any], signal_after: int 
               deadline: float) -> None:
     """The drill's side of one worker's run (see :func:`run_loop_worker`)."""
     import time
-
-    from . import channel
 
     def left() -> float:
         return max(0.1, deadline - time.monotonic())
