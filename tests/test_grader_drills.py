@@ -121,3 +121,28 @@ def test_the_lab3_drills_plan_is_not_in_the_workers_argv_or_environment(tmp_path
     for argv, env in seen:
         text = " ".join(argv) + " ".join(f"{k}={v}" for k, v in env.items())
         assert str(seed) not in text
+
+
+def test_grader_drill_outside_the_grader_says_so_and_returns_none(capsys):
+    """Issue 48: an instructor's run-all of a solution notebook (Jupyter, device-check.sh)
+    runs the grader checks as plain code; the setup cell's grader_drill then says that the
+    grader runs the drill and lets the check pass."""
+    from minickpt.labkit import check, grader_drill
+
+    failed = grader_drill("6.3")
+    check(failed is None, failed)
+    assert failed is None and "the grader runs this drill itself" in capsys.readouterr().out
+
+
+def test_a_kernel_value_named_grader_drill_never_reaches_a_grader_check():
+    """Whatever the kernel reports under the tool's name, the grader check calls the
+    grader's own tool (bound after the kernel's values)."""
+    calls = []
+
+    def tool(task):
+        calls.append(task)
+        return "the grader's verdict"
+
+    failed = judge_quiz("failed = grader_drill('6.3')\ncheck(failed is None, failed)\n",
+                        {"grader_drill": None}, {"grader_drill": tool})
+    assert calls == ["6.3"] and "the grader's verdict" in failed
