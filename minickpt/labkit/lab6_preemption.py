@@ -200,9 +200,13 @@ def run_loop_worker(source: str, directory: str, *, name: str = "train_until_pre
                            "timeout": timeout, "handlers": [], "on_step": [], "returned": None,
                            "at_return": None}
     tail: list[str] = []
-    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
-                            stdin=subprocess.DEVNULL, env=env, pass_fds=tuple(pass_fds),
-                            errors="replace")
+    try:
+        proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+                                text=True, stdin=subprocess.DEVNULL, env=env,
+                                pass_fds=tuple(pass_fds), errors="replace")
+    except BaseException:
+        listener.close()  # no socket left behind in the folder
+        raise
 
     def drain() -> None:  # stderr, read as it comes (a full pipe would stop the worker)
         assert proc.stderr is not None
