@@ -320,6 +320,14 @@ def drill_liar_by_hand(release: Any, source: Any) -> Any:
     return nb
 
 
+def recover_on_wall_clock(release: Any, source: Any) -> Any:
+    """Issue 48's 6.4: recover_s measured as ``time.time() - t_kill`` while t_kill is
+    ``time.monotonic()``: a recovery of about 1.8e9 s, printed in the drill's table."""
+    nb = perfect(release, source)
+    _replace(nb, "task_6_4", "rec.recover_s = ev[0] - t_kill", "rec.recover_s = time.time() - t_kill")
+    return nb
+
+
 EXAMPLES = {
     "perfect": perfect,
     "blank": blank,
@@ -331,6 +339,7 @@ EXAMPLES = {
     "recover_at_restore": recover_at_restore,
     "loads_every_checkpoint": loads_every_checkpoint,
     "own_sigterm_handler": own_sigterm_handler,
+    "recover_on_wall_clock": recover_on_wall_clock,
     "drill_liar_recognises": drill_liar_recognises,
     "drill_liar_by_hand": drill_liar_by_hand,
     **wrong_examples(WRONG),
