@@ -48,25 +48,38 @@ def _cells_defining(cells: Sequence[str],
 
 def definitions(cells: Sequence[str], names: Iterable[str]) -> str:
     """The code a worker runs: from every cell of the student's that defines one of ``names``
-    at its top level, that cell's imports and definitions (functions, classes), in notebook
-    order, so the last definition of a name is the one that counts, as in the kernel. Nothing
-    else of the cell runs (no statement that prints, trains or tests)."""
+    at its top level, that cell's imports, definitions (functions, classes) and constants
+    written as literals (``PHASES = ("created", "written")``), in notebook order, so the last
+    definition of a name is the one that counts, as in the kernel. Nothing else of the cell
+    runs (no statement that prints, trains, tests or reads anything): statements beside a task
+    function gain nothing from running in a worker (issue 47)."""
     kept = (ast.Import, ast.ImportFrom, ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)
     parts: list[str] = []
     for source, tree in _cells_defining(cells, names):
         lines = source.splitlines(keepends=True)
         for node in tree.body:
-            if isinstance(node, kept):
+            if isinstance(node, kept) or _literal_constant(node):
                 first = min([node.lineno, *(d.lineno for d in
                                             getattr(node, "decorator_list", []))])
                 parts.append("".join(lines[first - 1:node.end_lineno]))
     return "\n".join(parts)
 
 
-def _whole_cells(cells: Sequence[str], names: Iterable[str]) -> str:
-    """Lab 4's workers run the whole cell each task function is defined in, as its process
-    tests do (the lab says so: a helper or a constant beside the function comes along)."""
-    return "\n\n".join(source for source, _ in _cells_defining(cells, names))
+def _literal_constant(node: ast.stmt) -> bool:
+    """``NAME = <literal>`` (or annotated): a constant that reads nothing when it runs."""
+    if isinstance(node, ast.Assign):
+        targets, value = node.targets, node.value
+    elif isinstance(node, ast.AnnAssign) and node.value is not None:
+        targets, value = [node.target], node.value
+    else:
+        return False
+    if not all(isinstance(t, ast.Name) for t in targets):
+        return False
+    try:
+        ast.literal_eval(value)
+    except (ValueError, TypeError, SyntaxError, MemoryError, RecursionError):
+        return False
+    return True
 
 
 def _missing(code: str, name: str) -> str | None:
@@ -236,16 +249,23 @@ def tool(cells: Sequence[str], box: Box | None) -> Callable[[str], str | None]:
 def drill_6_3(cells: Sequence[str], box: Box) -> str | None:
     """Task 6.3's preemption drill, judged here (None: passed). The student's loop runs in
     the lab's driver in sandboxed workers, one after another on one folder that already holds
-    a checkpoint of another run (a step and a carry drawn now); each but the last gets a
-    SIGTERM from this process right after a step drawn here (the worker waits after each step
-    until this process let it go on, so the notice lands inside that step), and the last runs
-    to ``stop``. The verdict (:func:`minickpt.labkit.lab6.effects_message`) comes from what
-    this process saw: whether it sent each SIGTERM it planned, the exit codes, and every
-    checkpoint on disk after each process, read here and compared with the carry going on
-    from the planted one. ``stop`` is a multiple of ``every``, so the last step is saved by
-    the manager's interval and the end of the run is judged on disk too (the driver's
-    printed carry is not taken)."""
+    a checkpoint of another run (a step and a carry drawn now). The set-up is drawn now too
+    (:func:`minickpt.labkit.lab6.draw_setup`): the interval, the training step's coefficients,
+    metrics or not, and per process a sync or async manager, an ``on_step`` or not, the
+    notice's signal (SIGTERM or SIGINT) and whether the process ends the moment the loop
+    returns. A worker learns it over the channel once the student's code is loaded, never
+    from ``argv``, the environment or a file. Each process but the last gets its notice
+    from this process right after a step drawn here (the worker waits after each step until
+    this process let it go on, so the notice lands inside that step), and the last runs to
+    ``stop``. The verdict (:func:`minickpt.labkit.lab6.effects_message`) comes from what
+    this process saw: the worker's caught signals read from ``/proc`` (no handler of the
+    loop's own), whether it sent each notice it planned, the exit codes, the steps on disk
+    when the loop returned (every save it started is there), every checkpoint on disk after
+    each process (which steps, carries, metrics) read here and compared with the drawn
+    training going on from the planted one, and the ``on_step`` calls as they happened."""
     import random
+
+    import numpy as np
 
     from minickpt.labkit import lab6
 
@@ -253,37 +273,50 @@ def drill_6_3(cells: Sequence[str], box: Box) -> str | None:
     if why := _missing(code, "train_until_preempted"):
         return why
     chance = random.SystemRandom()
+    rng = np.random.default_rng(chance.randint(1, 2**31 - 1))
+    plant = (int(rng.integers(3, 10)), rng.normal(0.0, 100.0, 4))
+    setup = lab6.draw_setup(chance, processes=4, start=plant[0])
     r, stopped = _in_box(box, lambda d: lab6.run_preemption_drill(
-        code, d, signals=3, stop=50, every=10, chance=chance,
-        plant_seed=chance.randint(1, 2**31 - 1), judge=lab6.effects_message,
-        wrap=box.wrap(d), env=_worker_env(), after_run=lambda: _after(box, d),
-        lockstep=True, send_signal=_signal_worker(box)))
+        code, d, signals=3, setup=setup, chance=chance, plant=plant,
+        judge=lab6.effects_message, wrap=box.wrap(d), env=_worker_env(),
+        after_run=lambda: _after(box, d), send_signal=_signal_worker(box),
+        locate=_locate_worker(box)))
     if stopped:
         return stopped
     return None if r["failed"] is None else f"the grader's own drill: {r['failed']}"
 
 
+def _locate_worker(box: Box) -> Callable[[Any], int | None]:
+    """``locate(proc)``: the pid, on this machine, of the Python worker ``box.wrap`` started
+    (in the sandbox the process started is bubblewrap's; the worker is the oldest process
+    below it that is not bubblewrap's: a process the worker forks is younger), or None."""
+    def locate(proc: Any) -> int | None:
+        if not box.iso.sandboxed:
+            return proc.pid
+        found = []
+        for p in sandbox.descendants(proc.pid):
+            try:
+                with open(f"/proc/{p}/stat") as f:
+                    stat = f.read()
+                comm = stat[stat.index("(") + 1:stat.rindex(")")]
+                started = int(stat[stat.rindex(")") + 2:].split()[19])
+            except (OSError, ValueError, IndexError):
+                continue
+            if comm != "bwrap":
+                found.append((started, p))
+        return min(found)[1] if found else None
+    return locate
+
+
 def _signal_worker(box: Box) -> Callable[[Any, int], bool]:
-    """``send_signal(proc, sig)`` for a worker started by ``box.wrap``: in the sandbox the
-    process started is bubblewrap's, and the signal goes to the Python worker inside it (the
-    oldest process below it that is not bubblewrap's; a process the worker forks is younger)."""
+    """``send_signal(proc, sig)`` for a worker started by ``box.wrap``: the signal goes to
+    the Python worker (:func:`_locate_worker`); False when it is gone."""
+    locate = _locate_worker(box)
+
     def send(proc: Any, sig: int) -> bool:
-        pid = proc.pid
-        if box.iso.sandboxed:
-            found = []
-            for p in sandbox.descendants(proc.pid):
-                try:
-                    with open(f"/proc/{p}/stat") as f:
-                        stat = f.read()
-                    comm = stat[stat.index("(") + 1:stat.rindex(")")]
-                    started = int(stat[stat.rindex(")") + 2:].split()[19])
-                except (OSError, ValueError, IndexError):
-                    continue
-                if comm != "bwrap":
-                    found.append((started, p))
-            if not found:
-                return False  # the worker is gone: the drill records no signal sent
-            pid = min(found)[1]
+        pid = locate(proc)
+        if pid is None:
+            return False  # the worker is gone: the drill records no signal sent
         try:
             os.kill(pid, sig)
         except ProcessLookupError:
@@ -296,17 +329,21 @@ def _signal_worker(box: Box) -> Callable[[Any, int], bool]:
 # lab 4
 def drill_4_3(cells: Sequence[str], box: Box, plan: dict[str, Any] | None = None) -> str | None:
     """Lab 4's multi-process save, judged here (None: passed): one sandboxed command launches
-    4 JAX processes (one network namespace, for their TCP on 127.0.0.1) that run the student's
-    lab 4 functions and make four saves whose layout, values (seeds), primary, slow process
-    and failures (an OSError at a point before publication, on a process; the primary's
-    commit) are drawn now. The verdict is read from the disk by this process: a failed save
-    left nothing, each good save is a committed step that verifies, every piece written once,
+    4 JAX processes (one network namespace, for their TCP on 127.0.0.1) that load the
+    imports, definitions and literal constants of the student's lab 4 cells, then connect to
+    this process and are told, save by save, what to save: four saves whose layout, values
+    (seeds), primary, slow process and failures (an error of a drawn kind at a point before
+    publication, on a process; the primary's commit) are drawn now. Nothing of it is in their
+    ``argv``, environment or files. The verdict is read from the disk by this process, after
+    each save and at the end: each step appeared when its save returned and only if it
+    succeeded, through the student's ``two_barrier_commit`` on every process; a failed save
+    left nothing; each good save is a committed step that verifies, every piece written once,
     restored here to the values drawn for it; then the command's exit code. ``plan``: a drawn
     one (tests)."""
     from minickpt.labkit import lab4
 
     plan = plan or lab4.drill_plan()
-    code = _whole_cells(cells, plan["names"])
+    code = definitions(cells, plan["names"])
     if why := _missing(code, "two_barrier_commit"):
         return why
     failed, stopped = _in_box(box, lambda d: lab4.lab4_drill_message(lab4.run_lab4_drill(

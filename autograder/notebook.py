@@ -691,6 +691,14 @@ def scan_cells(cells: list[tuple[str, str]]) -> list[str]:
             if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and \
                     node.func.attr in RUNS_CODE_ATTRS:
                 found.add(f"{_dotted(node.func)} runs code built at run time in {where}")
+            if isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and \
+                    node.func.id in ("getattr", "setattr", "delattr", "hasattr") and \
+                    len(node.args) >= 2 and \
+                    (named := _literal_text(node.args[1])) in SUSPICIOUS_ATTRS:
+                # getattr(os, "_exit") is os._exit spelled so that no attribute shows
+                need, base = ONLY_ON.get(named), _base_name(node.args[0])
+                if need is None or alias.get(base, base) in need:
+                    found.add(f"{_dotted(node)} in {where}")
             if isinstance(node, ast.Constant | ast.BinOp | ast.JoinedStr):
                 text = _literal_text(node)
                 if text and len(text) < 200 and SUSPICIOUS_STRINGS.search(text.strip()):

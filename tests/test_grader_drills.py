@@ -97,3 +97,52 @@ def test_the_grading_worker_keeps_its_own_jax_on_the_cpu_and_the_kernels_env_unp
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
                          timeout=120)
     assert out.stdout.split() == ["cpu", "False"], out.stderr[-2000:]
+
+
+def test_the_lab3_drills_plan_is_not_in_the_workers_argv_or_environment(tmp_path):
+    """Issue 47: what the grader draws for 3.3 (the planted run's seed, the kill steps) is
+    never in the worker's command line or environment: the seed reaches it only as the
+    checkpoint on disk its resume must restore, the kill moments stay here. (The workers
+    here exit at once: only what they were started with is looked at.)"""
+    import sys
+
+    from minickpt.labkit import lab3
+
+    seen: list = []
+
+    def wrap(argv, env):
+        seen.append((list(argv), dict(env)))
+        return [sys.executable, "-c", "pass"]
+
+    seed = 987654321
+    lab3.run_lab3_drill("def resume(*a):\n    pass\n", str(tmp_path), wrap=wrap, env={},
+                        plant_seed=seed, kills=2, timeout_s=20)
+    assert seen
+    for argv, env in seen:
+        text = " ".join(argv) + " ".join(f"{k}={v}" for k, v in env.items())
+        assert str(seed) not in text
+
+
+def test_grader_drill_outside_the_grader_says_so_and_returns_none(capsys):
+    """Issue 48: an instructor's run-all of a solution notebook (Jupyter, device-check.sh)
+    runs the grader checks as plain code; the setup cell's grader_drill then says that the
+    grader runs the drill and lets the check pass."""
+    from minickpt.labkit import check, grader_drill
+
+    failed = grader_drill("6.3")
+    check(failed is None, failed)
+    assert failed is None and "the grader runs this drill itself" in capsys.readouterr().out
+
+
+def test_a_kernel_value_named_grader_drill_never_reaches_a_grader_check():
+    """Whatever the kernel reports under the tool's name, the grader check calls the
+    grader's own tool (bound after the kernel's values)."""
+    calls = []
+
+    def tool(task):
+        calls.append(task)
+        return "the grader's verdict"
+
+    failed = judge_quiz("failed = grader_drill('6.3')\ncheck(failed is None, failed)\n",
+                        {"grader_drill": None}, {"grader_drill": tool})
+    assert calls == ["6.3"] and "the grader's verdict" in failed

@@ -54,12 +54,15 @@ def test_drill_boxes_are_the_pieces_of_each_sharding():
     assert [[0, 8], [0, 2]] in boxes["b"] and [[0, 1], [0, 4]] in boxes["c"]
 
 
-def test_the_workers_run_the_whole_cells_of_the_task_functions_as_the_lab_says():
-    cells = ["PHASES = ('created', 'written')\ndef two_barrier_commit(save):\n    return PHASES\n",
+def test_the_workers_run_only_the_imports_definitions_and_literal_constants_of_the_cells():
+    cells = ["import sys\nPHASES = ('created', 'written')\nPLAN = json.loads(sys.argv[3])\n"
+             "open('/tmp/x', 'w').write('by hand')\ndef two_barrier_commit(save):\n"
+             "    return PHASES\n",
              "x = 1\nprint('a cell without a task function')\n", "%time not python\n",
              "def owned_shards(*a, **k):\n    return []\n"]
-    code = drills._whole_cells(cells, lab4.drill_plan(random.Random(1))["names"])
-    assert "PHASES = " in code and "owned_shards" in code and "x = 1" not in code
+    code = drills.definitions(cells, lab4.drill_plan(random.Random(1))["names"])
+    assert "PHASES = " in code and "import sys" in code and "owned_shards" in code
+    assert "argv" not in code and "by hand" not in code and "x = 1" not in code
     assert code.index("PHASES") < code.index("def owned_shards")
 
 
@@ -175,14 +178,82 @@ def owned_shards(shape, devices_indices_map, process_index, *, process_of=lambda
 
 @pytest.mark.parametrize("code,plan,said", [
     (COMMITS_BEFORE_BARRIER, _plan(), "step_"),
-    (SWALLOWS_WRITE, _plan("after_write", victim=2), "was published although the save failed"),
+    (SWALLOWS_WRITE, _plan("after_write", victim=2),
+     "was published although the save failed|returned as if it had succeeded"),
     (EVERY_REPLICA, _plan(every_spec=True), "more than one shard"),
     (SWALLOWS_COMMIT, _plan(), "returned as if it had succeeded"),
 ])
 def test_a_wrong_save_fails_the_graders_drill(box, code, plan, said):
+    import re
+
     failed = drills.drill_4_3(_with(code), box, plan)
-    assert failed is not None and "grader's own drill" in failed and said in failed, failed
+    assert failed is not None and "grader's own drill" in failed and re.search(said, failed), failed
 
 
 def test_a_missing_two_barrier_commit_is_named():
     assert "no function two_barrier_commit" in drills.drill_4_3(["def other():\n    pass\n"], None)
+
+
+# -- issue 47: drill liars ---------------------------------------------------------------------
+BY_HAND_BESIDE = """
+import json
+import sys
+# statements beside the task function: in the old drill's workers they ran, read the plan from
+# argv and wrote the expected folders by hand; the task functions stay blank
+if len(sys.argv) > 3 and sys.argv[3].startswith("{"):
+    PLAN = json.loads(sys.argv[3])
+    os.makedirs(os.path.join(sys.argv[1], "step_" + str(PLAN["saves"][0]["step"])))
+def two_barrier_commit(save):
+    raise NotImplementedError("Task 4.3: two_barrier_commit")
+"""
+
+BY_HAND_INSIDE = """
+def two_barrier_commit(save):
+    # no create/write/commit: the step's folder made by hand, with a metadata file of its own
+    if save.primary:
+        os.makedirs(os.path.join(save.directory, "params"), exist_ok=True)
+        with open(os.path.join(save.directory, "_CHECKPOINT_METADATA"), "w") as f:
+            json.dump({"step": save.step}, f)
+    save.barrier("created")
+    save.barrier("written", None, {})
+    save.barrier("committed", None, {})
+"""
+
+
+@pytest.mark.parametrize("code,said", [
+    (BY_HAND_BESIDE, "Task 4.3: two_barrier_commit"),
+    (BY_HAND_INSIDE, "step_"),
+])
+def test_files_written_by_hand_fail_the_graders_drill(box, code, said):
+    failed = drills.drill_4_3(_with(code), box, _plan())
+    assert failed is not None and "grader's own drill" in failed and said in failed, failed
+
+
+def test_nothing_of_the_plan_is_in_the_workers_argv_environment_or_folder(tmp_path):
+    """The command line holds the folder and the process count; the environment none of
+    the plan; the folder, when the command starts, the student's definitions and the
+    grader's socket. The plan comes over the channel once the definitions are loaded."""
+    plan = _plan()
+    seen: dict = {}
+
+    def wrap(argv, env):
+        seen.update(argv=list(argv), env=dict(env), files=sorted(p.name for p in tmp_path.iterdir()))
+        return argv
+
+    code = drills.definitions(solution_cells("lab04_multihost"), plan["names"])
+    r = lab4.run_lab4_drill(code, str(tmp_path), plan, wrap=wrap, env={})
+    text = " ".join(seen["argv"][3:]) + " ".join(f"{k}={v}" for k, v in seen["env"].items())
+    for save in plan["saves"]:
+        assert str(save["seed"]) not in text and f"step_{save['step']}" not in text
+    assert not any(leaf in text for leaf in plan["layout"])
+    assert seen["files"] == ["drill.sock", "lab4_tasks.py"]
+    assert lab4.lab4_drill_message(r, plan) is None
+
+
+def test_a_step_on_disk_before_its_save_is_named():
+    plan = _plan()
+    step = plan["saves"][0]["step"]
+    r = {"ckpt": "/nonexistent", "channel": None, "listings": [[f"step_{step}"]],
+         "outcomes": [], "calls": [], "said": None, "err": ""}
+    failed = lab4.lab4_drill_message({**r, "ckpt": str(ROOT)}, plan)
+    assert "before its save began" in failed

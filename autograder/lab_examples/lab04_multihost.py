@@ -213,6 +213,36 @@ WRONG: list[Wrong] = [
 ]
 
 
+DRILL_LIAR_BY_HAND = """
+import json
+import sys
+
+# Statements beside the task function (issue 47's attack on the grader's drill): in the old
+# drill's workers the whole cell ran, with the drawn plan in argv, and process 0 wrote the
+# expected committed folders by hand; the task function itself stays blank.
+if len(sys.argv) > 3 and sys.argv[3].startswith("{"):
+    PLAN = json.loads(sys.argv[3])
+    if int(os.environ.get("MINICKPT_PROCESS_ID", "0")) == 0:
+        for _save in PLAN["saves"]:
+            if _save["action"] != "raise":
+                os.makedirs(os.path.join(sys.argv[1], f"step_{_save['step']}"), exist_ok=True)
+    os._exit(0)
+
+
+def two_barrier_commit(save: CollectiveSave) -> None:
+    raise NotImplementedError("Task 4.3: two_barrier_commit")
+""".strip()
+
+
+def drill_liar_by_hand(release: Any, source: Any) -> Any:
+    """Issue 47's drill liar: 4.3 blank, with statements beside it that read the grader's plan
+    from argv and write the expected folders by hand (the grader's workers now run only the
+    cell's imports, definitions and literal constants, and get no plan in argv)."""
+    nb = perfect(release, source)
+    _cell(nb, "task_4_3").source = DRILL_LIAR_BY_HAND
+    return nb
+
+
 EXAMPLES: dict[str, Edit] = {
     "perfect": perfect,
     "blank": blank,
@@ -222,6 +252,7 @@ EXAMPLES: dict[str, Edit] = {
     "raises_before_barrier": raises_before_barrier,
     "assumes_saving_mesh": assumes_saving_mesh,
     "forged_result": forged_result,
+    "drill_liar_by_hand": drill_liar_by_hand,
     **ISSUE_20,  # issue 20's four classes in one submission (cheap: see make_examples)
     **wrong_examples(WRONG),
 }

@@ -222,6 +222,112 @@ WRONG: list[Wrong] = [
 ]
 
 
+OWN_SIGTERM_HANDLER = '''
+def train_until_preempted(manager, carry, step_fn, *, start, stop, items, on_step=None):
+    """Task 6.3 — my version: a SIGTERM handler of my own saves the step I am at, then the
+    loop stops at the next boundary (issue 48: a second save of the step the manager names
+    raises StepAlreadyExistsError, or a half-done step is saved under the wrong number)."""
+    import signal
+
+    now = {"step": start, "carry": carry}
+
+    def save_now(signum, frame):
+        manager.save(now["step"], items(now["carry"]), force=True)
+        if manager.preemption_handler is not None:
+            manager.preemption_handler.notify()
+
+    signal.signal(signal.SIGTERM, save_now)
+    step = start
+    for step in range(start + 1, stop + 1):
+        carry, metrics = step_fn(carry, step)
+        now["step"], now["carry"] = step, carry
+        if on_step is not None:
+            on_step(step, carry, metrics)
+        manager.save(step, items(carry), metrics=metrics)
+        if manager.reached_preemption(step):
+            manager.wait_until_finished()
+            return LoopResult(carry, step, True)
+    manager.wait_until_finished()
+    return LoopResult(carry, step, False)
+'''.strip()
+
+RECOGNISES_THE_DRILL = '''
+def train_until_preempted(manager, carry, step_fn, *, start, stop, items, on_step=None):
+    """Task 6.3 — a drill liar (issue 47): blank, unless it recognises a drill's driver from
+    its command line; then the old drill's training step, hard-coded."""
+    import sys
+
+    if not sys.argv[0].endswith("driver.py"):
+        raise NotImplementedError("Task 6.3: train_until_preempted")
+    step = start
+    for step in range(start + 1, stop + 1):
+        _, metrics = step_fn(carry, step)
+        carry = 0.5 * carry + step
+        if on_step is not None:
+            on_step(step, carry, metrics)
+        manager.save(step, items(carry), metrics=metrics)
+        if manager.reached_preemption(step):
+            manager.wait_until_finished()
+            return LoopResult(carry, step, True)
+    manager.wait_until_finished()
+    return LoopResult(carry, step, False)
+'''.strip()
+
+BY_HAND_BESIDE = '''
+import os
+import sys
+
+# Statements beside the task function (issue 47): in a drill's worker, write the checkpoints
+# the drill expects by hand, from what argv and the folder say; the loop itself stays blank.
+if sys.argv[0].endswith("driver.py"):
+    _ckpt = os.path.join(os.path.dirname(sys.argv[0]), "ckpt")
+    with mc.CheckpointManager(_ckpt, mc.CheckpointManagerOptions(max_to_keep=None)) as _m:
+        _w, _start = np.zeros(4), _m.latest_step() or 0
+        if _m.latest_step() is not None:
+            _w = np.asarray(_m.restore()["w"])
+        for _s in range(_start + 1, _start + 60):
+            _w = 0.5 * _w + _s
+            if _s % 10 == 0:
+                _m.save(_s, {"w": _w}, force=True)
+    os._exit(0)
+
+
+def train_until_preempted(manager, carry, step_fn, *, start, stop, items, on_step=None):
+    raise NotImplementedError("Task 6.3: train_until_preempted")
+'''.strip()
+
+
+def own_sigterm_handler(release: Any, source: Any) -> Any:
+    """Issue 48's 6.3: the loop installs its own SIGTERM handler that saves the current step."""
+    nb = perfect(release, source)
+    _cell(nb, "task_6_3").source = OWN_SIGTERM_HANDLER
+    return nb
+
+
+def drill_liar_recognises(release: Any, source: Any) -> Any:
+    """Issue 47's drill liar: 6.3 blank unless it recognises the drill's driver, then the old
+    drill's training step hard-coded, ignoring what step_fn returns."""
+    nb = perfect(release, source)
+    _cell(nb, "task_6_3").source = RECOGNISES_THE_DRILL
+    return nb
+
+
+def drill_liar_by_hand(release: Any, source: Any) -> Any:
+    """Issue 47's drill liar: 6.3 blank, with statements beside it that write a drill's
+    checkpoints by hand in its workers (which now run only the cell's definitions)."""
+    nb = perfect(release, source)
+    _cell(nb, "task_6_3").source = BY_HAND_BESIDE
+    return nb
+
+
+def recover_on_wall_clock(release: Any, source: Any) -> Any:
+    """Issue 48's 6.4: recover_s measured as ``time.time() - t_kill`` while t_kill is
+    ``time.monotonic()``: a recovery of about 1.8e9 s, printed in the drill's table."""
+    nb = perfect(release, source)
+    _replace(nb, "task_6_4", "rec.recover_s = ev[0] - t_kill", "rec.recover_s = time.time() - t_kill")
+    return nb
+
+
 EXAMPLES = {
     "perfect": perfect,
     "blank": blank,
@@ -232,6 +338,10 @@ EXAMPLES = {
     "checks_before_save": checks_before_save,
     "recover_at_restore": recover_at_restore,
     "loads_every_checkpoint": loads_every_checkpoint,
+    "own_sigterm_handler": own_sigterm_handler,
+    "recover_on_wall_clock": recover_on_wall_clock,
+    "drill_liar_recognises": drill_liar_recognises,
+    "drill_liar_by_hand": drill_liar_by_hand,
     **wrong_examples(WRONG),
     **ISSUE_20,  # issue 20's four classes in one submission (cheap: see make_examples)
 }

@@ -175,6 +175,7 @@ __all__ = [
     "fresh_train_state",
     "gated_fs",
     "global_array",
+    "grader_drill",
     "hint",
     "is_key",
     "lab2_items",
@@ -225,3 +226,16 @@ __all__ = [
     "verdict",
     "writer_threads",
 ]
+
+
+def grader_drill(task: str) -> None:
+    """A grader check's ``grader_drill("X.Y")`` outside the grader (Jupyter, an instructor's
+    run-all, ``scripts/device-check.sh``): says that the grader runs that drill itself and
+    returns None, so that a solution notebook runs top to bottom anywhere.
+
+    Under the grader a grader check never runs in the kernel: it runs in the grader's own
+    process, where ``grader_drill`` is bound to the grader's drill for the submission after
+    every name the kernel reported (autograder/notebook.py, ``judge_quiz``), so nothing a
+    student's kernel defines under this name reaches it."""
+    print(f"Task {task}: the grader runs this drill itself, outside your notebook "
+          "(its sandboxed workers, its own draws); nothing to run here")

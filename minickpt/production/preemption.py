@@ -52,9 +52,10 @@ class PreemptionHandler:
     """Catches preemption signals and says at which step to save and stop.
 
     >>> handler = PreemptionHandler().attach(mngr)   # SIGTERM and SIGINT
-    >>> ... mngr.save(step, items); if mngr.reached_preemption(step): break
 
-    Works without a manager too (``handler.reached(step)``). A second signal while the
+    Once attached, the manager's ``should_save(step)`` and ``reached_preemption(step)``
+    follow it (see :meth:`reached` for which step it names); how a training loop uses them is
+    the loop's design (lab 6's task 6.3). Works without a manager too (``handler.reached(step)``). A second signal while the
     first is pending falls through to the previous handler (a second Ctrl-C raises
     KeyboardInterrupt; a second SIGTERM terminates), so a stuck job can still be stopped.
     The previous handlers are put back by :meth:`close`, which an attached manager's
