@@ -39,7 +39,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from autograder import ROOT, build, compile_cache, sandbox
+from autograder import ROOT, build, compile_cache, judge, sandbox
 from autograder.grade import REFERENCE_STUDENT, LabInfo, shard_of, write_outputs
 from autograder.lab_examples.common import _first, _gid
 from autograder.lab_examples.lab01_basics import NETWORK_PORTS
@@ -473,7 +473,9 @@ class _Corpus:
                 assert {c["state"] for c in caches.values()} == {"off"}
                 continue
             for lab, c in caches.items():
-                assert c["state"] in ("filled", "reused") and c["entries"] > 0, (lab, c)
+                assert c["state"] in ("filled", "reused"), (lab, c)
+                # a judged lab's kernel runs no test: it may compile nothing worth caching
+                assert c["entries"] > 0 or judge.judges(lab), (lab, c)
                 folder = Path(c["folder"])
                 entries = compile_cache.check(folder)  # ours, not writable by others, unchanged
                 assert len(entries) == c["entries"] or c["state"] == "reused"
@@ -1566,8 +1568,11 @@ def check_issue_20(corpus, labs, slots: int) -> None:
             assert hidden and len(blob) > 1000, (lab, len(blob))
             leaked = [h for h in hidden if h in blob]
             assert not leaked, f"{lab}: hidden test lines carried out: {leaked[:3]}"
-            assert any("sys.addaudithook (refused)" in f
-                       for f in _result(corpus, ex["cheat_read_history"], lab)["review"]), lab
+            # (a judged lab's kernel runs no test, so the referee never reports the hook it
+            # refused after one; no line of a test is in that kernel to carry out at all)
+            assert judge.judges(lab) or any(
+                "sys.addaudithook (refused)" in f
+                for f in _result(corpus, ex["cheat_read_history"], lab)["review"]), lab
         if "odd_source" in ex:
             odd = _result(corpus, ex["odd_source"], lab)
             assert odd["status"] == "graded" and odd["ran_all_cells"], (lab, odd["reason"])

@@ -179,8 +179,9 @@ def _named(remote: Any, name: str) -> Callable[..., Any]:
 
 @contextlib.contextmanager
 def shared_with_worker(active: bool) -> Iterator[None]:
-    """While the tests run (as root, for a sandbox whose worker has its own uid): what they
-    create is the worker's to read and write, as in one process. Folders from
+    """While the tests run: what they create is the worker's to read and write, as in one
+    process (the judge runs as root, the worker as the slot's uid), and in the folder the
+    worker sees. Folders from
     ``tempfile.mkdtemp`` (``lab.tempdir()``) are opened to all, and nothing is masked from
     new files: everything lies in the drill's scratch folder, which only this job reaches."""
     if not active:
@@ -188,8 +189,10 @@ def shared_with_worker(active: bool) -> Iterator[None]:
         return
     real_mkdtemp = tempfile.mkdtemp
 
-    def mkdtemp(*args: Any, **kwargs: Any) -> str:
-        d = real_mkdtemp(*args, **kwargs)
+    def mkdtemp(suffix: Any = None, prefix: Any = None, dir: Any = None) -> str:
+        # a folder asked for elsewhere (/dev/shm) is made in the shared one: the worker's
+        # sandbox has its own /dev/shm and /tmp
+        d = real_mkdtemp(suffix, prefix, tempfile.gettempdir())
         os.chmod(d, 0o777)
         return d
 
@@ -251,7 +254,7 @@ def judge_lab(lab: str, student_cells: Sequence[str], folder: str, *,
 
     try:
         tempfile.tempdir = tests_dir
-        with shared_with_worker(bool(uid) and os.geteuid() == 0):
+        with shared_with_worker(True):
             verdicts = cells_mod.run_tests(lab, functions, tools=tools, cells=cells,
                                            mirror=mirror, before_test=start)
     finally:

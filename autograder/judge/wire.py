@@ -449,6 +449,10 @@ class Endpoint:
         cls = load_class(name)
         if cls is None or not issubclass(cls, BaseException):
             cls, own = RuntimeError, own or name
+        if self.name == "judge" and not issubclass(cls, Exception):
+            # the worker's SystemExit, KeyboardInterrupt or own BaseException: an error of the
+            # call here, never a stop of the judge (the same name, under Exception)
+            own, cls = own or cls.__name__, RuntimeError
         if own:  # a class of the other side's own code: a subclass of its nearest known base
             cls = type(own, (cls,), {"__module__": "__judge_test__"})
         args = [self.decode(a) for a in enc.get("args", [])]
