@@ -340,13 +340,13 @@ def drill_4_3(cells: Sequence[str], box: Box, plan: dict[str, Any] | None = None
     left nothing; each good save is a committed step that verifies, every piece written once,
     restored here to the values drawn for it; then the command's exit code. ``plan``: a drawn
     one (tests)."""
-    from minickpt.labkit import lab4
+    from minickpt.labkit import lab4_drill
 
-    plan = plan or lab4.drill_plan()
+    plan = plan or lab4_drill.drill_plan()
     code = definitions(cells, plan["names"])
     if why := _missing(code, "two_barrier_commit"):
         return why
-    failed, stopped = _in_box(box, lambda d: lab4.lab4_drill_message(lab4.run_lab4_drill(
+    failed, stopped = _in_box(box, lambda d: lab4_drill.lab4_drill_message(lab4_drill.run_lab4_drill(
         code, d, plan, wrap=box.wrap(d), env=_worker_env(),
         after_run=lambda: _after(box, d)), plan))  # judged before the folder goes
     if stopped:

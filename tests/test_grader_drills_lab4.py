@@ -14,7 +14,7 @@ import pytest
 from drill_support import solution_cells
 
 from autograder import drills
-from minickpt.labkit import lab4
+from minickpt.labkit import lab4_drill
 
 ROOT = Path(__file__).resolve().parent.parent
 pytestmark = pytest.mark.timeout(300)
@@ -27,7 +27,7 @@ def _plan(point: str = "after_write", victim: int = 2, primary: int = 1,
           every_spec: bool = False) -> dict:
     """A drawn plan with its failure fixed (and, with ``every_spec``, a leaf of every sharding
     the drill draws from)."""
-    plan = lab4.drill_plan(random.Random(7))
+    plan = lab4_drill.drill_plan(random.Random(7))
     plan["primary"] = primary
     plan["saves"][0]["process"] = next(p for p in (3, 2, 0) if p != primary)
     plan["saves"][1].update(point=point, process=victim)
@@ -37,7 +37,7 @@ def _plan(point: str = "after_write", victim: int = 2, primary: int = 1,
         plan["layout"] = {f"s{i}": [[8, 4 * (1 + i % 2)],
                                     [list(e) if isinstance(e, tuple) else e for e in spec],
                                     dtypes[i % 4]]
-                          for i, spec in enumerate(lab4.DRILL_SPECS)}
+                          for i, spec in enumerate(lab4_drill.DRILL_SPECS)}
     return plan
 
 
@@ -47,7 +47,7 @@ def _with(code: str) -> list[str]:
 
 
 def test_drill_boxes_are_the_pieces_of_each_sharding():
-    boxes = lab4.drill_boxes({"a": [[8, 4], ["p", "l"], "float32"],
+    boxes = lab4_drill.drill_boxes({"a": [[8, 4], ["p", "l"], "float32"],
                               "b": [[8, 4], [None, "l"], "int8"],
                               "c": [[8, 4], [["l", "p"], None], "float16"]}, 4)
     assert len(boxes["a"]) == 8 and len(boxes["b"]) == 2 and len(boxes["c"]) == 8
@@ -60,24 +60,24 @@ def test_the_workers_run_only_the_imports_definitions_and_literal_constants_of_t
              "    return PHASES\n",
              "x = 1\nprint('a cell without a task function')\n", "%time not python\n",
              "def owned_shards(*a, **k):\n    return []\n"]
-    code = drills.definitions(cells, lab4.drill_plan(random.Random(1))["names"])
+    code = drills.definitions(cells, lab4_drill.drill_plan(random.Random(1))["names"])
     assert "PHASES = " in code and "import sys" in code and "owned_shards" in code
     assert "argv" not in code and "by hand" not in code and "x = 1" not in code
     assert code.index("PHASES") < code.index("def owned_shards")
 
 
 def test_the_values_are_the_seeds_and_differ_between_seeds():
-    a = lab4.drill_values(5, "w", (8, 4), "float16")
-    assert a.dtype == np.float16 and np.array_equal(a, lab4.drill_values(5, "w", (8, 4), "float16"))
-    assert not np.array_equal(a, lab4.drill_values(6, "w", (8, 4), "float16"))
-    assert lab4.drill_values(5, "w", (8, 4), "int8").dtype == np.int8
+    a = lab4_drill.drill_values(5, "w", (8, 4), "float16")
+    assert a.dtype == np.float16 and np.array_equal(a, lab4_drill.drill_values(5, "w", (8, 4), "float16"))
+    assert not np.array_equal(a, lab4_drill.drill_values(6, "w", (8, 4), "float16"))
+    assert lab4_drill.drill_values(5, "w", (8, 4), "int8").dtype == np.int8
 
 
 def test_a_drawn_plan_fails_saves_before_publication_on_a_process_that_reaches_the_point():
     for seed in range(50):
-        plan = lab4.drill_plan(random.Random(seed))
+        plan = lab4_drill.drill_plan(random.Random(seed))
         good, bad, commit, last = plan["saves"]
-        assert bad["action"] == "raise" and bad["point"] in lab4.DRILL_POINTS[:-1]
+        assert bad["action"] == "raise" and bad["point"] in lab4_drill.DRILL_POINTS[:-1]
         assert commit == {**commit, "point": "before_commit", "process": plan["primary"],
                           "action": "raise"}
         assert good["process"] != plan["primary"] and float(good["action"]) > 0
@@ -241,13 +241,13 @@ def test_nothing_of_the_plan_is_in_the_workers_argv_environment_or_folder(tmp_pa
         return argv
 
     code = drills.definitions(solution_cells("lab04_multihost"), plan["names"])
-    r = lab4.run_lab4_drill(code, str(tmp_path), plan, wrap=wrap, env={})
+    r = lab4_drill.run_lab4_drill(code, str(tmp_path), plan, wrap=wrap, env={})
     text = " ".join(seen["argv"][3:]) + " ".join(f"{k}={v}" for k, v in seen["env"].items())
     for save in plan["saves"]:
         assert str(save["seed"]) not in text and f"step_{save['step']}" not in text
     assert not any(leaf in text for leaf in plan["layout"])
     assert seen["files"] == ["drill.sock", "lab4_tasks.py"]
-    assert lab4.lab4_drill_message(r, plan) is None
+    assert lab4_drill.lab4_drill_message(r, plan) is None
 
 
 def test_a_step_on_disk_before_its_save_is_named():
@@ -255,5 +255,5 @@ def test_a_step_on_disk_before_its_save_is_named():
     step = plan["saves"][0]["step"]
     r = {"ckpt": "/nonexistent", "channel": None, "listings": [[f"step_{step}"]],
          "outcomes": [], "calls": [], "said": None, "err": ""}
-    failed = lab4.lab4_drill_message({**r, "ckpt": str(ROOT)}, plan)
+    failed = lab4_drill.lab4_drill_message({**r, "ckpt": str(ROOT)}, plan)
     assert "before its save began" in failed

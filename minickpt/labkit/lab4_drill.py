@@ -41,6 +41,7 @@ import jax
 import minickpt as mc
 from minickpt.labkit import channel as _ch
 from minickpt.labkit import lab4 as _lab4
+from minickpt.labkit import lab4_drill as _lab4_drill
 from minickpt.labkit import plugged_in as _plug
 from minickpt.multihost.sync import default_sync as _default_sync
 _dir = sys.argv[1]
@@ -74,7 +75,7 @@ with _plug(*_mine):
             _save = _ch.recv(_conn, 300.0)
             if _save is None:
                 break
-            _tree = {"params": _lab4.drill_tree(_save["seed"], _setup["layout"])}
+            _tree = {"params": _lab4_drill.drill_tree(_save["seed"], _setup["layout"])}
             _sync.faults.clear()
             _fault = _save.get("fault")
             if _fault is not None and _fault["action"] == "raise":
