@@ -18,6 +18,9 @@ from typing import Any
 
 import numpy as np
 
+from .devices import (
+    drawn,  # module level: the referee's private copy of the kit cannot import later
+)
 from .plugging import plugged_in
 from .temporaries import tempdir
 
@@ -42,8 +45,6 @@ def dtype_cases(seed: int = 0) -> dict[str, Any]:
     import jax
 
     from ..format.spec import DTYPES
-    from .devices import drawn
-
     rng = np.random.default_rng(drawn(seed))
     out: dict[str, Any] = {}
     for name, dt in DTYPES.items():

@@ -10,6 +10,9 @@ from typing import Any
 import numpy as np
 
 from .checks import tree_diff
+from .devices import (
+    drawn,  # module level: the referee's private copy of the kit cannot import later
+)
 from .plugging import plugged_in
 from .temporaries import tempdir
 
@@ -25,8 +28,6 @@ def retention_cases(n: int, seed: int = 0) -> Iterator[tuple[list[Any], dict[str
     import random
 
     from ..policy import StepInfo
-    from .devices import drawn
-
     rng = random.Random(drawn(seed))
     losses = [0.1, 0.2, 0.2, 0.5, 0.9, math.nan, math.inf, -math.inf]
     for _ in range(n):
