@@ -15,6 +15,7 @@ import subprocess
 import sys
 import tempfile
 import threading
+import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from multiprocessing.connection import Connection
 from pathlib import Path
@@ -237,16 +238,24 @@ def judge_lab(lab: str, student_cells: Sequence[str], folder: str, *,
             problems.append("your code ended its worker process; the next test got a new one")
             if end_workers is not None:
                 end_workers()
-        w = StudentWorker(lab, student_cells, folder, wrap=wrap, timeout=timeout)
-        current.append(w)
         functions.clear()
-        try:
-            functions.update(w.start(setup, list(names)))
-        except (wire.WireError, OSError) as e:
-            w.close()
-            tail = b"".join(w.stderr).decode(errors="replace").strip().splitlines()[-3:]
-            problems.append(f"your code could not be loaded in the worker ({e})"
-                            + (": " + " | ".join(tail) if tail else ""))
+        for attempt in range(3):  # a worker that dies as it starts (a slot still being
+            w = StudentWorker(lab, student_cells, folder, wrap=wrap, timeout=timeout)
+            current.append(w)      # cleared, a busy machine) gets two more tries
+            try:
+                functions.update(w.start(setup, list(names)))
+                break
+            except (wire.WireError, OSError) as e:
+                w.close()
+                if w.proc is not None:
+                    with contextlib.suppress(subprocess.TimeoutExpired):
+                        w.proc.wait(5)
+                tail = b"".join(w.stderr).decode(errors="replace").strip().splitlines()[-3:]
+                why = f"({e})" + (": " + " | ".join(tail) if tail else "")
+                if attempt == 2 or (tail and "Error" in tail[-1]):
+                    problems.append(f"your code could not be loaded in the worker {why}")
+                    break
+                time.sleep(1.0)
         problems.extend(p for p in w.problems if p not in problems)
 
     def mirror(name: str) -> Callable[[], None]:
