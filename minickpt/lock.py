@@ -10,6 +10,7 @@ import errno
 import gc
 import os
 import threading
+import time
 import warnings
 import weakref
 from typing import Any
@@ -75,6 +76,11 @@ class DirectoryLock:
             self.fs.close(fd)
             if e.errno in (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES):
                 holder = _read_small(path)
+                for _ in range(20):  # the holder takes the lock, then writes who it is
+                    if holder != "holder unknown":
+                        break
+                    time.sleep(0.05)
+                    holder = _read_small(path)
                 if _held_here(key, path):
                     raise MiniCkptError(
                         f"this process already holds {self.directory}: a CheckpointManager "

@@ -856,10 +856,13 @@ def test_the_scan_flags_reaching_into_the_kernel_but_not_ordinary_code():
     forge = scan([("task_1_3", FORGE), ("task_1_4", "import sys as s\nm = s.modules\n"
                                                     "c = getattr(f, '__clo' + 'sure__')\n"
                                                     "x = e.__traceback__.tb_frame\n")])
-    assert forge == ["R._sign in task_1_3", "e.__traceback__ in task_1_4",
-                     "e.__traceback__.tb_frame in task_1_4", "s.modules in task_1_4",
-                     "sys.modules in task_1_3", "the text '__closure__' in task_1_4",
-                     "the text '__referee__' in task_1_3", "vars in task_1_3"]
+    assert set(forge) == {"R._sign in task_1_3", "e.__traceback__ in task_1_4",
+                          "e.__traceback__.tb_frame in task_1_4", "s.modules in task_1_4",
+                          "sys.modules in task_1_3", "the text '__closure__' in task_1_4",
+                          "the text '__referee__' in task_1_3", "vars in task_1_3",
+                          # issue 47: a private name reached by getattr, however spelled
+                          "getattr(f, '__clo' + 'sure__') in task_1_4",
+                          "getattr(f, '__closure__') reaches a private name in task_1_4"}
     assert scan([("setup", 'import sys\nif "google.colab" in sys.modules:\n    pass')]) == []
 
 
