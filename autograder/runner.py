@@ -304,12 +304,12 @@ def _run(job: Job, cfg: dict[str, Any], lab: Lab, student: list[Any], iso: sandb
         result["scores"][g.grade_id] = g.score
         if g.message:
             result["messages"][g.grade_id] = g.message
-    if judged:
-        _judge(lab, asm, box, tools, result, executed)
         for what in g.restored:
             result["review"].append(f"{what[len('watch: '):]} (in {g.grade_id})"
                                     if what.startswith("watch: ") else
                                     f"changed {what} (put back before {g.grade_id})")
+    if judged:
+        _judge(lab, asm, box, tools, result, executed)
     result["notes"] = [*asm.notes, *result.get("notes", [])]
     if report.fate:
         result["reason"] = f"{report.fate}: the cells after it were not run (0 points)"
