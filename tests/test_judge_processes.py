@@ -1,0 +1,103 @@
+"""The judge (issue 47) and the tests that start processes of their own on the student's code
+(lab 3's crash drill, lab 6's loop processes): the proxies carry the student's code, the
+processes start as the judge says (in the sandbox, as the grader's drills do), and what they
+are given holds no line of a test."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+
+from autograder import ROOT, drills
+from autograder.judge import cells as cells_mod
+from autograder.judge import session
+from autograder.notebook import load_lab
+from minickpt.labkit import processes
+
+pytestmark = pytest.mark.timeout(900)
+
+
+def _solution_cells(lab: str) -> list[str]:
+    nb = json.loads((ROOT / "solutions" / lab / f"{lab}.ipynb").read_text())
+    return ["".join(c["source"]) for c in nb["cells"] if c["cell_type"] == "code"
+            and c.get("metadata", {}).get("nbgrader", {}).get("solution")]
+
+
+def _test_lines(lab: str) -> set[str]:
+    """The lines of the lab's test cells (hidden and grader checks too) found nowhere else in
+    the lab: what no process the judge starts for the student may be given."""
+    cells = load_lab(ROOT / "solutions" / lab / f"{lab}.ipynb").cells
+    elsewhere = {line.strip() for c in cells if c.role != "test"
+                 for line in c.source.splitlines()}
+    return {line.strip() for c in cells if c.role == "test" for line in c.source.splitlines()
+            if len(line.strip()) > 25 and not line.strip().startswith("#")} - elsewhere
+
+
+def _judge_with_spy(lab: str, cells: list[str], box: drills.Box, grade_ids: set[str]):
+    """``lab`` judged as the runner judges it (autograder/runner.py ``_judge``), the launch
+    options spied on: every command a test's own process starts with, its environment and
+    the files of its folder at that moment."""
+    seen: list[dict] = []
+    with box.scratch() as d:
+        how = drills.judge_launch(box, d) if box.iso.sandboxed else {}
+        real = how.get("wrap")
+
+        def wrap(argv: list[str], env: dict[str, str]) -> list[str]:
+            files = {}
+            for a in argv:
+                folder = os.path.dirname(a) if os.path.isfile(a) else None
+                for name in os.listdir(folder) if folder else ():
+                    p = os.path.join(folder, name)
+                    if os.path.isfile(p) and name.endswith(".py"):
+                        files[p] = open(p, encoding="utf-8").read()
+            seen.append({"argv": list(argv), "env": dict(env), "files": files})
+            return real(argv, env) if real is not None else argv
+
+        lab_cells = cells_mod.lab_cells(lab)
+        wanted = (lab_cells[0], [c for c in lab_cells[1] if c.grade_id in grade_ids])
+        verdicts, problems = session.judge_lab(
+            lab, cells, d, wrap=box.wrap(d) if box.iso.sandboxed else None,
+            uid=box.uid if box.iso.mode == "bwrap-root" else None,
+            tools={"grader_drill": drills.tool(cells, box)}, cells=wanted,
+            end_workers=box.end_workers, launch={**how, "wrap": wrap})
+    return verdicts, problems, seen
+
+
+def test_lab3s_drill_is_judged_with_the_students_code_and_no_test_line(box):
+    """Before: under the judge ``lab3_drill(resume)`` read the proxy's own source and its
+    training process had no ``resume`` to run. Now the solution's code earns lab 3's drill
+    test (visible, hidden and grader check, all decided in this process), its processes start
+    through the judge's launch (the sandbox where there is one), and what they are given is
+    the student's code and the kit's driver: no line of a test."""
+    lab = "lab03_resume"
+    cells = _solution_cells(lab)
+    verdicts, problems, seen = _judge_with_spy(lab, cells, box, {"test_3_3_drill"})
+    assert not problems, problems
+    assert [(v.grade_id, v.passed) for v in verdicts] == [("test_3_3_drill", True)], \
+        [(v.grade_id, v.message) for v in verdicts]
+    assert seen  # the drill's command (each run starts it) went through the judge's wrap
+    given = "\n".join([*(a for s in seen for a in s["argv"]),
+                       *(f"{k}={v}" for s in seen for k, v in s["env"].items()),
+                       *(t for s in seen for t in s["files"].values())])
+    assert "def resume(" in given and "def restore_newest_valid(" in given
+    leaked = [line for line in _test_lines(lab) if line in given]
+    assert not leaked, leaked[:3]
+    assert "BEGIN HIDDEN" not in given and "grader_drill" not in given
+
+
+def test_a_proxy_carries_only_the_students_definitions():
+    cells = ["import os\nX = 3\nprint('demo')\n\ndef resume(a):\n    return a\n",
+             "resume(1)\n", "def other():\n    pass\n"]
+
+    def proxy(*a):
+        return None
+
+    session.give_sources({"resume": proxy}, cells)
+    src = processes.source_of(proxy)
+    assert "def resume(a)" in src and "import os" in src and "X = 3" in src
+    assert "print(" not in src and "resume(1)" not in src and "def other" not in src
+    with processes.launched_by(wrap=len):
+        assert processes.launch_options("wrap", "locate") == {"wrap": len}
+    assert processes.launch_options("wrap") == {}
