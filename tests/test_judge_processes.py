@@ -101,3 +101,22 @@ def test_a_proxy_carries_only_the_students_definitions():
     with processes.launched_by(wrap=len):
         assert processes.launch_options("wrap", "locate") == {"wrap": len}
     assert processes.launch_options("wrap") == {}
+
+
+def test_lab6s_preemption_drill_is_judged_in_processes_the_judge_starts(box):
+    """Lab 6's drill test under the judge: the solution's loop, carried by its proxy, runs in
+    the processes the judge's launch starts (signalled there), and earns the test, its grader
+    check included; nothing of a test is in what they are given."""
+    lab = "lab06_production"
+    verdicts, problems, seen = _judge_with_spy(lab, _solution_cells(lab), box,
+                                               {"test_6_3_sigterm"})
+    assert not problems, problems
+    assert [(v.grade_id, v.passed) for v in verdicts] == [("test_6_3_sigterm", True)], \
+        [(v.grade_id, v.message) for v in verdicts]
+    assert len(seen) == 3  # signals=2: two processes get a notice, a third runs to the end
+    given = "\n".join([*(a for s in seen for a in s["argv"]),
+                       *(f"{k}={v}" for s in seen for k, v in s["env"].items()),
+                       *(t for s in seen for t in s["files"].values())])
+    assert "def train_until_preempted(" in given
+    leaked = [line for line in _test_lines(lab) if line in given]
+    assert not leaked, leaked[:3]
