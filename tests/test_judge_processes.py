@@ -120,3 +120,54 @@ def test_lab6s_preemption_drill_is_judged_in_processes_the_judge_starts(box):
     assert "def train_until_preempted(" in given
     leaked = [line for line in _test_lines(lab) if line in given]
     assert not leaked, leaked[:3]
+
+
+@pytest.fixture
+def ends():
+    """The judge's and the worker's endpoints, joined by a socket pair in this process."""
+    import socket
+    from multiprocessing.connection import Connection
+
+    from autograder.judge import wire
+
+    a, b = socket.socketpair()
+    judge = wire.Endpoint(Connection(a.detach()), "judge", session.confined_policy(["/nowhere"]),
+                          timeout=60).start()
+    other = wire.Endpoint(Connection(b.detach()), "worker",
+                          wire.Policy(private=True, setattr=True), timeout=60).start()
+    yield judge, other
+    judge.close()
+    other.close()
+
+
+def test_what_labs_3_and_6_hand_across_the_wire(ends):
+    """A test's generator of steps is iterated in the judge (lab 3's ``iter([2, 10, 9])``); a
+    ShapeDtypeStruct target crosses by value; minickpt's CheckpointTooLargeError (a
+    MemoryError too) comes back as itself; a record's fields the student's function set come
+    back to the test's record (lab 6's KillRecord)."""
+    import jax
+    import jax.numpy as jnp
+
+    from minickpt.errors import CheckpointTooLargeError
+    from minickpt.production.drill import KillRecord
+
+    judge, other = ends
+
+    def student(steps, target, rec):
+        rec.resumed_from = 10
+        got = sorted(steps)
+        if type(target) is not jax.ShapeDtypeStruct:
+            raise TypeError(type(target).__name__)
+        raise CheckpointTooLargeError(f"{got} {target.shape}")
+
+    fn = judge.decode(other.encode(student))
+
+    def steps():
+        yield from (2, 10, 9)
+
+    rec = KillRecord(1, "step", 13, False, False, None, None, None, None, None)
+    with pytest.raises(CheckpointTooLargeError, match=r"\[2, 9, 10\] \(3,\)"):
+        fn(steps(), jax.ShapeDtypeStruct((3,), jnp.int16), rec)
+    assert rec.resumed_from == 10 and rec.killed_after_step == 13
+    remote = judge.decode(other.encode({"a": 1}.keys()))
+    assert len(remote) == 1 and "a" in remote and list(remote) == ["a"]

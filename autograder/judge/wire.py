@@ -666,6 +666,8 @@ class Endpoint:
             if name.startswith("_") and not name.startswith("__") and not self.policy.private:
                 raise AttributeError(f"{type(obj).__name__}.{name} is not part of its contract")
         if op == "call":
+            if name in PROTOCOL and not hasattr(type(obj), name):  # as Python says it there
+                raise TypeError(f"'{type(obj).__name__}' object does not support {name}")
             target = obj if name is None else getattr(obj, name)
             self.policy.check(obj, name or "__call__", tuple(args), kwargs)
             return target(*args, **kwargs)
