@@ -184,8 +184,8 @@ def test_a_wrapper_holding_minickpts_own_is_noted_for_review():
     def resume(*args, _f=mc.restore.__dict__["resume"], **kwargs):
         return _f(*args, **kwargs)
 
-    def check_structure(manifest, target, item="state"):
-        return []
+    def check_structure(manifest, target, item="state", _other=mc.restore.__dict__["resume"]):
+        return []  # another task's function held: the library used, not flagged
 
     notes = worker.reached({"resume": resume, "check_structure": check_structure},
                            ["resume", "check_structure", "migrate"])

@@ -120,9 +120,10 @@ REACHED = "reached minickpt's own"
 
 
 def reached(ns: dict, names: list) -> list:
-    """A task function of the student's that holds minickpt's own function of a task (or,
-    on the graded build, its plug point, which stands for it) in a default argument or its
-    closure: a wrapper of the reference handed in as one's own. On the graded build it earns
+    """A task function of the student's that holds minickpt's own function of the same task
+    (or, on the graded build, its plug point, which stands for it) in a default argument or
+    its closure: a wrapper of the reference handed in as one's own (another task's function
+    held there is the library used, as the lab's own code may). On the graded build it earns
     nothing (the plug point calls the student's function back); the note is for the
     instructor's review."""
     out = []
@@ -138,7 +139,7 @@ def reached(ns: dict, names: list) -> list:
             except ValueError:
                 pass
         for v in held:
-            if callable(v) and getattr(v, "__name__", None) in names and (
+            if callable(v) and getattr(v, "__name__", None) == name and (
                     getattr(v, "_minickpt_plug_point", False)
                     or str(getattr(v, "__module__", "")).split(".")[0] == "minickpt"):
                 out.append(f"{REACHED} {v.__name__}: your {name} holds it (a default argument "
