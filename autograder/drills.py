@@ -213,6 +213,23 @@ def drill_3_3(cells: Sequence[str], box: Box) -> str | None:
     return None if failed is None else f"the grader's own drill: {failed}"
 
 
+def judge_launch(box: Box, d: str) -> dict[str, Any]:
+    """How the processes a judged test starts on the student's code (lab 3's crash drill, lab
+    6's loop processes: :mod:`minickpt.labkit.processes`) run: in the sandbox, seeing the
+    judge's folder ``d`` (where the test's folders are), signalled and found there as this
+    module's drills do. After each process nothing but plain files may be left for the judge
+    to read (a link, a FIFO ... fails the test). The slot's other processes are not ended
+    after each (the student's judge worker is one of them): the sandbox's PID namespace takes
+    a process's children with it, and the judge ends the slot's processes when it is done."""
+    def after_run() -> None:
+        why = box.plain(d) or (box.over[0] if box.over else None)
+        if why:
+            raise _Refused(f"the test's process: {why}")
+
+    return {"wrap": box.wrap(d), "after_run": after_run, "send_signal": _signal_worker(box),
+            "locate": _locate_worker(box)}
+
+
 def _after(box: Box, d: str) -> None:
     """After each run: its processes gone, and nothing but plain files left to read."""
     box.end_workers()

@@ -337,7 +337,8 @@ def _judge(lab: Lab, asm: Assembled, box: drills.Box, tools: dict[str, Any],
         verdicts, problems = judge.judge_lab(
             lab.name, student, d, wrap=box.wrap(d) if box.iso.sandboxed else None,
             uid=box.uid if box.iso.mode == "bwrap-root" else None, tools=tools,
-            cells=judge.cells_of(lab), end_workers=box.end_workers)
+            cells=judge.cells_of(lab), end_workers=box.end_workers,
+            launch=drills.judge_launch(box, d) if box.iso.sandboxed else None)
     where = {c.grade_id: i for i, c in enumerate(asm.cells) if c.role == "test"}
     for v in verdicts:
         if v.grade_id in where:  # what the test printed here, shown in its place
@@ -353,6 +354,10 @@ def _judge(lab: Lab, asm: Assembled, box: drills.Box, tools: dict[str, Any],
         else:
             result["messages"][v.grade_id] = v.message
     result["notes"] = [*result.get("notes", []), *(f"judge: {p}" for p in problems)]
+    from .judge.worker import REACHED
+
+    result["review"] = [*result.get("review", []),  # what the kernel's watch flagged before
+                        *(p for p in problems if p.startswith(REACHED))]
     result["judge_seconds"] = round(time.monotonic() - t, 2)
 
 

@@ -145,6 +145,7 @@ def plugged(lab: str, functions: Mapping[str, Callable[..., Any]],
                     if value is ref:
                         patched.append((mod, attr, value))
                         setattr(mod, attr, plugs[name])
+        shim._judge_patched = patched  # what :func:`unplugged` puts back for a grader's tool
         yield shim
     finally:
         for mod, attr, value in reversed(patched):
@@ -153,6 +154,28 @@ def plugged(lab: str, functions: Mapping[str, Callable[..., Any]],
             sys.modules.pop(GRADED_SHIM, None)
         else:
             sys.modules[GRADED_SHIM] = old_shim
+
+
+@contextlib.contextmanager
+def unplugged() -> Iterator[None]:
+    """For the block, minickpt as the grader's own process has it outside :func:`plugged`:
+    the references where the plug points were and no ``minickpt._graded`` (a grader's tool a
+    test calls, ``grader_drill``: its drill runs the student's code in its own workers and
+    reads their disk with minickpt's own functions, never through the student's)."""
+    shim = sys.modules.get(GRADED_SHIM)
+    patched = list(getattr(shim, "_judge_patched", ()))
+    plugs = [(mod, attr, getattr(mod, attr)) for mod, attr, _ in patched]
+    for mod, attr, ref in patched:
+        setattr(mod, attr, ref)
+    if shim is not None:
+        sys.modules.pop(GRADED_SHIM, None)
+    try:
+        yield
+    finally:
+        for mod, attr, plug in plugs:
+            setattr(mod, attr, plug)
+        if shim is not None:
+            sys.modules[GRADED_SHIM] = shim
 
 
 def ensure_devices(n: int = 4) -> None:

@@ -178,6 +178,21 @@ def _named(remote: Any, name: str) -> Callable[..., Any]:
     return proxy
 
 
+def give_sources(functions: dict[str, Any], student_cells: Sequence[str]) -> dict[str, Any]:
+    """Each proxy carries the code a process of a test's own runs for it
+    (:data:`minickpt.labkit.processes.SOURCE_ATTR`): of the student's cells that define the
+    function, their imports, definitions and literal constants (what the grader's drills run,
+    :func:`autograder.drills.definitions`). Only the student's text: no line of a test."""
+    from minickpt.labkit.processes import SOURCE_ATTR
+
+    from ..drills import definitions
+
+    cells = [worker.ipython_python(c) for c in student_cells]  # as the worker reads them
+    for name, fn in functions.items():
+        setattr(fn, SOURCE_ATTR, definitions(cells, [name]))
+    return functions
+
+
 @contextlib.contextmanager
 def shared_with_worker(active: bool) -> Iterator[None]:
     """While the tests run: what they create is the worker's to read and write, as in one
@@ -211,11 +226,19 @@ def judge_lab(lab: str, student_cells: Sequence[str], folder: str, *,
               uid: int | None = None, tools: Mapping[str, Callable[..., Any]] | None = None,
               source: Path | None = None, timeout: float = CALL_TIMEOUT,
               end_workers: Callable[[], None] | None = None,
-              cells: tuple[str, list[cells_mod.TestCell]] | None = None
+              cells: tuple[str, list[cells_mod.TestCell]] | None = None,
+              launch: Mapping[str, Any] | None = None
               ) -> tuple[list[cells_mod.Verdict], list[str]]:
     """Every test of ``lab`` judged here against the student's functions, which run in a
     worker started in ``folder`` (by ``wrap``: the sandbox). Returns (verdicts, what went
-    wrong loading the student's code)."""
+    wrong loading the student's code).
+
+    A test that starts processes of its own on the student's code (labs 3 and 6) starts them
+    as ``launch`` says (:func:`minickpt.labkit.processes.launched_by`; default: by ``wrap``,
+    in the sandbox too), with the code of the student's cells the proxies carry
+    (:func:`give_sources`)."""
+    from minickpt.labkit.processes import launched_by
+
     cells = cells if cells is not None else cells_mod.lab_cells(lab, source)
     setup = cells[0]
     names = cells_mod.lab_task_names(lab)
@@ -235,15 +258,18 @@ def judge_lab(lab: str, student_cells: Sequence[str], folder: str, *,
             if current[-1].alive() or not current[-1].functions:
                 return  # alive, or it never loaded: a new one would fail the same way
             current[-1].close()
-            problems.append("your code ended its worker process; the next test got a new one")
+            if not tool_ended:
+                problems.append("your code ended its worker process; the next test got a new "
+                                "one")
             if end_workers is not None:
                 end_workers()
+        tool_ended.clear()
         functions.clear()
         for attempt in range(3):  # a worker that dies as it starts (a slot still being
             w = StudentWorker(lab, student_cells, folder, wrap=wrap, timeout=timeout)
             current.append(w)      # cleared, a busy machine) gets two more tries
             try:
-                functions.update(w.start(setup, list(names)))
+                functions.update(give_sources(w.start(setup, list(names)), student_cells))
                 break
             except (wire.WireError, OSError) as e:
                 w.close()
@@ -261,9 +287,28 @@ def judge_lab(lab: str, student_cells: Sequence[str], folder: str, *,
     def mirror(name: str) -> Callable[[], None]:
         return current[-1].mirror(name) if current else (lambda: None)
 
+    tool_ended: list[bool] = []
+
+    def grader_tool(fn: Callable[..., Any]) -> Callable[..., Any]:
+        """A grader's tool (``grader_drill``) as a test calls it: with minickpt's own
+        functions (:func:`.cells.unplugged`); its drill ends the slot's processes when it is
+        done, the student's worker among them (not the student's doing: the next test gets a
+        new worker and no note says otherwise; a grader check calls its tool last)."""
+        def call(*args: Any, **kwargs: Any) -> Any:
+            try:
+                with cells_mod.unplugged():
+                    return fn(*args, **kwargs)
+            finally:
+                tool_ended.append(True)  # (its kill may land after this returns)
+
+        call.__name__ = getattr(fn, "__name__", "tool")
+        return call
+
     try:
         tempfile.tempdir = tests_dir
-        with shared_with_worker(True):
+        how = dict(launch) if launch is not None else ({"wrap": wrap} if wrap else {})
+        with shared_with_worker(True), launched_by(**how):
+            tools = {name: grader_tool(fn) for name, fn in (tools or {}).items()}
             verdicts = cells_mod.run_tests(lab, functions, tools=tools, cells=cells,
                                            mirror=mirror, before_test=start)
     finally:

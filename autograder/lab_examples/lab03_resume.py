@@ -6,7 +6,7 @@ from __future__ import annotations
 from typing import Any
 
 from .common import Edit, Wrong, _cell, _replace, blank, perfect, swap, wrong_examples
-from .hostile import ISSUE_20
+from .hostile import ISSUE_20, JUDGED
 
 # 3.1: every exception taken for damage (issue 21's bug 2): an EIO falls back to an older step
 ANY_ERROR = ("        except (CheckpointCorruptedError, CheckpointTooLargeError) as e:",
@@ -179,4 +179,5 @@ EXAMPLES: dict[str, Edit] = {
     "migrates_params_only": migrates_params_only,
     **wrong_examples(WRONG),  # issue 39: wrong_a ... wrong_d, one wrong version per task each
     **ISSUE_20,  # issue 20's four classes in one submission (cheap: see make_examples)
+    **JUDGED,  # issue 47: the kernel liar
 }

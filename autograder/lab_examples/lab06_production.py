@@ -6,7 +6,7 @@ from __future__ import annotations
 from typing import Any
 
 from .common import Wrong, _answers, _cell, _replace, blank, perfect, swap, wrong_examples
-from .hostile import ISSUE_20
+from .hostile import ISSUE_20, JUDGED
 
 SAVES_IN_HANDLER = '''
 def train_until_preempted(manager, carry, step_fn, *, start, stop, items, on_step=None):
@@ -344,4 +344,5 @@ EXAMPLES = {
     "drill_liar_by_hand": drill_liar_by_hand,
     **wrong_examples(WRONG),
     **ISSUE_20,  # issue 20's four classes in one submission (cheap: see make_examples)
+    **JUDGED,  # issue 47: the kernel liar
 }

@@ -14,6 +14,7 @@ from ..launch import helper_env
 from .checks import LabCheckError, check, expect_raises, same, tree_diff
 from .devices import resume_rtol
 from .plugging import graded_build, own_task_functions, plugged_in, task_sources
+from .processes import launch_options, source_of
 from .temporaries import tempdir
 from .watch import Reports, without_references
 
@@ -114,7 +115,7 @@ def lab3_drill(resume_fn: Callable[..., Any], *, steps: int = 15, every: int = 5
 
     fn = inspect.unwrap(resume_fn)
     try:
-        src = inspect.getsource(fn)
+        src = source_of(fn)  # under the judge: the student's code its proxy stands for
     except (OSError, TypeError) as e:
         raise LabCheckError(f"cannot read the source of {getattr(fn, '__name__', fn)!r} to "
                             f"run it in a training process: {e}") from None
@@ -126,7 +127,8 @@ def lab3_drill(resume_fn: Callable[..., Any], *, steps: int = 15, every: int = 5
     with tempdir() as d, Reports([resume_fn]) as reports:
         return run_lab3_drill(textwrap.dedent(src), d, steps=steps, every=every, kills=kills,
                               kill_after=kill_after, timeout_s=timeout_s,
-                              env=reports.env(helper_env()), pass_fds=reports.pass_fds)
+                              env=reports.env(helper_env()), pass_fds=reports.pass_fds,
+                              **launch_options("wrap", "after_run"))
 
 
 def run_lab3_drill(src: str, d: str, *, steps: int = 15, every: int = 5, kills: int = 2,

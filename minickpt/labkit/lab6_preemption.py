@@ -21,7 +21,6 @@ reports as they happen.
 
 from __future__ import annotations
 
-import inspect
 import sys
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
@@ -32,6 +31,7 @@ import numpy as np
 # (autograder/referee.py) has no package to import from once it is loaded
 from . import channel
 from .checks import LabCheckError
+from .processes import LAUNCH_KEYS, launch_options, source_of
 from .watch import Reports
 
 _LOOP_DRIVER = '''from __future__ import annotations
@@ -323,7 +323,7 @@ def _source_of(fn: Callable[..., Any]) -> str:
     import textwrap
 
     try:
-        return textwrap.dedent(inspect.getsource(inspect.unwrap(fn)))
+        return textwrap.dedent(source_of(fn))  # under the judge: the code its proxy stands for
     except (OSError, TypeError) as e:
         raise LabCheckError(f"cannot read the source of {getattr(fn, '__name__', fn)!r} ({e}): "
                             "define it with def in the task's cell and run that cell") from None
@@ -451,7 +451,8 @@ def preemption_drill(fn: Callable[..., Any], directory: str, *, signals: int = 3
     try:
         r = run_preemption_drill(source, directory, name=fn.__name__, signals=signals,
                                  setup=setup, chance=random.Random(seed), judge=kernel_message,
-                                 env=reports.env(helper_env()), pass_fds=reports.pass_fds)
+                                 env=reports.env(helper_env()), pass_fds=reports.pass_fds,
+                                 **launch_options(*LAUNCH_KEYS))
     except BaseException:
         reports.close()
         raise
@@ -476,7 +477,8 @@ def run_loop_process(fn: Callable[..., Any], directory: str, *, stop: int, every
     try:
         r = run_loop_worker(source, directory, name=fn.__name__, setup=setup,
                             signal_after=signal_after, timeout=timeout,
-                            env=reports.env(helper_env()), pass_fds=reports.pass_fds)
+                            env=reports.env(helper_env()), pass_fds=reports.pass_fds,
+                            **launch_options(*LAUNCH_KEYS))
     except BaseException:
         reports.close()
         raise

@@ -14,6 +14,7 @@ from functools import cache
 from typing import Any
 
 from .checks import LabCheckError
+from .processes import given_source
 
 TASK_RE = re.compile(r"^Task (\d+\.\d+)\b")
 
@@ -167,7 +168,8 @@ def own_task_functions(lab: str) -> list[Callable[..., Any]]:
 
 def task_sources(fns: Sequence[Callable[..., Any]]) -> str:
     """The code that defines ``fns``: the whole notebook cell each comes from (so helpers
-    defined beside it come too), or the function's own source for one defined in a file."""
+    defined beside it come too), or the function's own source for one defined in a file;
+    under the judge, the code it gave the proxy (:mod:`.processes`)."""
     import linecache
     import os
     import textwrap
@@ -175,6 +177,11 @@ def task_sources(fns: Sequence[Callable[..., Any]]) -> str:
     parts: list[str] = []
     seen: set[str] = set()
     for fn in fns:
+        given = given_source(fn)  # under the judge: the student's code the proxy stands for
+        if given is not None:
+            if given not in parts:
+                parts.append(given)
+            continue
         code = getattr(fn, "__code__", None)
         filename = getattr(code, "co_filename", "")
         if filename in seen:
