@@ -100,6 +100,28 @@ def test_a_leaf_sent_back_is_the_senders_own_object_and_in_place_changes_come_ba
     assert np.shares_memory(v, arr)
 
 
+def test_a_list_or_dict_argument_changed_in_place_is_changed_at_the_caller(pair):
+    """Lab 2's steps_to_keep must not reorder the caller's infos: a list the callee sorts in
+    place (or a dict it updates, nested or not) is changed at the caller's too, its items still
+    the caller's own; an argument left alone is left alone."""
+    judge, other = pair
+    a, b = np.arange(2.0), np.arange(3.0)
+
+    def meddle(xs, d, nested, alone):
+        xs.sort(key=len, reverse=True)
+        d["new"] = 1
+        nested["k"].append(3)
+        return None
+
+    xs, d, inner, alone = [a, b], {"old": 0}, [1, 2], [5, 6]
+    nested = {"k": inner}
+    _remote(judge, other, meddle)(xs, d, nested, alone)
+    assert xs[0] is b and xs[1] is a
+    assert d == {"old": 0, "new": 1}
+    assert nested["k"] is inner and inner == [1, 2, 3]
+    assert alone == [5, 6]
+
+
 def test_exceptions_keep_their_class_errno_notes_and_identity(pair):
     judge, other = pair
     from minickpt.errors import CheckpointCorruptedError
