@@ -245,6 +245,28 @@ def test_a_lab_judged_against_a_real_worker(tmp_path):
     assert any("new one" in p for p in problems)
 
 
+@pytest.mark.timeout(600)
+def test_a_worker_that_does_not_answer_is_replaced_before_the_next_test(tmp_path):
+    """A call into the student's code that never returns (never_finishes) fails its test at
+    the call time-out; the worker still running it is ended, and the next test gets a new one
+    (a worker left spinning would slow every test after it, in the submission's slot)."""
+    lab_name = "lab01_basics"
+    nb = json.loads((ROOT / "solutions" / lab_name / f"{lab_name}.ipynb").read_text())
+    cells = ["".join(c["source"]) for c in nb["cells"] if c["cell_type"] == "code"
+             and c.get("metadata", {}).get("nbgrader", {}).get("solution")]
+    once = ('    """Task 1.2', '    if not os.path.exists("hung"):\n        open("hung", "w").close()'
+            '\n        while True:\n            pass\n    """Task 1.2')
+    hanging = [c.replace("def to_host(", "import os\n\ndef to_host(", 1).replace(*once, 1)
+               for c in cells]
+    assert hanging != cells
+    verdicts, problems = session.judge_lab(lab_name, hanging, str(tmp_path), timeout=10)
+    failed = [v.grade_id for v in verdicts if not v.passed]
+    assert len(failed) == 1 and "did not answer within 10 s" in verdicts[
+        [v.grade_id for v in verdicts].index(failed[0])].message, verdicts
+    assert any("did not answer in time; the next test got a new worker" in p
+               for p in problems), problems
+
+
 def test_an_input_drawn_at_grading_time_differs_from_the_notebooks(monkeypatch):
     from minickpt.labkit.devices import drawn
 

@@ -165,6 +165,7 @@ class Endpoint:
         self._chain_q: dict[str, list[queue.Queue]] = {}  # chain -> waiters in it (innermost last)
         self._local = threading.local()
         self._closed: str | None = None
+        self.timed_out = False  # a call of mine was not answered in time (the other side hangs)
         self._lock = threading.Lock()
         self._reader = threading.Thread(target=self._read, daemon=True, name=f"wire-{name}")
 
@@ -500,6 +501,7 @@ class Endpoint:
                 try:
                     item = q.get(timeout=left)
                 except queue.Empty:
+                    self.timed_out = True
                     raise RemoteTimeout(f"the {self._peer()} did not answer within "
                                         f"{self.timeout:.0f} s") from None
                 if item is None:
