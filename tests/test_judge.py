@@ -100,6 +100,28 @@ def test_a_leaf_sent_back_is_the_senders_own_object_and_in_place_changes_come_ba
     assert np.shares_memory(v, arr)
 
 
+def test_a_list_or_dict_argument_changed_in_place_is_changed_at_the_caller(pair):
+    """Lab 2's steps_to_keep must not reorder the caller's infos: a list the callee sorts in
+    place (or a dict it updates, nested or not) is changed at the caller's too, its items still
+    the caller's own; an argument left alone is left alone."""
+    judge, other = pair
+    a, b = np.arange(2.0), np.arange(3.0)
+
+    def meddle(xs, d, nested, alone):
+        xs.sort(key=len, reverse=True)
+        d["new"] = 1
+        nested["k"].append(3)
+        return None
+
+    xs, d, inner, alone = [a, b], {"old": 0}, [1, 2], [5, 6]
+    nested = {"k": inner}
+    _remote(judge, other, meddle)(xs, d, nested, alone)
+    assert xs[0] is b and xs[1] is a
+    assert d == {"old": 0, "new": 1}
+    assert nested["k"] is inner and inner == [1, 2, 3]
+    assert alone == [5, 6]
+
+
 def test_exceptions_keep_their_class_errno_notes_and_identity(pair):
     judge, other = pair
     from minickpt.errors import CheckpointCorruptedError
@@ -221,6 +243,28 @@ def test_a_lab_judged_against_a_real_worker(tmp_path):
     by = {v.grade_id: v.passed for v in verdicts}
     assert not by["test_1_2_host"] and by["test_1_1_names"]
     assert any("new one" in p for p in problems)
+
+
+@pytest.mark.timeout(600)
+def test_a_worker_that_does_not_answer_is_replaced_before_the_next_test(tmp_path):
+    """A call into the student's code that never returns (never_finishes) fails its test at
+    the call time-out; the worker still running it is ended, and the next test gets a new one
+    (a worker left spinning would slow every test after it, in the submission's slot)."""
+    lab_name = "lab01_basics"
+    nb = json.loads((ROOT / "solutions" / lab_name / f"{lab_name}.ipynb").read_text())
+    cells = ["".join(c["source"]) for c in nb["cells"] if c["cell_type"] == "code"
+             and c.get("metadata", {}).get("nbgrader", {}).get("solution")]
+    once = ('    """Task 1.2', '    if not os.path.exists("hung"):\n        open("hung", "w").close()'
+            '\n        while True:\n            pass\n    """Task 1.2')
+    hanging = [c.replace("def to_host(", "import os\n\ndef to_host(", 1).replace(*once, 1)
+               for c in cells]
+    assert hanging != cells
+    verdicts, problems = session.judge_lab(lab_name, hanging, str(tmp_path), timeout=10)
+    failed = [v.grade_id for v in verdicts if not v.passed]
+    assert len(failed) == 1 and "did not answer within 10 s" in verdicts[
+        [v.grade_id for v in verdicts].index(failed[0])].message, verdicts
+    assert any("did not answer in time; the next test got a new worker" in p
+               for p in problems), problems
 
 
 def test_an_input_drawn_at_grading_time_differs_from_the_notebooks(monkeypatch):

@@ -14,8 +14,8 @@ msgpack and numpy at the top, JAX when an array of it crosses.
   whose calls, attribute reads and (where allowed) writes travel back. What a side may do
   with the other's objects is its :class:`Policy`.
 * **Identity**: an object that comes back to the side it came from is that side's own object
-  again (``a is b`` holds across the wire), and an array argument the callee changed in place
-  is changed in place at the caller's too.
+  again (``a is b`` holds across the wire), and an array, list, dict or set argument the
+  callee changed in place (lab 2's infos sorted) is changed in place at the caller's too.
 * **Threads**: a call made while serving a call runs on the thread that waits for it (so a
   callback sees the locks its caller holds, as in one process); other requests get a thread.
 """
@@ -182,6 +182,7 @@ class Endpoint:
         self._chain_q: dict[str, list[queue.Queue]] = {}  # chain -> waiters in it (innermost last)
         self._local = threading.local()
         self._closed: str | None = None
+        self.timed_out = False  # a call of mine was not answered in time (the other side hangs)
         self._lock = threading.Lock()
         self._reader = threading.Thread(target=self._read, daemon=True, name=f"wire-{name}")
 
@@ -528,6 +529,7 @@ class Endpoint:
                 try:
                     item = q.get(timeout=left)
                 except queue.Empty:
+                    self.timed_out = True
                     raise RemoteTimeout(f"the {self._peer()} did not answer within "
                                         f"{self.timeout:.0f} s") from None
                 if item is None:
@@ -546,7 +548,11 @@ class Endpoint:
                     self._chain_q.pop(chain, None)
 
     def _result(self, item: dict[str, Any]) -> Any:
-        for rec in item.get("wb", []):  # arrays the callee changed in place
+        for rec in item.get("wb", []):  # arrays, lists, dicts the callee changed in place
+            if isinstance(rec, dict) and isinstance(rec.get("ref"), dict) \
+                    and rec["ref"].get("$") == "back":
+                self.decode(rec["ref"])  # a "back" with what it holds now: updated here
+                continue
             obj = self._sent.get(rec["id"])
             if isinstance(obj, np.ndarray) and "nd" in rec:
                 _write_back(obj, _nd_from(rec["nd"]))
@@ -617,11 +623,13 @@ class Endpoint:
         reply: dict[str, Any] = {"re": msg.get("q")}
         before: list[tuple[np.ndarray, bytes]] = []
         records: list[tuple[Any, dict[str, Any]]] = []
+        shapes: list[tuple[Any, Any]] = []
         try:
             args = [self.decode(a) for a in msg.get("args", [])]
             kwargs = {str(k): self.decode(v) for k, v in (msg.get("kw") or {}).items()}
             before = _array_args(args, kwargs)
             records = _record_args(args, kwargs)
+            shapes = _container_args(args, kwargs)
             result = self._do(str(msg.get("op")), msg.get("rid"), msg.get("name"), args, kwargs)
             reply["ok"] = self.encode(result)
         except BaseException as e:
@@ -630,6 +638,13 @@ class Endpoint:
             except Exception as bad:
                 reply["err"] = self.encode(WireError(f"{type(e).__name__}: {e} ({bad})"))
         wb = []
+        for c, shape in shapes:  # a list, dict or set argument the callee changed in place
+            back = self._imported.get(id(c))
+            if back is not None and back[1] is c and _shape(c) != shape:
+                try:
+                    wb.append({"id": back[0], "ref": self.encode(c)})
+                except Exception:  # what it now holds cannot cross: the caller's stays
+                    pass
         for a, digest in before:
             if _digest(a) != digest:
                 back = self._imported.get(id(a))
@@ -812,6 +827,25 @@ def _record_args(args: list, kwargs: dict) -> list[tuple[Any, dict[str, Any]]]:
         if _mutable_record(a):
             out.append((a, {f.name: getattr(a, f.name) for f in dataclasses.fields(a)}))
     return out
+
+
+def _container_args(args: list, kwargs: dict) -> list[tuple[Any, Any]]:
+    """The list, dict and set arguments of a call, each with its :func:`_shape` before it."""
+    return [(a, _shape(a)) for a in [*args, *kwargs.values()] if type(a) in (list, dict, set)]
+
+
+def _shape(obj: Any, depth: int = 0) -> Any:
+    """What a container holds, by identity (nested lists, dicts and sets by their own shape):
+    a sort, an append, an update or a replaced item changes it."""
+    if depth > 20:
+        return id(obj)
+    if type(obj) is list:
+        return ("l", id(obj), tuple(_shape(x, depth + 1) for x in obj))
+    if type(obj) is dict:
+        return ("d", id(obj), tuple((id(k), _shape(v, depth + 1)) for k, v in obj.items()))
+    if type(obj) is set:
+        return ("s", id(obj), frozenset(id(x) for x in obj))
+    return id(obj)
 
 
 def _digest(a: np.ndarray) -> bytes:
