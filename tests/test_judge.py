@@ -122,6 +122,32 @@ def test_a_list_or_dict_argument_changed_in_place_is_changed_at_the_caller(pair)
     assert alone == [5, 6]
 
 
+def test_an_object_two_arguments_share_is_one_plain_object_there(pair):
+    """Two records holding one dict (``dataclasses.replace`` shares its fields) arrive as two
+    records holding one plain dict, not a dict and a handle: lab 6's stepless checkpoint beside
+    step 0 (their metrics one dict) made the reference best_checkpoint read no metric from the
+    second, and the judge failed the solution. An object inside itself still crosses."""
+    import dataclasses
+
+    from minickpt import CheckpointMetadata
+
+    judge, other = pair
+    metrics = {"loss": 0.3}
+    m0 = CheckpointMetadata(step=0, items={}, metrics=metrics)
+    stepless = dataclasses.replace(m0, step=None)
+
+    def look(source, twice):
+        return ([type(m.metrics) is dict and m.metrics["loss"] for m in source],
+                source[0].metrics is source[1].metrics, twice[0] is twice[1])
+
+    shared = [1, 2]
+    assert _remote(judge, other, look)([stepless, m0], [shared, shared]) == \
+        ([0.3, 0.3], True, True)
+    loop: list = [1]
+    loop.append(loop)
+    assert _remote(judge, other, lambda x: x[0])(loop) == 1
+
+
 def test_exceptions_keep_their_class_errno_notes_and_identity(pair):
     judge, other = pair
     from minickpt.errors import CheckpointCorruptedError

@@ -191,16 +191,18 @@ class Endpoint:
         return self
 
     # ---------- encoding -----------------------------------------------------------------
-    def encode(self, obj: Any, memo: dict[int, Any] | None = None) -> Any:
+    def encode(self, obj: Any, memo: dict[Any, Any] | None = None) -> Any:
         """``obj`` as the wire carries it. Every value sent with an id is remembered (for
         the life of the wire, one submission): the other side may send it back as itself."""
-        enc = self._encode(obj, {} if memo is None else memo)
-        if isinstance(enc, dict) and "id" in enc and enc.get("$") != "back":
+        memo = {} if memo is None else memo
+        enc = self._encode(obj, memo)
+        if isinstance(enc, dict) and "id" in enc and enc.get("$") not in ("back", "same"):
             with self._lock:
                 self._sent[enc["id"]] = obj
+            memo[("done", enc["id"])] = True  # a later occurrence in this message: "same"
         return enc
 
-    def _encode(self, obj: Any, memo: dict[int, Any]) -> Any:
+    def _encode(self, obj: Any, memo: dict[Any, Any]) -> Any:
         back = self._imported.get(id(obj))
         if back is not None and back[1] is obj:
             ref: dict[str, Any] = {"$": "back", "id": back[0]}
@@ -242,7 +244,9 @@ class Endpoint:
         jax_enc = _encode_jax(obj)
         if jax_enc is not None:
             return {**jax_enc, "id": id(obj)}
-        if id(obj) in memo:
+        if id(obj) in memo:  # shared (two records holding one dict): the same object there;
+            if ("done", id(obj)) in memo:  # a cycle (an object inside itself): a handle
+                return {"$": "same", "id": id(obj)}
             return self._handle(obj)
         cls = type(obj)
         if cls in (list, tuple, set, frozenset):
@@ -346,11 +350,25 @@ class Endpoint:
 
     # ---------- decoding -----------------------------------------------------------------
     def decode(self, enc: Any) -> Any:
+        if getattr(self._local, "decoded", None) is not None:
+            return self._decode(enc)
+        self._local.decoded = {}  # this message's values by their sender's id ("same")
+        try:
+            return self._decode(enc)
+        finally:
+            self._local.decoded = None
+
+    def _decode(self, enc: Any) -> Any:
         if not isinstance(enc, dict):
             if isinstance(enc, list):  # msgpack gives lists only for our own tags' payloads
                 raise WireError("malformed message")
             return enc
         tag = enc.get("$")
+        if tag == "same":  # a second occurrence of a value of this message: the same object
+            decoded = self._local.decoded
+            if enc.get("id") not in decoded:
+                raise WireError("a reference to a value the message did not carry")
+            return decoded[enc["id"]]
         if tag == "bigint":
             return self._keep(enc, int(enc["v"]))
         if tag == "s":
@@ -467,6 +485,9 @@ class Endpoint:
         if "id" in enc:
             with self._lock:
                 self._imported[id(obj)] = (enc["id"], obj)
+            decoded = getattr(self._local, "decoded", None)
+            if decoded is not None:
+                decoded[enc["id"]] = obj
         return obj
 
     def _decode_exception(self, enc: dict[str, Any]) -> BaseException:
