@@ -148,6 +148,47 @@ def test_an_object_two_arguments_share_is_one_plain_object_there(pair):
     assert _remote(judge, other, lambda x: x[0])(loop) == 1
 
 
+def test_a_buffer_the_callee_fills_is_filled_at_the_caller(pair):
+    """A file system the test defines stays in the judge, and the student's restore reads
+    through it: ``preadv(fd, [memoryview, ...], offset)`` fills the worker's own buffers, as in
+    one process (lab 1's restore through a test's ``fs``). A bytearray too; a read-only view
+    and an argument left alone are left alone."""
+    judge, other = pair
+    arr = np.zeros(6, np.uint8)
+    views = [memoryview(arr)[:2], memoryview(arr)[2:]]
+    raw, ro = bytearray(3), memoryview(b"abc")
+
+    def fill(bufs, extra, readonly):
+        for i, b in enumerate(bufs):
+            b[:] = bytes([i + 1]) * len(b)
+        extra[:] = b"xyz"
+        return len(readonly)
+
+    assert _remote(other, judge, fill)(views, raw, ro) == 3
+    assert arr.tolist() == [1, 1, 2, 2, 2, 2] and raw == bytearray(b"xyz") and bytes(ro) == b"abc"
+
+
+def test_a_closed_wire_never_reads_from_the_next_ones_socket():
+    """A wire is closed and a new one opened, again and again (a worker replaced after each
+    death or hang): the old reader must be gone before its descriptor is reused, or it reads
+    the new wire's bytes (seen as a torn message, or a call that never arrived: this file's
+    tests timed out now and then)."""
+    def double(x):
+        x *= 2
+
+    for _ in range(150):
+        a, b = socket.socketpair()
+        judge = wire.Endpoint(Connection(a.detach()), "judge", timeout=10).start()
+        other = wire.Endpoint(Connection(b.detach()), "worker", timeout=10).start()
+        try:
+            arr = np.ones(3)
+            _remote(judge, other, double)(arr)
+            assert arr.tolist() == [2.0] * 3
+        finally:
+            judge.close()
+            other.close()
+
+
 def test_exceptions_keep_their_class_errno_notes_and_identity(pair):
     judge, other = pair
     from minickpt.errors import CheckpointCorruptedError

@@ -25,7 +25,9 @@ from __future__ import annotations
 import dataclasses
 import importlib
 import itertools
+import os
 import queue
+import socket
 import threading
 import time
 from collections.abc import Callable
@@ -244,6 +246,8 @@ class Endpoint:
         jax_enc = _encode_jax(obj)
         if jax_enc is not None:
             return {**jax_enc, "id": id(obj)}
+        if type(obj) in (bytearray, memoryview):  # a buffer: its bytes, and what the callee
+            return _buf_enc(obj) or self._handle(obj)  # writes into it comes back (preadv)
         if id(obj) in memo:  # shared (two records holding one dict): the same object there;
             if ("done", id(obj)) in memo:  # a cycle (an object inside itself): a handle
                 return {"$": "same", "id": id(obj)}
@@ -369,6 +373,8 @@ class Endpoint:
             if enc.get("id") not in decoded:
                 raise WireError("a reference to a value the message did not carry")
             return decoded[enc["id"]]
+        if tag == "buf":
+            return self._keep(enc, _buf_dec(enc))
         if tag == "bigint":
             return self._keep(enc, int(enc["v"]))
         if tag == "s":
@@ -577,6 +583,8 @@ class Endpoint:
             obj = self._sent.get(rec["id"])
             if isinstance(obj, np.ndarray) and "nd" in rec:
                 _write_back(obj, _nd_from(rec["nd"]))
+            elif type(obj) in (bytearray, memoryview) and isinstance(rec.get("buf"), bytes):
+                _buf_write_back(obj, rec["buf"])
             elif _mutable_record(obj) and isinstance(rec.get("dc"), dict):
                 names = {f.name for f in dataclasses.fields(obj)}
                 for f, v in rec["dc"].items():
@@ -632,7 +640,20 @@ class Endpoint:
             q.put(None)
 
     def close(self) -> None:
+        """End the wire: the reader is woken (the socket shut down) and gone before the
+        descriptor is closed, so that it never reads from a socket that reuses its number (a
+        new worker's: a torn message, or a call that never arrives)."""
         self._close("closed")
+        try:
+            s = socket.socket(fileno=os.dup(self.conn.fileno()))
+            try:
+                s.shutdown(socket.SHUT_RDWR)
+            finally:
+                s.close()
+        except (OSError, ValueError):
+            pass  # not a socket, or closed already
+        if self._reader.is_alive() and self._reader is not threading.current_thread():
+            self._reader.join(5)
         try:
             self.conn.close()
         except OSError:
@@ -670,7 +691,8 @@ class Endpoint:
             if _digest(a) != digest:
                 back = self._imported.get(id(a))
                 if back is not None:
-                    wb.append({"id": back[0], "nd": _nd_enc(a)})
+                    wb.append({"id": back[0], "buf": bytes(a)} if type(a) in
+                              (bytearray, memoryview) else {"id": back[0], "nd": _nd_enc(a)})
         for rec, fields in records:  # a record whose fields the callee set (lab 6's KillRecord)
             changed = {f: getattr(rec, f) for f in fields if getattr(rec, f) is not fields[f]}
             back = self._imported.get(id(rec))
@@ -825,12 +847,50 @@ def _plain(v: Any) -> bool:
                                        tuple, list, dict))
 
 
-def _array_args(args: list, kwargs: dict) -> list[tuple[np.ndarray, bytes]]:
+def _array_args(args: list, kwargs: dict) -> list[tuple[Any, bytes]]:
+    """The writable arrays and buffers among a call's arguments (and in a list of them, as
+    ``preadv`` takes), with a digest of what they hold before the call."""
     out = []
     for a in [*args, *kwargs.values()]:
-        if isinstance(a, np.ndarray) and a.flags.writeable and not a.dtype.hasobject:
-            out.append((a, _digest(a)))
+        for x in (a if type(a) in (list, tuple) else [a]):
+            if isinstance(x, np.ndarray) and x.flags.writeable and not x.dtype.hasobject:
+                out.append((x, _digest(x)))
+            elif type(x) is bytearray or (type(x) is memoryview and not x.readonly):
+                out.append((x, _digest(x)))
     return out
+
+
+def _buf_enc(b: bytearray | memoryview) -> dict[str, Any] | None:
+    """A bytearray or a contiguous memoryview by value (None: another kind of view)."""
+    if type(b) is memoryview and not b.c_contiguous:
+        return None
+    return {"$": "buf", "id": id(b), "mv": type(b) is memoryview,
+            "ro": type(b) is memoryview and b.readonly, "v": bytes(b),
+            "fmt": b.format if type(b) is memoryview else "B",
+            "shape": list(b.shape or ()) if type(b) is memoryview else [len(b)]}
+
+
+def _buf_dec(enc: dict[str, Any]) -> bytearray | memoryview:
+    data = enc.get("v")
+    if not isinstance(data, bytes):
+        raise WireError("malformed buffer")
+    if not enc.get("mv"):
+        return bytearray(data)
+    mv = memoryview(bytes(data) if enc.get("ro") else bytearray(data))
+    fmt, shape = str(enc.get("fmt", "B")), tuple(int(n) for n in enc.get("shape") or ())
+    if (fmt, shape) != ("B", (len(data),)):
+        try:
+            mv = mv.cast(fmt, shape)
+        except (TypeError, ValueError):
+            pass  # a format this side does not know: its bytes
+    return mv
+
+
+def _buf_write_back(dest: bytearray | memoryview, data: bytes) -> None:
+    view = memoryview(dest)
+    if view.readonly or not view.c_contiguous or view.nbytes != len(data):
+        return
+    view.cast("B")[:] = data
 
 
 def _mutable_record(obj: Any) -> bool:
@@ -869,9 +929,11 @@ def _shape(obj: Any, depth: int = 0) -> Any:
     return id(obj)
 
 
-def _digest(a: np.ndarray) -> bytes:
+def _digest(a: Any) -> bytes:
     import hashlib
 
+    if type(a) in (bytearray, memoryview):
+        return hashlib.blake2b(bytes(a), digest_size=16).digest()
     return hashlib.blake2b(np.ascontiguousarray(a).view(np.uint8).tobytes()
                            if a.size else b"", digest_size=16).digest()
 

@@ -38,7 +38,7 @@ def student_code(cells: list[str], problems: list[str] | None = None) -> list[st
         text = ipython_python(source)
         try:
             tree = ast.parse(text)
-        except (SyntaxError, ValueError) as e:
+        except (SyntaxError, ValueError, RecursionError, MemoryError) as e:  # nested too deep
             if problems is not None:
                 problems.append(f"your cell {k} does not parse ({type(e).__name__}: {e}): "
                                 "nothing of it was run")
