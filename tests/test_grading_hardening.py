@@ -732,6 +732,11 @@ def _no_peer_results(result: dict) -> dict:
     out = dict(result)
     out["review"] = [f for f in result.get("review", []) if not _PEER_FLAG.fullmatch(f)]
     out.pop("similarity", None)
+    # a test's inputs are drawn afresh at each grading (labkit.drawn, issue 47): how many of
+    # them a wrong answer gets wrong, and which, may differ between two gradings; whether the
+    # test failed, and with which error, may not
+    out["messages"] = {k: str(v).split(":", 1)[0] for k, v in
+                       (result.get("messages") or {}).items()}
     return out
 
 
