@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import sys
+import time
 from typing import Any
 
 import numpy as np
 
+from ..production.drill import WorkerProcess
 from .checks import LabCheckError
 from .lab6_preemption import (  # noqa: F401 (task 6.3's drill, in its own module; lab6.X)
     KERNEL_SETUP,
@@ -111,14 +113,27 @@ def drill_worker(directory: str) -> list[str]:
     return [sys.executable, path, "{dir}"]
 
 
-def printing_worker(lines: list[tuple[float, str]]) -> Any:
+def printing_worker(lines: list[tuple[float, str]], *, read_delay: float = 0.0) -> Any:
     """A real process that prints ``lines`` (each after its delay in seconds), for feeding a
-    drill's reader exactly the events a test wants."""
-    from ..production.drill import WorkerProcess
-
+    drill's reader exactly the events a test wants. With ``read_delay`` every read of an event
+    waits that long first: a reader that comes late, whose times must still be the events' own
+    stamps (taken when each line arrived), not the moments they were read."""
     prog = "import time\n" + "".join(f"time.sleep({d!r}); print({s!r}, flush=True)\n"
                                      for d, s in lines)
-    return WorkerProcess([sys.executable, "-c", prog])
+    return LateReader([sys.executable, "-c", prog], read_delay)
+
+
+class LateReader(WorkerProcess):
+    """A worker whose events are read ``read_delay`` seconds after the reader asks."""
+
+    def __init__(self, cmd: list[str], read_delay: float = 0.0) -> None:
+        super().__init__(cmd)
+        self.read_delay = read_delay
+
+    def next_event(self, deadline: float) -> tuple[float, str, Any] | None:
+        if self.read_delay:
+            time.sleep(self.read_delay)
+        return super().next_event(deadline)
 
 
 def no_array_reads() -> Any:
