@@ -291,9 +291,10 @@ def model(interval, C, steps=48):
 
 print(f"no saves at all: {ceiling:7.1f} steps/s (median of {len(no_saves)} runs, "
       f"{min(no_saves):.0f} to {max(no_saves):.0f}): T_step = {T_loop * 1e3:.1f} ms in this loop")
-print(f"a save inside the loop (median of {len(writes)}): {C_loop * 1e3:.1f} ms = "
-      f"{np.median(waits) * 1e3:.1f} ms waiting for the step in flight + "
-      f"{np.median(writes) * 1e3:.1f} ms saving; the isolated C above: {C_mc * 1e3:.1f} ms")
+print(f"a save inside the loop (median of {len(writes)}): {C_loop * 1e3:.1f} ms; the median of each "
+      f"part: {np.median(waits) * 1e3:.1f} ms waiting for the step in flight, "
+      f"{np.median(writes) * 1e3:.1f} ms saving (medians of parts need not add up to the whole's); "
+      f"the isolated C above: {C_mc * 1e3:.1f} ms")
 for i, r in zip(intervals, measured):
     print(f"save every {i:3d} steps: {r:7.1f} steps/s   (model with the loop's C: "
           f"{model(i, C_loop):7.1f}, with the isolated C: {model(i, C_mc):7.1f})")
@@ -348,10 +349,10 @@ plt.show()
 #
 # **Why two values of $C$?** The same save can be timed in two places. The isolated $C$ of the
 # previous cell saved a finished state, at another moment. The loop's $C$ is timed where it is
-# paid, and the printout splits it: `train_step` returns before its arithmetic is done (JAX
-# dispatches asynchronously), so a save first *waits for the step in flight*, then writes while
-# nothing else runs. Which of the two is larger is not fixed by the code — the wait adds to the
-# loop's $C$, but the two were timed minutes apart on a machine whose speed drifts (the band),
+# paid, and the printout gives the median of each of its two parts: `train_step` returns before
+# its arithmetic is done (JAX dispatches asynchronously), so a save first *waits for the step in
+# flight*, then writes while nothing else runs. Which of the two $C$ is larger is not fixed by
+# the code — the wait adds to the loop's $C$, but the two were timed minutes apart on a machine whose speed drifts (the band),
 # with other files in the page cache and other threads on the cores. So this text gives no
 # ratio: the last verdict prints yours and how many points fall below the isolated-$C$ model.
 # What to take from it is the method: time $C$ inside the loop that pays it, compare only runs

@@ -739,7 +739,8 @@ if ready("section 2f", "sharded"):
     claim(sh[0]["left"] == ["step_1", "step_6"], "step_7 does not exist and no temporary is left",
           seen=sh[0]["left"])
     waited = [sh[p]["dead_after_s"] for p in range(3)]
-    verdict(all(3.0 <= w < 6.0 for w in waited), "they gave up a little after the 3 s time-out",
+    verdict(all(3.0 <= w < 4.5 for w in waited), "they gave up a little after the 3 s time-out "
+            "(within 4.5 s of starting the save)",
             otherwise="a busy machine delays the processes that wait too; the time-out is a lower bound",
             seen=f"{waited} s")
 
@@ -929,9 +930,10 @@ if ready("section 5", "barrel"):
           f"({barrel[0]['orbax_bytes'] / raw:.0%})")
     claim(barrel[0]["orbax_bytes"] < raw, "Orbax's files are smaller than the raw array: it compresses",
           seen=barrel[0]["orbax_bytes"])
-    claim(0.8 < barrel[0]["orbax_bytes"] / raw < 1.0,
-          "random normal values compress by a few bytes in each hundred, not by a factor",
-          seen=f"{barrel[0]['orbax_bytes'] / raw:.1%}")
+    shrink = 1 - barrel[0]["orbax_bytes"] / raw
+    print(f"Orbax's compression spared {100 * shrink:.0f} bytes in each hundred")
+    claim(0.01 < shrink < 0.10, "random normal values compress by less than a tenth, not by a "
+          "factor", seen=f"{shrink:.1%} saved")
 
 # %% [markdown]
 # The layouts differ, the protocol is alike. Orbax writes every array through **TensorStore**,
@@ -944,10 +946,13 @@ if ready("section 5", "barrel"):
 # completion with `commit_success.txt` and a rename; minickpt writes `data.p<i>.bin` and
 # `manifest.p<i>.json` per process and one `manifest.json` with every shard file's checksum. Both
 # restore onto any mesh. Orbax's files are also *smaller* than the array: it compresses every
-# chunk with zstd by default (`build_array_metadata(..., use_compression=True)` in
-# `orbax/checkpoint/_src/serialization/tensorstore_utils.py`). Even these random normal float32
-# values shrank to the fraction printed above: their sign and exponent bits repeat, their mantissas
-# do not, so the saving is a few bytes in each hundred, not a factor. minickpt stores the raw bytes.
+# chunk with zstd by default (`PyTreeCheckpointHandler(use_compression=True)` in
+# `orbax/checkpoint/_src/handlers/pytree_checkpoint_handler.py`, passed on to `ArrayWriteSpec`,
+# whose `_build_zarr2_metadata` in `orbax/checkpoint/_src/serialization/tensorstore_utils.py`
+# sets `{'id': 'zstd', 'level': 1}` for the default Zarr v2 format). Even these random normal
+# float32 values shrank by the bytes in each hundred printed above: their sign and exponent bits
+# repeat, their mantissas do not, so the saving is under a tenth, not a factor. minickpt stores
+# the raw bytes.
 # (Timings on a busy 2-core machine vary by tens of percent from run to run; the benchmark in
 # `benchmarks/multihost_save.py` measures properly.)
 #
@@ -1085,7 +1090,8 @@ claim(on_disk["local"] == [] and on_disk["persistent"] == ["10", "2"],
 
 # %% [markdown]
 # With one replica the local tier never received a file; the persistent directory got its
-# interval's steps (and the first step, which Orbax always saves). Chapter 6's tiered storage
+# interval's steps (and the first step, which Orbax's default save policy always saves: it
+# includes an `InitialSavePolicy`, in `orbax/checkpoint/checkpoint_manager.py`). Chapter 6's tiered storage
 # is the other way round: minickpt writes every checkpoint durably to the fast disk first and
 # mirrors it to the remote store in the background, on one machine or many.
 
