@@ -7,7 +7,7 @@ code), so the sandbox needs no copy of ``autograder/``; it imports only the stan
 msgpack and numpy at the top, JAX when an array of it crosses.
 
 * **Values**: None, bools, ints, floats, strings, bytes; lists, tuples, dicts, sets; numpy
-  arrays and scalars (any dtype but object); JAX arrays and typed PRNG keys; named tuples and
+  arrays, scalars and dtypes (any but object); JAX arrays and typed PRNG keys; named tuples and
   dataclasses (flax's struct nodes, optax's states, minickpt's records) of classes from the
   modules in :data:`CLASS_MODULES`; exceptions of such classes (``OSError`` with its errno).
 * **Handles**: any other object stays where it is; the other side gets a :class:`Remote`
@@ -238,6 +238,9 @@ class Endpoint:
                 return self._handle(obj)
             return {"$": "npscalar", "id": id(obj), "dtype": _dtype_name(obj.dtype),
                     "data": np.asarray(obj).tobytes()}
+        if isinstance(obj, np.dtype) and not obj.hasobject and obj.fields is None:
+            return {"$": "dtype", "id": id(obj), "dtype": _dtype_name(obj),
+                    "order": obj.byteorder}  # (lab 4's region_from_pieces(box, dtype, ...))
         jax_enc = _encode_jax(obj)
         if jax_enc is not None:
             return {**jax_enc, "id": id(obj)}
@@ -431,6 +434,9 @@ class Endpoint:
             if tag == "jax" and not enc.get("deleted"):
                 self._note_buffer(enc, x)
             return x
+        if tag == "dtype":
+            dt = _dtype(enc["dtype"])
+            return self._keep(enc, dt.newbyteorder(">") if enc.get("order") == ">" else dt)
         if tag == "sds":  # a jax.ShapeDtypeStruct: its shape and dtype (the placement stays)
             import jax
 
