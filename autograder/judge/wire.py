@@ -841,7 +841,21 @@ def _nd_enc(a: np.ndarray) -> dict[str, Any]:
     c = a if a.flags.c_contiguous else a.copy(order="C")
     little = c.dtype.newbyteorder("<") if c.dtype.byteorder == ">" else c.dtype
     return {"dtype": _dtype_name(c.dtype), "order": c.dtype.byteorder, "shape": list(c.shape),
-            "data": c.astype(little, copy=False).tobytes(), "ro": not a.flags.writeable}
+            "data": c.astype(little, copy=False).tobytes(), "ro": not a.flags.writeable,
+            "at": a.__array_interface__["data"][0] % ALIGN}
+
+
+ALIGN = 64
+"""An array's copy on the other side starts at the same address modulo this as the array (a
+test checks that a region is 64-byte aligned, lab 4's ``region_from_pieces``: it is where
+the student's code allocated it, neither more nor less aligned by the crossing)."""
+
+
+def _placed(nbytes: int, at: int) -> np.ndarray:
+    """``nbytes`` fresh bytes starting ``at`` past a multiple of :data:`ALIGN`."""
+    raw = np.empty(nbytes + ALIGN, np.uint8)
+    start = (int(at) - raw.__array_interface__["data"][0]) % ALIGN
+    return raw[start:start + nbytes]
 
 
 def _dtype_name(dt: np.dtype) -> str:
@@ -866,7 +880,9 @@ def _dtype(name: str) -> np.dtype:
 
 def _nd_from(enc: dict[str, Any]) -> np.ndarray:
     dt = _dtype(enc["dtype"]).newbyteorder("<")
-    a = np.frombuffer(enc["data"], dtype=dt).reshape(enc["shape"]).copy()
+    src = np.frombuffer(enc["data"], dtype=dt).reshape(enc["shape"])
+    a = _placed(src.nbytes, enc.get("at", 0)).view(dt).reshape(src.shape)
+    a[...] = src
     if enc.get("order") == ">":
         a = a.astype(a.dtype.newbyteorder(">"))
     if enc.get("ro"):
