@@ -209,8 +209,10 @@ def run_processes(body: str, *, processes: int = 4, devices: int = 2,
     if judged is not None:  # under the grader's judge: trusted processes, the student's code in
         from .lab4_judged import run_judged  # workers of their own (see that module)
 
-        return run_judged(judged, body, names, processes=processes, devices=devices,
-                          directory=directory, timeout_s=timeout_s)
+        res, key = run_judged(judged, body, names, processes=processes, devices=devices,
+                              directory=directory, timeout_s=timeout_s, pin=_PIN_CPUS,
+                              imports=LAB4_IMPORTS, key_env=KEY_ENV)
+        return ProcessesRun(processes, res, key)
     mine = list(functions)
     if graded_build():  # minickpt calls the student's other lab 4 tasks there, also in a test of its own code
         mine += own_task_functions("4")

@@ -90,13 +90,15 @@ def missing_task(name: str, task: str) -> Callable[..., Any]:
 
 
 def run_judged(spec: Mapping[str, Any], body: str, names: Sequence[str], *, processes: int,
-               devices: int, directory: str | None, timeout_s: float) -> Any:
+               devices: int, directory: str | None, timeout_s: float, pin: str, imports: str,
+               key_env: str) -> tuple[Any, bytes]:
     """:func:`.lab4.run_processes` under the judge: ``spec`` from
-    :func:`.processes.student_worker`; ``body`` with its values set, compiled already."""
+    :func:`.processes.student_worker`; ``body`` with its values set, compiled already; ``pin``,
+    ``imports`` and ``key_env``: lab 4's first lines, setup names and key variable. Returns
+    the launch's result and the key its reports are signed with."""
     import secrets
 
     from ..launch import launch
-    from . import lab4
     from .plugging import reference_functions
     from .temporaries import tempdir
 
@@ -110,9 +112,8 @@ def run_judged(spec: Mapping[str, Any], body: str, names: Sequence[str], *, proc
         script = os.path.join(work, "lab4_process.py")
         fd = os.open(script, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
         with open(fd, "w", encoding="utf-8") as f:
-            f.write(_JUDGED.format(pin=lab4._PIN_CPUS, key_env=lab4.KEY_ENV, spec=spec,
-                                   imports=lab4.LAB4_IMPORTS, tasks=tasks, names=list(names),
-                                   body=body))
+            f.write(_JUDGED.format(pin=pin, key_env=key_env, spec=spec, imports=imports,
+                                   tasks=tasks, names=list(names), body=body))
         if directory is None:  # (under the judge: in the test's folder, the worker's too)
             directory = stack.enter_context(tempdir())
         r, w = os.pipe()
@@ -120,7 +121,7 @@ def run_judged(spec: Mapping[str, Any], body: str, names: Sequence[str], *, proc
             os.write(w, key * processes)  # each process reads its 32 bytes (<= PIPE_BUF)
             os.close(w)
             w = -1
-            env = {"JAX_PLATFORMS": "cpu", lab4.KEY_ENV: str(r)}
+            env = {"JAX_PLATFORMS": "cpu", key_env: str(r)}
             # (cwd: where a relative name resolves, for the worker's calls too: the job's
             # folder, where the judge lets the worker name things; the script stays apart)
             res = launch([script, directory], processes, devices_per_process=devices,
@@ -130,4 +131,4 @@ def run_judged(spec: Mapping[str, Any], body: str, names: Sequence[str], *, proc
             for x in (r, w):
                 if x >= 0:
                     os.close(x)
-    return lab4.ProcessesRun(processes, res, key)
+    return res, key
