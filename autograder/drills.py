@@ -39,7 +39,7 @@ def _cells_defining(cells: Sequence[str],
     for source in cells:
         try:
             tree = ast.parse(source)
-        except (SyntaxError, ValueError):
+        except (SyntaxError, ValueError, RecursionError, MemoryError):  # nested too deep too
             continue
         if any(isinstance(n, ast.FunctionDef | ast.AsyncFunctionDef) and n.name in names
                for n in tree.body):

@@ -640,7 +640,7 @@ def scan_cells(cells: list[tuple[str, str]]) -> list[str]:
     for where, source in cells:
         try:
             tree = ast.parse(source)
-        except SyntaxError:
+        except (SyntaxError, ValueError, RecursionError, MemoryError):
             continue
         modules: set[str] = set()
         alias: dict[str, str] = {}

@@ -354,6 +354,10 @@ def _judge(lab: Lab, asm: Assembled, box: drills.Box, tools: dict[str, Any],
         else:
             result["messages"][v.grade_id] = v.message
     result["notes"] = [*result.get("notes", []), *(f"judge: {p}" for p in problems)]
+    from .judge.worker import REACHED
+
+    result["review"] = [*result.get("review", []),  # what the kernel's watch flagged before
+                        *(p for p in problems if p.startswith(REACHED))]
     result["judge_seconds"] = round(time.monotonic() - t, 2)
 
 

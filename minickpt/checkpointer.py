@@ -528,6 +528,11 @@ class Checkpointer:
         step the directory's name stands for, checked against the metadata.
         """
         directory = os.fspath(directory)
+        with self.fs.anchored(directory):  # its files found from its descriptor: issue 51
+            return self._restore(directory, target, partial, verify, sharding, step)
+
+    def _restore(self, directory: str, target: Mapping[str, Any] | None, partial: bool,
+                 verify: bool, sharding: Any, step: int | None) -> dict[str, Any]:
         meta = self.metadata(directory, step=step)
         names = list(meta.items) if target is None else list(target)
         if verify and not _no_other_dirs(meta, names):

@@ -16,12 +16,14 @@ import os
 import stat
 import sys
 import time
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
+from contextlib import contextmanager
 from typing import Any
 
 import numpy as np
 
+from . import dirfds
 from .aio import _AIO_RINGS, _AIO_SYSCALL, _LIBC, _run_together
 
 Buffer = bytes | bytearray | memoryview
@@ -97,6 +99,10 @@ class FileSystem:
 
     # ---- primitives: the only methods that reach the operating system -----------------
     def open(self, path: str, flags: int, mode: int = 0o644) -> int:
+        if (table := self.__dict__.get("_anchors")) is not None:  # inside anchored()
+            fd = table.open(path, flags, mode)
+            if fd is not None:
+                return fd
         return os.open(path, flags | getattr(os, "O_CLOEXEC", 0), mode)
 
     def write(self, fd: int, data: Buffer) -> int:
@@ -177,7 +183,26 @@ class FileSystem:
         return os.listdir(path)
 
     def lstat(self, path: str) -> os.stat_result:
+        if (table := self.__dict__.get("_anchors")) is not None:
+            st = table.lstat(path)
+            if st is not None:
+                return st
         return os.lstat(path)
+
+    @contextmanager
+    def anchored(self, path: str) -> Iterator[None]:
+        """Reads and ``lstat``s under ``path`` resolve from directory descriptors within this
+        block (:mod:`minickpt.dirfds`): the same results, fewer lookups. Only the plain local
+        file system anchors; a subclass sees its path calls unchanged."""
+        if type(self) is not FileSystem or not dirfds.USABLE:
+            yield
+            return
+        table = dirfds.anchors_of(self)
+        table.enter(path)
+        try:
+            yield
+        finally:
+            table.exit()
 
     def fstat(self, fd: int) -> os.stat_result:
         return os.fstat(fd)

@@ -125,8 +125,10 @@ def restore_checkpoint(ckpt_dir: str | os.PathLike[str], target: Any, step: int 
     Returns ``target`` itself when no checkpoint exists. ``ckpt_dir`` may also be the path of
     one checkpoint (when no ``step`` is given). Without a target (``None``) the saved tree comes
     back as nested dicts of numpy arrays. Asking for a ``step`` that does not exist is an error,
-    not a fresh start. The arguments from ``parallel`` to ``orbax_transforms`` are Flax's; they
-    are accepted so Flax code runs unchanged, and ignored.
+    not a fresh start. ``partial`` is :meth:`Checkpointer.restore`'s (``True``: a target that
+    holds only some of the saved leaves gets those), and every file-system call goes through
+    ``fs`` (whose paths need not be this machine's). The arguments from ``parallel`` to
+    ``orbax_transforms`` are Flax's; they are accepted so Flax code runs unchanged, and ignored.
     """
     fs = fs or DEFAULT_FS
     ckpt_dir = os.path.abspath(os.fspath(ckpt_dir))

@@ -100,6 +100,95 @@ def test_a_leaf_sent_back_is_the_senders_own_object_and_in_place_changes_come_ba
     assert np.shares_memory(v, arr)
 
 
+def test_a_list_or_dict_argument_changed_in_place_is_changed_at_the_caller(pair):
+    """Lab 2's steps_to_keep must not reorder the caller's infos: a list the callee sorts in
+    place (or a dict it updates, nested or not) is changed at the caller's too, its items still
+    the caller's own; an argument left alone is left alone."""
+    judge, other = pair
+    a, b = np.arange(2.0), np.arange(3.0)
+
+    def meddle(xs, d, nested, alone):
+        xs.sort(key=len, reverse=True)
+        d["new"] = 1
+        nested["k"].append(3)
+        return None
+
+    xs, d, inner, alone = [a, b], {"old": 0}, [1, 2], [5, 6]
+    nested = {"k": inner}
+    _remote(judge, other, meddle)(xs, d, nested, alone)
+    assert xs[0] is b and xs[1] is a
+    assert d == {"old": 0, "new": 1}
+    assert nested["k"] is inner and inner == [1, 2, 3]
+    assert alone == [5, 6]
+
+
+def test_an_object_two_arguments_share_is_one_plain_object_there(pair):
+    """Two records holding one dict (``dataclasses.replace`` shares its fields) arrive as two
+    records holding one plain dict, not a dict and a handle: lab 6's stepless checkpoint beside
+    step 0 (their metrics one dict) made the reference best_checkpoint read no metric from the
+    second, and the judge failed the solution. An object inside itself still crosses."""
+    import dataclasses
+
+    from minickpt import CheckpointMetadata
+
+    judge, other = pair
+    metrics = {"loss": 0.3}
+    m0 = CheckpointMetadata(step=0, items={}, metrics=metrics)
+    stepless = dataclasses.replace(m0, step=None)
+
+    def look(source, twice):
+        return ([type(m.metrics) is dict and m.metrics["loss"] for m in source],
+                source[0].metrics is source[1].metrics, twice[0] is twice[1])
+
+    shared = [1, 2]
+    assert _remote(judge, other, look)([stepless, m0], [shared, shared]) == \
+        ([0.3, 0.3], True, True)
+    loop: list = [1]
+    loop.append(loop)
+    assert _remote(judge, other, lambda x: x[0])(loop) == 1
+
+
+def test_a_buffer_the_callee_fills_is_filled_at_the_caller(pair):
+    """A file system the test defines stays in the judge, and the student's restore reads
+    through it: ``preadv(fd, [memoryview, ...], offset)`` fills the worker's own buffers, as in
+    one process (lab 1's restore through a test's ``fs``). A bytearray too; a read-only view
+    and an argument left alone are left alone."""
+    judge, other = pair
+    arr = np.zeros(6, np.uint8)
+    views = [memoryview(arr)[:2], memoryview(arr)[2:]]
+    raw, ro = bytearray(3), memoryview(b"abc")
+
+    def fill(bufs, extra, readonly):
+        for i, b in enumerate(bufs):
+            b[:] = bytes([i + 1]) * len(b)
+        extra[:] = b"xyz"
+        return len(readonly)
+
+    assert _remote(other, judge, fill)(views, raw, ro) == 3
+    assert arr.tolist() == [1, 1, 2, 2, 2, 2] and raw == bytearray(b"xyz") and bytes(ro) == b"abc"
+
+
+def test_a_closed_wire_never_reads_from_the_next_ones_socket():
+    """A wire is closed and a new one opened, again and again (a worker replaced after each
+    death or hang): the old reader must be gone before its descriptor is reused, or it reads
+    the new wire's bytes (seen as a torn message, or a call that never arrived: this file's
+    tests timed out now and then)."""
+    def double(x):
+        x *= 2
+
+    for _ in range(150):
+        a, b = socket.socketpair()
+        judge = wire.Endpoint(Connection(a.detach()), "judge", timeout=10).start()
+        other = wire.Endpoint(Connection(b.detach()), "worker", timeout=10).start()
+        try:
+            arr = np.ones(3)
+            _remote(judge, other, double)(arr)
+            assert arr.tolist() == [2.0] * 3
+        finally:
+            judge.close()
+            other.close()
+
+
 def test_exceptions_keep_their_class_errno_notes_and_identity(pair):
     judge, other = pair
     from minickpt.errors import CheckpointCorruptedError
@@ -221,6 +310,28 @@ def test_a_lab_judged_against_a_real_worker(tmp_path):
     by = {v.grade_id: v.passed for v in verdicts}
     assert not by["test_1_2_host"] and by["test_1_1_names"]
     assert any("new one" in p for p in problems)
+
+
+@pytest.mark.timeout(600)
+def test_a_worker_that_does_not_answer_is_replaced_before_the_next_test(tmp_path):
+    """A call into the student's code that never returns (never_finishes) fails its test at
+    the call time-out; the worker still running it is ended, and the next test gets a new one
+    (a worker left spinning would slow every test after it, in the submission's slot)."""
+    lab_name = "lab01_basics"
+    nb = json.loads((ROOT / "solutions" / lab_name / f"{lab_name}.ipynb").read_text())
+    cells = ["".join(c["source"]) for c in nb["cells"] if c["cell_type"] == "code"
+             and c.get("metadata", {}).get("nbgrader", {}).get("solution")]
+    once = ('    """Task 1.2', '    if not os.path.exists("hung"):\n        open("hung", "w").close()'
+            '\n        while True:\n            pass\n    """Task 1.2')
+    hanging = [c.replace("def to_host(", "import os\n\ndef to_host(", 1).replace(*once, 1)
+               for c in cells]
+    assert hanging != cells
+    verdicts, problems = session.judge_lab(lab_name, hanging, str(tmp_path), timeout=10)
+    failed = [v.grade_id for v in verdicts if not v.passed]
+    assert len(failed) == 1 and "did not answer within 10 s" in verdicts[
+        [v.grade_id for v in verdicts].index(failed[0])].message, verdicts
+    assert any("did not answer in time; the next test got a new worker" in p
+               for p in problems), problems
 
 
 def test_an_input_drawn_at_grading_time_differs_from_the_notebooks(monkeypatch):

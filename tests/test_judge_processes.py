@@ -171,3 +171,22 @@ def test_what_labs_3_and_6_hand_across_the_wire(ends):
     assert rec.resumed_from == 10 and rec.killed_after_step == 13
     remote = judge.decode(other.encode({"a": 1}.keys()))
     assert len(remote) == 1 and "a" in remote and list(remote) == ["a"]
+
+
+def test_a_wrapper_holding_minickpts_own_is_noted_for_review():
+    """Under the judge no test runs in the kernel, whose watch flagged a task function that ran
+    minickpt's own (``reached_dict_default``): the worker notes a task function holding it
+    (or, on the graded build, its plug point) in a default or its closure; the runner puts
+    the note in the review column. Points: the graded build has no implementation to reach."""
+    import minickpt as mc
+    from autograder.judge import worker
+
+    def resume(*args, _f=mc.restore.__dict__["resume"], **kwargs):
+        return _f(*args, **kwargs)
+
+    def check_structure(manifest, target, item="state", _other=mc.restore.__dict__["resume"]):
+        return []  # another task's function held: the library used, not flagged
+
+    notes = worker.reached({"resume": resume, "check_structure": check_structure},
+                           ["resume", "check_structure", "migrate"])
+    assert len(notes) == 1 and notes[0].startswith(worker.REACHED + " resume")

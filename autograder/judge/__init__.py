@@ -22,13 +22,16 @@ from typing import Any
 
 from .cells import cells_of, ensure_devices, run_tests
 
-JUDGED_LABS = ("lab05_async",)
-"""The labs whose every test the judge decides. Labs 1 and 2 pass with it too (their solutions
-score full marks, `tests/test_judge.py`), but their hostile corpus still asserts what a kernel
-that runs the tests does (a kernel that dies mid-test, hidden lines a history-reader could
-carry out, the referee's audit hook): they join once those expectations are restated for a
-judged lab. Labs 3, 4 and 6 start worker processes of their own in their tests. In every lab
-not listed the kernel's receipts still count: docs/grading.md, "Its limits"."""
+JUDGED_LABS = ("lab01_basics", "lab02_save_policy", "lab03_resume", "lab05_async",
+               "lab06_production")
+"""The labs whose every test the judge decides. Their hostile corpus asserts what the judge
+does (`tests/test_grading_hardening.py`): a worker that dies fails the test that called it, with
+its reason, and the tests after it still run on a fresh worker; the kernel runs no test, so
+nothing it prints or does (a history-reader, an exit, a forged receipt) decides a point. Labs 3
+and 6 start processes of their own in their tests: under the judge they run the code the
+proxies carry, in the sandbox (minickpt.labkit.processes). Lab 4's tests run their body inside
+the student's four JAX processes (labkit.run_processes): not judged. In every lab not listed
+the kernel's receipts still count: docs/grading.md, "Its limits"."""
 
 
 def judges(lab: str) -> bool:

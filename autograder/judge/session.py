@@ -110,9 +110,10 @@ class StudentWorker:
         return self.functions
 
     def alive(self) -> bool:
-        """Whether the worker still answers: its process runs and its wire is open."""
+        """Whether the worker still answers: its process runs, its wire is open and no call
+        into it has timed out."""
         return self.proc is not None and self.proc.poll() is None and self.ep is not None \
-            and self.ep._closed is None
+            and self.ep._closed is None and not self.ep.timed_out
 
     def mirror(self, name: str) -> Callable[[], None]:
         """The test's set-up ``name`` made in the worker too; returns how to undo it."""
@@ -311,9 +312,12 @@ def judge_lab(lab: str, student_cells: Sequence[str], folder: str, *,
         if current:
             if current[-1].alive() or not current[-1].functions:
                 return  # alive, or it never loaded: a new one would fail the same way
-            current[-1].close()
+            hung = current[-1].ep is not None and current[-1].ep.timed_out
+            current[-1].close()  # (one that hangs is ended: it would slow every test after it)
             if not tool_ended:
-                problems.append("your code ended its worker process; the next test got a new "
+                problems.append("a call into your code did not answer in time; the next test "
+                                "got a new worker" if hung else
+                                "your code ended its worker process; the next test got a new "
                                 "one")
             if end_workers is not None:
                 end_workers()

@@ -14,8 +14,8 @@ msgpack and numpy at the top, JAX when an array of it crosses.
   whose calls, attribute reads and (where allowed) writes travel back. What a side may do
   with the other's objects is its :class:`Policy`.
 * **Identity**: an object that comes back to the side it came from is that side's own object
-  again (``a is b`` holds across the wire), and an array argument the callee changed in place
-  is changed in place at the caller's too.
+  again (``a is b`` holds across the wire), and an array, list, dict or set argument the
+  callee changed in place (lab 2's infos sorted) is changed in place at the caller's too.
 * **Threads**: a call made while serving a call runs on the thread that waits for it (so a
   callback sees the locks its caller holds, as in one process); other requests get a thread.
 """
@@ -25,7 +25,9 @@ from __future__ import annotations
 import dataclasses
 import importlib
 import itertools
+import os
 import queue
+import socket
 import threading
 import time
 from collections.abc import Callable
@@ -182,6 +184,7 @@ class Endpoint:
         self._chain_q: dict[str, list[queue.Queue]] = {}  # chain -> waiters in it (innermost last)
         self._local = threading.local()
         self._closed: str | None = None
+        self.timed_out = False  # a call of mine was not answered in time (the other side hangs)
         self._lock = threading.Lock()
         self._reader = threading.Thread(target=self._read, daemon=True, name=f"wire-{name}")
 
@@ -190,16 +193,18 @@ class Endpoint:
         return self
 
     # ---------- encoding -----------------------------------------------------------------
-    def encode(self, obj: Any, memo: dict[int, Any] | None = None) -> Any:
+    def encode(self, obj: Any, memo: dict[Any, Any] | None = None) -> Any:
         """``obj`` as the wire carries it. Every value sent with an id is remembered (for
         the life of the wire, one submission): the other side may send it back as itself."""
-        enc = self._encode(obj, {} if memo is None else memo)
-        if isinstance(enc, dict) and "id" in enc and enc.get("$") != "back":
+        memo = {} if memo is None else memo
+        enc = self._encode(obj, memo)
+        if isinstance(enc, dict) and "id" in enc and enc.get("$") not in ("back", "same"):
             with self._lock:
                 self._sent[enc["id"]] = obj
+            memo[("done", enc["id"])] = True  # a later occurrence in this message: "same"
         return enc
 
-    def _encode(self, obj: Any, memo: dict[int, Any]) -> Any:
+    def _encode(self, obj: Any, memo: dict[Any, Any]) -> Any:
         back = self._imported.get(id(obj))
         if back is not None and back[1] is obj:
             ref: dict[str, Any] = {"$": "back", "id": back[0]}
@@ -244,7 +249,11 @@ class Endpoint:
         jax_enc = _encode_jax(obj)
         if jax_enc is not None:
             return {**jax_enc, "id": id(obj)}
-        if id(obj) in memo:
+        if type(obj) in (bytearray, memoryview):  # a buffer: its bytes, and what the callee
+            return _buf_enc(obj) or self._handle(obj)  # writes into it comes back (preadv)
+        if id(obj) in memo:  # shared (two records holding one dict): the same object there;
+            if ("done", id(obj)) in memo:  # a cycle (an object inside itself): a handle
+                return {"$": "same", "id": id(obj)}
             return self._handle(obj)
         cls = type(obj)
         if cls in (list, tuple, set, frozenset):
@@ -348,11 +357,27 @@ class Endpoint:
 
     # ---------- decoding -----------------------------------------------------------------
     def decode(self, enc: Any) -> Any:
+        if getattr(self._local, "decoded", None) is not None:
+            return self._decode(enc)
+        self._local.decoded = {}  # this message's values by their sender's id ("same")
+        try:
+            return self._decode(enc)
+        finally:
+            self._local.decoded = None
+
+    def _decode(self, enc: Any) -> Any:
         if not isinstance(enc, dict):
             if isinstance(enc, list):  # msgpack gives lists only for our own tags' payloads
                 raise WireError("malformed message")
             return enc
         tag = enc.get("$")
+        if tag == "same":  # a second occurrence of a value of this message: the same object
+            decoded = self._local.decoded
+            if enc.get("id") not in decoded:
+                raise WireError("a reference to a value the message did not carry")
+            return decoded[enc["id"]]
+        if tag == "buf":
+            return self._keep(enc, _buf_dec(enc))
         if tag == "bigint":
             return self._keep(enc, int(enc["v"]))
         if tag == "s":
@@ -472,6 +497,9 @@ class Endpoint:
         if "id" in enc:
             with self._lock:
                 self._imported[id(obj)] = (enc["id"], obj)
+            decoded = getattr(self._local, "decoded", None)
+            if decoded is not None:
+                decoded[enc["id"]] = obj
         return obj
 
     def _decode_exception(self, enc: dict[str, Any]) -> BaseException:
@@ -534,6 +562,7 @@ class Endpoint:
                 try:
                     item = q.get(timeout=left)
                 except queue.Empty:
+                    self.timed_out = True
                     raise RemoteTimeout(f"the {self._peer()} did not answer within "
                                         f"{self.timeout:.0f} s") from None
                 if item is None:
@@ -552,10 +581,16 @@ class Endpoint:
                     self._chain_q.pop(chain, None)
 
     def _result(self, item: dict[str, Any]) -> Any:
-        for rec in item.get("wb", []):  # arrays the callee changed in place
+        for rec in item.get("wb", []):  # arrays, lists, dicts the callee changed in place
+            if isinstance(rec, dict) and isinstance(rec.get("ref"), dict) \
+                    and rec["ref"].get("$") == "back":
+                self.decode(rec["ref"])  # a "back" with what it holds now: updated here
+                continue
             obj = self._sent.get(rec["id"])
             if isinstance(obj, np.ndarray) and "nd" in rec:
                 _write_back(obj, _nd_from(rec["nd"]))
+            elif type(obj) in (bytearray, memoryview) and isinstance(rec.get("buf"), bytes):
+                _buf_write_back(obj, rec["buf"])
             elif _mutable_record(obj) and isinstance(rec.get("dc"), dict):
                 names = {f.name for f in dataclasses.fields(obj)}
                 for f, v in rec["dc"].items():
@@ -611,7 +646,20 @@ class Endpoint:
             q.put(None)
 
     def close(self) -> None:
+        """End the wire: the reader is woken (the socket shut down) and gone before the
+        descriptor is closed, so that it never reads from a socket that reuses its number (a
+        new worker's: a torn message, or a call that never arrives)."""
         self._close("closed")
+        try:
+            s = socket.socket(fileno=os.dup(self.conn.fileno()))
+            try:
+                s.shutdown(socket.SHUT_RDWR)
+            finally:
+                s.close()
+        except (OSError, ValueError):
+            pass  # not a socket, or closed already
+        if self._reader.is_alive() and self._reader is not threading.current_thread():
+            self._reader.join(5)
         try:
             self.conn.close()
         except OSError:
@@ -623,11 +671,13 @@ class Endpoint:
         reply: dict[str, Any] = {"re": msg.get("q")}
         before: list[tuple[np.ndarray, bytes]] = []
         records: list[tuple[Any, dict[str, Any]]] = []
+        shapes: list[tuple[Any, Any]] = []
         try:
             args = [self.decode(a) for a in msg.get("args", [])]
             kwargs = {str(k): self.decode(v) for k, v in (msg.get("kw") or {}).items()}
             before = _array_args(args, kwargs)
             records = _record_args(args, kwargs)
+            shapes = _container_args(args, kwargs)
             result = self._do(str(msg.get("op")), msg.get("rid"), msg.get("name"), args, kwargs)
             reply["ok"] = self.encode(result)
         except BaseException as e:
@@ -636,11 +686,19 @@ class Endpoint:
             except Exception as bad:
                 reply["err"] = self.encode(WireError(f"{type(e).__name__}: {e} ({bad})"))
         wb = []
+        for c, shape in shapes:  # a list, dict or set argument the callee changed in place
+            back = self._imported.get(id(c))
+            if back is not None and back[1] is c and _shape(c) != shape:
+                try:
+                    wb.append({"id": back[0], "ref": self.encode(c)})
+                except Exception:  # what it now holds cannot cross: the caller's stays
+                    pass
         for a, digest in before:
             if _digest(a) != digest:
                 back = self._imported.get(id(a))
                 if back is not None:
-                    wb.append({"id": back[0], "nd": _nd_enc(a)})
+                    wb.append({"id": back[0], "buf": bytes(a)} if type(a) in
+                              (bytearray, memoryview) else {"id": back[0], "nd": _nd_enc(a)})
         for rec, fields in records:  # a record whose fields the callee set (lab 6's KillRecord)
             changed = {f: getattr(rec, f) for f in fields if getattr(rec, f) is not fields[f]}
             back = self._imported.get(id(rec))
@@ -795,12 +853,50 @@ def _plain(v: Any) -> bool:
                                        tuple, list, dict))
 
 
-def _array_args(args: list, kwargs: dict) -> list[tuple[np.ndarray, bytes]]:
+def _array_args(args: list, kwargs: dict) -> list[tuple[Any, bytes]]:
+    """The writable arrays and buffers among a call's arguments (and in a list of them, as
+    ``preadv`` takes), with a digest of what they hold before the call."""
     out = []
     for a in [*args, *kwargs.values()]:
-        if isinstance(a, np.ndarray) and a.flags.writeable and not a.dtype.hasobject:
-            out.append((a, _digest(a)))
+        for x in (a if type(a) in (list, tuple) else [a]):
+            if isinstance(x, np.ndarray) and x.flags.writeable and not x.dtype.hasobject:
+                out.append((x, _digest(x)))
+            elif type(x) is bytearray or (type(x) is memoryview and not x.readonly):
+                out.append((x, _digest(x)))
     return out
+
+
+def _buf_enc(b: bytearray | memoryview) -> dict[str, Any] | None:
+    """A bytearray or a contiguous memoryview by value (None: another kind of view)."""
+    if type(b) is memoryview and not b.c_contiguous:
+        return None
+    return {"$": "buf", "id": id(b), "mv": type(b) is memoryview,
+            "ro": type(b) is memoryview and b.readonly, "v": bytes(b),
+            "fmt": b.format if type(b) is memoryview else "B",
+            "shape": list(b.shape or ()) if type(b) is memoryview else [len(b)]}
+
+
+def _buf_dec(enc: dict[str, Any]) -> bytearray | memoryview:
+    data = enc.get("v")
+    if not isinstance(data, bytes):
+        raise WireError("malformed buffer")
+    if not enc.get("mv"):
+        return bytearray(data)
+    mv = memoryview(bytes(data) if enc.get("ro") else bytearray(data))
+    fmt, shape = str(enc.get("fmt", "B")), tuple(int(n) for n in enc.get("shape") or ())
+    if (fmt, shape) != ("B", (len(data),)):
+        try:
+            mv = mv.cast(fmt, shape)
+        except (TypeError, ValueError):
+            pass  # a format this side does not know: its bytes
+    return mv
+
+
+def _buf_write_back(dest: bytearray | memoryview, data: bytes) -> None:
+    view = memoryview(dest)
+    if view.readonly or not view.c_contiguous or view.nbytes != len(data):
+        return
+    view.cast("B")[:] = data
 
 
 def _mutable_record(obj: Any) -> bool:
@@ -820,9 +916,30 @@ def _record_args(args: list, kwargs: dict) -> list[tuple[Any, dict[str, Any]]]:
     return out
 
 
-def _digest(a: np.ndarray) -> bytes:
+def _container_args(args: list, kwargs: dict) -> list[tuple[Any, Any]]:
+    """The list, dict and set arguments of a call, each with its :func:`_shape` before it."""
+    return [(a, _shape(a)) for a in [*args, *kwargs.values()] if type(a) in (list, dict, set)]
+
+
+def _shape(obj: Any, depth: int = 0) -> Any:
+    """What a container holds, by identity (nested lists, dicts and sets by their own shape):
+    a sort, an append, an update or a replaced item changes it."""
+    if depth > 20:
+        return id(obj)
+    if type(obj) is list:
+        return ("l", id(obj), tuple(_shape(x, depth + 1) for x in obj))
+    if type(obj) is dict:
+        return ("d", id(obj), tuple((id(k), _shape(v, depth + 1)) for k, v in obj.items()))
+    if type(obj) is set:
+        return ("s", id(obj), frozenset(id(x) for x in obj))
+    return id(obj)
+
+
+def _digest(a: Any) -> bytes:
     import hashlib
 
+    if type(a) in (bytearray, memoryview):
+        return hashlib.blake2b(bytes(a), digest_size=16).digest()
     return hashlib.blake2b(np.ascontiguousarray(a).view(np.uint8).tobytes()
                            if a.size else b"", digest_size=16).digest()
 

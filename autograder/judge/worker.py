@@ -38,7 +38,7 @@ def student_code(cells: list[str], problems: list[str] | None = None) -> list[st
         text = ipython_python(source)
         try:
             tree = ast.parse(text)
-        except (SyntaxError, ValueError) as e:
+        except (SyntaxError, ValueError, RecursionError, MemoryError) as e:  # nested too deep
             if problems is not None:
                 problems.append(f"your cell {k} does not parse ({type(e).__name__}: {e}): "
                                 "nothing of it was run")
@@ -115,6 +115,39 @@ class Control:
             cm.__exit__(None, None, None)
 
 
+REACHED = "reached minickpt's own"
+"""What a note of :func:`reached` says (the kernel's watch says it too)."""
+
+
+def reached(ns: dict, names: list) -> list:
+    """A task function of the student's that holds minickpt's own function of the same task
+    (or, on the graded build, its plug point, which stands for it) in a default argument or
+    its closure: a wrapper of the reference handed in as one's own (another task's function
+    held there is the library used, as the lab's own code may). On the graded build it earns
+    nothing (the plug point calls the student's function back); the note is for the
+    instructor's review."""
+    out = []
+    for name in names:
+        fn = ns.get(name)
+        if not callable(fn) or getattr(fn, "_minickpt_plug_point", False):
+            continue
+        held = [*(getattr(fn, "__defaults__", None) or ()),
+                *(getattr(fn, "__kwdefaults__", None) or {}).values()]
+        for cell in getattr(fn, "__closure__", None) or ():
+            try:
+                held.append(cell.cell_contents)
+            except ValueError:
+                pass
+        for v in held:
+            if callable(v) and getattr(v, "__name__", None) == name and (
+                    getattr(v, "_minickpt_plug_point", False)
+                    or str(getattr(v, "__module__", "")).split(".")[0] == "minickpt"):
+                out.append(f"{REACHED} {v.__name__}: your {name} holds it (a default argument "
+                           "or a closure)")
+                break
+    return out
+
+
 def main(conn: Any) -> None:  # pragma: no cover - runs in the worker (tests start real ones)
     """The worker's life: read the code, define the functions, serve the judge's calls until
     the connection closes."""
@@ -141,6 +174,7 @@ def main(conn: Any) -> None:  # pragma: no cover - runs in the worker (tests sta
             exec(compile(code, f"<your cell {k}>", "exec"), ns)
         except BaseException as e:
             problems.append(f"your cell {k} failed: {type(e).__name__}: {e}")
+    problems.extend(reached(ns, job["names"]))
     ep = Endpoint(conn, "worker", Policy(private=True, setattr=True))  # noqa: F821 - wire's
     found = {"__control__": ep.encode(Control())}
     for name in job["names"]:

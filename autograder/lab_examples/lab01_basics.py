@@ -315,8 +315,9 @@ def attack_network(release: Any, source: Any) -> Any:
 
 
 def attack_ignore_interrupt(release: Any, source: Any) -> Any:
-    """``restore_checkpoint`` ignores SIGINT and loops forever: the grader must stop the
-    kernel itself; 1.4 and everything after it (the quiz) score 0, the rest is kept."""
+    """``restore_checkpoint`` ignores SIGINT and loops forever: 1.4 scores 0, the rest is
+    kept (judged, the handler fails in the worker, which calls from a thread; graded by the
+    kernel, the grader must stop the kernel itself and the quiz after it scores 0 too)."""
     nb = perfect(release, source)
     _after_docstring(nb, "task_1_4", "restore_checkpoint", """
 import signal
@@ -490,17 +491,20 @@ def cheat_sys_exit(release: Any, source: Any) -> Any:
 
 
 def cheat_os_exit(release: Any, source: Any) -> Any:
-    """``decode_leaf`` ends the kernel with ``os._exit(0)`` when the tests call it: on the
-    graded build already in 1.1's test that restores through minickpt (1.1 keeps the points of
-    the test before it); 1.3, 1.4 and the quiz, never run, score 0."""
+    """``decode_leaf`` ends its process with ``os._exit(0)`` when the tests call it. Judged
+    (issue 47): the process is the judge's worker; every test that calls it fails (on the
+    graded build already 1.1's and 1.2's tests that restore through minickpt, then 1.3 and
+    1.4), the next test gets a new worker, and the rest (1.1's and 1.2's other tests, the quiz)
+    is kept. Graded by the kernel: it dies in 1.1's test, the rest is never run."""
     nb = perfect(release, source)
     _after_docstring(nb, "task_1_3", "decode_leaf", "import os\n\nos._exit(0)")
     return nb
 
 
 def cheat_kill_kernel(release: Any, source: Any) -> Any:
-    """``restore_checkpoint`` kills its own kernel with SIGKILL: 1.1-1.3 keep their points;
-    1.4 and the quiz score 0."""
+    """``restore_checkpoint`` kills its own process with SIGKILL: 1.4 scores 0, 1.1-1.3 keep
+    their points; so does the quiz under the judge (only its worker dies; graded by the
+    kernel, the kernel dies and the quiz is never run)."""
     nb = perfect(release, source)
     _after_docstring(nb, "task_1_4", "restore_checkpoint",
                      "import signal\n\nos.kill(os.getpid(), signal.SIGKILL)")

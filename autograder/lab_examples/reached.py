@@ -75,8 +75,10 @@ EXAMPLES = {lab: {"reached_dict_default": reached_dict_default,
 _FLAG = "reached minickpt's own"
 EXPECTED = {
     # student, the tasks' points, quiz, total, status, review (texts some flag contains)
-    "lab02_save_policy": [
-        ["reached_dict_default", "0", "0", "0", "0", "0", "0", "graded", _FLAG],
+    "lab02_save_policy": [  # judged (issue 47): no test runs in the kernel, so no watch of
+        # the kernel's sees minickpt's own run; the scan names the one spelling it knows
+        ["reached_dict_default", "0", "0", "0", "0", "0", "0", "graded",
+         "minickpt's reference commit (task 2.3)"],
     ],
     "lab03_resume": [
         ["reached_dict_default", "0", "0", "0", "0", "0", "0", "graded", _FLAG],

@@ -141,7 +141,7 @@ def markdown(rep: dict[str, Any]) -> str:
              "*Before* is each task's first run, before the tests written for its survivors",
              "(issue 48: labs 1, 2 and 5 were first run through a stand-in of the judge's",
              "runner with the same cells and plugging, before the judge landed; labs 4 and 6",
-             "have no new tests yet, so their before is their now).", "",
+             "were first run on their test cells of that day, before issue 48's tests for them).", "",
              "## Per lab", "",
              "| lab | mutants | killed | equivalent | survivors | not run | before (killed/equivalent/survivors) |",
              "|---|---|---|---|---|---|---|"]
