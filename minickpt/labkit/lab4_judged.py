@@ -30,6 +30,8 @@ _send, _ = _signer({key_env!r})  # before the student's worker starts: it never 
 del _signer
 _spec = {spec!r}
 sys.path.append(_spec.pop("path"))
+from minickpt.multihost.process import ENV_NUM_PROCESSES as _N, ENV_PROCESS_ID as _ID
+_spec["setup"] += {identity!r}.format(int(os.environ[_ID]), int(os.environ[_N]))
 from autograder.judge.session import worker_in_process as _worker_in_process
 _started = {{}}
 try:  # in this thread: the sandbox's worker dies with the thread that started it
@@ -78,6 +80,14 @@ _mhp.hard_exit(0)  # no jax.distributed.shutdown(): a failed peer would make it 
 """A judged process's program (the test's body and the key stay in it; the student's code
 is in its worker)."""
 
+_IDENTITY = """
+jax.process_index = lambda backend=None: {0}
+jax.process_count = lambda backend=None: {1}
+"""
+"""The worker's view of the job: in a notebook the student's code runs in JAX process ``k`` of
+``n`` and asks ``jax.process_index()``; its worker under the judge joins no job (no backend,
+no threads), so these two answer as that process would."""
+
 
 def missing_task(name: str, task: str) -> Callable[..., Any]:
     """What stands for a task the student's cells do not define (as the judge's plug does)."""
@@ -116,6 +126,7 @@ def run_judged(spec: Mapping[str, Any], body: str, names: Sequence[str], *, proc
         fd = os.open(script, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
         with open(fd, "w", encoding="utf-8") as f:
             f.write(_JUDGED.format(pin=pin, key_env=key_env, spec=spec, imports=imports,
+                                   identity=_IDENTITY,
                                    tasks=tasks, names=list(names), body=body))
         if directory is None:  # (under the judge: in the test's folder, the worker's too)
             directory = stack.enter_context(tempdir())
