@@ -42,7 +42,7 @@ import minickpt.multihost.process as _mhp
 import minickpt.multihost.sync as _mhs
 _mhp.initialize()
 {imports}
-from minickpt.labkit.lab4_judged import missing_task as _missing_task
+from minickpt.labkit.lab4_judged import missing_task as _missing_task, whose as _whose
 ME, N = jax.process_index(), jax.process_count()
 directory = sys.argv[1]
 _results = {{}}
@@ -56,7 +56,8 @@ def report(**values):
 _error, _test = None, {{}}
 try:  # the body in the harness's names, the student's task functions (proxies) beside them
     _fns = dict(_started["worker"][1]) if "worker" in _started else {{}}
-    _plugs = [_fns.get(_n) or _missing_task(_n, _t) for _n, _t in {tasks!r}]
+    _plugs = [_whose(_fns[_n], _n, _t) if _n in _fns else _missing_task(_n, _t)
+              for _n, _t in {tasks!r}]
     _test = {{_k: _v for _k, _v in globals().items() if not _k.startswith("_")}}
     _test.update({{_n: _fns[_n] for _n in {names!r} if _n in _fns}})
     for _n in {names!r}:
@@ -95,8 +96,38 @@ def missing_task(name: str, task: str) -> Callable[..., Any]:
         raise NotImplementedError(f"Task {task}: {name} is not plugged in: define {name} in "
                                   f"task {task}'s cell")
 
-    missing.__name__ = missing.__qualname__ = name
-    return missing
+    return whose(missing, name, task)
+
+
+def whose(fn: Callable[..., Any], name: str, task: str) -> Callable[..., Any]:
+    """``fn`` as minickpt calls it in a test: an error it raises says whose function it was
+    ("this test runs your Task 4.1 agree_on_step, which raised ..."), as the graded build's
+    plug points say it in the judge's own process."""
+    def plugged(*args: Any, **kwargs: Any) -> Any:
+        try:
+            return fn(*args, **kwargs)
+        except Exception as e:
+            _say_whose(e, task, name)
+            raise
+
+    plugged.__name__ = plugged.__qualname__ = name
+    return plugged
+
+
+def _say_whose(e: BaseException, task: str, name: str) -> None:
+    if getattr(e, "_minickpt_whose", None):  # raised in a task that one of theirs called
+        return
+    try:
+        e._minickpt_whose = task  # type: ignore[attr-defined]
+    except AttributeError:
+        return
+    said = f"this test runs your Task {task} {name}, which raised {type(e).__name__}: "
+    if isinstance(e, OSError) and e.strerror is not None:
+        e.strerror = said + str(e.strerror)
+    elif len(e.args) == 1 and isinstance(e.args[0], str):
+        e.args = (said + e.args[0],)
+    elif not e.args:
+        e.args = (said.rstrip(": "),)
 
 
 def run_judged(spec: Mapping[str, Any], body: str, names: Sequence[str], *, processes: int,
