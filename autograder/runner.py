@@ -729,7 +729,7 @@ def run_pool(jobs: list[Job], cfg: dict[str, Any], n: int, logs: Path,
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
     slot_cgroups, _ = cgroups.make_slot_cgroups(  # the probe said already when there are none
         n, cpus=limits.cpus or max(0.05, (cores or 1) / n), memory=limits.slot_memory_bytes,
-        processes=limits.processes)
+        processes=limits.slot_processes)
     slots = [Slot(k, uids[k], cfg, logs, slot_cgroups[k] if slot_cgroups else None)
              for k in range(n)]
     wall = float(cfg["wall"]) + 120.0

@@ -66,6 +66,9 @@ class Limits:
     open_files: int = 1024           # RLIMIT_NOFILE
     tmp_bytes: int = 256 << 20       # size of its /tmp, /dev/shm and working folder (tmpfs: RAM)
     slot_memory_bytes: int = 6 << 30  # memory of all its processes together (its cgroup), no swap
+    slot_processes: int = 1024       # pids.max of its cgroup: the sandbox's (`processes`) and the
+    #                                  judge's: its worker, lab 4's 4 trusted JAX processes (~30
+    #                                  threads each) and their 4 student workers (~250 measured)
     cpus: float = 0.0                # cores of its cgroup; 0: the machine's cores / parallel slots
 
     def as_dict(self) -> dict[str, int]:

@@ -22,16 +22,16 @@ from typing import Any
 
 from .cells import cells_of, ensure_devices, run_tests
 
-JUDGED_LABS = ("lab01_basics", "lab02_save_policy", "lab03_resume", "lab05_async",
-               "lab06_production")
+JUDGED_LABS = ("lab01_basics", "lab02_save_policy", "lab03_resume", "lab04_multihost",
+               "lab05_async", "lab06_production")
 """The labs whose every test the judge decides. Their hostile corpus asserts what the judge
 does (`tests/test_grading_hardening.py`): a worker that dies fails the test that called it, with
 its reason, and the tests after it still run on a fresh worker; the kernel runs no test, so
 nothing it prints or does (a history-reader, an exit, a forged receipt) decides a point. Labs 3
 and 6 start processes of their own in their tests: under the judge they run the code the
-proxies carry, in the sandbox (minickpt.labkit.processes). Lab 4's tests run their body inside
-the student's four JAX processes (labkit.run_processes): not judged. In every lab not listed
-the kernel's receipts still count: docs/grading.md, "Its limits"."""
+proxies carry, in the sandbox (minickpt.labkit.processes). Lab 4's tests run their body in four
+trusted JAX processes (labkit.lab4_judged), each with a sandboxed worker of its own for the
+student's functions."""
 
 
 def judges(lab: str) -> bool:

@@ -78,9 +78,7 @@ class StudentWorker:
     def start(self, setup: str, names: Sequence[str]) -> dict[str, Any]:
         ours, theirs = socket.socketpair()
         argv = [sys.executable, "-c", worker.BOOT, str(theirs.fileno())]
-        env = {"JAX_PLATFORMS": "cpu", "PYTHONDONTWRITEBYTECODE": "1",
-               "XLA_FLAGS": "--xla_force_host_platform_device_count=4",
-               "PATH": os.environ.get("PATH", "/usr/bin:/bin")}
+        env = worker_env()
         if self.wrap is not None:
             argv = self.wrap(argv, env)
         elif os.environ.get("PYTHONPATH"):  # no sandbox: the same minickpt as this process
@@ -140,6 +138,61 @@ class StudentWorker:
             self.proc.kill()
             with contextlib.suppress(subprocess.TimeoutExpired):
                 self.proc.wait(5)
+
+
+def worker_env() -> dict[str, str]:
+    """The environment a student's worker is started with (the sandbox keeps what it passes)."""
+    return {"JAX_PLATFORMS": "cpu", "PYTHONDONTWRITEBYTECODE": "1",
+            "XLA_FLAGS": "--xla_force_host_platform_device_count=4",
+            "PATH": os.environ.get("PATH", "/usr/bin:/bin")}
+
+
+FD_TOKEN = "@@judge-worker-fd@@"
+"""Where the worker's descriptor goes in a command the judge wrapped for another process to
+start (:func:`worker_spec`): that process puts its own socket's number there."""
+
+
+def worker_spec(lab: str, student_cells: Sequence[str], folder: str, setup: str, *,
+                wrap: Callable[[list[str], dict[str, str]], list[str]] | None,
+                timeout: float, outside: str) -> Callable[[], dict[str, Any]]:
+    """How a trusted process a test starts (lab 4's :func:`minickpt.labkit.lab4.run_processes`:
+    each JAX process of the job) starts a student's worker of its own, as data: the lab's setup
+    cell, the student's cells, the lab's task names, the worker's folder and its command
+    already wrapped in the sandbox (the descriptor left as :data:`FD_TOKEN`), and ``private``,
+    a fresh folder outside the sandbox's view (mode 0700) where the test's own script goes.
+    No line of a test: the test's text stays in that script, in the trusted process.
+    Each call wraps anew (the sandbox's wrap readies ``folder`` for the slot's uid)."""
+    names = list(cells_mod.lab_task_names(lab))
+    root = str(Path(__file__).resolve().parents[2])  # where ``autograder`` is imported from
+
+    def spec() -> dict[str, Any]:
+        argv = None
+        if wrap is not None:
+            argv = list(wrap([sys.executable, "-c", worker.BOOT, FD_TOKEN], worker_env()))
+        private = os.path.realpath(_REAL_MKDTEMP(prefix="judge-processes-", dir=outside))
+        os.chmod(private, 0o700)
+        return {"lab": lab, "setup": setup, "cells": list(student_cells), "names": names,
+                "folder": folder, "argv": argv, "timeout": timeout, "private": private,
+                "path": root}
+
+    return spec
+
+
+_REAL_MKDTEMP = tempfile.mkdtemp  # (``shared_with_worker`` makes every mkdtemp the worker's)
+
+
+def worker_in_process(spec: Mapping[str, Any]) -> tuple[StudentWorker, dict[str, Any]]:
+    """In a trusted process a test started (:func:`worker_spec`'s ``spec``): a student's worker
+    of its own, started as the judge said; returns it and the proxies to its functions."""
+    template = spec.get("argv")
+    wrap = None
+    if template is not None:
+        def wrap(argv: list[str], env: dict[str, str]) -> list[str]:
+            return [str(a).replace(FD_TOKEN, argv[-1]) for a in template]
+
+    w = StudentWorker(spec["lab"], spec["cells"], spec["folder"], wrap=wrap,
+                      timeout=float(spec["timeout"]))
+    return w, w.start(spec["setup"], list(spec["names"]))
 
 
 def worker_program() -> str:
@@ -244,6 +297,7 @@ def judge_lab(lab: str, student_cells: Sequence[str], folder: str, *,
     setup = cells[0]
     names = cells_mod.lab_task_names(lab)
     old_tmp = tempfile.tempdir
+    outside = tempfile.gettempdir()  # (before the tests' folder becomes every test's)
     tests_dir = os.path.join(folder, "tests")
     os.makedirs(tests_dir, exist_ok=True)
     if uid and os.geteuid() == 0:
@@ -311,6 +365,9 @@ def judge_lab(lab: str, student_cells: Sequence[str], folder: str, *,
     try:
         tempfile.tempdir = tests_dir
         how = dict(launch) if launch is not None else ({"wrap": wrap} if wrap else {})
+        how["student_worker"] = worker_spec(lab, student_cells, folder, setup,
+                                            wrap=how.get("wrap", wrap), timeout=timeout,
+                                            outside=outside)
         with shared_with_worker(True), launched_by(**how):
             tools = {name: grader_tool(fn) for name, fn in (tools or {}).items()}
             verdicts = cells_mod.run_tests(lab, functions, tools=tools, cells=cells,

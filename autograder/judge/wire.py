@@ -7,7 +7,7 @@ code), so the sandbox needs no copy of ``autograder/``; it imports only the stan
 msgpack and numpy at the top, JAX when an array of it crosses.
 
 * **Values**: None, bools, ints, floats, strings, bytes; lists, tuples, dicts, sets; numpy
-  arrays and scalars (any dtype but object); JAX arrays and typed PRNG keys; named tuples and
+  arrays, scalars and dtypes (any but object); JAX arrays and typed PRNG keys; named tuples and
   dataclasses (flax's struct nodes, optax's states, minickpt's records) of classes from the
   modules in :data:`CLASS_MODULES`; exceptions of such classes (``OSError`` with its errno).
 * **Handles**: any other object stays where it is; the other side gets a :class:`Remote`
@@ -243,6 +243,9 @@ class Endpoint:
                 return self._handle(obj)
             return {"$": "npscalar", "id": id(obj), "dtype": _dtype_name(obj.dtype),
                     "data": np.asarray(obj).tobytes()}
+        if isinstance(obj, np.dtype) and not obj.hasobject and obj.fields is None:
+            return {"$": "dtype", "id": id(obj), "dtype": _dtype_name(obj),
+                    "order": obj.byteorder}  # (lab 4's region_from_pieces(box, dtype, ...))
         jax_enc = _encode_jax(obj)
         if jax_enc is not None:
             return {**jax_enc, "id": id(obj)}
@@ -456,6 +459,9 @@ class Endpoint:
             if tag == "jax" and not enc.get("deleted"):
                 self._note_buffer(enc, x)
             return x
+        if tag == "dtype":
+            dt = _dtype(enc["dtype"])
+            return self._keep(enc, dt.newbyteorder(">") if enc.get("order") == ">" else dt)
         if tag == "sds":  # a jax.ShapeDtypeStruct: its shape and dtype (the placement stays)
             import jax
 
@@ -952,7 +958,21 @@ def _nd_enc(a: np.ndarray) -> dict[str, Any]:
     c = a if a.flags.c_contiguous else a.copy(order="C")
     little = c.dtype.newbyteorder("<") if c.dtype.byteorder == ">" else c.dtype
     return {"dtype": _dtype_name(c.dtype), "order": c.dtype.byteorder, "shape": list(c.shape),
-            "data": c.astype(little, copy=False).tobytes(), "ro": not a.flags.writeable}
+            "data": c.astype(little, copy=False).tobytes(), "ro": not a.flags.writeable,
+            "at": a.__array_interface__["data"][0] % ALIGN}
+
+
+ALIGN = 64
+"""An array's copy on the other side starts at the same address modulo this as the array (a
+test checks that a region is 64-byte aligned, lab 4's ``region_from_pieces``: it is where
+the student's code allocated it, neither more nor less aligned by the crossing)."""
+
+
+def _placed(nbytes: int, at: int) -> np.ndarray:
+    """``nbytes`` fresh bytes starting ``at`` past a multiple of :data:`ALIGN`."""
+    raw = np.empty(nbytes + ALIGN, np.uint8)
+    start = (int(at) - raw.__array_interface__["data"][0]) % ALIGN
+    return raw[start:start + nbytes]
 
 
 def _dtype_name(dt: np.dtype) -> str:
@@ -977,7 +997,9 @@ def _dtype(name: str) -> np.dtype:
 
 def _nd_from(enc: dict[str, Any]) -> np.ndarray:
     dt = _dtype(enc["dtype"]).newbyteorder("<")
-    a = np.frombuffer(enc["data"], dtype=dt).reshape(enc["shape"]).copy()
+    src = np.frombuffer(enc["data"], dtype=dt).reshape(enc["shape"])
+    a = _placed(src.nbytes, enc.get("at", 0)).view(dt).reshape(src.shape)
+    a[...] = src
     if enc.get("order") == ">":
         a = a.astype(a.dtype.newbyteorder(">"))
     if enc.get("ro"):

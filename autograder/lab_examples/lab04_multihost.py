@@ -8,7 +8,7 @@ from __future__ import annotations
 from typing import Any
 
 from .common import Edit, Wrong, _cell, _replace, blank, perfect, swap, wrong_examples
-from .hostile import ISSUE_20
+from .hostile import ISSUE_20, JUDGED
 
 # 4.1: the steps are compared, but their types never checked (True and 5.0 pass as steps)
 TYPE_CHECK = '''    for p, s in enumerate(steps):
@@ -255,4 +255,5 @@ EXAMPLES: dict[str, Edit] = {
     "drill_liar_by_hand": drill_liar_by_hand,
     **ISSUE_20,  # issue 20's four classes in one submission (cheap: see make_examples)
     **wrong_examples(WRONG),
+    **JUDGED,  # issue 47: the kernel liar
 }

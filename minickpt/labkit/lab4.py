@@ -12,6 +12,7 @@ import numpy as np
 
 from .checks import LabCheckError
 from .plugging import graded_build, own_task_functions, reference, task_sources
+from .processes import student_worker
 from .temporaries import tempdir
 from .watch import Reports
 
@@ -204,6 +205,14 @@ def run_processes(body: str, *, processes: int = 4, devices: int = 2,
     names = [getattr(fn, "__name__", "") for fn in functions]
     for fn in functions:
         reference(fn.__name__)  # a name no task has fails here, not in every process
+    judged = student_worker()
+    if judged is not None:  # under the grader's judge: trusted processes, the student's code in
+        from .lab4_judged import run_judged  # workers of their own (see that module)
+
+        res, key = run_judged(judged, body, names, processes=processes, devices=devices,
+                              directory=directory, timeout_s=timeout_s, pin=_PIN_CPUS,
+                              imports=LAB4_IMPORTS, key_env=KEY_ENV)
+        return ProcessesRun(processes, res, key)
     mine = list(functions)
     if graded_build():  # minickpt calls the student's other lab 4 tasks there, also in a test of its own code
         mine += own_task_functions("4")

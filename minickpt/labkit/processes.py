@@ -30,13 +30,18 @@ LAUNCH_KEYS = ("wrap", "after_run", "send_signal", "locate")
 :func:`minickpt.labkit.lab3.run_lab3_drill` and :func:`minickpt.labkit.lab6.run_loop_worker`
 that say where a process starts and how it is reached."""
 
+WORKER_KEY = "student_worker"
+"""What else :func:`launched_by` may set: ``student_worker()``, the judge's data for a trusted
+process a test starts (lab 4's JAX processes) to start a student's worker of its own
+(``autograder.judge.session.worker_spec``)."""
+
 
 @contextlib.contextmanager
 def launched_by(**how: Callable[..., Any] | None) -> Iterator[None]:
     """For the block, the tests' processes start as ``how`` says (``wrap(argv, env)``: the
     command in the sandbox; ``after_run()``: after each process; ``send_signal(proc, sig)``
     and ``locate(proc)``: the process inside the sandbox). The judge's; nothing else sets it."""
-    unknown = set(how) - set(LAUNCH_KEYS)
+    unknown = set(how) - {*LAUNCH_KEYS, WORKER_KEY}
     if unknown:
         raise TypeError(f"launched_by: unknown {sorted(unknown)}")
     _HOW.append({k: v for k, v in how.items() if v is not None})
@@ -50,6 +55,13 @@ def launch_options(*keys: str) -> dict[str, Any]:
     """The options :func:`launched_by` set that a launcher takes (``keys``); none outside it."""
     how = _HOW[-1] if _HOW else {}
     return {k: how[k] for k in keys if k in how}
+
+
+def student_worker() -> dict[str, Any] | None:
+    """Under the judge: how a process a test starts reaches the student's code (a worker of
+    its own, in the sandbox; :data:`WORKER_KEY`), as data; None elsewhere."""
+    make = (_HOW[-1] if _HOW else {}).get(WORKER_KEY)
+    return None if make is None else make()
 
 
 def given_source(fn: Any) -> str | None:

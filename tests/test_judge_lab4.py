@@ -1,0 +1,163 @@
+"""Lab 4 under the judge (issue 47): each JAX process of a test's job is a trusted one (the
+body, the report key, the reports), and the student's task functions are proxies to a worker
+of its own, started in the sandbox as the judge says, holding the student's cells' definitions
+and nothing of a test."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+
+from autograder import ROOT, drills
+from autograder.judge import cells as cells_mod
+from autograder.judge import session
+from autograder.notebook import load_lab
+
+pytestmark = pytest.mark.timeout(1800)
+
+LAB = "lab04_multihost"
+
+RECORDER = r'''
+import json, os, sys
+from multiprocessing import connection
+log, fd = sys.argv[2], sys.argv[1]
+got = []
+real = connection.Connection.recv_bytes
+
+
+def recv_bytes(self, maxlength=None):
+    b = real(self, maxlength)
+    got.append(len(b))
+    with open(log + ".bytes", "ab") as f:
+        f.write(b + b"\n")
+    return b
+
+
+connection.Connection.recv_bytes = recv_bytes
+fds = {x: os.readlink(f"/proc/self/fd/{x}") for x in os.listdir("/proc/self/fd")
+       if os.path.exists(f"/proc/self/fd/{x}")}
+with open(log + ".json", "w") as f:
+    json.dump({"argv": sys.argv, "env": dict(os.environ), "fds": fds}, f)
+sys.argv = ["-c", fd]
+exec(BOOT)
+'''
+"""A student's worker that first writes down what it was given: its command, environment and
+open descriptors, and every byte the wire brings it (then it is the worker)."""
+
+
+def _solution_cells() -> list[str]:
+    nb = json.loads((ROOT / "solutions" / LAB / f"{LAB}.ipynb").read_text())
+    return ["".join(c["source"]) for c in nb["cells"] if c["cell_type"] == "code"
+            and c.get("metadata", {}).get("nbgrader", {}).get("solution")]
+
+
+def _test_lines() -> set[str]:
+    cells = load_lab(ROOT / "solutions" / LAB / f"{LAB}.ipynb").cells
+    elsewhere = {line.strip() for c in cells if c.role != "test"
+                 for line in c.source.splitlines()}
+    return {line.strip() for c in cells if c.role == "test" for line in c.source.splitlines()
+            if len(line.strip()) > 25 and not line.strip().startswith("#")} - elsewhere
+
+
+def test_lab4_judged_end_to_end_and_its_workers_get_no_test_text(box, tmp_path):
+    """Before: under the judge ``run_processes`` ran the test's body (hidden lines too) and
+    held its report key in processes that exec'd the student's cells, and its processes had
+    no student's code to run (the proxies have no source there). Now the solution earns every
+    test of lab 4, decided in the judge, and each student's worker the tests' JAX processes
+    started (in the sandbox where there is one) was given the setup cell and the student's
+    definitions only: no line of a test, no report key (no descriptor but its socket, nothing
+    of the key in its environment)."""
+    from minickpt.labkit import lab4
+
+    cells = _solution_cells()
+    spied: list[str] = []
+    with box.scratch() as d:
+        spy = os.path.join(d, "spy")
+        os.makedirs(spy)
+        os.chmod(spy, 0o777)
+        how = drills.judge_launch(box, d) if box.iso.sandboxed else {}
+        real = how.get("wrap")
+
+        def wrap(argv: list[str], env: dict[str, str]) -> list[str]:
+            if argv[1:3] == ["-c", session.worker.BOOT]:  # a student's worker: record it
+                log = os.path.join(spy, f"w{len(spied)}")
+                spied.append(log)
+                argv = [argv[0], "-c", f"BOOT = {session.worker.BOOT!r}\n{RECORDER}",
+                        argv[3], log]
+            return real(argv, env) if real is not None else argv
+
+        verdicts, problems = session.judge_lab(
+            LAB, cells, d, wrap=wrap if box.iso.sandboxed else None,
+            uid=box.uid if box.iso.mode == "bwrap-root" else None,
+            tools={"grader_drill": drills.tool(cells, box)}, cells=cells_mod.lab_cells(LAB),
+            end_workers=box.end_workers, launch={**how, "wrap": wrap})
+        assert not problems, problems
+        failed = [(v.grade_id, v.message) for v in verdicts if not v.passed]
+        assert not failed, failed
+        assert len(verdicts) == len(cells_mod.lab_cells(LAB)[1])
+        records = [json.load(open(log + ".json")) for log in spied
+                   if os.path.exists(log + ".json")]
+        received = [open(log + ".bytes", "rb").read().decode("latin-1") for log in spied
+                    if os.path.exists(log + ".bytes")]
+    # the judge's own worker, and at least one of each of the tests' jobs' 4 processes
+    assert len(records) >= 5 and len(received) == len(records), (len(spied), len(records))
+    text = "\n".join(received)
+    assert "def two_barrier_commit(" in text and "def region_from_pieces(" in text
+    leaked = [line for line in _test_lines() if line in text]
+    assert not leaked, leaked[:3]
+    assert "BEGIN HIDDEN" not in text and "mngr.save(10 if ME != N - 1 else 12" not in text
+    for r in records:
+        assert lab4.KEY_ENV not in r["env"] and not any(lab4.KEY_ENV in a for a in r["argv"])
+        # past stdin, stdout and stderr: its socket, and the folder its listing read
+        others = {f: t for f, t in r["fds"].items() if int(f) > 2 and f != r["argv"][1]
+                  and not t.startswith("/proc/")}
+        assert not others, r["fds"]
+
+
+
+def test_a_dtype_crosses_by_value():
+    """Lab 4's ``region_from_pieces(box, dtype, pieces)``: the dtype is a value on the other
+    side (numpy refuses a handle as a data type), the pieces' read callables stay handles."""
+    import socket
+    from multiprocessing.connection import Connection
+
+    import numpy as np
+
+    from autograder.judge import wire
+
+    a, b = socket.socketpair()
+    judge = wire.Endpoint(Connection(a.detach()), "judge", session.confined_policy(["/nowhere"]),
+                          timeout=60).start()
+    other = wire.Endpoint(Connection(b.detach()), "worker",
+                          wire.Policy(private=True, setattr=True), timeout=60).start()
+    try:
+        def student(dtype, pieces):
+            (box, read), = pieces
+            return np.asarray(read(box), dtype=dtype), dtype.str
+
+        fn = judge.decode(other.encode(student))
+        for dt in (np.dtype(np.float32), np.dtype(">i4"), np.dtype("bool")):
+            out, name = fn(dt, [(((0, 2),), lambda part: np.ones(2))])
+            assert out.dtype == dt and name == dt.str
+    finally:
+        judge.close()
+        other.close()
+
+
+@pytest.mark.parametrize("at", [0, 16, 48])
+def test_an_array_crosses_as_aligned_as_it_was(at):
+    """Lab 4.4's test reads the region's address (64-byte aligned: ``aligned_empty``): the
+    copy the judge gets starts where the student's array did, modulo 64."""
+    import numpy as np
+
+    from autograder.judge import wire
+
+    raw = np.zeros(64 + 6 * 4, np.uint8)
+    start = (at - raw.__array_interface__["data"][0]) % 64
+    a = raw[start:start + 24].view(np.float32)
+    a[:] = np.arange(6)
+    b = wire._nd_from(wire._nd_enc(a.reshape(2, 3)))
+    assert b.__array_interface__["data"][0] % 64 == at and b.flags.writeable
+    assert np.array_equal(b, np.arange(6, dtype=np.float32).reshape(2, 3))
