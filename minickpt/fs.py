@@ -204,6 +204,13 @@ class FileSystem:
         finally:
             table.exit()
 
+    def _known_dir(self, path: str) -> bool:
+        """True when an ``anchored`` block knows ``path`` for a real directory (not a
+        symbolic link) without an ``lstat``: :meth:`minickpt.dirfds.Anchors.is_dir`. False
+        outside such a block, for a subclass, and whenever it is not known: ask ``lstat``."""
+        table = self.__dict__.get("_anchors")
+        return table is not None and table.is_dir(path)
+
     def fstat(self, fd: int) -> os.stat_result:
         return os.fstat(fd)
 
