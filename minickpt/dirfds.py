@@ -168,6 +168,22 @@ class Anchors:
                 self._fds[key] = fd
 
 
+class Anchored:
+    """One ``anchored`` block: ``path`` anchored on entry, let go of on exit (a class, not a
+    generator: it is entered once per restore)."""
+
+    __slots__ = ("_path", "_table")
+
+    def __init__(self, table: Anchors, path: str) -> None:
+        self._table, self._path = table, path
+
+    def __enter__(self) -> None:
+        self._table.enter(self._path)
+
+    def __exit__(self, *exc: object) -> None:
+        self._table.exit()
+
+
 def anchors_of(fs: Any) -> Anchors:
     """The file system's table (made on first use: subclasses need not call a constructor)."""
     table = fs.__dict__.get("_anchors")

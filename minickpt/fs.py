@@ -16,15 +16,16 @@ import os
 import stat
 import sys
 import time
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
-from contextlib import contextmanager
+from contextlib import AbstractContextManager, nullcontext
 from typing import Any
 
 import numpy as np
 
 from . import dirfds
 from .aio import _AIO_RINGS, _AIO_SYSCALL, _LIBC, _run_together
+from .errors import CheckpointCorruptedError, UnsafeCheckpointError
 
 Buffer = bytes | bytearray | memoryview
 
@@ -189,20 +190,13 @@ class FileSystem:
                 return st
         return os.lstat(path)
 
-    @contextmanager
-    def anchored(self, path: str) -> Iterator[None]:
+    def anchored(self, path: str) -> AbstractContextManager[None]:
         """Reads and ``lstat``s under ``path`` resolve from directory descriptors within this
         block (:mod:`minickpt.dirfds`): the same results, fewer lookups. Only the plain local
         file system anchors; a subclass sees its path calls unchanged."""
         if type(self) is not FileSystem or not dirfds.USABLE:
-            yield
-            return
-        table = dirfds.anchors_of(self)
-        table.enter(path)
-        try:
-            yield
-        finally:
-            table.exit()
+            return nullcontext()
+        return dirfds.Anchored(dirfds.anchors_of(self), path)
 
     def _known_dir(self, path: str) -> bool:
         """True when an ``anchored`` block knows ``path`` for a real directory (not a
@@ -514,8 +508,6 @@ class FileSystem:
     def _open_read(self, path: str) -> tuple[int, os.stat_result]:
         """:meth:`open_read`, also returning the ``fstat`` it checked (whose size
         :meth:`read_file` needs: one fstat per file, not two)."""
-        from .errors import CheckpointCorruptedError, UnsafeCheckpointError
-
         try:
             fd = self.open(path, os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0)
                            | getattr(os, "O_NONBLOCK", 0))
@@ -564,8 +556,13 @@ class FileSystem:
             if size > max_bytes:
                 raise ValueError(f"{path} is {size} bytes, more than the {max_bytes} allowed")
             buf = bytearray(size)
-            if size:
-                self.read_into(fd, memoryview(buf), 0)
+            if size:  # most files in one call; a short read goes on as read_into does
+                view = memoryview(buf)
+                n = self.preadv(fd, [view], 0)
+                if n <= 0:
+                    raise EOFError(f"file ended {size} bytes early, at offset 0")
+                if n < size:
+                    self.read_into(fd, view[n:], n)
             return bytes(buf)
         finally:
             self.close(fd)
