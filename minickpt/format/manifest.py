@@ -242,18 +242,17 @@ def open_data(fs: FileSystem, m: Manifest) -> int:
     if m.data_checked:
         return fs.open_read(dpath)
     arrays = _whole_leaves(m)
-    first = path_str(arrays[0]["path"]) if arrays else None
     try:
         fd, st = fs._open_read(dpath)
     except FileNotFoundError as e:
         raise _corrupt(dpath, f"data file is missing (it holds {_leaf_list(arrays)})",
-                       leaf=first) from e
+                       leaf=_first(arrays)) from e
     except UnsafeCheckpointError as e:
         raise UnsafeCheckpointError(dpath, "is a symbolic link; refusing to follow it",
-                                    leaf=first) from e
+                                    leaf=_first(arrays)) from e
     except CheckpointCorruptedError as e:  # not a regular file
         raise _corrupt(dpath, f"data file is not a regular file (it should hold "
-                              f"{_leaf_list(arrays)})", leaf=first) from e
+                              f"{_leaf_list(arrays)})", leaf=_first(arrays)) from e
     try:
         _check_data_stat(st, dpath, m.data_bytes, arrays)
     except BaseException:
@@ -267,29 +266,32 @@ def _check_data_file(fs: FileSystem, dpath: str, data_bytes: int,
                      arrays: Sequence[Mapping[str, Any]]) -> None:
     """The data file must be a regular file of exactly the manifest's size; if it is not,
     the error names the leaves it costs."""
-    first = path_str(arrays[0]["path"]) if arrays else None
     try:
         st = fs.lstat(dpath)
     except FileNotFoundError as e:
         raise _corrupt(dpath, f"data file is missing (it holds {_leaf_list(arrays)})",
-                       leaf=first) from e
+                       leaf=_first(arrays)) from e
     _check_data_stat(st, dpath, data_bytes, arrays)
+
+
+def _first(arrays: Sequence[Mapping[str, Any]]) -> str | None:
+    """The name of the first leaf a damaged data file costs (made only for an error)."""
+    return path_str(arrays[0]["path"]) if arrays else None
 
 
 def _check_data_stat(st: os.stat_result, dpath: str, data_bytes: int,
                      arrays: Sequence[Mapping[str, Any]]) -> None:
-    first = path_str(arrays[0]["path"]) if arrays else None
     if stat.S_ISLNK(st.st_mode):
         raise UnsafeCheckpointError(dpath, "is a symbolic link; refusing to follow it",
-                                    leaf=first)
+                                    leaf=_first(arrays))
     if not stat.S_ISREG(st.st_mode):
         raise _corrupt(dpath, f"data file is not a regular file (it should hold "
-                              f"{_leaf_list(arrays)})", leaf=first)
+                              f"{_leaf_list(arrays)})", leaf=_first(arrays))
     if st.st_size < data_bytes:
         lost = [e for e in arrays if e["offset"] + e["nbytes"] > st.st_size]
         raise _corrupt(dpath, f"data file has {st.st_size} bytes, the manifest says "
                               f"{data_bytes}: truncated, losing {_leaf_list(lost)}",
-                       leaf=path_str(lost[0]["path"]) if lost else first)
+                       leaf=path_str(lost[0]["path"]) if lost else _first(arrays))
     if st.st_size > data_bytes:
         raise _corrupt(dpath, f"data file has {st.st_size} bytes, the manifest says "
                               f"{data_bytes}: something was appended to it")
