@@ -531,8 +531,13 @@ class FileSystem:
 
     def read_into_many(self, fd: int, buffers: Sequence[memoryview], offset: int) -> None:
         """Fill consecutive buffers from ``offset`` with as few preadv calls as possible."""
-        bufs = [b.cast("B") if b.format != "B" or b.ndim != 1 else b for b in buffers]
-        bufs = [b for b in bufs if len(b)]
+        if len(buffers) == 1:  # a small file, a leaf: the same, without two list builds
+            b = buffers[0]
+            b = b if b.format == "B" and b.ndim == 1 else b.cast("B")
+            bufs = [b] if len(b) else []
+        else:
+            bufs = [b.cast("B") if b.format != "B" or b.ndim != 1 else b for b in buffers]
+            bufs = [b for b in bufs if len(b)]
         while bufs:
             head = bufs[:_IOV_MAX]
             if len(head[0]) > _MAX_IO:
@@ -556,13 +561,8 @@ class FileSystem:
             if size > max_bytes:
                 raise ValueError(f"{path} is {size} bytes, more than the {max_bytes} allowed")
             buf = bytearray(size)
-            if size:  # most files in one call; a short read goes on as read_into does
-                view = memoryview(buf)
-                n = self.preadv(fd, [view], 0)
-                if n <= 0:
-                    raise EOFError(f"file ended {size} bytes early, at offset 0")
-                if n < size:
-                    self.read_into(fd, view[n:], n)
+            if size:
+                self.read_into(fd, memoryview(buf), 0)
             return bytes(buf)
         finally:
             self.close(fd)
