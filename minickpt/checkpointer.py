@@ -470,16 +470,17 @@ class Checkpointer:
             raise KeyError(f"checkpoint {directory} has no item {item!r} "
                            f"(it has {sorted(meta.items)})")
         item_dir = os.path.join(directory, check_name(item))
-        try:
-            st = self.fs.lstat(item_dir)
-        except FileNotFoundError:
-            st = None
-        if st is not None and stat.S_ISLNK(st.st_mode):
-            raise UnsafeCheckpointError(item_dir, "the item directory is a symbolic link; "
-                                                  "refusing to follow it")
-        if st is None or not stat.S_ISDIR(st.st_mode):
-            raise CheckpointCorruptedError(item_dir, "item directory is missing or not a "
-                                                     "directory")
+        if not self.fs._known_dir(item_dir):  # within a restore: its open said so (issue 51)
+            try:
+                st = self.fs.lstat(item_dir)
+            except FileNotFoundError:
+                st = None
+            if st is not None and stat.S_ISLNK(st.st_mode):
+                raise UnsafeCheckpointError(item_dir, "the item directory is a symbolic "
+                                                      "link; refusing to follow it")
+            if st is None or not stat.S_ISDIR(st.st_mode):
+                raise CheckpointCorruptedError(item_dir, "item directory is missing or not a "
+                                                         "directory")
         rec = meta.items[item]
         crc = rec.get("manifest_crc32")
         m = read_manifest(self.fs, item_dir, expected_crc32=crc if isinstance(crc, int) else None,

@@ -130,14 +130,58 @@ class Anchors:
                 except OSError:
                     return None
             st = os.fstat(sub)
-            with self._lock:
-                if key in self._fds:
-                    os.close(sub)
-                else:
-                    self._fds[key] = sub
+            self._keep(key, sub)
             return st
         finally:
             self._release()
+
+    def is_dir(self, path: str) -> bool:
+        """True when ``path``, an entry of an anchored directory, is a real directory: one
+        that ``O_DIRECTORY | O_NOFOLLOW`` opens, which is exactly what an ``lstat`` would
+        call a directory and not a symbolic link, without that ``lstat`` (or an ``fstat``).
+        It is anchored then, for the files under it. False: not known here (ask ``lstat``)."""
+        if not self._fds:
+            return False
+        key = os.path.normpath(path)
+        if key in self._fds:
+            return True
+        got = self._take(path)
+        if got is None:
+            return False
+        fd, name, _ = got
+        try:
+            try:
+                sub = os.open(name, _DIR_FLAGS, dir_fd=fd)
+            except OSError:  # missing, not a directory, a symbolic link: lstat says which
+                return False
+            self._keep(key, sub)
+            return True
+        finally:
+            self._release()
+
+    def _keep(self, key: str, fd: int) -> None:
+        """Anchor ``key`` at ``fd`` (closed if another thread anchored it meanwhile)."""
+        with self._lock:
+            if key in self._fds:
+                os.close(fd)
+            else:
+                self._fds[key] = fd
+
+
+class Anchored:
+    """One ``anchored`` block: ``path`` anchored on entry, let go of on exit (a class, not a
+    generator: it is entered once per restore)."""
+
+    __slots__ = ("_path", "_table")
+
+    def __init__(self, table: Anchors, path: str) -> None:
+        self._table, self._path = table, path
+
+    def __enter__(self) -> None:
+        self._table.enter(self._path)
+
+    def __exit__(self, *exc: object) -> None:
+        self._table.exit()
 
 
 def anchors_of(fs: Any) -> Anchors:

@@ -16,15 +16,16 @@ import os
 import stat
 import sys
 import time
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
-from contextlib import contextmanager
+from contextlib import AbstractContextManager, nullcontext
 from typing import Any
 
 import numpy as np
 
 from . import dirfds
 from .aio import _AIO_RINGS, _AIO_SYSCALL, _LIBC, _run_together
+from .errors import CheckpointCorruptedError, UnsafeCheckpointError
 
 Buffer = bytes | bytearray | memoryview
 
@@ -189,20 +190,20 @@ class FileSystem:
                 return st
         return os.lstat(path)
 
-    @contextmanager
-    def anchored(self, path: str) -> Iterator[None]:
+    def anchored(self, path: str) -> AbstractContextManager[None]:
         """Reads and ``lstat``s under ``path`` resolve from directory descriptors within this
         block (:mod:`minickpt.dirfds`): the same results, fewer lookups. Only the plain local
         file system anchors; a subclass sees its path calls unchanged."""
         if type(self) is not FileSystem or not dirfds.USABLE:
-            yield
-            return
-        table = dirfds.anchors_of(self)
-        table.enter(path)
-        try:
-            yield
-        finally:
-            table.exit()
+            return nullcontext()
+        return dirfds.Anchored(dirfds.anchors_of(self), path)
+
+    def _known_dir(self, path: str) -> bool:
+        """True when an ``anchored`` block knows ``path`` for a real directory (not a
+        symbolic link) without an ``lstat``: :meth:`minickpt.dirfds.Anchors.is_dir`. False
+        outside such a block, for a subclass, and whenever it is not known: ask ``lstat``."""
+        table = self.__dict__.get("_anchors")
+        return table is not None and table.is_dir(path)
 
     def fstat(self, fd: int) -> os.stat_result:
         return os.fstat(fd)
@@ -507,8 +508,6 @@ class FileSystem:
     def _open_read(self, path: str) -> tuple[int, os.stat_result]:
         """:meth:`open_read`, also returning the ``fstat`` it checked (whose size
         :meth:`read_file` needs: one fstat per file, not two)."""
-        from .errors import CheckpointCorruptedError, UnsafeCheckpointError
-
         try:
             fd = self.open(path, os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0)
                            | getattr(os, "O_NONBLOCK", 0))
@@ -532,8 +531,13 @@ class FileSystem:
 
     def read_into_many(self, fd: int, buffers: Sequence[memoryview], offset: int) -> None:
         """Fill consecutive buffers from ``offset`` with as few preadv calls as possible."""
-        bufs = [b.cast("B") if b.format != "B" or b.ndim != 1 else b for b in buffers]
-        bufs = [b for b in bufs if len(b)]
+        if len(buffers) == 1:  # a small file, a leaf: the same, without two list builds
+            b = buffers[0]
+            b = b if b.format == "B" and b.ndim == 1 else b.cast("B")
+            bufs = [b] if len(b) else []
+        else:
+            bufs = [b.cast("B") if b.format != "B" or b.ndim != 1 else b for b in buffers]
+            bufs = [b for b in bufs if len(b)]
         while bufs:
             head = bufs[:_IOV_MAX]
             if len(head[0]) > _MAX_IO:

@@ -158,3 +158,28 @@ def test_writes_never_go_through_an_anchor(tmp_path):
         os.close(fd)
         st = fs.lstat(os.path.join(d, "new.txt"))
     assert os.path.isfile(os.path.join(d, "new.txt")) and st.st_size == 0
+
+
+def test_an_item_directory_opened_as_one_needs_no_stat(tmp_path, monkeypatch):
+    d = _save(str(tmp_path), items={"state": {"w": np.arange(3, dtype=np.float32)}})
+    stats: list[object] = []
+    real_fstat, real_stat = os.fstat, os.stat
+
+    def spy_fstat(fd):
+        stats.append(os.readlink(f"/proc/self/fd/{fd}"))
+        return real_fstat(fd)
+
+    def spy_stat(path, *a, **k):
+        stats.append(path)
+        return real_stat(path, *a, **k)
+
+    monkeypatch.setattr(os, "fstat", spy_fstat)
+    monkeypatch.setattr(os, "stat", spy_stat)
+    out = Checkpointer().restore(d)
+    monkeypatch.undo()
+    assert out["state"]["w"].tolist() == [0, 1, 2]
+    # the checkpoint's directory (its link count), the metadata, the manifest, the data file:
+    # the item's directory is known for one by its O_DIRECTORY | O_NOFOLLOW open
+    assert stats == [d, os.path.join(d, "_CHECKPOINT_METADATA"),
+                     os.path.join(d, "state", "manifest.json"),
+                     os.path.join(d, "state", "data.bin")], stats

@@ -319,3 +319,61 @@ _JSON = st.recursive(
 def test_json_text_is_json_dumps_byte_for_byte(value):
     """Metadata and manifests written with the fast path read exactly as before."""
     assert json_text(value) == json.dumps(value)
+
+
+def _manifest_text(d):
+    return (d / "manifest.json").read_bytes()
+
+
+def test_a_manifest_read_again_is_not_checked_field_by_field_again(tmp_path, monkeypatch):
+    import minickpt.format.manifest as mf
+
+    _, d = write_read(tmp_path, {"w": np.arange(6, dtype=np.float32), "b": np.ones(3)})
+    checks, crcs = [], []
+    real_check, real_crc = mf._check_entry, mf.crc32
+    monkeypatch.setattr(mf, "_check_entry", lambda *a: checks.append(a) or real_check(*a))
+    monkeypatch.setattr(mf, "crc32", lambda b: crcs.append(b) or real_crc(b))
+    m = read_manifest(FS, str(d))
+    # the same bytes were checked by write_read's read: their fields are not checked again,
+    # but their checksum is computed at every read, and the data file is looked at
+    assert checks == [] and len(crcs) == 1
+    assert [e["path"] for e in m.entries] == [["b"], ["w"]]
+    os.truncate(d / "data.bin", 8)
+    with pytest.raises(CheckpointCorruptedError, match="truncated"):
+        read_manifest(FS, str(d))
+
+
+def test_changed_manifest_bytes_are_checked_again(tmp_path):
+    _, d = write_read(tmp_path, {"w": np.arange(6, dtype=np.float32)})
+    text = _manifest_text(d)
+    (d / "manifest.json").write_bytes(text.replace(b'"float32"', b'"object"'))
+    with pytest.raises(UnsafeCheckpointError, match="object dtype"):
+        read_manifest(FS, str(d))
+    (d / "manifest.json").write_bytes(text)
+    assert read_manifest(FS, str(d)).entries[0]["dtype"] == "float32"
+
+
+def test_reads_of_the_same_manifest_share_nothing_a_caller_can_change(tmp_path):
+    _, d = write_read(tmp_path, {"w": np.arange(6, dtype=np.float32)})
+    first = read_manifest(FS, str(d))
+    first.entries[0]["shape"][0] = 99
+    first.entries[0]["dtype"] = "float64"
+    first.skeleton["t"] = "list"
+    again = read_manifest(FS, str(d))
+    assert again.entries[0]["shape"] == [6] and again.entries[0]["dtype"] == "float32"
+    assert again.skeleton["t"] == "dict"
+    assert read_leaves(FS, again)[0].tolist() == list(range(6))
+
+
+def test_a_step_saved_again_restores_what_it_holds_now(tmp_path):
+    import shutil
+
+    path = tmp_path / "ck"
+    Checkpointer().save(path, {"item": {"w": np.arange(4, dtype=np.float32)}})
+    ck = Checkpointer()
+    assert ck.restore(path)["item"]["w"].tolist() == [0, 1, 2, 3]
+    shutil.rmtree(path)
+    Checkpointer().save(path, {"item": {"w": np.arange(5, dtype=np.int32), "v": np.ones(1)}})
+    out = ck.restore(path)["item"]
+    assert out["w"].tolist() == [0, 1, 2, 3, 4] and out["w"].dtype == np.int32
+    assert out["v"].tolist() == [1.0]

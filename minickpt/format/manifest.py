@@ -9,6 +9,7 @@ import json
 import math
 import os
 import stat
+import threading
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -98,7 +99,35 @@ def read_manifest(fs: FileSystem, item_dir: str, *, expected_crc32: int | None =
         raise _corrupt(path, f"manifest checksum {crc:#010x} differs from the one recorded at "
                              f"commit ({expected_crc32:#010x}): it was changed or damaged")
     obj = parse_json(raw, path, "manifest")
-    return validate_manifest(obj, path, item_dir, crc, fs=fs, check_data=check_data)
+    if len(raw) <= _CHECKED_MAX_BYTES and raw in _CHECKED:  # its fields were checked before
+        return _with_files(obj, path, item_dir, crc, fs, check_data, obj["format_version"],
+                           obj.get("data_file"), obj["data_bytes"], obj["tree"], obj["leaves"])
+    m = validate_manifest(obj, path, item_dir, crc, fs=fs, check_data=check_data)
+    _remember_checked(raw)
+    return m
+
+
+# The bytes of manifests whose fields :func:`_check_fields` found good. Those checks (every
+# entry, the skeleton, overlaps: most of a tiny restore's Python) depend on nothing but the
+# parsed bytes, and the same bytes parse to the same fields, so they are not repeated for
+# bytes read again (issue 51). The key is the whole content just read, never a path or a
+# step: a checkpoint deleted and saved again with any byte changed is checked anew. What
+# depends on more than these bytes is done at every read: the manifest's checksum against the
+# one the metadata recorded, the data file's type and size, the shard manifests. Each read
+# still parses its own copy: nothing a caller could change is shared between reads.
+_CHECKED: dict[bytes, None] = {}
+_CHECKED_MAX = 32  # manifests remembered (the oldest forgotten first) ...
+_CHECKED_MAX_BYTES = 256 << 10  # ... each at most this long: at most 8 MiB held
+_CHECKED_LOCK = threading.Lock()
+
+
+def _remember_checked(raw: bytes) -> None:
+    if len(raw) > _CHECKED_MAX_BYTES:
+        return
+    with _CHECKED_LOCK:
+        while len(_CHECKED) >= _CHECKED_MAX:
+            del _CHECKED[next(iter(_CHECKED))]
+        _CHECKED[raw] = None
 
 
 def parse_json(raw: bytes, path: str, what: str) -> Any:
@@ -123,6 +152,15 @@ def _leaf_list(entries: Sequence[Mapping[str, Any]]) -> str:
 def validate_manifest(obj: Any, path: str, item_dir: str, crc: int = 0, *,
                       fs: FileSystem | None = None, check_data: bool = True) -> Manifest:
     """Check every field of a parsed manifest against the format's rules and the data file."""
+    version, data_file, data_bytes, skel, entries = _check_fields(obj, path)
+    return _with_files(obj, path, item_dir, crc, fs, check_data, version, data_file,
+                       data_bytes, skel, entries)
+
+
+def _check_fields(obj: Any, path: str) -> tuple[int, str | None, int, dict[str, Any],
+                                                list[dict[str, Any]]]:
+    """:func:`validate_manifest`'s checks of the parsed manifest itself (nothing else is
+    looked at); its version, data file, data size, skeleton and entries."""
     if not isinstance(obj, dict):
         raise _corrupt(path, "manifest is not a JSON object")
     if obj.get("format") != FORMAT_NAME:
@@ -159,7 +197,16 @@ def validate_manifest(obj: Any, path: str, item_dir: str, crc: int = 0, *,
             raise _corrupt(path, f"leaf {path_str(b['path'])} starts at byte {b['offset']}, "
                                  f"inside leaf {path_str(a['path'])}: leaves never overlap",
                            leaf=path_str(b["path"]))
+    return version, data_file, data_bytes, skel, entries
+
+
+def _with_files(obj: dict[str, Any], path: str, item_dir: str, crc: int, fs: FileSystem | None,
+                check_data: bool, version: int, data_file: str | None, data_bytes: int,
+                skel: dict[str, Any], entries: list[dict[str, Any]]) -> Manifest:
+    """The rest of :func:`validate_manifest`, for a manifest whose own fields are good: the
+    checks that look at other files (the data file's type and size, the shard manifests)."""
     if data_file is not None and fs is not None and check_data:
+        whole = [e for e in entries if e["kind"] != "value" and not e.get("sharded")]
         _check_data_file(fs, os.path.join(item_dir, data_file), data_bytes, whole)
     m = Manifest(item_dir, skel, entries, data_file, data_bytes, crc, obj,
                  data_checked=check_data or data_file is None or fs is None)
@@ -195,18 +242,17 @@ def open_data(fs: FileSystem, m: Manifest) -> int:
     if m.data_checked:
         return fs.open_read(dpath)
     arrays = _whole_leaves(m)
-    first = path_str(arrays[0]["path"]) if arrays else None
     try:
         fd, st = fs._open_read(dpath)
     except FileNotFoundError as e:
         raise _corrupt(dpath, f"data file is missing (it holds {_leaf_list(arrays)})",
-                       leaf=first) from e
+                       leaf=_first(arrays)) from e
     except UnsafeCheckpointError as e:
         raise UnsafeCheckpointError(dpath, "is a symbolic link; refusing to follow it",
-                                    leaf=first) from e
+                                    leaf=_first(arrays)) from e
     except CheckpointCorruptedError as e:  # not a regular file
         raise _corrupt(dpath, f"data file is not a regular file (it should hold "
-                              f"{_leaf_list(arrays)})", leaf=first) from e
+                              f"{_leaf_list(arrays)})", leaf=_first(arrays)) from e
     try:
         _check_data_stat(st, dpath, m.data_bytes, arrays)
     except BaseException:
@@ -220,29 +266,32 @@ def _check_data_file(fs: FileSystem, dpath: str, data_bytes: int,
                      arrays: Sequence[Mapping[str, Any]]) -> None:
     """The data file must be a regular file of exactly the manifest's size; if it is not,
     the error names the leaves it costs."""
-    first = path_str(arrays[0]["path"]) if arrays else None
     try:
         st = fs.lstat(dpath)
     except FileNotFoundError as e:
         raise _corrupt(dpath, f"data file is missing (it holds {_leaf_list(arrays)})",
-                       leaf=first) from e
+                       leaf=_first(arrays)) from e
     _check_data_stat(st, dpath, data_bytes, arrays)
+
+
+def _first(arrays: Sequence[Mapping[str, Any]]) -> str | None:
+    """The name of the first leaf a damaged data file costs (made only for an error)."""
+    return path_str(arrays[0]["path"]) if arrays else None
 
 
 def _check_data_stat(st: os.stat_result, dpath: str, data_bytes: int,
                      arrays: Sequence[Mapping[str, Any]]) -> None:
-    first = path_str(arrays[0]["path"]) if arrays else None
     if stat.S_ISLNK(st.st_mode):
         raise UnsafeCheckpointError(dpath, "is a symbolic link; refusing to follow it",
-                                    leaf=first)
+                                    leaf=_first(arrays))
     if not stat.S_ISREG(st.st_mode):
         raise _corrupt(dpath, f"data file is not a regular file (it should hold "
-                              f"{_leaf_list(arrays)})", leaf=first)
+                              f"{_leaf_list(arrays)})", leaf=_first(arrays))
     if st.st_size < data_bytes:
         lost = [e for e in arrays if e["offset"] + e["nbytes"] > st.st_size]
         raise _corrupt(dpath, f"data file has {st.st_size} bytes, the manifest says "
                               f"{data_bytes}: truncated, losing {_leaf_list(lost)}",
-                       leaf=path_str(lost[0]["path"]) if lost else first)
+                       leaf=path_str(lost[0]["path"]) if lost else _first(arrays))
     if st.st_size > data_bytes:
         raise _corrupt(dpath, f"data file has {st.st_size} bytes, the manifest says "
                               f"{data_bytes}: something was appended to it")
