@@ -83,6 +83,7 @@ def test_a_drawn_plan_fails_saves_before_publication_on_a_process_that_reaches_t
         assert good["process"] != plan["primary"] and float(good["action"]) > 0
         assert last["action"] == "0" and last["process"] == plan["processes"]
         assert good["step"] < bad["step"] < commit["step"] < last["step"]
+        assert commit["kind"] != "OSError", "the commit's failure is not a disk's error"
 
 
 def test_the_solution_passes_the_graders_drill_on_every_sharding(box):
@@ -168,6 +169,38 @@ def two_barrier_commit(save):
     save.barrier("committed", error, info)
 """
 
+CATCHES_ONLY_OSERROR = """
+def two_barrier_commit(save):
+    # the contract's "any failure" read as a disk's: only an OSError reaches the barrier
+    err = None
+    if save.primary:
+        try:
+            save.create()
+        except OSError as e:
+            err = e
+    save.barrier("created", error=err)
+    err, files = None, None
+    try:
+        files = save.write()
+    except OSError as e:
+        err = e
+    all_files = save.barrier("written", error=err, value=files)
+    err, result = None, None
+    if save.primary:
+        try:
+            result = save.commit(all_files)
+        except OSError as e:
+            err = e
+    save.barrier("committed", error=err, value=result)
+"""
+
+
+def _plan_kinds(first: str, second: str) -> dict:
+    plan = _plan("after_write", victim=2)
+    plan["saves"][1]["kind"], plan["saves"][2]["kind"] = first, second
+    return plan
+
+
 EVERY_REPLICA = """
 def owned_shards(shape, devices_indices_map, process_index, *, process_of=lambda d: d.process_index):
     # every device holding a piece writes it
@@ -182,6 +215,7 @@ def owned_shards(shape, devices_indices_map, process_index, *, process_of=lambda
      "was published although the save failed|returned as if it had succeeded"),
     (EVERY_REPLICA, _plan(every_spec=True), "more than one shard"),
     (SWALLOWS_COMMIT, _plan(), "returned as if it had succeeded"),
+    (CATCHES_ONLY_OSERROR, _plan_kinds("OSError", "RuntimeError"), "ended in a time-out"),
 ])
 def test_a_wrong_save_fails_the_graders_drill(box, code, plan, said):
     import re
