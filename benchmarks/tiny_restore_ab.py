@@ -71,7 +71,9 @@ KINDS = ("hot", "cold", "manager_cold")
 
 
 def _run(src: str, n: int, workdir: str, mode: str, prefix: list[str] | None = None) -> str:
-    env = {**os.environ, "PYTHONPATH": src}
+    # the platform this run was given (CPU unless JAX_PLATFORMS says otherwise): both sides alike
+    env = {**os.environ, "PYTHONPATH": src,
+           "JAX_PLATFORMS": os.environ.get("JAX_PLATFORMS", "cpu")}
     return subprocess.run([*(prefix or []), sys.executable, "-c", _ROUND, src, str(n),
                            workdir, mode], env=env, cwd=workdir, check=True,
                           capture_output=True, text=True).stdout

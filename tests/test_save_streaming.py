@@ -7,6 +7,7 @@ data file leaves nothing behind."""
 
 import hashlib
 import os
+import time
 
 import jax
 import jax.numpy as jnp
@@ -103,6 +104,20 @@ def test_the_first_leaf_is_written_before_the_last_transfer_is_waited_for(tmp_pa
                                                                           monkeypatch):
     events: list = []
     _record_waits(monkeypatch, events)
+    recorded = encode._wait_for_host
+
+    def wait(leaf, path):
+        # the last leaf's transfer is slow: a save that streams writes the first leaf meanwhile
+        # (in its writer, however loaded the machine); one that waits for every transfer
+        # first writes nothing before it, and fails after the 20 s
+        if path == LARGE[-1]:
+            deadline = time.monotonic() + 20.0
+            while time.monotonic() < deadline and \
+                    sum(n for kind, n in list(events) if kind == "wrote") < 8 * MIB:
+                time.sleep(0.01)
+        return recorded(leaf, path)
+
+    monkeypatch.setattr(encode, "_wait_for_host", wait)
     state = _state()
     Checkpointer(_Recorder(events)).save(tmp_path / "ck", {"state": state}, step=1)
     waits = [e[1] for e in events if e[0] == "wait"]

@@ -56,8 +56,8 @@ def report(**values):
 _error, _test = None, {{}}
 try:  # the body in the harness's names, the student's task functions (proxies) beside them
     _fns = dict(_started["worker"][1]) if "worker" in _started else {{}}
-    _plugs = [_whose(_fns[_n], _n, _t) if _n in _fns else _missing_task(_n, _t)
-              for _n, _t in {tasks!r}]
+    _plugs = [_missing_task(_n, _t) if _n not in _fns else  # (the test's own: as they are)
+              _fns[_n] if _n in {names!r} else _whose(_fns[_n], _n, _t) for _n, _t in {tasks!r}]
     _test = {{_k: _v for _k, _v in globals().items() if not _k.startswith("_")}}
     _test.update({{_n: _fns[_n] for _n in {names!r} if _n in _fns}})
     for _n in {names!r}:
@@ -100,9 +100,10 @@ def missing_task(name: str, task: str) -> Callable[..., Any]:
 
 
 def whose(fn: Callable[..., Any], name: str, task: str) -> Callable[..., Any]:
-    """``fn`` as minickpt calls it in a test: an error it raises says whose function it was
-    ("this test runs your Task 4.1 agree_on_step, which raised ..."), as the graded build's
-    plug points say it in the judge's own process."""
+    """``fn`` as minickpt calls it in a test of another task: an error it raises says whose
+    function it was ("this test runs your Task 4.1 agree_on_step, which raised ..."), as the
+    graded build's plug points say it in the judge's own process. A test's own functions are
+    plugged in as they are: its checks read their errors' text (cut at 300 characters)."""
     def plugged(*args: Any, **kwargs: Any) -> Any:
         try:
             return fn(*args, **kwargs)
