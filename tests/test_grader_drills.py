@@ -123,6 +123,33 @@ def test_the_lab3_drills_plan_is_not_in_the_workers_argv_or_environment(tmp_path
         assert str(seed) not in text
 
 
+def test_a_worker_that_writes_much_to_stderr_ends_the_lab3_drill_by_itself(tmp_path):
+    """A resume that recurses without end (a reached minickpt's own, a default argument
+    holding the plug) dies with a traceback of a thousand frames. Before, the drill read
+    only the worker's stdout: the traceback filled the stderr pipe, the worker blocked
+    writing it, and the drill waited for the watchdog (2 x timeout_s, 100 s in the grader)
+    to kill it, for each such submission. The worker's stderr is read as it comes: it ends
+    by itself, with its error's last line in ``err``."""
+    import sys
+
+    from minickpt.labkit import lab3
+
+    babble = ("import sys\n"
+              "for _ in range(2000):\n"
+              "    sys.stderr.write('frame ' + 'x' * 200 + '\\n')\n"
+              "raise SystemExit('the last line of the babble')\n")
+
+    def wrap(argv, env):
+        return [sys.executable, "-c", babble]
+
+    r = lab3.run_lab3_drill("def resume(*a):\n    pass\n", str(tmp_path), wrap=wrap,
+                            env={}, kills=2, timeout_s=30)
+    run = r["runs"][0]
+    assert run["rc"] == 1, run["rc"]  # its own exit, not the watchdog's SIGKILL (-9)
+    assert "the last line of the babble" in run["err"], run["err"][-300:]
+    assert len(run["err"]) <= 3000
+
+
 def test_grader_drill_outside_the_grader_says_so_and_returns_none(capsys):
     """Issue 48: an instructor's run-all of a solution notebook (Jupyter, device-check.sh)
     runs the grader checks as plain code; the setup cell's grader_drill then says that the

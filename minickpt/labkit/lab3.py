@@ -131,6 +131,16 @@ def lab3_drill(resume_fn: Callable[..., Any], *, steps: int = 15, every: int = 5
                               **launch_options("wrap", "after_run"))
 
 
+def _drain(stream: Any, tail: list[str], keep: int = 3000) -> None:
+    """Read ``stream`` to its end, keeping its last ``keep`` characters or so in ``tail``."""
+    size = 0
+    for chunk in iter(lambda: stream.read(4096), ""):
+        tail.append(chunk)
+        size += len(chunk)
+        while len(tail) > 1 and size - len(tail[0]) >= keep:
+            size -= len(tail.pop(0))
+
+
 def run_lab3_drill(src: str, d: str, *, steps: int = 15, every: int = 5, kills: int = 2,
                    kill_after: Sequence[int] | int | None = None, timeout_s: float = 50.0,
                    env: Mapping[str, str] | None = None, pass_fds: Sequence[int] = (),
@@ -219,6 +229,10 @@ def run_lab3_drill(src: str, d: str, *, steps: int = 15, every: int = 5, kills: 
                                 pass_fds=tuple(pass_fds))
         watchdog = threading.Timer(2 * timeout_s, proc.kill)  # a worker that hangs or babbles
         watchdog.start()
+        tail: list[str] = []  # its stderr, read as it comes: a traceback of a thousand frames
+        reader = threading.Thread(target=_drain, args=(proc.stderr, tail), daemon=True)
+        reader.start()  # would fill the pipe, and the worker would wait on it for the watchdog
+        proc.stderr = None  # (the reader's alone: communicate below reads stdout only)
         target = None
         try:
             assert proc.stdout is not None
@@ -244,13 +258,14 @@ def run_lab3_drill(src: str, d: str, *, steps: int = 15, every: int = 5, kills: 
                     run["final"] = line.split()[1]
                 if len(run["steps"]) > 4 * steps:
                     break  # a worker that prints without end
-            rest, err = proc.communicate(timeout=timeout_s)
+            rest, _ = proc.communicate(timeout=timeout_s)
             for line in rest.splitlines()[:4 * steps]:  # what it printed before it died
                 if line.startswith("step "):
                     run["steps"].append(_number(line.split()[1]))
                 elif line.startswith("final "):
                     run["final"] = line.split()[1]
-            run["err"] = (err or "")[-3000:]
+            reader.join(timeout=5)
+            run["err"] = "".join(tail)[-3000:]
         except subprocess.TimeoutExpired:
             run["err"] = f"still running after {timeout_s:.0f} s"
         finally:
