@@ -366,6 +366,42 @@ def row_status(rows: list[dict[str, Any]]) -> str:
     return "; ".join(f"{r['lab']}: {r['status']}" for r in bad)
 
 
+_HELD: list[int] = []
+"""The lock files of the folders this run holds (open until the process ends)."""
+
+
+def hold_folder(path: Path) -> int | None:
+    """Hold ``path`` for this run: an exclusive ``flock`` on a lock file beside it
+    (:func:`lock_file`), held until this process ends, however it ends. None when another
+    run holds it (two runs on one folder: the second would empty the first's as it starts)."""
+    import fcntl
+
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd = os.open(lock_file(path), os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        os.close(fd)
+        return None
+    os.ftruncate(fd, 0)
+    os.write(fd, f"pid {os.getpid()}, started {time.strftime('%Y-%m-%d %H:%M:%S')}\n".encode())
+    _HELD.append(fd)
+    return fd
+
+
+def lock_file(path: Path) -> Path:
+    """``path``'s lock file: beside it, since a run empties the folder itself."""
+    return path.parent / f".{path.name.lstrip('.')}.lock"
+
+
+def holder(path: Path) -> str:
+    """Who holds ``path`` (what its lock file says), for a message."""
+    try:
+        return lock_file(path).read_text().strip() or "unknown"
+    except OSError:
+        return "unknown"
+
+
 def fresh_dir(path: Path) -> None:
     """Empty ``path`` for a new run, but only if it is new, empty, or one of ours (it holds
     :data:`MARK`): a mistyped ``--out`` must never delete someone's files."""
@@ -784,9 +820,11 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--source", default=str(ROOT / "solutions"),
                    help="the labs' source with hidden tests (default solutions/; use a private "
                         "copy so that students never see the hidden tests)")
-    p.add_argument("--work", default=str(ROOT / ".grading"),
+    p.add_argument("--work", default=None,
                    help="work folder: each submission's graded notebook (hidden tests "
-                        "included), feedback and logs (default .grading/, emptied first)")
+                        "included), feedback and logs (default .grading/, emptied first; "
+                        "while another run uses .grading/, a folder beside it of this run's "
+                        "own, removed at its end)")
     p.add_argument("-j", "--jobs", type=int, default=None,
                    help="submissions graded at once (default: one per usable core, at most one "
                         "per 6 GiB of memory, what a slot's cgroup allows its kernel and "
@@ -896,7 +934,28 @@ def grade_main(argv: list[str]) -> int:
     from .runner import Job, run_pool
 
     t0 = time.monotonic()
-    source, work, out = Path(a.source).resolve(), Path(a.work).resolve(), Path(a.out).resolve()
+    source, out = Path(a.source).resolve(), Path(a.out).resolve()
+    work = Path(a.work or ROOT / ".grading").resolve()
+    if hold_folder(work) is None:  # another run works there: emptying it would wreck its run
+        if a.work is not None:
+            print(f"grade: --work {work} is in use by another grade.sh run ({holder(work)}); "
+                  "wait for it to end, or pass another --work", file=sys.stderr)
+            return 2
+        busy, work = work, work.with_name(f"{work.name}-{os.getpid()}")
+        if hold_folder(work) is None:  # (a pid reused while a killed run's folder stayed)
+            print(f"grade: {busy} and {work} are in use by other grade.sh runs; pass --work",
+                  file=sys.stderr)
+            return 2
+        import atexit
+
+        atexit.register(lock_file(work).unlink, missing_ok=True)  # (runs last)
+        atexit.register(shutil.rmtree, work, True)
+        print(f"grade: {busy} is in use by another grade.sh run ({holder(busy)}): this run "
+              f"works in {work} (removed at its end)", file=sys.stderr, flush=True)
+    if hold_folder(out) is None:
+        print(f"grade: --out {out} is in use by another grade.sh run ({holder(out)}); wait for "
+              "it to end, or pass another --out", file=sys.stderr)
+        return 2
     known = {d.name for d in source.iterdir() if (d / f"{d.name}.ipynb").is_file()}
     if a.lab:
         unknown = set(a.lab) - known
