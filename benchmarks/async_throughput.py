@@ -4,7 +4,8 @@
 
 A variant names how the async snapshot and writer run: ``copy`` (every CPU array copied,
 ``MINICKPT_ASYNC_SNAPSHOT=copy``), ``pinned`` (zero-copy pinned views, the default) and
-``pinned-nice<K>`` (pinned, writer thread at nice +K, Linux) and ``pinned-1thread`` (pinned,
+``pinned-nice<K>`` (pinned, writer thread at nice +K, Linux), ``pinned-switch<U>`` (pinned,
+the GIL's switch interval ``sys.setswitchinterval`` at U µs while measured) and ``pinned-1thread`` (pinned,
 checksums computed in the writer thread instead of a second thread) — the last two are
 experiments that did not help (see the commit log) — and ``pinned-buffered`` (pinned, data
 files written through the page cache: ``MINICKPT_DIRECT_IO=off``; the default writes large
@@ -49,15 +50,19 @@ def make_adapter(workdir: str, tree: Any, variant: str) -> MinickptManager:
     assert ck is not None
     ck.zero_copy = not variant.startswith("copy")
     if "nice" in variant:  # every write phase starts by lowering its thread's priority
-        nice, writer = int(variant.split("nice")[1]), ck._writer
-        run = writer._run
+        nice, writer = int(variant.split("nice")[1].split("-")[0]), ck._writer
+        start = writer.start
 
-        def nice_run(fn: Any, what: str) -> None:
-            tid = threading.get_native_id()
-            os.setpriority(os.PRIO_PROCESS, tid, os.getpriority(os.PRIO_PROCESS, tid) + nice)
-            run(fn, what)
+        def nice_start(fn: Any, *, what: str) -> None:
+            def niced() -> Any:
+                tid = threading.get_native_id()
+                os.setpriority(os.PRIO_PROCESS, tid,
+                               os.getpriority(os.PRIO_PROCESS, tid) + nice)
+                return fn()
 
-        writer._run = nice_run  # type: ignore[method-assign]
+            start(niced, what=what)
+
+        writer.start = nice_start  # type: ignore[method-assign]
     return ad
 
 
@@ -67,6 +72,9 @@ def setup(variant: str) -> Iterator[None]:
     mods = (item_encode, item_read)  # each reads the threshold from its own globals
     old = [m._CRC_IN_THREAD_BYTES for m in mods]
     old_direct = os.environ.get(item_encode.DIRECT_IO_ENV)
+    old_switch = sys.getswitchinterval()
+    if "switch" in variant:  # the GIL's switch interval, in µs (Python's default: 5000)
+        sys.setswitchinterval(int(variant.split("switch")[1].split("-")[0]) / 1e6)
     if variant.endswith("1thread"):
         for m in mods:
             m._CRC_IN_THREAD_BYTES = 1 << 62
@@ -75,6 +83,7 @@ def setup(variant: str) -> Iterator[None]:
     try:
         yield
     finally:
+        sys.setswitchinterval(old_switch)
         for m, v in zip(mods, old, strict=True):
             m._CRC_IN_THREAD_BYTES = v
         if old_direct is None:
