@@ -733,7 +733,9 @@ def resume(mngr: Any, state: Any, rng: Any) -> tuple[Any, Any, int]:
     computing that checkpoint's own step again, with everything the next update reads, shaped
     and placed like the given ``state`` and ``rng``. With nothing saved: those themselves, and
     step 1. A checkpoint whose state's own step counter is not its step was saved under the
-    wrong number: ``ValueError`` naming both.
+    wrong number: ``ValueError`` naming both. One whose tree is not the given state's (a
+    leaf more or fewer: another model) is a ``StructureMismatchError``: resume never drops
+    saved values silently (that is a migration, task 3.4).
     """
     if mngr.latest_step() is None:
         return state, rng, 1

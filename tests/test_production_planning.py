@@ -121,6 +121,33 @@ def test_expected_lost_work_first_order_and_exact():
 
 
 @pytest.mark.task("6.2")
+@pytest.mark.parametrize("x", [1e-15, 1e-12, 1e-9, 1e-6, 1e-4, 1e-3, 2e-3, 0.1, 1.0, 30.0])
+def test_expected_lost_work_keeps_its_digits_for_every_segment_to_mtbf_ratio(x):
+    """Before: M - L/expm1(L/M) cancels for a segment far shorter than M (a relative error
+    of 9e-5 at L/M = 1e-12, where the contract promises 1e-6). Checked against the same
+    formula in 60-digit decimal arithmetic."""
+    from decimal import Decimal, getcontext
+
+    getcontext().prec = 60
+    m = 7.0
+    seg = x * m
+    d = Decimal(seg) / Decimal(m)
+    want = float(Decimal(m) * (1 - d / (d.exp() - 1)))
+    got = expected_lost_work(seg, mtbf_s=m)
+    assert got == pytest.approx(want, rel=1e-9, abs=0), (x, got, want)
+
+
+@pytest.mark.task("6.2")
+@pytest.mark.parametrize("x", [700.0, 710.0, 800.0, 1e6, 1e300])
+def test_expected_lost_work_of_a_segment_far_longer_than_the_mtbf_is_the_mtbf(x):
+    """Before: math.expm1(L/M) overflowed past L/M ~ 709, so the planner raised OverflowError
+    for a long interval and a short MTBF. A failure then comes early in the segment: the loss
+    is M (plus R), the mean of the unconditioned failure time."""
+    got = expected_lost_work(x * 2.0, restart_s=3.0, mtbf_s=2.0)
+    assert math.isfinite(got) and got == pytest.approx(2.0 + 3.0, rel=1e-12)
+
+
+@pytest.mark.task("6.2")
 def test_p_fail_is_the_seeds_formula():
     """P_fail = 1 − (1 − p)^⌊T_total/T_interval⌋, checked against the binomial sum
     Σ_{k≥1} C(N,k) p^k (1−p)^{N−k}: the probability of at least one failed interval."""

@@ -166,8 +166,9 @@ WRONG: list[Wrong] = [
     Wrong("6.1", "from C >= 2M on, Daly's rule is tau = M (the expansion used past its range)",
           swap(T61, "    if c >= 2.0 * m:\n        return m\n", "")),
     # 6.2
-    Wrong("6.2", "relative error below 1e-6 for segments far shorter than the MTBF (exp(x) - 1, not expm1)",
-          swap(T62, "m - seg / math.expm1(seg / m)", "m - seg / (math.exp(seg / m) - 1.0)")),
+    Wrong("6.2", "relative error below 1e-6 for segments far shorter than the MTBF (M - L/(e^(L/M) - 1) "
+          "without the series where the subtraction cancels)",
+          swap(T62, "    if x < 1e-3:  # 1 - x/(e^x - 1) by its series", "    if x < 0.0:  # 1 - x/(e^x - 1) by its series")),
     Wrong("6.2", "p_fail: relative error below 1e-6 for rare interruptions (1 - (1 - p)**n, not log1p)",
           swap(T62, "return -math.expm1(n * math.log1p(-p)) if p < 1.0 else float(n > 0)",
                "return 1.0 - (1.0 - p) ** n")),

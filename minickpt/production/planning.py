@@ -76,7 +76,8 @@ def expected_lost_work(interval_s: float, *, save_cost_s: float = 0.0, restart_s
     done — and then costs the restart R. Without ``mtbf_s`` the failure time is uniform over
     the segment (valid when τ + C ≪ M). With ``mtbf_s`` it is the exact mean of an
     exponential failure time conditioned to fall within the segment, plus R: accurate to
-    a relative 1e-6 for segments far shorter than M, and R alone for an empty segment.
+    a relative 1e-6 for every segment, far shorter than M as well as far longer (whose loss
+    is M: the failure comes early), and R alone for an empty segment.
     """
     if not interval_s >= 0 or not save_cost_s >= 0 or not restart_s >= 0:
         raise ValueError("interval, save cost and restart cost must be >= 0")
@@ -88,7 +89,14 @@ def expected_lost_work(interval_s: float, *, save_cost_s: float = 0.0, restart_s
     if seg == 0:
         return float(restart_s)
     m = float(mtbf_s)
-    return m - seg / math.expm1(seg / m) + restart_s
+    x = seg / m
+    if x < 1e-3:  # 1 - x/(e^x - 1) by its series: the subtraction would cancel the digits
+        lost = x / 2.0 - x * x / 12.0 + x**4 / 720.0
+    elif x > 700.0:  # e^x overflows a float; x/(e^x - 1) is x·e^-x there
+        lost = 1.0 - x * math.exp(-x)
+    else:
+        lost = 1.0 - x / math.expm1(x)
+    return m * lost + restart_s
 
 
 def p_fail(p: float, total: float, interval: float) -> float:
