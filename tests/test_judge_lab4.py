@@ -169,3 +169,33 @@ def test_an_array_crosses_as_aligned_as_it_was(at):
     b = wire._nd_from(wire._nd_enc(a.reshape(2, 3)))
     assert b.__array_interface__["data"][0] % 64 == at and b.flags.writeable
     assert np.array_equal(b, np.arange(6, dtype=np.float32).reshape(2, 3))
+
+
+def test_a_judged_job_is_given_more_time_than_a_test_names_before_it_counts_as_hung(tmp_path):
+    """Under load (the suite beside a second copy of itself), lab 4's judged jobs failed with
+    "process 0 of 4 never reported (it was still running at the time limit)": the primary,
+    which commits and hosts the coordinator, came last, past run_processes' 50 s. The limit
+    is there to end a job that hangs; on the grader's busy machine a judged job now gets
+    :data:`~minickpt.labkit.lab4_judged.TIME_SCALE` times the limit a test names. Here a
+    test names 8 s and process 0 reports after 12 s: every process reports."""
+    import json as json_
+
+    from minickpt.labkit import lab4
+    from minickpt.labkit.processes import launched_by
+
+    nb = json_.loads((ROOT / "solutions" / LAB / f"{LAB}.ipynb").read_text())
+    cells = ["".join(c["source"]) for c in nb["cells"] if c["cell_type"] == "code"
+             and c.get("metadata", {}).get("nbgrader", {}).get("solution")]
+    spec = session.worker_spec(LAB, cells, str(tmp_path), "", wrap=None, timeout=60,
+                               outside=str(tmp_path))
+    # process 0 reports at 1.5x the named limit after the call (at once if starting took
+    # longer than that, on a busy machine): past the named limit, within the judge's
+    body = ("import time\nif ME == 0:\n    time.sleep(max(0.0, REPORT_AT - time.time()))\n"
+            "report(me=ME)\n")
+    import time
+
+    with launched_by(student_worker=spec):
+        run = lab4.run_processes(body, processes=4, devices=1, timeout_s=8.0,
+                                 values={"REPORT_AT": time.time() + 12.0})
+    run.check_reported()
+    assert [r.get("me") for r in run.results] == [0, 1, 2, 3]

@@ -90,6 +90,13 @@ jax.process_count = lambda backend=None: {1}
 no threads), so these two answer as that process would."""
 
 
+TIME_SCALE = 3.0
+"""A judged job may run this many times the limit its test names (``timeout_s``, 50 s by
+default) before it counts as hung: the grader's machine runs several slots at once, and under
+that load the primary (which commits, and hosts the coordinator) came last, past 50 s. The
+limit only ends a job that hangs; a student's own run keeps the test's."""
+
+
 def missing_task(name: str, task: str) -> Callable[..., Any]:
     """What stands for a task the student's cells do not define (as the judge's plug does)."""
     def missing(*args: Any, **kwargs: Any) -> Any:
@@ -171,8 +178,8 @@ def run_judged(spec: Mapping[str, Any], body: str, names: Sequence[str], *, proc
             # (cwd: where a relative name resolves, for the worker's calls too: the job's
             # folder, where the judge lets the worker name things; the script stays apart)
             res = launch([script, directory], processes, devices_per_process=devices,
-                         timeout_s=timeout_s, grace_s=timeout_s, cwd=directory, env=env,
-                         pass_fds=(r,))
+                         timeout_s=timeout_s * TIME_SCALE, grace_s=timeout_s, cwd=directory,
+                         env=env, pass_fds=(r,))
         finally:
             for x in (r, w):
                 if x >= 0:
