@@ -60,3 +60,25 @@ def test_every_equivalent_mutant_says_why_and_still_exists():
 
 def test_the_markdown_report_is_the_json_report():
     assert (ROOT / "docs" / "mutation-report.md").read_text(encoding="utf-8") == R.markdown(REPORT)
+
+
+def test_results_measured_on_other_tests_never_count_as_current(tmp_path):
+    """Before: a task's results counted as current when the *last* baseline in its file had
+    today's digest. A later run that found every mutant already measured wrote a new baseline
+    (today's digest) and ran nothing, so results measured on the old tests were reported as
+    current (found when 6.2's tests changed and 5 survivors of the old tests stood). Now a
+    result counts only under a baseline of today's digest, and a run over a file measured on
+    other code or tests starts it afresh."""
+    from autograder.mutation import __main__ as runner
+
+    task = "6.1"
+    m = M.task_mutants(task)[0]
+    old = {"source_sha256": "0" * 64, "tests_sha256": "1" * 64}
+    recs = [{"baseline": [], "digest": old}, {"id": m.id, "status": "killed", "by": "x"},
+            {"baseline": [], "digest": M.task_digest(task)}]
+    (tmp_path / f"{task}.jsonl").write_text("".join(json.dumps(r) + "\n" for r in recs))
+    entry = R.task_entry(task, tmp_path, {})
+    assert entry["killed"] == 0 and entry["not_run"] == entry["mutants"], entry
+    assert runner.stale(tmp_path / f"{task}.jsonl", task)  # the next run starts afresh
+    (tmp_path / f"{task}.jsonl").write_text(json.dumps(recs[-1]) + "\n")
+    assert not runner.stale(tmp_path / f"{task}.jsonl", task)

@@ -293,10 +293,15 @@ LAB6_LOST = """def expected_lost_work(interval_s: float, *, save_cost_s: float =
         return T / 2 + float(restart_s)
     if not mtbf_s > 0:
         raise ValueError(f"the MTBF must be > 0, got {mtbf_s!r}")
-    if T == 0:
-        return float(restart_s)
     # E[t | t < T] for t exponential of mean M: M - T / (e^(T/M) - 1)
-    return float(mtbf_s - T / math.expm1(T / mtbf_s) + restart_s)
+    x = T / mtbf_s
+    if x < 1e-4:  # its series T/2 - T²/12M + T⁴/720M³: the subtraction would cancel
+        lost = T / 2 - T * T / (12 * mtbf_s) + T**4 / (720 * mtbf_s**3)
+    elif x > 50:  # e^(T/M) is huge (and overflows past 709): T / (e^x - 1) is T·e^-x
+        lost = mtbf_s - T * math.exp(-x)
+    else:
+        lost = mtbf_s - T / math.expm1(x)
+    return float(lost + restart_s)
 
 
 def p_fail(p: float, total: float, interval: float) -> float:

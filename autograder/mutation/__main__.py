@@ -40,11 +40,20 @@ def _records(path: Path) -> list[dict]:
     return out
 
 
+def stale(out: Path, task: str) -> bool:
+    """Whether the results file ``out`` holds a run measured on other code or tests than
+    today's (a baseline of another digest): those results say nothing of today's mutants, and
+    a run that skipped them as done would leave them standing."""
+    digest = M.task_digest(task)
+    return any("baseline" in r and r.get("digest") != digest for r in _records(out))
+
+
 def run_task(task: str, timeout: float, setup_timeout: float, fresh: bool) -> None:
-    """Run every mutant of ``task`` not yet in its results file, one worker at a time."""
+    """Run every mutant of ``task`` not yet in its results file, one worker at a time; a
+    file measured on other code or tests is started afresh."""
     CACHE.mkdir(parents=True, exist_ok=True)
     out = CACHE / f"{task}.jsonl"
-    if fresh and out.exists():
+    if out.exists() and (fresh or stale(out, task)):
         out.unlink()
     env = {**os.environ, "JAX_PLATFORMS": os.environ.get("JAX_PLATFORMS", "cpu"),
            "PYTHONPATH": str(M.ROOT)}

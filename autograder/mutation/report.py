@@ -49,17 +49,20 @@ def task_entry(task: str, cache: Path, why: dict[str, str], *, any_digest: bool 
     ``any_digest`` results measured on older code count too: only for "before" totals."""
     ms = M.task_mutants(task)
     recs = _records(cache / f"{task}.jsonl")
-    results = {r["id"]: r for r in recs if "id" in r}
-    base = next((r for r in reversed(recs) if "baseline" in r), {})
     digest = M.task_digest(task)
-    current = any_digest or base.get("digest") == digest
+    results, under = {}, None  # a result counts under the baseline before it, of today's digest
+    for r in recs:
+        if "baseline" in r:
+            under = r.get("digest")
+        elif "id" in r and (any_digest or under == digest):
+            results[r["id"]] = r
     entry: dict[str, Any] = {
         "lab": M.lab_of(task), "functions": [f.__name__ for f in M.task_functions(task)],
         "tests": M.test_cells(task), **digest, "mutants": len(ms), "killed": 0,
         "timeouts": 0, "equivalent": [], "survivors": [], "not_run": 0,
     }
     for m in ms:
-        r = results.get(m.id) if current else None
+        r = results.get(m.id)
         if r is None:
             entry["not_run"] += 1
         elif r["status"] == "killed":

@@ -86,10 +86,8 @@ def expected_lost_work(interval_s: float, *, save_cost_s: float = 0.0, restart_s
         return seg / 2.0 + restart_s
     if not mtbf_s > 0:
         raise ValueError(f"MTBF must be > 0, got {mtbf_s!r}")
-    if seg == 0:
-        return float(restart_s)
     m = float(mtbf_s)
-    x = seg / m
+    x = seg / m  # (0 for an empty segment: the series gives 0, and the loss is R)
     if x < 1e-3:  # 1 - x/(e^x - 1) by its series: the subtraction would cancel the digits
         lost = x / 2.0 - x * x / 12.0 + x**4 / 720.0
     elif x > 700.0:  # e^x overflows a float; x/(e^x - 1) is x·e^-x there
