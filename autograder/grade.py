@@ -367,7 +367,21 @@ def row_status(rows: list[dict[str, Any]]) -> str:
 
 
 _HELD: list[int] = []
-"""The lock files of the folders this run holds (open until the process ends)."""
+"""The lock files of the folders this run holds (open until the run ends)."""
+_BESIDE: list[Path] = []
+"""The work folders this run made beside a busy one (removed at its end)."""
+
+
+def release_folders() -> None:
+    """End this run's hold on its folders (the process's end does it too, however it ends),
+    and remove a work folder it made beside a busy one."""
+    for path in _BESIDE:
+        shutil.rmtree(path, ignore_errors=True)
+        lock_file(path).unlink(missing_ok=True)
+    for fd in _HELD:
+        os.close(fd)
+    _HELD.clear()
+    _BESIDE.clear()
 
 
 def hold_folder(path: Path) -> int | None:
@@ -923,7 +937,10 @@ def main(argv: list[str] | None = None) -> int:
             from .lms.gradebook import main as gradebook_main
 
             return gradebook_main(argv[1:])
-        return grade_main(argv)
+        try:
+            return grade_main(argv)
+        finally:
+            release_folders()
 
 
 def grade_main(argv: list[str]) -> int:
@@ -946,10 +963,7 @@ def grade_main(argv: list[str]) -> int:
             print(f"grade: {busy} and {work} are in use by other grade.sh runs; pass --work",
                   file=sys.stderr)
             return 2
-        import atexit
-
-        atexit.register(lock_file(work).unlink, missing_ok=True)  # (runs last)
-        atexit.register(shutil.rmtree, work, True)
+        _BESIDE.append(work)
         print(f"grade: {busy} is in use by another grade.sh run ({holder(busy)}): this run "
               f"works in {work} (removed at its end)", file=sys.stderr, flush=True)
     if hold_folder(out) is None:

@@ -99,3 +99,17 @@ def test_a_second_run_on_the_default_work_folder_works_beside_the_first(tmp_path
     beside = Path(said[0].split("works in ")[1].split(" ")[0])
     assert beside.parent == default.parent and beside != default
     assert not beside.exists()  # removed at the run's end
+
+
+def test_one_process_grades_twice_into_the_same_folders(tmp_path, capsys):
+    """grade.main called twice in one process (a notebook, a script, the LMS tests): the
+    first call's hold on its folders ends when it returns, so the second is not refused as
+    "in use" by the first (before: it was, and returned 2; test_lms's Moodle regrade failed)."""
+    from autograder import grade
+
+    args = [str(ROOT / "autograder" / "examples"), "--lab", "lab01_basics", "--student",
+            "nobody", "--work", str(tmp_path / "work"), "--out", str(tmp_path / "out")]
+    for _ in range(2):
+        assert grade.main(args) == 2  # (--student nobody: it stops at the intake)
+        err = capsys.readouterr().err
+        assert "in use" not in err and "--student nobody: not in" in err, err
