@@ -386,8 +386,9 @@ def release_folders() -> None:
 
 def hold_folder(path: Path) -> int | None:
     """Hold ``path`` for this run: an exclusive ``flock`` on a lock file beside it
-    (:func:`lock_file`), held until this process ends, however it ends. None when another
-    run holds it (two runs on one folder: the second would empty the first's as it starts)."""
+    (:func:`lock_file`), held until :func:`release_folders` or the process's end, however it
+    ends. None when another run holds it (two runs on one folder: the second would empty the
+    first's as it starts)."""
     import fcntl
 
     path.parent.mkdir(parents=True, exist_ok=True)

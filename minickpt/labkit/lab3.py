@@ -14,7 +14,7 @@ from ..launch import helper_env
 from .checks import LabCheckError, check, expect_raises, same, tree_diff
 from .devices import resume_rtol
 from .plugging import graded_build, own_task_functions, plugged_in, task_sources
-from .processes import launch_options, source_of
+from .processes import launch_options, read_tail, source_of
 from .temporaries import tempdir
 from .watch import Reports, without_references
 
@@ -131,16 +131,6 @@ def lab3_drill(resume_fn: Callable[..., Any], *, steps: int = 15, every: int = 5
                               **launch_options("wrap", "after_run"))
 
 
-def _drain(stream: Any, tail: list[str], keep: int = 3000) -> None:
-    """Read ``stream`` to its end, keeping its last ``keep`` characters or so in ``tail``."""
-    size = 0
-    for chunk in iter(lambda: stream.read(4096), ""):
-        tail.append(chunk)
-        size += len(chunk)
-        while len(tail) > 1 and size - len(tail[0]) >= keep:
-            size -= len(tail.pop(0))
-
-
 def run_lab3_drill(src: str, d: str, *, steps: int = 15, every: int = 5, kills: int = 2,
                    kill_after: Sequence[int] | int | None = None, timeout_s: float = 50.0,
                    env: Mapping[str, str] | None = None, pass_fds: Sequence[int] = (),
@@ -230,7 +220,7 @@ def run_lab3_drill(src: str, d: str, *, steps: int = 15, every: int = 5, kills: 
         watchdog = threading.Timer(2 * timeout_s, proc.kill)  # a worker that hangs or babbles
         watchdog.start()
         tail: list[str] = []  # its stderr, read as it comes: a traceback of a thousand frames
-        reader = threading.Thread(target=_drain, args=(proc.stderr, tail), daemon=True)
+        reader = threading.Thread(target=read_tail, args=(proc.stderr, tail), daemon=True)
         reader.start()  # would fill the pipe, and the worker would wait on it for the watchdog
         proc.stderr = None  # (the reader's alone: communicate below reads stdout only)
         target = None

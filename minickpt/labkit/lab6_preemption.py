@@ -31,7 +31,7 @@ import numpy as np
 # (autograder/referee.py) has no package to import from once it is loaded
 from . import channel
 from .checks import LabCheckError
-from .processes import LAUNCH_KEYS, launch_options, source_of
+from .processes import LAUNCH_KEYS, launch_options, read_tail, source_of
 from .watch import Reports
 
 _LOOP_DRIVER = '''from __future__ import annotations
@@ -208,14 +208,7 @@ def run_loop_worker(source: str, directory: str, *, name: str = "train_until_pre
         listener.close()  # no socket left behind in the folder
         raise
 
-    def drain() -> None:  # stderr, read as it comes (a full pipe would stop the worker)
-        assert proc.stderr is not None
-        for chunk in iter(lambda: proc.stderr.read(4096), ""):
-            tail.append(chunk)
-            if len(tail) > 8:
-                del tail[:-4]
-
-    reader = threading.Thread(target=drain, daemon=True)
+    reader = threading.Thread(target=read_tail, args=(proc.stderr, tail), daemon=True)
     reader.start()
     timer = threading.Timer(timeout, proc.kill)
     timer.start()

@@ -79,3 +79,15 @@ def source_of(fn: Any) -> str:
     if src is not None:
         return src
     return textwrap.dedent(inspect.getsource(inspect.unwrap(fn)))
+
+
+def read_tail(stream: Any, tail: list[str], keep: int = 3000) -> None:
+    """Read a child's ``stream`` (text) to its end, as it comes, keeping about its last
+    ``keep`` characters in ``tail``: a full pipe would stop the child (a traceback of a
+    thousand frames fills one), and only the end says how it died."""
+    size = 0
+    for chunk in iter(lambda: stream.read(4096), ""):
+        tail.append(chunk)
+        size += len(chunk)
+        while len(tail) > 1 and size - len(tail[0]) >= keep:
+            size -= len(tail.pop(0))
