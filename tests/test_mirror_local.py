@@ -194,3 +194,88 @@ def test_a_long_upload_can_renew_its_marker_on_a_directory_mirror(tmp_path):
         assert store.lease()[0]["writer"] == w.id
     finally:
         w.release()
+
+
+class DownFS(FileSystem):
+    """A mirror disk that refuses every call while ``down`` is set, as a store whose
+    endpoint refuses connections."""
+
+    def __init__(self):
+        self.down = threading.Event()
+
+    def _gate(self):
+        if self.down.is_set():
+            raise ConnectionRefusedError(errno.ECONNREFUSED, "the mirror is down")
+
+
+def _gated(f):
+    def call(self, *a, **kw):
+        self._gate()
+        return f(self, *a, **kw)
+    return call
+
+
+for _name in ("open", "open_read", "mkdir", "rename", "unlink", "rmdir", "listdir", "lstat",
+              "exists", "is_dir", "write_file", "read_file"):
+    setattr(DownFS, _name, _gated(getattr(FileSystem, _name)))
+
+
+@pytest.mark.timeout(60)
+def test_wait_until_mirrored_waits_for_the_catch_up_after_an_outage(tmp_path, monkeypatch):
+    """The mirror answers again: between the lease's thread seeing it answer and its queueing
+    of the local steps the mirror lacks, wait_until_mirrored() must not take an empty queue
+    for "all copied" (a clean CI run lost this race under load)."""
+    fs = DownFS()
+    store = LocalStore(tmp_path / "mirror", fs)
+    fs.down.set()
+    slow = TieredCheckpointManager._catch_up
+
+    def catch_up_late(self):
+        threading.Event().wait(0.5)  # the lease's thread, preempted right after connecting
+        slow(self)
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        m = TieredCheckpointManager(tmp_path / "local", store, CheckpointManagerOptions(),
+                                    backoff_s=0.05, max_backoff_s=0.1)
+    try:
+        for s in range(3):
+            m.save(s, _items(s))
+        with pytest.raises(TimeoutError, match="has not answered"):
+            m.wait_until_mirrored(timeout=0.3)
+        monkeypatch.setattr(TieredCheckpointManager, "_catch_up", catch_up_late)
+        fs.down.clear()
+        m.wait_until_mirrored(timeout=30)
+        assert m.mirror_steps() == [0, 1, 2]
+    finally:
+        m.close()
+    assert _steps(tmp_path / "mirror") == ["step_0", "step_1", "step_2"]
+
+
+@pytest.mark.timeout(60)
+def test_close_during_the_catch_up_after_an_outage_copies_what_it_queues(tmp_path, monkeypatch):
+    """close() called while the lease's thread is between "the mirror answers" and queueing
+    the catch-up: the copies are made (or close says they were not), never dropped silently."""
+    fs = DownFS()
+    store = LocalStore(tmp_path / "mirror", fs)
+    fs.down.set()
+    slow, entered = TieredCheckpointManager._catch_up, threading.Event()
+
+    def catch_up_late(self):
+        entered.set()
+        threading.Event().wait(0.5)
+        slow(self)
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        m = TieredCheckpointManager(tmp_path / "local", store,
+                                    CheckpointManagerOptions(max_to_keep=2),
+                                    backoff_s=0.05, max_backoff_s=0.1)
+    for s in range(3):
+        m.save(s, _items(s))
+    monkeypatch.setattr(TieredCheckpointManager, "_catch_up", catch_up_late)
+    fs.down.clear()
+    assert entered.wait(30)
+    m.close()
+    assert _steps(tmp_path / "mirror") == ["step_1", "step_2"]
+    assert _steps(tmp_path / "local") == ["step_1", "step_2"]

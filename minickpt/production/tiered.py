@@ -152,6 +152,9 @@ class TieredCheckpointManager:
         self._force = force
         self._copies: CopyQueue | None = None
         self._connected = threading.Event()  # the lease taken and the mirror listed
+        # connected and the local steps the mirror lacks queued: what waiters wait for (an
+        # empty queue before the catch-up is not "all copied")
+        self._caught_up = threading.Event()
         self._lease_error: MirrorError | None = None  # lost or refused after an outage
         self._stop = threading.Event()
         self._backoff = (backoff_s, max_backoff_s)
@@ -187,6 +190,7 @@ class TieredCheckpointManager:
         if self._connected.is_set():
             with self._store_lock:
                 self._catch_up()
+            self._caught_up.set()
 
     def _connect(self) -> None:
         """A writer: take the lease, clean up what a killed writer left; both: list the
@@ -231,6 +235,7 @@ class TieredCheckpointManager:
             log.warning("minickpt: the mirror %s answers again: catching up", self.store.url)
             with self._store_lock:
                 self._catch_up()
+            self._caught_up.set()
             self.retry_failed()
         while not self._stop.wait(self.store.stale_after_s / 4):
             try:
@@ -510,7 +515,7 @@ class TieredCheckpointManager:
         if self._copies is None:
             return
         t0 = time.monotonic()
-        while not self._connected.wait(0.05):
+        while not self._caught_up.wait(0.05):
             if self._lease_error is not None:  # another writer took the mirror meanwhile
                 raise self._lease_error
             if timeout is not None and time.monotonic() - t0 > timeout:
@@ -562,26 +567,31 @@ class TieredCheckpointManager:
             _OPEN.discard(self)
         copies, done = self._copies, True
         self._stop.set()  # the lease's thread: no more connecting nor renewing
+        keeper = getattr(self, "_keeper", None)
+        if keeper is not None and keeper is not threading.current_thread():
+            # a connection in progress ends with its catch-up queued, or not at all: what
+            # follows then reads one state, not a thread half-way between the two
+            keeper.join(30.0 if self.close_timeout is None else self.close_timeout)
         try:
             if copies is not None:
                 self.local.wait_until_finished()
         finally:
             try:
                 if copies is not None:
-                    done = copies.wait(self.close_timeout if self._connected.is_set()
+                    done = copies.wait(self.close_timeout if self._caught_up.is_set()
                                        else 0.0)
                     if done:
                         try:
                             self._apply_local_retention()
                         except Exception:  # pragma: no cover - the copies are what matter
                             log.exception("minickpt: local retention failed")
-                    if copies.stop(10.0 if done else 0.0) and self._connected.is_set() \
+                    if copies.stop(10.0 if done else 0.0) and self._caught_up.is_set() \
                             and self._lease_error is None:
                         assert self.writer is not None
                         self.store.release(self.writer)  # the next writer starts at once
             finally:
                 self.local.close()
-        if copies is not None and not self._connected.is_set():
+        if copies is not None and not self._caught_up.is_set():
             msg = (f"close(): the mirror {self.store.url} did not answer since this manager "
                    f"opened{'' if self._lease_error is None else f' ({self._lease_error})'}, "
                    f"so nothing was copied; the local checkpoints {self.local.all_steps()} "
