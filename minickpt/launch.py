@@ -257,20 +257,28 @@ def child_env(process_id: int, num_processes: int, port: int, *,
     return out
 
 
+Spawn = Callable[[list[str], dict[str, str], "str | None", tuple[int, ...]], Any]
+"""How :func:`launch` may start one process: ``(argv after python, env, cwd, pass_fds)`` → an
+object with Popen's ``pid`` (its own process group), ``stdout`` (text lines), ``poll``,
+``wait`` and ``returncode``."""
+
+
 def launch(argv: Sequence[str], num_processes: int, *, devices_per_process: int = 1,
            timeout_s: float = 600.0, grace_s: float = 10.0, platforms: str | None = "cpu",
            env: Mapping[str, str] | None = None,
            env_per_process: Mapping[int, Mapping[str, str]] | None = None,
            echo: TextIO | None = None, cwd: str | None = None,
            heartbeat_timeout_s: int | None = None, port_retries: int = 2,
-           pass_fds: Sequence[int] = ()) -> LaunchResult:
+           pass_fds: Sequence[int] = (), spawn: Spawn | None = None) -> LaunchResult:
     """Run ``python *argv`` as ``num_processes`` processes of one JAX job; wait for them.
 
     ``argv`` is what follows ``python``: ``["train.py", "--steps", "10"]`` or
     ``["-m", "pkg.mod"]``. Output lines are collected (and copied to ``echo`` with a
     ``[p<i>]`` prefix). Once a process exits non-zero the others are killed ``grace_s``
     seconds later; everything is killed at ``timeout_s``. ``pass_fds``: file descriptors
-    every process inherits.
+    every process inherits. ``spawn(argv, env, cwd, pass_fds)`` starts one process (default:
+    a new interpreter; one that raises ChildProcessError: a new interpreter from then on): a
+    grader forks them from a server that imported JAX once.
     """
     if num_processes < 1 or devices_per_process < 1:
         raise ValueError("num_processes and devices_per_process must be >= 1")
@@ -282,7 +290,7 @@ def launch(argv: Sequence[str], num_processes: int, *, devices_per_process: int 
         port = pick_free_port()
         result = _run_once(argv, num_processes, port, token, devices_per_process, timeout_s,
                            grace_s, platforms, env, env_per_process, echo, cwd,
-                           heartbeat_timeout_s, tuple(pass_fds))
+                           heartbeat_timeout_s, tuple(pass_fds), spawn)
         if attempt < port_retries and any(_BIND_FAILED in line for line in result.outputs[0]):
             if echo is not None:
                 echo.write(f"[launch] the coordinator could not bind port {port}; retrying\n")
@@ -295,7 +303,7 @@ def _run_once(argv: Sequence[str], n: int, port: int, token: str, k: int, timeou
               grace_s: float, platforms: str | None, env: Mapping[str, str] | None,
               env_per_process: Mapping[int, Mapping[str, str]] | None, echo: TextIO | None,
               cwd: str | None, heartbeat_timeout_s: int | None,
-              pass_fds: tuple[int, ...] = ()) -> LaunchResult:
+              pass_fds: tuple[int, ...] = (), spawn: Spawn | None = None) -> LaunchResult:
     outputs: list[list[str]] = [[] for _ in range(n)]
     lock = threading.Lock()
     procs: list[subprocess.Popen[str]] = []
@@ -305,6 +313,12 @@ def _run_once(argv: Sequence[str], n: int, port: int, token: str, k: int, timeou
             e = child_env(i, n, port, devices_per_process=k, platforms=platforms,
                           env={**(env or {}), **((env_per_process or {}).get(i, {}))},
                           token=token, heartbeat_timeout_s=heartbeat_timeout_s)
+            if spawn is not None:  # (in its own process group, its output one text stream)
+                try:
+                    procs.append(spawn(list(argv), e, cwd, pass_fds))
+                    continue
+                except ChildProcessError:  # it cannot: this one and the rest start anew
+                    spawn = None
             procs.append(subprocess.Popen([sys.executable, *argv], env=e, cwd=cwd,
                                           stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                                           stdin=subprocess.DEVNULL, text=True, bufsize=1,

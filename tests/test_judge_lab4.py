@@ -23,23 +23,33 @@ RECORDER = r'''
 import json, os, sys
 from multiprocessing import connection
 log, fd = sys.argv[2], sys.argv[1]
-got = []
-real = connection.Connection.recv_bytes
+real, init = connection.Connection.recv_bytes, connection.Connection.__init__
 
 
 def recv_bytes(self, maxlength=None):
     b = real(self, maxlength)
-    got.append(len(b))
-    with open(log + ".bytes", "ab") as f:
+    with open(f"{log}.{os.getpid()}.bytes", "ab") as f:
         f.write(b + b"\n")
     return b
 
 
+def record(conn_fd):
+    fds = {x: os.readlink(f"/proc/self/fd/{x}") for x in os.listdir("/proc/self/fd")
+           if os.path.exists(f"/proc/self/fd/{x}")}
+    with open(f"{log}.{os.getpid()}.json", "w") as f:
+        json.dump({"argv": sys.argv, "env": dict(os.environ), "fds": fds,
+                   "conn": str(conn_fd)}, f)
+
+
+def __init__(self, handle, *a, **kw):  # a worker forked by a fork server: its own record
+    init(self, handle, *a, **kw)
+    if str(handle) != fd:
+        record(handle)
+
+
 connection.Connection.recv_bytes = recv_bytes
-fds = {x: os.readlink(f"/proc/self/fd/{x}") for x in os.listdir("/proc/self/fd")
-       if os.path.exists(f"/proc/self/fd/{x}")}
-with open(log + ".json", "w") as f:
-    json.dump({"argv": sys.argv, "env": dict(os.environ), "fds": fds}, f)
+connection.Connection.__init__ = __init__
+record(fd)
 sys.argv = ["-c", fd]
 exec(BOOT)
 '''
@@ -105,11 +115,12 @@ def test_lab4_judged_end_to_end_and_its_workers_get_no_test_text(box, tmp_path):
         failed = [(v.grade_id, v.message) for v in verdicts if not v.passed]
         assert not failed, failed
         assert len(verdicts) == len(TESTS)
-        records = [json.load(open(log + ".json")) for log in spied
-                   if os.path.exists(log + ".json")]
-        received = [open(log + ".bytes", "rb").read().decode("latin-1") for log in spied
-                    if os.path.exists(log + ".bytes")]
-    # the judge's own worker, and at least one of each of the tests' jobs' 4 processes
+        names = sorted(os.listdir(spy))
+        records = [json.load(open(os.path.join(spy, n))) for n in names if n.endswith(".json")]
+        received = [open(os.path.join(spy, n), "rb").read().decode("latin-1") for n in names
+                    if n.endswith(".bytes")]
+    # the judge's own worker, and at least one of each of the tests' jobs' 4 processes (each
+    # started, or forked by a fork server that was started so)
     assert len(records) >= 5 and len(received) == len(records), (len(spied), len(records))
     text = "\n".join(received)
     assert "def two_barrier_commit(" in text and "def region_from_pieces(" in text
@@ -119,7 +130,7 @@ def test_lab4_judged_end_to_end_and_its_workers_get_no_test_text(box, tmp_path):
     for r in records:
         assert lab4.KEY_ENV not in r["env"] and not any(lab4.KEY_ENV in a for a in r["argv"])
         # past stdin, stdout and stderr: its socket, and the folder its listing read
-        others = {f: t for f, t in r["fds"].items() if int(f) > 2 and f != r["argv"][1]
+        others = {f: t for f, t in r["fds"].items() if int(f) > 2 and f != r["conn"]
                   and not t.startswith("/proc/")}
         assert not others, r["fds"]
 

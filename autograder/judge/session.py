@@ -64,8 +64,13 @@ class StudentWorker:
 
     def __init__(self, lab: str, student_cells: Sequence[str], folder: str, *,
                  wrap: Callable[[list[str], dict[str, str]], list[str]] | None = None,
-                 timeout: float = CALL_TIMEOUT) -> None:
+                 timeout: float = CALL_TIMEOUT, zygote: Any = None,
+                 forked: socket.socket | None = None) -> None:
+        """``zygote``: forks the worker (:class:`.zygote.Zygote`) rather than starting it;
+        ``forked``: the connection to a worker forked already (by the judge, for a trusted
+        process of a test: :func:`worker_in_process`)."""
         self.lab, self.folder, self.wrap, self.timeout = lab, folder, wrap, timeout
+        self.zygote, self.forked = zygote, forked
         self.parse_problems: list[str] = []
         self.cells = worker.student_code(list(student_cells), self.parse_problems)
         self.proc: subprocess.Popen[bytes] | None = None
@@ -76,21 +81,27 @@ class StudentWorker:
         self.stderr: list[bytes] = []
 
     def start(self, setup: str, names: Sequence[str]) -> dict[str, Any]:
-        ours, theirs = socket.socketpair()
-        argv = [sys.executable, "-c", worker.BOOT, str(theirs.fileno())]
-        env = worker_env()
-        if self.wrap is not None:
-            argv = self.wrap(argv, env)
-        elif os.environ.get("PYTHONPATH"):  # no sandbox: the same minickpt as this process
-            env["PYTHONPATH"] = os.environ["PYTHONPATH"]
-        self.proc = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
-                                     stderr=subprocess.PIPE, env=env,
-                                     pass_fds=(theirs.fileno(),), cwd=self.folder)
-        theirs.close()
-        threading.Thread(target=self._drain, daemon=True).start()
+        if self.forked is not None:  # its process is the judge's to end
+            ours = self.forked
+        elif self.zygote is not None:
+            ours, self.proc = self.zygote.fork()
+        else:
+            ours, theirs = socket.socketpair()
+            argv = [sys.executable, "-c", worker.BOOT, str(theirs.fileno())]
+            env = worker_env()
+            if self.wrap is not None:
+                argv = self.wrap(argv, env)
+            elif os.environ.get("PYTHONPATH"):  # no sandbox: the same minickpt as this process
+                env["PYTHONPATH"] = os.environ["PYTHONPATH"]
+            self.proc = subprocess.Popen(argv, stdin=subprocess.DEVNULL,
+                                         stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+                                         env=env, pass_fds=(theirs.fileno(),), cwd=self.folder)
+            theirs.close()
+        if self.proc is not None:
+            threading.Thread(target=self._drain, daemon=True).start()
         conn = Connection(ours.detach())
-        program = worker_program()
-        conn.send_bytes(program.encode())
+        if self.forked is None and self.zygote is None:  # a forked worker has its program
+            conn.send_bytes(worker_program().encode())
         conn.send_bytes(msgpack.packb({"setup": setup, "cells": self.cells,
                                        "names": list(names)}, use_bin_type=True))
         if not conn.poll(self.timeout * 2):
@@ -112,8 +123,10 @@ class StudentWorker:
     def alive(self) -> bool:
         """Whether the worker still answers: its process runs, its wire is open and no call
         into it has timed out."""
-        return self.proc is not None and self.proc.poll() is None and self.ep is not None \
-            and self.ep._closed is None and not self.ep.timed_out
+        running = self.proc.poll() is None if self.proc is not None else \
+            self.forked is not None  # (a forked worker's process is its judge's to watch)
+        return running and self.ep is not None and self.ep._closed is None \
+            and not self.ep.timed_out
 
     def mirror(self, name: str) -> Callable[[], None]:
         """The test's set-up ``name`` made in the worker too; returns how to undo it."""
@@ -154,14 +167,20 @@ start (:func:`worker_spec`): that process puts its own socket's number there."""
 
 def worker_spec(lab: str, student_cells: Sequence[str], folder: str, setup: str, *,
                 wrap: Callable[[list[str], dict[str, str]], list[str]] | None,
-                timeout: float, outside: str) -> Callable[[], dict[str, Any]]:
+                timeout: float, outside: str, fork: Callable[[], Any] | None = None,
+                spawn: Callable[[], Any] | None = None) -> Callable[[], dict[str, Any]]:
     """How a trusted process a test starts (lab 4's :func:`minickpt.labkit.lab4.run_processes`:
     each JAX process of the job) starts a student's worker of its own, as data: the lab's setup
     cell, the student's cells, the lab's task names, the worker's folder and its command
     already wrapped in the sandbox (the descriptor left as :data:`FD_TOKEN`), and ``private``,
     a fresh folder outside the sandbox's view (mode 0700) where the test's own script goes.
     No line of a test: the test's text stays in that script, in the trusted process.
-    Each call wraps anew (the sandbox's wrap readies ``folder`` for the slot's uid)."""
+    Each call wraps anew (the sandbox's wrap readies ``folder`` for the slot's uid).
+
+    ``fork`` and ``spawn`` (the judge's, not data: the caller pops them) return the fork
+    servers' :meth:`.zygote.Zygote.fork` (the caller forks the workers its processes will use
+    and hands each its connection: :func:`worker_in_process`'s ``fd``) and
+    :meth:`.zygote.Zygote.run` (how it starts those trusted processes), or None."""
     names = list(cells_mod.lab_task_names(lab))
     root = str(Path(__file__).resolve().parents[2])  # where ``autograder`` is imported from
 
@@ -173,7 +192,8 @@ def worker_spec(lab: str, student_cells: Sequence[str], folder: str, setup: str,
         os.chmod(private, 0o700)
         return {"lab": lab, "setup": setup, "cells": list(student_cells), "names": names,
                 "folder": folder, "argv": argv, "timeout": timeout, "private": private,
-                "path": root}
+                "path": root, "fork": fork() if fork is not None else None,
+                "spawn": spawn() if spawn is not None else None}
 
     return spec
 
@@ -183,7 +203,13 @@ _REAL_MKDTEMP = tempfile.mkdtemp  # (``shared_with_worker`` makes every mkdtemp 
 
 def worker_in_process(spec: Mapping[str, Any]) -> tuple[StudentWorker, dict[str, Any]]:
     """In a trusted process a test started (:func:`worker_spec`'s ``spec``): a student's worker
-    of its own, started as the judge said; returns it and the proxies to its functions."""
+    of its own, started as the judge said (or forked by the judge already: ``fd``, its
+    connection); returns it and the proxies to its functions."""
+    if spec.get("fd") is not None:
+        w = StudentWorker(spec["lab"], spec["cells"], spec["folder"],
+                          timeout=float(spec["timeout"]),
+                          forked=socket.socket(fileno=int(spec["fd"])))
+        return w, w.start(spec["setup"], list(spec["names"]))
     template = spec.get("argv")
     wrap = None
     if template is not None:
@@ -305,6 +331,49 @@ def judge_lab(lab: str, student_cells: Sequence[str], folder: str, *,
     functions: dict[str, Any] = {}
     problems: list[str] = []
     current: list[StudentWorker] = []
+    servers: list[Any] = []
+
+    def server() -> Any:
+        """The fork server of this submission's workers (a new one once the last ended:
+        the slot's processes are ended after a drill); None where none starts."""
+        from .zygote import Zygote
+
+        if servers and servers[-1] is not None and servers[-1].alive():
+            return servers[-1]
+        if len(servers) >= 8:  # ended again and again: start workers one by one
+            return None
+        if servers and servers[-1] is not None:
+            servers[-1].close()
+        try:
+            servers.append(Zygote(folder, wrap=wrap, timeout=timeout))
+        except (wire.WireError, OSError):
+            servers.append(None)
+        return servers[-1]
+
+    trusted_servers: list[Any] = []
+
+    def trusted() -> Any:
+        """The fork server of the tests' trusted processes (lab 4's JAX processes: outside
+        the sandbox, as the judge's own children are), started on the first job."""
+        from .zygote import TRUSTED_PRELOAD, Zygote
+
+        if trusted_servers and trusted_servers[-1] is not None \
+                and trusted_servers[-1].alive():
+            return trusted_servers[-1]
+        if len(trusted_servers) >= 8:
+            return None
+        if trusted_servers and trusted_servers[-1] is not None:
+            trusted_servers[-1].close()
+        root = str(Path(__file__).resolve().parents[2])
+        env = {**os.environ, "JAX_PLATFORMS": "cpu", "PYTHONUNBUFFERED": "1",
+               "PYTHONPATH": os.pathsep.join(filter(None, [root,
+                                                           os.environ.get("PYTHONPATH")]))}
+        try:
+            trusted_servers.append(Zygote(outside, timeout=timeout, env=env,
+                                          preload=TRUSTED_PRELOAD))
+        except (wire.WireError, OSError):
+            trusted_servers.append(None)
+        return trusted_servers[-1]
 
     def start() -> None:
         """A worker with the student's functions; a new one when the last one died (what
@@ -324,7 +393,10 @@ def judge_lab(lab: str, student_cells: Sequence[str], folder: str, *,
         tool_ended.clear()
         functions.clear()
         for attempt in range(3):  # a worker that dies as it starts (a slot still being
-            w = StudentWorker(lab, student_cells, folder, wrap=wrap, timeout=timeout)
+            z = server() if attempt == 0 else None  # (a retry starts one afresh)
+            if z is not None and wrap is not None and len(current) > 0:
+                wrap([sys.executable], {})  # what the tests wrote is the slot's (as a start)
+            w = StudentWorker(lab, student_cells, folder, wrap=wrap, timeout=timeout, zygote=z)
             current.append(w)      # cleared, a busy machine) gets two more tries
             try:
                 functions.update(give_sources(w.start(setup, list(names)), student_cells))
@@ -367,7 +439,8 @@ def judge_lab(lab: str, student_cells: Sequence[str], folder: str, *,
         how = dict(launch) if launch is not None else ({"wrap": wrap} if wrap else {})
         how["student_worker"] = worker_spec(lab, student_cells, folder, setup,
                                             wrap=how.get("wrap", wrap), timeout=timeout,
-                                            outside=outside)
+                                            outside=outside, fork=lambda: _fork_of(server()),
+                                            spawn=lambda: _run_of(trusted()))
         with shared_with_worker(True), launched_by(**how):
             tools = {name: grader_tool(fn) for name, fn in (tools or {}).items()}
             verdicts = cells_mod.run_tests(lab, functions, tools=tools, cells=cells,
@@ -376,6 +449,17 @@ def judge_lab(lab: str, student_cells: Sequence[str], folder: str, *,
         tempfile.tempdir = old_tmp
         for w in current:
             w.close()
+        for z in [*servers, *trusted_servers]:
+            if z is not None:
+                z.close()
         if end_workers is not None:
             end_workers()
     return verdicts, problems[:20]
+
+
+def _fork_of(server: Any) -> Callable[[], Any] | None:
+    return None if server is None else server.fork
+
+
+def _run_of(server: Any) -> Callable[..., Any] | None:
+    return None if server is None else server.run

@@ -186,3 +186,171 @@ def main(conn: Any) -> None:  # pragma: no cover - runs in the worker (tests sta
     ep.start()
     ep._reader.join()
     os._exit(0)
+
+
+PRELOAD = ("numpy", "msgpack", "jax", "jax.numpy", "minickpt", "minickpt.labkit")
+"""What the fork server imports once for every worker it forks (:func:`serve_forks`): about a
+CPU-second per worker that a fork does not pay again. No JAX backend is started (no threads of
+XLA's to lose in the fork): a worker starts its own when the student's code asks for one."""
+
+
+def serve_forks(conn: Any, preload: tuple[str, ...] = PRELOAD) -> None:  # pragma: no cover
+    """The fork server's life (:mod:`autograder.judge.zygote`; it runs in the sandbox, or for
+    a test's trusted processes outside it): import ``preload``, then for each request fork a
+    child and say its pid, and say each child's exit. A child is a worker serving the
+    connection sent with the request (``fork``), or runs a script (``run``: its argv,
+    environment, folder and descriptors, as a new interpreter would). One thread only, so a
+    fork copies no lock another thread holds. Ends, and ends its children, when the judge
+    hangs up."""
+    import importlib
+    import os
+    import select
+    import signal
+    from multiprocessing import reduction
+
+    import msgpack
+
+    for name in preload:
+        try:
+            importlib.import_module(name)
+        except Exception:  # a child that needs it says why, as it would without the server
+            pass
+    wake_r, wake_w = os.pipe()
+    os.set_blocking(wake_r, False)
+    os.set_blocking(wake_w, False)
+    signal.signal(signal.SIGCHLD, lambda *a: None)
+    signal.set_wakeup_fd(wake_w)
+    children: set[int] = set()
+
+    def say(msg: dict) -> None:
+        conn.send_bytes(msgpack.packb(msg))
+
+    def reap() -> None:
+        while children:
+            try:
+                pid, status = os.waitpid(-1, os.WNOHANG)
+            except ChildProcessError:
+                return
+            if pid == 0:
+                return
+            children.discard(pid)
+            say({"exit": pid, "code": os.waitstatus_to_exitcode(status)})
+
+    say({"ready": True})
+    try:
+        while True:
+            try:
+                ready = select.select([conn, wake_r], [], [])[0]
+            except InterruptedError:
+                continue
+            if wake_r in ready:
+                try:
+                    os.read(wake_r, 512)
+                except BlockingIOError:
+                    pass
+                reap()
+            if conn not in ready:
+                continue
+            try:
+                msg = msgpack.unpackb(conn.recv_bytes(1 << 20), raw=False)
+            except (EOFError, OSError, ValueError):
+                return
+            if msg.get("op") == "kill" and msg.get("pid") in children:
+                os.kill(msg["pid"], signal.SIGKILL)
+            if msg.get("op") not in ("fork", "run"):
+                continue
+            fds = [reduction.recv_handle(conn) for _ in range(int(msg.get("handles", 2)))]
+            sys.stdout.flush()
+            sys.stderr.flush()
+            pid = os.fork()
+            if pid == 0:
+                code = 1
+                try:
+                    signal.set_wakeup_fd(-1)
+                    signal.signal(signal.SIGCHLD, signal.SIG_DFL)
+                    os.close(wake_r)
+                    os.close(wake_w)
+                    conn.close()
+                    _die_with_parent()
+                    code = _forked(msg, fds)
+                finally:
+                    os._exit(code)
+            if msg["op"] == "run":  # (here too: its group exists before the judge hears of it)
+                try:
+                    os.setpgid(pid, pid)
+                except OSError:
+                    pass
+            for fd in fds:
+                os.close(fd)
+            children.add(pid)
+            say({"pid": pid})
+    finally:
+        for pid in children:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except OSError:
+                pass
+        os._exit(0)
+
+
+def _forked(msg: dict, fds: list[int]) -> int:  # pragma: no cover - runs in a forked child
+    """A forked child's life: a worker (``fork``: its connection, its stderr), or a script
+    (``run``: its output, then the descriptors it is given, each at its number)."""
+    import fcntl
+    import io
+    import os
+    from multiprocessing.connection import Connection
+
+    if msg["op"] == "fork":
+        sock, err = fds
+        os.dup2(err, 2)
+        os.close(err)
+        main(Connection(sock))
+        return 0
+    import runpy
+
+    os.setpgid(0, 0)  # its own process group, as a launched process (killed with its group)
+    base = max([100, *(int(n) + 1 for n in msg["fds"])])  # above every number asked for
+    high = [fcntl.fcntl(fd, fcntl.F_DUPFD, base) for fd in fds]
+    for fd in fds:
+        os.close(fd)
+    out, given = high[0], high[1:]
+    for fd, number in zip(given, msg["fds"], strict=True):
+        os.dup2(fd, int(number))
+    os.dup2(out, 1)
+    os.dup2(out, 2)
+    for fd in high:
+        os.close(fd)
+    os.chdir(msg["cwd"])
+    os.environ.clear()
+    os.environ.update(msg["env"])
+    sys.argv = list(msg["argv"])
+    sys.stdout = io.TextIOWrapper(os.fdopen(1, "wb", closefd=False), line_buffering=True,
+                                  errors="replace")
+    sys.stderr = io.TextIOWrapper(os.fdopen(2, "wb", closefd=False), line_buffering=True,
+                                  errors="replace")
+    try:
+        runpy.run_path(sys.argv[0], run_name="__main__")
+    except SystemExit as e:
+        code = e.code
+        return code if isinstance(code, int) else (0 if code is None else 1)
+    except BaseException:
+        import traceback
+
+        traceback.print_exc()
+        return 1
+    finally:
+        sys.stdout.flush()
+        sys.stderr.flush()
+    return 0
+
+
+def _die_with_parent() -> None:  # pragma: no cover - runs in a forked child
+    """A forked child dies with its fork server (outside the sandbox nothing else ends it)."""
+    try:
+        import ctypes
+        import signal
+
+        ctypes.CDLL(None, use_errno=True).prctl(1, int(signal.SIGKILL))  # PR_SET_PDEATHSIG
+    except Exception:
+        pass

@@ -21,6 +21,8 @@ import shutil
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
+from ..launch import _BIND_FAILED
+
 _JUDGED = '''\
 import json, os, sys
 
@@ -31,6 +33,11 @@ del _signer
 _spec = {spec!r}
 sys.path.append(_spec.pop("path"))
 from minickpt.multihost.process import ENV_NUM_PROCESSES as _N, ENV_PROCESS_ID as _ID
+for _k, _fd in enumerate(_spec.pop("fds", None) or ()):  # workers the judge forked: this one's
+    if _k == int(os.environ[_ID]):
+        _spec["fd"] = _fd
+    else:
+        os.close(_fd)
 _spec["setup"] += {identity!r}.format(int(os.environ[_ID]), int(os.environ[_N]))
 from autograder.judge.session import worker_in_process as _worker_in_process
 _started = {{}}
@@ -147,7 +154,6 @@ def run_judged(spec: Mapping[str, Any], body: str, names: Sequence[str], *, proc
     the launch's result and the key its reports are signed with."""
     import secrets
 
-    from ..launch import launch
     from .plugging import reference_functions
     from .temporaries import tempdir
 
@@ -158,17 +164,54 @@ def run_judged(spec: Mapping[str, Any], body: str, names: Sequence[str], *, proc
     # threads, in each of the job's 4 workers; the slot's cgroup counts every thread)
     spec = {**spec, "setup": imports}
     work = spec.pop("private")  # outside the sandbox's view: the test's text is written here
+    fork = spec.pop("fork", None)  # the judge's fork servers, when it has them
+    spawn = spec.pop("spawn", None)
     key = secrets.token_bytes(32)
     with contextlib.ExitStack() as stack:
         stack.callback(shutil.rmtree, work, True)
-        script = os.path.join(work, "lab4_process.py")
-        fd = os.open(script, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
-        with open(fd, "w", encoding="utf-8") as f:
-            f.write(_JUDGED.format(pin=pin, key_env=key_env, spec=spec, imports=imports,
-                                   identity=_IDENTITY,
-                                   tasks=tasks, names=list(names), body=body))
+        made = []
+
+        def script(spec: Mapping[str, Any]) -> str:
+            """The job's program, with ``spec`` (this launch's workers) in it."""
+            path = os.path.join(work, f"lab4_process_{len(made)}.py")
+            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+            with open(fd, "w", encoding="utf-8") as f:
+                f.write(_JUDGED.format(pin=pin, key_env=key_env, spec=dict(spec),
+                                       imports=imports, identity=_IDENTITY, tasks=tasks,
+                                       names=list(names), body=body))
+            made.append(path)
+            return path
+
         if directory is None:  # (under the judge: in the test's folder, the worker's too)
             directory = stack.enter_context(tempdir())
+        for attempt in range(3):  # (a coordinator that lost the race for its port: again)
+            res = _launch_once(script, directory, spec, fork, key, processes=processes,
+                               devices=devices, timeout_s=timeout_s, key_env=key_env,
+                               spawn=spawn)
+            if attempt == 2 or not any(_BIND_FAILED in line for line in res.outputs[0]):
+                break
+    return res, key
+
+
+def _launch_once(script: Callable[[Mapping[str, Any]], str], directory: str,
+                 spec: Mapping[str, Any], fork: Callable[[], Any] | None, key: bytes, *,
+                 processes: int, devices: int, timeout_s: float, key_env: str,
+                 spawn: Callable[..., Any] | None = None) -> Any:
+    """One launch of the job; with a fork server, each process gets a worker forked for it
+    (a fork, not a second of imports), which is ended with the job."""
+    from ..launch import launch
+
+    forked: list[Any] = []
+    with contextlib.ExitStack() as stack:
+        if fork is not None:
+            stack.callback(_end_forked, forked)
+            try:
+                for _ in range(processes):
+                    forked.append(fork())
+            except Exception:  # the server ended: each process starts its own worker
+                _end_forked(forked)
+            if forked:
+                spec = {**spec, "fds": [s.fileno() for s, _ in forked]}
         r, w = os.pipe()
         try:
             os.write(w, key * processes)  # each process reads its 32 bytes (<= PIPE_BUF)
@@ -177,11 +220,18 @@ def run_judged(spec: Mapping[str, Any], body: str, names: Sequence[str], *, proc
             env = {"JAX_PLATFORMS": "cpu", key_env: str(r)}
             # (cwd: where a relative name resolves, for the worker's calls too: the job's
             # folder, where the judge lets the worker name things; the script stays apart)
-            res = launch([script, directory], processes, devices_per_process=devices,
-                         timeout_s=timeout_s * TIME_SCALE, grace_s=timeout_s, cwd=directory,
-                         env=env, pass_fds=(r,))
+            return launch([script(spec), directory], processes, devices_per_process=devices,
+                          timeout_s=timeout_s * TIME_SCALE, grace_s=timeout_s, cwd=directory,
+                          env=env, pass_fds=(r, *(s.fileno() for s, _ in forked)),
+                          port_retries=0, spawn=spawn)
         finally:
             for x in (r, w):
                 if x >= 0:
                     os.close(x)
-    return res, key
+
+
+def _end_forked(forked: list[Any]) -> None:
+    for sock, proc in forked:
+        sock.close()
+        proc.kill()
+    forked.clear()
