@@ -19,6 +19,7 @@ launcher (SLURM, Kubernetes...) and let ``jax.distributed.initialize()`` detect 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import hmac
 import json
 import os
@@ -28,7 +29,7 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from types import CodeType
 from typing import Any, TextIO
@@ -186,6 +187,30 @@ def signer(key_env: str, tag: str = "RESULT") -> tuple[Callable[[Any], None],
     return send, allowed.add
 
 
+@contextlib.contextmanager
+def key_pipe(key: bytes, processes: int) -> Iterator[int]:
+    """The read end of a pipe holding ``key`` once per process (each reads its copy: at most
+    ``PIPE_BUF`` bytes in all, so the write never blocks), for ``pass_fds``; closed after.
+    One per launch: the processes drain it, and a job started again (:func:`lost_port_race`)
+    needs a full one, or its processes sign with no key and every report reads as forged."""
+    r, w = os.pipe()
+    try:
+        os.write(w, key * processes)
+        os.close(w)
+        w = -1
+        yield r
+    finally:
+        for fd in (r, w):
+            if fd >= 0:
+                os.close(fd)
+
+
+def lost_port_race(result: LaunchResult) -> bool:
+    """Whether the job's coordinator could not bind its port (another program took it after
+    :func:`pick_free_port`): the job is to be started again, on a new port."""
+    return any(_BIND_FAILED in line for line in result.outputs[0])
+
+
 def loopback_refused(host: str = "127.0.0.1", timeout_s: float = 2.0) -> str | None:
     """Why this machine cannot run a local ``jax.distributed`` job, in one sentence, or None.
 
@@ -276,7 +301,9 @@ def launch(argv: Sequence[str], num_processes: int, *, devices_per_process: int 
     ``["-m", "pkg.mod"]``. Output lines are collected (and copied to ``echo`` with a
     ``[p<i>]`` prefix). Once a process exits non-zero the others are killed ``grace_s``
     seconds later; everything is killed at ``timeout_s``. ``pass_fds``: file descriptors
-    every process inherits. ``spawn(argv, env, cwd, pass_fds)`` starts one process (default:
+    every process inherits (every attempt's: a pipe its processes drain, like a report key,
+    is empty for a job started again after a lost port race, so launch such a job with
+    ``port_retries=0`` and a new pipe each time: :func:`key_pipe`, :func:`lost_port_race`). ``spawn(argv, env, cwd, pass_fds)`` starts one process (default:
     a new interpreter; one that raises ChildProcessError: a new interpreter from then on): a
     grader forks them from a server that imported JAX once.
     """
@@ -291,7 +318,7 @@ def launch(argv: Sequence[str], num_processes: int, *, devices_per_process: int 
         result = _run_once(argv, num_processes, port, token, devices_per_process, timeout_s,
                            grace_s, platforms, env, env_per_process, echo, cwd,
                            heartbeat_timeout_s, tuple(pass_fds), spawn)
-        if attempt < port_retries and any(_BIND_FAILED in line for line in result.outputs[0]):
+        if attempt < port_retries and lost_port_race(result):
             if echo is not None:
                 echo.write(f"[launch] the coordinator could not bind port {port}; retrying\n")
             continue

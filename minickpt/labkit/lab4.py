@@ -197,7 +197,7 @@ def run_processes(body: str, *, processes: int = 4, devices: int = 2,
     import os
     import textwrap
 
-    from ..launch import launch
+    from ..launch import key_pipe, launch, lost_port_race
 
     body = textwrap.dedent(body)  # a body written inside an `if` of the test cell
     body = "".join(f"{k} = {v!r}\n" for k, v in (values or {}).items()) + body
@@ -225,19 +225,14 @@ def run_processes(body: str, *, processes: int = 4, devices: int = 2,
                                    body=body, key_env=KEY_ENV))
         shared = directory or os.path.join(work, "shared")
         os.makedirs(shared, exist_ok=True)
-        r, w = os.pipe()
-        try:
-            os.write(w, key * processes)  # each process reads its 32 bytes (<= PIPE_BUF)
-            os.close(w)
-            w = -1
-            env = {**reports.env({"JAX_PLATFORMS": "cpu"}), KEY_ENV: str(r)}
-            res = launch([script, shared], processes, devices_per_process=devices,
-                         timeout_s=timeout_s, grace_s=timeout_s, cwd=work, env=env,
-                         pass_fds=(*reports.pass_fds, r))
-        finally:
-            for fd in (r, w):
-                if fd >= 0:
-                    os.close(fd)
+        for attempt in range(3):  # a key per launch: a job started again drains its own
+            with key_pipe(key, processes) as r:
+                env = {**reports.env({"JAX_PLATFORMS": "cpu"}), KEY_ENV: str(r)}
+                res = launch([script, shared], processes, devices_per_process=devices,
+                             timeout_s=timeout_s, grace_s=timeout_s, cwd=work, env=env,
+                             pass_fds=(*reports.pass_fds, r), port_retries=0)
+            if attempt == 2 or not lost_port_race(res):
+                break
     return ProcessesRun(processes, res, key)
 
 

@@ -21,7 +21,7 @@ import shutil
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
-from ..launch import _BIND_FAILED
+from ..launch import key_pipe, lost_port_race
 
 _JUDGED = '''\
 import json, os, sys
@@ -188,7 +188,7 @@ def run_judged(spec: Mapping[str, Any], body: str, names: Sequence[str], *, proc
             res = _launch_once(script, directory, spec, fork, key, processes=processes,
                                devices=devices, timeout_s=timeout_s, key_env=key_env,
                                spawn=spawn)
-            if attempt == 2 or not any(_BIND_FAILED in line for line in res.outputs[0]):
+            if attempt == 2 or not lost_port_race(res):
                 break
     return res, key
 
@@ -212,11 +212,7 @@ def _launch_once(script: Callable[[Mapping[str, Any]], str], directory: str,
                 _end_forked(forked)
             if forked:
                 spec = {**spec, "fds": [s.fileno() for s, _ in forked]}
-        r, w = os.pipe()
-        try:
-            os.write(w, key * processes)  # each process reads its 32 bytes (<= PIPE_BUF)
-            os.close(w)
-            w = -1
+        with key_pipe(key, processes) as r:  # (a job started again drains a new one)
             env = {"JAX_PLATFORMS": "cpu", key_env: str(r)}
             # (cwd: where a relative name resolves, for the worker's calls too: the job's
             # folder, where the judge lets the worker name things; the script stays apart)
@@ -224,10 +220,6 @@ def _launch_once(script: Callable[[Mapping[str, Any]], str], directory: str,
                           timeout_s=timeout_s * TIME_SCALE, grace_s=timeout_s, cwd=directory,
                           env=env, pass_fds=(r, *(s.fileno() for s, _ in forked)),
                           port_retries=0, spawn=spawn)
-        finally:
-            for x in (r, w):
-                if x >= 0:
-                    os.close(x)
 
 
 def _end_forked(forked: list[Any]) -> None:
