@@ -303,9 +303,10 @@ def launch(argv: Sequence[str], num_processes: int, *, devices_per_process: int 
     seconds later; everything is killed at ``timeout_s``. ``pass_fds``: file descriptors
     every process inherits (every attempt's: a pipe its processes drain, like a report key,
     is empty for a job started again after a lost port race, so launch such a job with
-    ``port_retries=0`` and a new pipe each time: :func:`key_pipe`, :func:`lost_port_race`). ``spawn(argv, env, cwd, pass_fds)`` starts one process (default:
-    a new interpreter; one that raises ChildProcessError: a new interpreter from then on): a
-    grader forks them from a server that imported JAX once.
+    ``port_retries=0`` and a new pipe each time: :func:`key_pipe`, :func:`lost_port_race`).
+    ``spawn(argv, env, cwd, pass_fds)`` starts one process (default: a new interpreter; one
+    that raises ChildProcessError: a new interpreter from then on): a grader forks them from
+    a server that imported JAX once.
     """
     if num_processes < 1 or devices_per_process < 1:
         raise ValueError("num_processes and devices_per_process must be >= 1")

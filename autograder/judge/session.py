@@ -25,6 +25,7 @@ import msgpack
 
 from . import cells as cells_mod
 from . import wire, worker
+from .zygote import TRUSTED_PRELOAD, Servers, Zygote
 
 CALL_TIMEOUT = 60.0
 """How long one call into the worker may take before the test that made it fails."""
@@ -331,49 +332,19 @@ def judge_lab(lab: str, student_cells: Sequence[str], folder: str, *,
     functions: dict[str, Any] = {}
     problems: list[str] = []
     current: list[StudentWorker] = []
-    servers: list[Any] = []
 
-    def server() -> Any:
-        """The fork server of this submission's workers (a new one once the last ended:
-        the slot's processes are ended after a drill); None where none starts."""
-        from .zygote import Zygote
-
-        if servers and servers[-1] is not None and servers[-1].alive():
-            return servers[-1]
-        if len(servers) >= 8:  # ended again and again: start workers one by one
-            return None
-        if servers and servers[-1] is not None:
-            servers[-1].close()
-        try:
-            servers.append(Zygote(folder, wrap=wrap, timeout=timeout))
-        except (wire.WireError, OSError):
-            servers.append(None)
-        return servers[-1]
-
-    trusted_servers: list[Any] = []
-
-    def trusted() -> Any:
-        """The fork server of the tests' trusted processes (lab 4's JAX processes: outside
-        the sandbox, as the judge's own children are), started on the first job."""
-        from .zygote import TRUSTED_PRELOAD, Zygote
-
-        if trusted_servers and trusted_servers[-1] is not None \
-                and trusted_servers[-1].alive():
-            return trusted_servers[-1]
-        if len(trusted_servers) >= 8:
-            return None
-        if trusted_servers and trusted_servers[-1] is not None:
-            trusted_servers[-1].close()
+    def trusted_server() -> Any:
+        """lab 4's JAX processes' server: outside the sandbox, as the judge's own children."""
         root = str(Path(__file__).resolve().parents[2])
         env = {**os.environ, "JAX_PLATFORMS": "cpu", "PYTHONUNBUFFERED": "1",
                "PYTHONPATH": os.pathsep.join(filter(None, [root,
                                                            os.environ.get("PYTHONPATH")]))}
-        try:
-            trusted_servers.append(Zygote(outside, timeout=timeout, env=env,
-                                          preload=TRUSTED_PRELOAD))
-        except (wire.WireError, OSError):
-            trusted_servers.append(None)
-        return trusted_servers[-1]
+        return Zygote(outside, timeout=timeout, env=env, preload=TRUSTED_PRELOAD)
+
+    # the fork servers (autograder/judge/zygote.py): the student's workers', in the sandbox,
+    # and the trusted one, started on lab 4's first job
+    servers = Servers(lambda: Zygote(folder, wrap=wrap, timeout=timeout))
+    trusted = Servers(trusted_server)
 
     def start() -> None:
         """A worker with the student's functions; a new one when the last one died (what
@@ -393,7 +364,7 @@ def judge_lab(lab: str, student_cells: Sequence[str], folder: str, *,
         tool_ended.clear()
         functions.clear()
         for attempt in range(3):  # a worker that dies as it starts (a slot still being
-            z = server() if attempt == 0 else None  # (a retry starts one afresh)
+            z = servers.get() if attempt == 0 else None  # (a retry starts one afresh)
             if z is not None and wrap is not None and len(current) > 0:
                 wrap([sys.executable], {})  # what the tests wrote is the slot's (as a start)
             w = StudentWorker(lab, student_cells, folder, wrap=wrap, timeout=timeout, zygote=z)
@@ -439,8 +410,8 @@ def judge_lab(lab: str, student_cells: Sequence[str], folder: str, *,
         how = dict(launch) if launch is not None else ({"wrap": wrap} if wrap else {})
         how["student_worker"] = worker_spec(lab, student_cells, folder, setup,
                                             wrap=how.get("wrap", wrap), timeout=timeout,
-                                            outside=outside, fork=lambda: _fork_of(server()),
-                                            spawn=lambda: _run_of(trusted()))
+                                            outside=outside, fork=servers.method("fork"),
+                                            spawn=trusted.method("run"))
         with shared_with_worker(True), launched_by(**how):
             tools = {name: grader_tool(fn) for name, fn in (tools or {}).items()}
             verdicts = cells_mod.run_tests(lab, functions, tools=tools, cells=cells,
@@ -449,17 +420,9 @@ def judge_lab(lab: str, student_cells: Sequence[str], folder: str, *,
         tempfile.tempdir = old_tmp
         for w in current:
             w.close()
-        for z in [*servers, *trusted_servers]:
-            if z is not None:
-                z.close()
+        servers.close()
+        trusted.close()
         if end_workers is not None:
             end_workers()
     return verdicts, problems[:20]
 
-
-def _fork_of(server: Any) -> Callable[[], Any] | None:
-    return None if server is None else server.fork
-
-
-def _run_of(server: Any) -> Callable[..., Any] | None:
-    return None if server is None else server.run

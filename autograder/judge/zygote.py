@@ -222,3 +222,37 @@ class Zygote:
             self.proc.kill()
             with contextlib.suppress(subprocess.TimeoutExpired):
                 self.proc.wait(5)
+
+
+class Servers:
+    """A fork server started on first use, and again once the last one ended (a drill ends
+    the slot's processes); after ``tries`` starts, or where none starts, None: the caller
+    then starts its processes one by one, as without a server."""
+
+    def __init__(self, make: Callable[[], Zygote], tries: int = 8) -> None:
+        self._make, self._tries, self._starts = make, tries, 0
+        self._started: list[Zygote] = []
+        self._current: Zygote | None = None
+
+    def get(self) -> Zygote | None:
+        if self._current is not None and self._current.alive():
+            return self._current
+        if self._current is not None:
+            self._current.close()
+        self._current = None
+        if self._starts < self._tries:
+            self._starts += 1
+            try:
+                self._current = self._make()
+                self._started.append(self._current)
+            except (wire.WireError, OSError):
+                pass
+        return self._current
+
+    def method(self, name: str) -> Callable[[], Any]:
+        """``get().<name>`` as a value for later (None where there is no server)."""
+        return lambda: getattr(z, name) if (z := self.get()) is not None else None
+
+    def close(self) -> None:
+        for z in self._started:
+            z.close()
