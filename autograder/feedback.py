@@ -166,6 +166,16 @@ def normalize_message(message: str) -> str:
     return first
 
 
+_NUMBER = re.compile(r"(?<![\w.])\d+(?![\w.])")
+
+
+def _kind(message: str) -> str:
+    """One failure however many of a test's drawn inputs it hit (labkit.drawn: "11 of 117
+    leaves" for one student, "10 of 117" for the next): its numbers that stand alone masked;
+    those in a name (Q11, int16) kept."""
+    return _NUMBER.sub("#", message)
+
+
 def class_summary(results: list[dict[str, Any]], cells: dict[str, float], groups: dict[str, float],
                   group_of: dict[str, str], questions: dict[str, str]) -> list[dict[str, Any]]:
     """One row per task (group) and per graded cell, across the class: how many submissions
@@ -192,9 +202,9 @@ def _row(kind: str, name: str, group: str, pts: float, got: list[float], msgs: l
     zero = sum(1 for x in got if x == 0)
     common = ""
     if msgs:
-        counts = Counter(msgs)
-        top = max(counts.values())
-        common = f"{min(m for m, c in counts.items() if c == top)} ({top}×)"
+        kinds = Counter(_kind(m) for m in msgs)
+        top = max(kinds.values())
+        common = f"{min(m for m in msgs if kinds[_kind(m)] == top)} ({top}×)"
     return {"kind": kind, "name": name, "task": group, "title": title, "points": pts,
             "submissions": n, "full_marks": full, "zero": zero,
             "mean": (sum(got) / n) if n else 0.0,

@@ -145,3 +145,27 @@ def test_feedback_renders_the_labs_markdown_and_shows_no_hidden_test():
     assert page.count("<math ") == 2 and 'display="block"' in page and "<msub>" in page
     assert "<script" not in page and "\\theta" not in page and "$" not in page
     assert "| task | points |" not in page and "secret_hidden_check_line" not in page
+
+
+def test_the_class_summary_counts_one_failure_whatever_numbers_the_drawn_inputs_put_in_it():
+    """A test's inputs are drawn at each grading (labkit.drawn), so one bug can fail "11 of
+    117 leaves" for one student and "10 of 117" for the next: the summary's most common
+    failure counts them as one (before: 1× each, and a rarer failure won the tie)."""
+    from autograder import feedback
+
+    def result(student: str, msg: str) -> dict:
+        return {"student": student, "status": "graded", "scores": {"t": 0.0},
+                "messages": {"t": msg}, "groups": {"1.3": 0.0}}
+
+    results = [result("a", "LabCheckError: 11 of 117 leaves do not survive: int16 at offset 3008"),
+               result("b", "LabCheckError: 10 of 117 leaves do not survive: int16 at offset 3010"),
+               result("c", "WireError: the worker has gone")]
+    rows = feedback.class_summary(results, {"t": 2.0}, {"1.3": 2.0}, {"t": "1.3"}, {})
+    common = next(r for r in rows if r["name"] == "t")["most_common_failure"]
+    assert common == "LabCheckError: 10 of 117 leaves do not survive: int16 at offset 3010 (2×)"
+    # numbers that are not drawn still tell failures apart: Q10 and Q11, int16 and int32
+    results = [result("a", "LabCheckError: Q10 is wrong"), result("b", "LabCheckError: Q11 is wrong"),
+               result("c", "LabCheckError: Q11 is wrong")]
+    rows = feedback.class_summary(results, {"t": 2.0}, {"1.3": 2.0}, {"t": "1.3"}, {})
+    assert next(r for r in rows if r["name"] == "t")["most_common_failure"] == \
+        "LabCheckError: Q11 is wrong (2×)"
