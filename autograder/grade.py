@@ -661,8 +661,10 @@ def refuse_unsandboxed(iso: Any, folder: Path) -> str | None:
 
 
 TIMING_PHASES = ("prepare", "kernel", "setup", "cells", "cpu", "throttled", "slowest_cell",
-                 "slowest_cell_seconds", "timed_out")
-"""timings.csv's columns after ``seconds`` (autograder.runner._write_phases writes them)."""
+                 "slowest_cell_seconds", "timed_out", "judge", "slowest_test",
+                 "slowest_test_seconds")
+"""timings.csv's columns after ``seconds`` (autograder.runner._write_phases writes them; the
+judge's, of a judged lab, its ``_judge``: its seconds and its slowest test's)."""
 
 
 def write_timings(path: Path, timings: list[tuple[str, str, float]],
@@ -695,7 +697,9 @@ def write_timings(path: Path, timings: list[tuple[str, str, float]],
                      f"{r['slowest_cell_seconds'] or '-'} s), cpu {r['cpu'] or '-'} s"
                      + (f" (throttled {r['throttled']} s)" if r["throttled"] not in ("", "0",
                                                                                    "0.0") else "")
-                     + (f", timed out: {r['timed_out']}" if r["timed_out"] else ""))
+                     + (f", timed out: {r['timed_out']}" if r["timed_out"] else "")
+                     + (f"; judge {r['judge']} s (slowest {r['slowest_test'] or '-'} "
+                        f"{r['slowest_test_seconds'] or '-'} s)" if r["judge"] else ""))
     return safe_text.printable("\n".join(lines))
 
 

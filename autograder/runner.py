@@ -309,7 +309,10 @@ def _run(job: Job, cfg: dict[str, Any], lab: Lab, student: list[Any], iso: sandb
                                     if what.startswith("watch: ") else
                                     f"changed {what} (put back before {g.grade_id})")
     if judged:
-        _judge(lab, asm, box, tools, result, executed)
+        slowest = _judge(lab, asm, box, tools, result, executed)
+        _add_phases(root / "phases.json", {"judge": result["judge_seconds"],
+                                           "slowest_test": slowest[0],
+                                           "slowest_test_seconds": round(slowest[1], 2)})
     result["notes"] = [*asm.notes, *result.get("notes", [])]
     if report.fate:
         result["reason"] = f"{report.fate}: the cells after it were not run (0 points)"
@@ -327,10 +330,11 @@ def _run(job: Job, cfg: dict[str, Any], lab: Lab, student: list[Any], iso: sandb
 
 
 def _judge(lab: Lab, asm: Assembled, box: drills.Box, tools: dict[str, Any],
-           result: dict[str, Any], executed: list[list[Any]]) -> None:
+           result: dict[str, Any], executed: list[list[Any]]) -> tuple[str, float]:
     """Every test of ``lab`` decided by the judge (:mod:`autograder.judge`): the tests run in
     this process, the student's functions in a worker in the sandbox; the kernel's run above
-    was the student's feedback and earned nothing."""
+    was the student's feedback and earned nothing. Returns the slowest test and its seconds
+    ("", 0 for none)."""
     t = time.monotonic()
     student = [c.run for c in asm.cells if c.role == "student"]
     with box.scratch() as d:
@@ -359,6 +363,8 @@ def _judge(lab: Lab, asm: Assembled, box: drills.Box, tools: dict[str, Any],
     result["review"] = [*result.get("review", []),  # what the kernel's watch flagged before
                         *(p for p in problems if p.startswith(REACHED))]
     result["judge_seconds"] = round(time.monotonic() - t, 2)
+    slow = max(verdicts, key=lambda v: v.seconds, default=None)
+    return (slow.grade_id, slow.seconds) if slow is not None else ("", 0.0)
 
 
 def _slot_cpu(slot: cgroups.SlotCgroup | None) -> dict[str, float]:
@@ -416,13 +422,17 @@ def _write_phases(path: Path, asm: Assembled, nb: Any, report: Any, t0: float, t
 def _add_cpu(path: Path, before: dict[str, float], after: dict[str, float]) -> None:
     """The slot's CPU counters over one submission into its phases.json (:func:`_slot_cpu`):
     a submission that only waits uses little CPU; one that its share throttles, much."""
+    _add_phases(path, {k: round(max(0.0, after[k] - before[k]), 2)
+                       for k in ("cpu", "throttled") if k in before and k in after})
+
+
+def _add_phases(path: Path, more: dict[str, Any]) -> None:
+    """``more`` into a submission's phases.json (a measurement only: no kernel, no phases)."""
     try:
         phases = json.loads(path.read_text())
-        for k in ("cpu", "throttled"):
-            if k in before and k in after:
-                phases[k] = round(max(0.0, after[k] - before[k]), 2)
+        phases.update(more)
         path.write_text(json.dumps(phases))
-    except (OSError, ValueError):  # a measurement only; no kernel, no phases
+    except (OSError, ValueError):
         pass
 
 

@@ -132,7 +132,9 @@ def corpus_durations(folder: str, n: int = 10) -> list[str]:
                      f"cells {r.get('cells') or '-'} s (slowest {r.get('slowest_cell') or '-'} "
                      f"{r.get('slowest_cell_seconds') or '-'} s), cpu {r.get('cpu') or '-'} s, "
                      f"throttled {r.get('throttled') or '-'} s"
-                     + (f", timed out: {r['timed_out']}" if r.get("timed_out") else ""))
+                     + (f", timed out: {r['timed_out']}" if r.get("timed_out") else "")
+                     + (f"; judge {r['judge']} s (slowest {r.get('slowest_test') or '-'} "
+                        f"{r.get('slowest_test_seconds') or '-'} s)" if r.get("judge") else ""))
     return lines
 
 

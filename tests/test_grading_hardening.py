@@ -1652,7 +1652,8 @@ def test_timings_say_where_each_submissions_time_went_and_name_the_slowest(tmp_p
     (tmp_path / "a" / "phases.json").write_text(json.dumps(
         {"prepare": 0.1, "kernel": 0.8, "setup": 1.5, "cells": 62.0, "cpu": 3.0, "throttled": 0,
          "slowest_cell": "test_1_4_resume", "slowest_cell_seconds": 60.0,
-         "timed_out": ["test_1_4_resume"]}))
+         "timed_out": ["test_1_4_resume"], "judge": 41.5, "slowest_test": "test_1_3_leaf",
+         "slowest_test_seconds": 12.25}))
     timings = [("slow", "lab01_basics", 64.5), ("broken", "lab01_basics", 0.2)]
     dirs = {("slow", "lab01_basics"): tmp_path / "a", ("broken", "lab01_basics"): tmp_path / "b"}
     text = write_timings(tmp_path / "timings.csv", timings, dirs, 1)
@@ -1663,6 +1664,8 @@ def test_timings_say_where_each_submissions_time_went_and_name_the_slowest(tmp_p
     assert rows["broken"]["seconds"] == "0.2" and rows["broken"]["cells"] == ""
     assert text.startswith("slowest 1 of 2 submission(s)") and "slow/lab01_basics" in text
     assert "timed out: test_1_4_resume" in text and "broken" not in text
+    assert rows["slow"]["judge"] == "41.5" and rows["slow"]["slowest_test"] == "test_1_3_leaf"
+    assert "judge 41.5 s (slowest test_1_3_leaf 12.25 s)" in text, text
     assert write_timings(tmp_path / "t2.csv", timings, dirs, 0) == ""
 
 
