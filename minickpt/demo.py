@@ -14,6 +14,7 @@ It needs the course extras (flax, optax).
 from __future__ import annotations
 
 import argparse
+import functools
 import hashlib
 import signal
 import subprocess
@@ -42,7 +43,12 @@ def _flax() -> tuple[Any, Any, Any]:
     return nn, optax, train_state
 
 
+@functools.cache
 def make_model() -> Any:
+    """The model: one instance per process. A state's ``apply_fn`` and ``tx`` are static
+    parts of its tree, so a model (or an optimizer) made afresh for each state made
+    :func:`train_step` compile again for each (about a CPU-second: a test that trains ten
+    states spent most of its time compiling)."""
     nn, _, _ = _flax()
 
     class MLP(nn.Module):
@@ -59,11 +65,18 @@ def make_model() -> Any:
 
 def make_state(seed: int = 0, learning_rate: float = 1e-2, optimizer: str = "adam") -> Any:
     """A fresh ``TrainState`` (params, Adam's moments, step) plus its dropout key."""
-    _, optax, train_state = _flax()
+    _, _, train_state = _flax()
     model = make_model()
     params = model.init(jax.random.key(seed), jnp.ones((1, IN_DIM)), train=False)
-    tx = optax.adam(learning_rate) if optimizer == "adam" else optax.sgd(learning_rate)
-    return train_state.TrainState.create(apply_fn=model.apply, params=params, tx=tx)
+    return train_state.TrainState.create(apply_fn=model.apply, params=params,
+                                         tx=make_optimizer(optimizer, learning_rate))
+
+
+@functools.cache
+def make_optimizer(name: str, learning_rate: float) -> Any:
+    """One optimizer per setting (see :func:`make_model`)."""
+    _, optax, _ = _flax()
+    return optax.adam(learning_rate) if name == "adam" else optax.sgd(learning_rate)
 
 
 def batch(step: int, data_seed: int = 1234) -> tuple[jax.Array, jax.Array]:

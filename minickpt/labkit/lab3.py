@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import inspect
 import sys
 from collections.abc import Callable, Mapping, Sequence
@@ -34,11 +35,26 @@ def lab3_new_state(seed: int = 1, *, dtype: Any = None) -> Any:
     renamed (``Dense_0`` -> ``encoder``, ``Dense_1`` -> ``head``) and a layer added
     (``adapter``, a residual Dense initialised to zero, so the migrated model computes what
     the old one did). ``dtype`` casts the parameters and Adam's moments."""
-    import flax.linen as nn
-    import optax
     from flax.training import train_state as ts
 
-    from ..demo import HIDDEN, IN_DIM, OUT_DIM
+    from ..demo import IN_DIM, make_optimizer
+
+    model = _new_model()
+    params = model.init(jax.random.key(seed), jax.numpy.ones((1, IN_DIM)), train=False)
+    if dtype is not None:
+        params = jax.tree_util.tree_map(lambda x: x.astype(dtype), params)
+    state = ts.TrainState.create(apply_fn=model.apply, params=params,
+                                 tx=make_optimizer("adam", 1e-2))
+    return state.replace(step=jax.numpy.asarray(0, jax.numpy.int32))
+
+
+@functools.cache
+def _new_model() -> Any:
+    """Task 3.4's new model, one per process (as :func:`minickpt.demo.make_model`: a jitted
+    step compiles once for all its states)."""
+    import flax.linen as nn
+
+    from ..demo import HIDDEN, OUT_DIM
 
     class NewMLP(nn.Module):
         @nn.compact
@@ -48,12 +64,7 @@ def lab3_new_state(seed: int = 1, *, dtype: Any = None) -> Any:
             h = nn.Dropout(0.1, deterministic=not train)(h)
             return nn.Dense(OUT_DIM, name="head")(h)
 
-    model = NewMLP()
-    params = model.init(jax.random.key(seed), jax.numpy.ones((1, IN_DIM)), train=False)
-    if dtype is not None:
-        params = jax.tree_util.tree_map(lambda x: x.astype(dtype), params)
-    state = ts.TrainState.create(apply_fn=model.apply, params=params, tx=optax.adam(1e-2))
-    return state.replace(step=jax.numpy.asarray(0, jax.numpy.int32))
+    return NewMLP()
 
 
 def lab3_loss(state: Any, rng: jax.Array, step: int) -> float:
