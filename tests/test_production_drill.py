@@ -151,3 +151,18 @@ def test_drill_is_bounded_in_time(tmp_path):
 def test_drill_needs_the_directory_in_the_command():
     with pytest.raises(ValueError, match="must contain"):
         run_drill(command=[sys.executable, "train.py"])
+
+
+def test_a_kill_inside_retention_after_the_commit_is_not_a_cut_write(tmp_path):
+    """A kill after save(20)'s commit, while its retention removes step 10, leaves step 10's
+    delete leftover beside the committed step 20: no write was cut (the restart resumes from
+    20). Before, the leftover counted as the write's temporary: under load the drill reported
+    temporary_left with last_saved 15 and resumed_from 20 (test above, a CI run)."""
+    from minickpt.commit import DELETE_MARK, TMP_MARK
+    from minickpt.production import drill
+
+    for name in ("step_15", "step_20", f"step_10{DELETE_MARK}0badc0de"):
+        (tmp_path / name).mkdir()
+    assert drill._temporaries(str(tmp_path)) == []
+    (tmp_path / f"step_25{TMP_MARK}0badc0de").mkdir()  # a write cut in its write phase
+    assert drill._temporaries(str(tmp_path)) == [f"step_25{TMP_MARK}0badc0de"]

@@ -36,7 +36,7 @@ from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from ..commit import is_temporary
+from ..commit import TMP_MARK
 from ..fs import DEFAULT_FS
 from ..launch import helper_env
 
@@ -376,8 +376,12 @@ def save_progress(events: Sequence[tuple[float, str, Any]], *,
 
 
 def _temporaries(directory: str) -> list[str]:
+    """The temporaries of writes the kill cut (a save's ``.minickpt-tmp-``). Not a delete's
+    leftover (``.minickpt-del-``): a kill inside retention, after the save's commit, leaves
+    one, and that save's step is committed (counting it, a drill under load reported a cut
+    write whose step the restart then resumed from)."""
     try:
-        return sorted(n for n in DEFAULT_FS.listdir(directory) if is_temporary(n))
+        return sorted(n for n in DEFAULT_FS.listdir(directory) if TMP_MARK in n)
     except FileNotFoundError:
         return []
 
