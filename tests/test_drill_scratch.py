@@ -12,6 +12,7 @@ import sys
 import pytest
 
 from autograder import drills
+from minickpt.launch import helper_env
 
 pytestmark = pytest.mark.timeout(120)
 MEMORY = drills.MEMORY_DIR
@@ -64,7 +65,8 @@ def test_a_sandboxed_worker_reads_and_writes_its_scratch_folder(box):
                 "print(open(os.path.join(d, 'given')).read()); "
                 "open(os.path.join(d, 'made'), 'w').write('by the worker')")
         argv = box.wrap(d)([sys.executable, "-c", code, d], {})
-        out = subprocess.run(argv, capture_output=True, text=True, timeout=60)
+        out = subprocess.run(argv, capture_output=True, text=True, timeout=60,
+                             env=helper_env())
         assert out.returncode == 0, out.stderr[-2000:]
         assert "from the grader" in out.stdout
         assert open(os.path.join(d, "made")).read() == "by the worker"

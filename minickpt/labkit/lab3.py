@@ -50,8 +50,8 @@ def lab3_new_state(seed: int = 1, *, dtype: Any = None) -> Any:
 
 @functools.cache
 def _new_model() -> Any:
-    """Task 3.4's new model, one per process (as :func:`minickpt.demo.make_model`: a jitted
-    step compiles once for all its states)."""
+    """The new model of task 3.4, one per process (as :func:`minickpt.demo.make_model`: a
+    jitted step compiles once for all its states)."""
     import flax.linen as nn
 
     from ..demo import HIDDEN, OUT_DIM
