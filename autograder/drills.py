@@ -240,6 +240,13 @@ def drill_3_3(cells: Sequence[str], box: Box) -> str | None:
     task functions; before its first start the folder already holds a checkpoint of step 5
     from a run of a seed drawn now, so only a resume that restores what is on disk ends where
     this process's own continuation of that run ends."""
+    return run_3_3(cells, box)[1]
+
+
+def run_3_3(cells: Sequence[str], box: Box, *, steps: int = 15, every: int = 5, kills: int = 2,
+            timeout_s: float = 50.0) -> tuple[dict[str, Any] | None, str | None]:
+    """:func:`drill_3_3`'s run: what happened (:func:`minickpt.labkit.lab3.run_lab3_drill`'s
+    dict; None where the drill stopped or the code has no ``resume``) and its verdict."""
     import random
 
     from minickpt.labkit import lab3
@@ -247,18 +254,18 @@ def drill_3_3(cells: Sequence[str], box: Box) -> str | None:
     names = ("resume", "restore_newest_valid", "check_structure", "migrate")
     code = definitions(cells, names)
     if why := _missing(code, "resume"):
-        return why
+        return None, why
     seed = random.SystemRandom().randint(1, 2**31 - 1)
     r, stopped = _in_box(box, lambda d: lab3.run_lab3_drill(
-        code, d, steps=15, every=5, kills=2, wrap=box.wrap(d), env=_worker_env(),
-        plant_seed=seed, after_run=lambda: _after(box, d)))
+        code, d, steps=steps, every=every, kills=kills, timeout_s=timeout_s, wrap=box.wrap(d),
+        env=_worker_env(), plant_seed=seed, after_run=lambda: _after(box, d)))
     if stopped:
-        return stopped
+        return None, stopped
     failed = lab3.drill_message(r)
     if failed is None and any(run["rc"] != -9 for run in r["runs"][:-1]):
         failed = (f"the killed workers should have died of the SIGKILL (exit -9): "
                   f"{[run['rc'] for run in r['runs']]}")
-    return None if failed is None else f"the grader's own drill: {failed}"
+    return r, None if failed is None else f"the grader's own drill: {failed}"
 
 
 def judge_launch(box: Box, d: str) -> dict[str, Any]:
@@ -300,13 +307,35 @@ def _worker_env() -> dict[str, str]:
 
 def tool(cells: Sequence[str], box: Box | None) -> Callable[[str], str | None]:
     """``grader_drill(task)`` for a grader check: runs that task's drill on this submission's
-    code, in ``box`` (None: no sandbox here, the workers run as plain processes)."""
+    code, in ``box`` (None: no sandbox here, the workers run as plain processes).
+
+    Its ``for_test(task, **params)`` is the same drill as a test's own drill of the task
+    becomes under the judge (:data:`minickpt.labkit.processes.DRILL_KEY`): it returns what
+    happened, for the test's checks, and a later ``grader_drill(task)`` with the same
+    parameters gives that run's verdict instead of running the drill again (lab 3's drill
+    test asked for two drills of three processes each; the test's own is a weaker copy of
+    the grader's). Lab 3's drill that stopped raises :class:`~minickpt.labkit.LabCheckError`."""
+    ran: dict[str, tuple[dict[str, Any], str | None]] = {}
+
     def grader_drill(task: str) -> str | None:
         if task not in DRILLS:
             raise KeyError(f"no grader drill for task {task}")
+        if task in ran and ran[task][0] == RUNS[task][1]:  # that run is this check's
+            return ran.pop(task)[1]
         if box is None:
             raise RuntimeError("the grader's drill needs the job's folder")
         return DRILLS[task](cells, box)
+
+    def for_test(task: str, **params: Any) -> Any:
+        if task not in RUNS:
+            raise KeyError(f"no grader drill for a test of task {task}")
+        if box is None:
+            raise RuntimeError("the grader's drill needs the job's folder")
+        value, failed = RUNS[task][0](cells, box, **params)
+        ran[task] = ({k: v for k, v in params.items() if k in RUNS[task][1]}, failed)
+        return value
+
+    grader_drill.for_test = for_test  # type: ignore[attr-defined]
     return grader_drill
 
 
@@ -422,3 +451,27 @@ def drill_4_3(cells: Sequence[str], box: Box, plan: dict[str, Any] | None = None
 DRILLS: dict[str, Callable[..., str | None]] = {"3.3": drill_3_3, "4.3": drill_4_3,
                                                "6.3": drill_6_3}
 """The drills a grader check may ask for, by task."""
+def _test_3_3(cells: Sequence[str], box: Box, **params: Any) -> tuple[dict[str, Any], str | None]:
+    """Lab 3's drill test under the judge: the grader's drill with the test's steps, interval
+    and kills; what happened, for the test's checks (a drill that stopped fails the test)."""
+    from minickpt.labkit import LabCheckError
+
+    r, failed = run_3_3(cells, box, **params)
+    if r is None:
+        raise LabCheckError(failed or "the grader's drill did not run")
+    return r, failed
+
+
+def _test_6_3(cells: Sequence[str], box: Box, **params: Any) -> tuple[str | None, str | None]:
+    """Lab 6's drill test of the plain set-up under the judge: the grader's drill, whose
+    set-up is drawn (the test's ``signals`` and ``seed`` do not apply); its verdict."""
+    failed = DRILLS["6.3"](cells, box)
+    return failed, failed
+
+
+RUNS: dict[str, tuple[Callable[..., tuple[Any, str | None]], dict[str, Any]]] = {
+    "3.3": (_test_3_3, {"steps": 15, "every": 5, "kills": 2, "timeout_s": 50.0}),
+    "6.3": (_test_6_3, {})}
+"""The drills a test's own drill becomes under the judge (``tool(...).for_test``), by task:
+how each runs for a test (what the test reads, and the verdict), and the parameters its
+grader check runs it with (those that reach the run)."""

@@ -173,3 +173,81 @@ def test_a_kernel_value_named_grader_drill_never_reaches_a_grader_check():
     failed = judge_quiz("failed = grader_drill('6.3')\ncheck(failed is None, failed)\n",
                         {"grader_drill": None}, {"grader_drill": tool})
     assert calls == ["6.3"] and "the grader's verdict" in failed
+
+
+def test_a_tests_own_drill_under_the_judge_is_the_graders_and_runs_once(monkeypatch):
+    """Lab 3's drill test asked for two drills of three sandboxed JAX processes each: its own
+    (``lab3_drill``) and its grader check's. Under the judge the test's own is the grader's
+    run (``tool(...).for_test``), and the grader check then reads that run's verdict: one
+    drill. Asked again, or after a run of another set-up, the grader check runs its own."""
+    calls: list = []
+
+    def fake_run(cells, box, **params):
+        calls.append(params)
+        return {"runs": []}, "the grader's own drill: it did not resume"
+
+    monkeypatch.setitem(drills.RUNS, "3.3", (fake_run, drills.RUNS["3.3"][1]))
+    monkeypatch.setitem(drills.DRILLS, "3.3", lambda cells, box: calls.append("again"))
+    tool = drills.tool(["def resume(*a):\n    pass\n"], object())
+    assert tool.for_test("3.3", **drills.RUNS["3.3"][1]) == {"runs": []}
+    assert tool("3.3") == "the grader's own drill: it did not resume" and len(calls) == 1
+    assert tool("3.3") is None and calls[-1] == "again"
+    tool.for_test("3.3", steps=9, every=3, kills=1, timeout_s=50.0)
+    assert tool("3.3") is None and calls[-1] == "again" and len(calls) == 4
+
+
+def test_lab3_drill_under_the_judge_asks_for_the_graders_drill():
+    from minickpt.labkit import LabCheckError, lab3, processes
+
+    asked: list = []
+
+    def resume(*a):
+        pass
+
+    def graders(task, **params):
+        asked.append((task, params))
+        return {"runs": ["the grader's"]}
+
+    with processes.launched_by(grader_drill=graders):
+        assert lab3.lab3_drill(resume, steps=15, every=5, kills=2) == {"runs": ["the grader's"]}
+    assert asked == [("3.3", {"steps": 15, "every": 5, "kills": 2, "timeout_s": 50.0})]
+
+    tool = drills.tool(["def resume(*a):\n    pass\n"], object())
+    stopped = (None, "the grader's drill stopped: the workers left a link")
+    real = drills.run_3_3
+    drills.run_3_3 = lambda cells, box, **params: stopped
+    try:
+        with pytest.raises(LabCheckError, match="left a link"):
+            tool.for_test("3.3", **drills.RUNS["3.3"][1])
+    finally:
+        drills.run_3_3 = real
+
+
+def test_lab6s_plain_drill_under_the_judge_is_the_graders_and_the_async_one_is_not(tmp_path):
+    """Lab 6's drill test of the plain set-up (sync, no hard exit) under the judge is the
+    grader's drill (drawn set-up, its verdict read again by the grader check); the hidden
+    drill of an async manager and a hard exit is run as the test says."""
+    from minickpt.labkit import lab6, processes
+
+    asked: list = []
+
+    def train_until_preempted(*a, **k):
+        pass
+
+    def graders(task, **params):
+        asked.append((task, params))
+        return "the grader's own drill: step 7 was lost"
+
+    with processes.launched_by(grader_drill=graders):
+        got = lab6.preemption_drill(train_until_preempted, str(tmp_path), signals=2, seed=0)
+    assert got == "the grader's own drill: step 7 was lost"
+    assert asked == [("6.3", {"signals": 2, "seed": 0})]
+    calls: list = []
+    tool = drills.tool(["def train_until_preempted(*a):\n    pass\n"], object())
+    real = drills.DRILLS["6.3"]
+    drills.DRILLS["6.3"] = lambda cells, box: calls.append(1) or "lost a step"
+    try:
+        assert tool.for_test("6.3", signals=2, seed=0) == "lost a step"
+        assert tool("6.3") == "lost a step" and len(calls) == 1
+    finally:
+        drills.DRILLS["6.3"] = real

@@ -35,25 +35,34 @@ def _test_lines(lab: str) -> set[str]:
             if len(line.strip()) > 25 and not line.strip().startswith("#")} - elsewhere
 
 
-def _judge_with_spy(lab: str, cells: list[str], box: drills.Box, grade_ids: set[str]):
+def _spying(seen: list[dict], real):
+    """``real`` (a wrap, or None), noting in ``seen`` every command it is given, its
+    environment and the files of its folder at that moment."""
+    def wrap(argv: list[str], env: dict[str, str]) -> list[str]:
+        files = {}
+        for a in argv:
+            folder = os.path.dirname(a) if os.path.isfile(a) else None
+            for name in os.listdir(folder) if folder else ():
+                p = os.path.join(folder, name)
+                if os.path.isfile(p) and name.endswith(".py"):
+                    files[p] = open(p, encoding="utf-8").read()
+        seen.append({"argv": list(argv), "env": dict(env), "files": files})
+        return real(argv, env) if real is not None else argv
+    return wrap
+
+
+def _judge_with_spy(lab: str, cells: list[str], box: drills.Box, grade_ids: set[str],
+                    drilled: list[dict] | None = None):
     """``lab`` judged as the runner judges it (autograder/runner.py ``_judge``), the launch
     options spied on: every command a test's own process starts with, its environment and
-    the files of its folder at that moment."""
+    the files of its folder at that moment (``drilled``: the same of the grader's drills)."""
     seen: list[dict] = []
+    if drilled is not None:
+        box_wrap = box.wrap
+        box.wrap = lambda d: _spying(drilled, box_wrap(d))  # type: ignore[method-assign]
     with box.scratch() as d:
         how = drills.judge_launch(box, d) if box.iso.sandboxed else {}
-        real = how.get("wrap")
-
-        def wrap(argv: list[str], env: dict[str, str]) -> list[str]:
-            files = {}
-            for a in argv:
-                folder = os.path.dirname(a) if os.path.isfile(a) else None
-                for name in os.listdir(folder) if folder else ():
-                    p = os.path.join(folder, name)
-                    if os.path.isfile(p) and name.endswith(".py"):
-                        files[p] = open(p, encoding="utf-8").read()
-            seen.append({"argv": list(argv), "env": dict(env), "files": files})
-            return real(argv, env) if real is not None else argv
+        wrap = _spying(seen, how.get("wrap"))
 
         lab_cells = cells_mod.lab_cells(lab)
         wanted = (lab_cells[0], [c for c in lab_cells[1] if c.grade_id in grade_ids])
@@ -73,11 +82,16 @@ def test_lab3s_drill_is_judged_with_the_students_code_and_no_test_line(box):
     the student's code and the kit's driver: no line of a test."""
     lab = "lab03_resume"
     cells = _solution_cells(lab)
-    verdicts, problems, seen = _judge_with_spy(lab, cells, box, {"test_3_3_drill"})
+    drilled: list[dict] = []
+    verdicts, problems, seen = _judge_with_spy(lab, cells, box, {"test_3_3_drill"}, drilled)
     assert not problems, problems
     assert [(v.grade_id, v.passed) for v in verdicts] == [("test_3_3_drill", True)], \
         [(v.grade_id, v.message) for v in verdicts]
-    assert seen  # the drill's command (each run starts it) went through the judge's wrap
+    # one drill, the grader's (its processes started by the grader's box, one command for
+    # all), stands for the test's own drill and its grader check: not two drills
+    runs = [s for s in drilled if any(str(a).endswith("resume_task_3_3.py") for a in s["argv"])]
+    assert not seen and len(runs) == 1, (len(seen), [s["argv"][-6:] for s in drilled])
+    seen = runs
     given = "\n".join([*(a for s in seen for a in s["argv"]),
                        *(f"{k}={v}" for s in seen for k, v in s["env"].items()),
                        *(t for s in seen for t in s["files"].values())])
@@ -105,15 +119,20 @@ def test_a_proxy_carries_only_the_students_definitions():
 
 def test_lab6s_preemption_drill_is_judged_in_processes_the_judge_starts(box):
     """Lab 6's drill test under the judge: the solution's loop, carried by its proxy, runs in
-    the processes the judge's launch starts (signalled there), and earns the test, its grader
+    the processes the grader's drill starts (signalled there), and earns the test, its grader
     check included; nothing of a test is in what they are given."""
     lab = "lab06_production"
+    drilled: list[dict] = []
     verdicts, problems, seen = _judge_with_spy(lab, _solution_cells(lab), box,
-                                               {"test_6_3_sigterm"})
+                                               {"test_6_3_sigterm"}, drilled)
     assert not problems, problems
     assert [(v.grade_id, v.passed) for v in verdicts] == [("test_6_3_sigterm", True)], \
         [(v.grade_id, v.message) for v in verdicts]
-    assert len(seen) == 3  # signals=2: two processes get a notice, a third runs to the end
+    # the test's own drill of the plain set-up is the grader's (drawn set-up, signals=3: four
+    # processes), and its grader check reads that run: one drill, not a second of three
+    runs = [s for s in drilled if "multiprocessing.connection" not in " ".join(s["argv"])]
+    assert not seen and len(runs) == 4, (len(seen), len(runs))
+    seen = runs
     given = "\n".join([*(a for s in seen for a in s["argv"]),
                        *(f"{k}={v}" for s in seen for k, v in s["env"].items()),
                        *(t for s in seen for t in s["files"].values())])

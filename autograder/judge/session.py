@@ -318,7 +318,7 @@ def judge_lab(lab: str, student_cells: Sequence[str], folder: str, *,
     as ``launch`` says (:func:`minickpt.labkit.processes.launched_by`; default: by ``wrap``,
     in the sandbox too), with the code of the student's cells the proxies carry
     (:func:`give_sources`)."""
-    from minickpt.labkit.processes import launched_by
+    from minickpt.labkit.processes import DRILL_KEY, launched_by
 
     cells = cells if cells is not None else cells_mod.lab_cells(lab, source)
     setup = cells[0]
@@ -412,6 +412,9 @@ def judge_lab(lab: str, student_cells: Sequence[str], folder: str, *,
                                             wrap=how.get("wrap", wrap), timeout=timeout,
                                             outside=outside, fork=servers.method("fork"),
                                             spawn=trusted.method("run"))
+        raw = (tools or {}).get("grader_drill")
+        if getattr(raw, "for_test", None) is not None:  # a test's own drill: the grader's
+            how[DRILL_KEY] = grader_tool(raw.for_test)  # type: ignore[union-attr]
         with shared_with_worker(True), launched_by(**how):
             tools = {name: grader_tool(fn) for name, fn in (tools or {}).items()}
             verdicts = cells_mod.run_tests(lab, functions, tools=tools, cells=cells,

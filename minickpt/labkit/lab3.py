@@ -15,7 +15,7 @@ from ..launch import helper_env
 from .checks import LabCheckError, check, expect_raises, same, tree_diff
 from .devices import resume_rtol
 from .plugging import graded_build, own_task_functions, plugged_in, task_sources
-from .processes import launch_options, read_tail, source_of
+from .processes import DRILL_KEY, launch_options, read_tail, source_of
 from .temporaries import tempdir
 from .watch import Reports, without_references
 
@@ -121,9 +121,18 @@ def lab3_drill(resume_fn: Callable[..., Any], *, steps: int = 15, every: int = 5
     step it resumed from; ``kill_after`` fixes the steps instead, for tests), restarted each
     time, and the last run is left to finish.
 
-    Returns what happened (:func:`run_lab3_drill`). Read it with :func:`drill_message`."""
+    Returns what happened (:func:`run_lab3_drill`). Read it with :func:`drill_message`.
+
+    Under the judge (``autograder.judge``) the drill the test asks for is the grader's own
+    (``autograder.drills``): the student's lab 3 code in sandboxed workers, from a checkpoint
+    of a run of a seed drawn at grading time, judged in the grader's process; the test's
+    checks read what it returns, and the test's grader check reads that same run's verdict."""
     import textwrap
 
+    graders = launch_options(DRILL_KEY).get(DRILL_KEY)
+    if graders is not None and kill_after is None and getattr(resume_fn, "__name__", "") == \
+            "resume":
+        return graders("3.3", steps=steps, every=every, kills=kills, timeout_s=timeout_s)
     fn = inspect.unwrap(resume_fn)
     try:
         src = source_of(fn)  # under the judge: the student's code its proxy stands for

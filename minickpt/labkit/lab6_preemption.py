@@ -31,7 +31,7 @@ import numpy as np
 # (autograder/referee.py) has no package to import from once it is loaded
 from . import channel
 from .checks import LabCheckError
-from .processes import LAUNCH_KEYS, launch_options, read_tail, source_of
+from .processes import DRILL_KEY, LAUNCH_KEYS, launch_options, read_tail, source_of
 from .watch import Reports
 
 _LOOP_DRIVER = '''from __future__ import annotations
@@ -431,12 +431,19 @@ def preemption_drill(fn: Callable[..., Any], directory: str, *, signals: int = 3
     went wrong (a message naming the process and the step).
 
     The grader runs the same driver itself, from its own process, with a set-up it draws, on
-    a folder that starts with another run's checkpoint.
+    a folder that starts with another run's checkpoint. Under the judge (``autograder.judge``)
+    a drill of the plain set-up (a sync manager, no hard exit) *is* that drill: its drawn
+    processes include a sync manager, a SIGTERM, no ``on_step`` and no metrics, and the
+    test's grader check reads the same run's verdict.
     """
     import random
 
     from ..launch import helper_env
 
+    graders = launch_options(DRILL_KEY).get(DRILL_KEY)
+    if graders is not None and not use_async and not hard_exit \
+            and getattr(fn, "__name__", "") == "train_until_preempted":
+        return graders("6.3", signals=signals, seed=seed)
     source = _source_of(fn)
     run = {"async": use_async, "on_step": False, "hard_exit": hard_exit, "signal": 15}
     setup = {**KERNEL_SETUP, "stop": stop, "every": every, "runs": [run] * (signals + 1)}

@@ -30,6 +30,12 @@ LAUNCH_KEYS = ("wrap", "after_run", "send_signal", "locate")
 :func:`minickpt.labkit.lab3.run_lab3_drill` and :func:`minickpt.labkit.lab6.run_loop_worker`
 that say where a process starts and how it is reached."""
 
+DRILL_KEY = "grader_drill"
+"""What else :func:`launched_by` may set: ``grader_drill(task, **params)``, the judge's run of
+a task's drill by the grader itself (``autograder.drills``), which a test's own drill of that
+task becomes under the judge: one drill, judged from outside, instead of two
+(:func:`minickpt.labkit.lab3.lab3_drill`)."""
+
 WORKER_KEY = "student_worker"
 """What else :func:`launched_by` may set: ``student_worker()``, the judge's data for a trusted
 process a test starts (lab 4's JAX processes) to start a student's worker of its own
@@ -41,7 +47,7 @@ def launched_by(**how: Callable[..., Any] | None) -> Iterator[None]:
     """For the block, the tests' processes start as ``how`` says (``wrap(argv, env)``: the
     command in the sandbox; ``after_run()``: after each process; ``send_signal(proc, sig)``
     and ``locate(proc)``: the process inside the sandbox). The judge's; nothing else sets it."""
-    unknown = set(how) - {*LAUNCH_KEYS, WORKER_KEY}
+    unknown = set(how) - {*LAUNCH_KEYS, WORKER_KEY, DRILL_KEY}
     if unknown:
         raise TypeError(f"launched_by: unknown {sorted(unknown)}")
     _HOW.append({k: v for k, v in how.items() if v is not None})
