@@ -43,6 +43,16 @@ def _tools(sources: dict[str, str], root: Path) -> dict[str, Any]:
     return {"grader_drill": drills.tool(list(sources.values()), box)}
 
 
+def _run(run_tests: Any, lab: str, functions: dict[str, Any], grade_ids: list[str],
+         tools: dict[str, Any]) -> Any:
+    """``run_tests`` as the judge runs a lab's tests: a test's own drill of a task the grader
+    drills is the grader's drill (``autograder.judge.session.judge_lab``)."""
+    from minickpt.labkit.processes import DRILL_KEY, launched_by
+
+    with launched_by(**{DRILL_KEY: tools["grader_drill"].for_test}):
+        return run_tests(lab, functions, grade_ids, tools=tools)
+
+
 def main(argv: list[str]) -> int:
     task, out_path = argv[0], Path(argv[1])
     done = set(Path(argv[2]).read_text().split()) if len(argv) > 2 else set()
@@ -60,7 +70,7 @@ def main(argv: list[str]) -> int:
     scratch = Path(tempfile.mkdtemp(prefix="mutation-drills-"))
     with out_path.open("a", encoding="utf-8") as out:
         t0 = time.monotonic()
-        base = run_tests(lab, refs, grade_ids, tools=_tools(sources, scratch))
+        base = _run(run_tests, lab, refs, grade_ids, _tools(sources, scratch))
         failed = [v for v in base if not v.passed]
         _write(out, {"baseline": [[v.grade_id, v.passed, round(v.seconds, 2), v.message[:300]]
                                   for v in base], "seconds": round(time.monotonic() - t0, 1), "digest": M.task_digest(task)})
@@ -82,8 +92,8 @@ def main(argv: list[str]) -> int:
             status, by, message = "survived", None, ""
             for gid in order:
                 try:
-                    (v,) = run_tests(lab, functions, [gid],
-                                     tools=_tools({**sources, m.function: m.source}, scratch))
+                    (v,) = _run(run_tests, lab, functions, [gid],
+                                _tools({**sources, m.function: m.source}, scratch))
                     ok, msg = v.passed, v.message
                 except BaseException as e:
                     if isinstance(e, KeyboardInterrupt):
