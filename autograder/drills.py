@@ -451,6 +451,8 @@ def drill_4_3(cells: Sequence[str], box: Box, plan: dict[str, Any] | None = None
 DRILLS: dict[str, Callable[..., str | None]] = {"3.3": drill_3_3, "4.3": drill_4_3,
                                                "6.3": drill_6_3}
 """The drills a grader check may ask for, by task."""
+
+
 def _test_3_3(cells: Sequence[str], box: Box, **params: Any) -> tuple[dict[str, Any], str | None]:
     """Lab 3's drill test under the judge: the grader's drill with the test's steps, interval
     and kills; what happened, for the test's checks (a drill that stopped fails the test)."""
