@@ -39,6 +39,12 @@ def main(argv: list[str] | None = None) -> int:
                             "async", "multihost"], help="run only these figures (leaves100k, 100,000 small leaves, runs only "
                         "when named here: Orbax needs minutes a save there)")
     p.add_argument("--reps", type=int, default=None, help="repetitions of the small figures")
+    p.add_argument("--reps-huge", type=int, default=None,
+                   help="repetitions of the huge rows (default 3); on a file system whose "
+                        "speed drifts (9p), more give the interleaved medians a chance")
+    p.add_argument("--async-rounds", type=int, default=None,
+                   help="rounds of each async throughput figure (default 5); the figure is "
+                        "their median")
     p.add_argument("--large-mb", type=int, default=None, help="size of the large state in MB")
     p.add_argument("--huge-mb", type=int, nargs="*", default=None, metavar="MB",
                    help="sizes of the huge rows in MB (default 1 GiB and 2000 MB; none in "
@@ -74,6 +80,10 @@ def main(argv: list[str] | None = None) -> int:
               run_multihost=a.run_multihost)
     if a.reps is not None:
         kw["reps_small"] = a.reps
+    if a.reps_huge is not None:
+        kw["reps_huge"] = a.reps_huge
+    if a.async_rounds is not None:
+        kw["async_rounds"] = a.async_rounds
     if a.large_mb is not None:
         kw["large_bytes"] = kw["memory_bytes"] = kw["async_bytes"] = a.large_mb * 10**6
     if a.huge_mb is not None:

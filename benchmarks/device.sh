@@ -37,8 +37,8 @@ export PYTHONUNBUFFERED=1
 mkdir -p "$OUT"
 WORK=$(mktemp -d "$PWD/bench-out-device-XXXXXX")  # the checkpoints: on the repository's disk
 trap 'rm -rf "$WORK"' EXIT
-"$PY" -m benchmarks --only "${FIGURES[@]}" --huge-mb 2000 --no-fio --no-cold \
-  --multihost off --out "$OUT" --dir "$WORK"
+"$PY" -m benchmarks --only "${FIGURES[@]}" --huge-mb 2000 --reps-huge 5 --async-rounds 9 \
+  --no-fio --no-cold --multihost off --out "$OUT" --dir "$WORK"
 # where a tiny restore's time goes there, call by call, beside its floor (issue 51)
 if [[ " ${FIGURES[*]} " == *" tiny "* ]]; then
   "$PY" -m benchmarks.restore_pieces --dir "$WORK" --reps 150 | tee "$OUT/restore_pieces.txt"
