@@ -47,8 +47,10 @@ def _plain_pages(raw: np.ndarray) -> None:
     numpy advises huge pages for every allocation from 4 MiB. Where the kernel compacts
     memory to find them on first touch (transparent huge pages with ``defrag=madvise``, a
     common default), a first restore of 400 MB in a fresh process took 0.07-1.6 s, against
-    a steady 0.12 s in plain pages. Memory that glibc hands out again after a free is already
-    touched: the advice costs it nothing, and later restores in the process still reuse it."""
+    a steady 0.12 s in plain pages. Where the kernel would not stall for them (``defrag`` of
+    ``defer`` or ``never``), numpy's advice stands: huge pages then cost nothing to wait for.
+    Memory that glibc hands out again after a free is already touched: the advice costs it
+    nothing, and later restores in the process still reuse it."""
     if _MADVISE is None:
         return
     page = mmap.PAGESIZE
@@ -58,8 +60,16 @@ def _plain_pages(raw: np.ndarray) -> None:
         _MADVISE(lo, hi - lo, mmap.MADV_NOHUGEPAGE)  # advice: an error changes nothing
 
 
-def _madvise() -> Any:
+def _madvise(defrag: str = "/sys/kernel/mm/transparent_hugepage/defrag") -> Any:
+    """libc's madvise where an advised huge page can stall a first touch, else None."""
     if not sys.platform.startswith("linux") or not hasattr(mmap, "MADV_NOHUGEPAGE"):
+        return None
+    try:
+        with open(defrag) as f:
+            chosen = f.read().split("[", 1)[1].split("]", 1)[0]
+    except (OSError, IndexError):
+        return None  # no transparent huge pages here
+    if chosen not in ("always", "madvise", "defer+madvise"):  # compacts for advised memory
         return None
     try:
         fn = ctypes.CDLL(None, use_errno=True).madvise
