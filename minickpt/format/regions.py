@@ -145,7 +145,7 @@ def _read_block_region(fs: FileSystem, fd: int, offset: int, shape: tuple[int, .
     by one straight into the result; many short runs (a thin slice across the last axis)
     are read as whole rows, a chunk at a time, and sliced in memory.
     """
-    out = np.empty(box_shape(box), dtype)
+    out = aligned_empty(box_shape(box), dtype)  # fresh memory: plain pages (buffers.py)
     if out.size == 0:
         return out
     isz = dtype.itemsize

@@ -20,6 +20,7 @@ import jax
 import numpy as np
 
 from ..errors import MultiHostError, PeerTimeoutError, ProcessDisagreementError
+from ..format.buffers import aligned_empty
 from .coordinator import lost_coordinator
 from .process import ENV_FAULT, Coordination, hard_exit, is_deadline, named_in
 
@@ -193,7 +194,7 @@ class DistributedSync(Sync):
         if me == src:
             out = np.asarray(data, np.uint8).reshape(-1)
         else:
-            out = np.empty(nbytes, np.uint8)
+            out = aligned_empty((nbytes,), np.uint8)  # fresh memory: plain pages
             deadline = time.monotonic() + timeout_s
             for i in range(nchunks):
                 left_ms = max(1, int((deadline - time.monotonic()) * 1000))
