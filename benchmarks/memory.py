@@ -148,6 +148,8 @@ def main(argv: list[str] | None = None) -> int:
     a = p.parse_args(argv)
     if not a.bytes and not a.many_leaves:
         p.error("give --bytes (with --leaves) or --many-leaves")
+    if a.dir and not os.path.isdir(a.dir):
+        p.error(f"--dir {a.dir}: no such folder (the checkpoints go in a new folder inside it)")
     out = run(a.lib, a.bytes, a.leaves, a.dir or tempfile.gettempdir(), a.many_leaves)
     sys.stdout.write("MEMORY " + json.dumps(out) + "\n")
     return 0
