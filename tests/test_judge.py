@@ -5,7 +5,9 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import socket
+import time
 from multiprocessing.connection import Connection
 from pathlib import Path
 
@@ -349,3 +351,37 @@ def test_lab_texts_tell_students_how_their_work_is_judged():
     text = (ROOT / "docs" / "grading.md").read_text()
     assert "judge" in text.lower()
     assert Path(session.__file__).exists()
+
+
+@pytest.mark.timeout(600)
+def test_after_a_grader_tool_the_next_test_never_reuses_the_worker_it_ended(tmp_path, monkeypatch):
+    """A grader's drill ends the slot's processes, the student's worker among them, and that
+    kill can land after the tool returns (under load it did: lab 6's ``wrong_c`` lost its
+    6.4 points to ``BrokenPipeError`` after 6.3's drill). The next test gets a new worker
+    whether or not the old one still looks alive; the student is told nothing of it."""
+    lab_name = "lab01_basics"
+    nb = json.loads((ROOT / "solutions" / lab_name / f"{lab_name}.ipynb").read_text())
+    student = ["".join(c["source"]) for c in nb["cells"] if c["cell_type"] == "code"
+               and c.get("metadata", {}).get("nbgrader", {}).get("solution")]
+    started: list[session.StudentWorker] = []
+    real_start = session.StudentWorker.start
+
+    def start(self, *args, **kwargs):
+        started.append(self)
+        return real_start(self, *args, **kwargs)
+
+    def drill() -> None:  # its kill lands, and the judge has not seen it yet
+        os.kill(started[-1].proc.pid, signal.SIGKILL)
+        time.sleep(0.5)
+
+    monkeypatch.setattr(session.StudentWorker, "start", start)
+    monkeypatch.setattr(session.StudentWorker, "alive", lambda self: True)
+    setup, _ = cells_mod.lab_cells(lab_name)
+    tests = [cells_mod.TestCell("t_drill", "1.1", 1, "grader_drill()"),
+             cells_mod.TestCell("t_after", "1.2", 1,
+                                "import numpy as np\nassert to_host(np.arange(3)) is not None")]
+    verdicts, problems = session.judge_lab(lab_name, student, str(tmp_path),
+                                           tools={"grader_drill": drill}, cells=(setup, tests))
+    assert [(v.grade_id, v.passed) for v in verdicts] == [("t_drill", True), ("t_after", True)], \
+        [(v.grade_id, v.message) for v in verdicts]
+    assert len(started) == 2 and not problems, problems

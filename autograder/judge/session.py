@@ -350,8 +350,12 @@ def judge_lab(lab: str, student_cells: Sequence[str], folder: str, *,
         """A worker with the student's functions; a new one when the last one died (what
         it was running fails; the tests after it start afresh, as each would alone)."""
         if current:
-            if current[-1].alive() or not current[-1].functions:
-                return  # alive, or it never loaded: a new one would fail the same way
+            if not current[-1].functions:
+                return  # it never loaded: a new one would fail the same way
+            if current[-1].alive() and not tool_ended:
+                return
+            # dead, or ended by a grader's tool: that kill can land after the tool returns
+            # (under load it did), so a worker that still looks alive is not reused either
             hung = current[-1].ep is not None and current[-1].ep.timed_out
             current[-1].close()  # (one that hangs is ended: it would slow every test after it)
             if not tool_ended:
