@@ -59,7 +59,7 @@ def main(argv: list[str] | None = None) -> int:
             buffers._MADVISE = advise
     finally:
         shutil.rmtree(d, ignore_errors=True)
-    with open("/sys/kernel/mm/transparent_hugepage/defrag") as f:
+    with open(buffers.THP_DEFRAG) as f:
         print(f"{a.mb} MB in {a.leaves} leaves, {a.reps} restores each way, interleaved; "
               f"THP defrag: {f.read().strip()}")
     for way, ts in times.items():

@@ -182,9 +182,9 @@ def _vm_flags(addr: int) -> list[str] | None:
 def test_a_large_restore_buffer_does_not_ask_for_huge_pages():
     """numpy advises huge pages for every allocation of 4 MiB and more; where the kernel
     then compacts memory on the first touch (THP ``defrag=madvise``, a common default, and the
-    one setting of this test's machines), a
-    first restore in a fresh process stalled for 0.1-1.6 s on 400 MB. A restore's buffers are
-    written once and handed to XLA: plain pages, a predictable first touch."""
+    setting of this project's machines), a first restore in a fresh process stalled for
+    0.1-1.6 s on 400 MB. A restore's buffers are written once and handed to XLA: plain pages,
+    a predictable first touch."""
     from minickpt.format import buffers
 
     if buffers._MADVISE is None:
@@ -366,9 +366,9 @@ def test_peak_memory_of_save_and_restore_stays_near_the_state_size():
 def test_huge_page_advice_is_taken_back_only_where_the_kernel_would_stall(tmp_path):
     from minickpt.format.buffers import _madvise
 
+    words = ["always", "defer", "defer+madvise", "madvise", "never"]
     for chosen, stalls in [("always", True), ("madvise", True), ("defer+madvise", True),
                            ("defer", False), ("never", False)]:
-        words = ["always", "defer", "defer+madvise", "madvise", "never"]
         f = tmp_path / chosen
         f.write_text(" ".join(f"[{w}]" if w == chosen else w for w in words) + "\n")
         if sys.platform.startswith("linux"):

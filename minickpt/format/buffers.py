@@ -60,7 +60,10 @@ def _plain_pages(raw: np.ndarray) -> None:
         _MADVISE(lo, hi - lo, mmap.MADV_NOHUGEPAGE)  # advice: an error changes nothing
 
 
-def _madvise(defrag: str = "/sys/kernel/mm/transparent_hugepage/defrag") -> Any:
+THP_DEFRAG = "/sys/kernel/mm/transparent_hugepage/defrag"  # the kernel's huge-page policy
+
+
+def _madvise(defrag: str = THP_DEFRAG) -> Any:
     """libc's madvise where an advised huge page can stall a first touch, else None."""
     if not sys.platform.startswith("linux") or not hasattr(mmap, "MADV_NOHUGEPAGE"):
         return None
